@@ -1,0 +1,4 @@
+fn main() {
+    eprintln!("vllm-sim: not built yet");
+    std::process::exit(2);
+}

@@ -1,0 +1,2 @@
+//! Kinference's benchmark harness and the vLLM simulator it runs against.
+#![forbid(unsafe_code)]

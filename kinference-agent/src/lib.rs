@@ -1,0 +1,2 @@
+//! The Kinference node agent: one per GPU node.
+#![forbid(unsafe_code)]

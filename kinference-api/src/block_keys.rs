@@ -1,0 +1,84 @@
+//! Kinference block keys: a chained 64-bit hash over fixed-size blocks of token ids.
+//!
+//! vLLM names each full KV block by a hash whose algorithm, seed and width depend on its version and
+//! flags. Kinference does not try to match them: the agent recomputes its own key for every block from
+//! the `token_ids` carried by `BlockStored` events, and the gateway computes the same keys from the
+//! prompt it tokenized. A block's key covers its tokens and, through the parent key, every token before
+//! it, so "the longest run of leading keys a worker holds" is exactly that worker's cached prefix.
+//!
+//! Keys are seeded by the served model name: the same tokens under two models never collide.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+/// One block's key. Equal keys mean equal model, equal block tokens and equal prefix before them.
+pub type BlockKey = u64;
+
+/// Computes block keys for one model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyHasher {
+    seed: u64,
+}
+
+/// Tokens hashed per block are staged in a stack buffer up to this many tokens; larger blocks spill to
+/// the heap. vLLM's block sizes are 16, 32, 64 or 128 in practice.
+const STACK_TOKENS: usize = 256;
+
+impl KeyHasher {
+    /// The hasher for a served model name.
+    pub fn for_model(model: &str) -> Self {
+        Self { seed: xxh3_64(model.as_bytes()) }
+    }
+
+    /// The key of one block, given its parent's key (`None` for the first block of a sequence).
+    pub fn block_key(&self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
+        // The first block chains from a model-specific root, so a root block never equals a child.
+        let parent = parent.unwrap_or(self.seed ^ 0x9e37_79b9_7f4a_7c15);
+        if tokens.len() <= STACK_TOKENS {
+            let mut buf = [0u8; 8 + 4 * STACK_TOKENS];
+            let len = encode(parent, tokens, &mut buf);
+            xxh3_64_with_seed(&buf[..len], self.seed)
+        } else {
+            let mut buf = vec![0u8; 8 + 4 * tokens.len()];
+            let len = encode(parent, tokens, &mut buf);
+            xxh3_64_with_seed(&buf[..len], self.seed)
+        }
+    }
+
+    /// Keys of every *full* block of `tokens`, in order, chained from `parent`.
+    /// A trailing partial block has no key (vLLM caches only full blocks).
+    pub fn keys(&self, parent: Option<BlockKey>, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+        let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+        self.extend_keys(parent, tokens, block_size, &mut out);
+        out
+    }
+
+    /// Like [`KeyHasher::keys`], appending to `out` (no allocation when `out` has room).
+    pub fn extend_keys(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+        block_size: usize,
+        out: &mut Vec<BlockKey>,
+    ) {
+        if block_size == 0 {
+            return;
+        }
+        let mut parent = parent;
+        for block in tokens.chunks_exact(block_size) {
+            let key = self.block_key(parent, block);
+            out.push(key);
+            parent = Some(key);
+        }
+    }
+}
+
+fn encode(parent: u64, tokens: &[u32], buf: &mut [u8]) -> usize {
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    for (i, t) in tokens.iter().enumerate() {
+        buf[8 + 4 * i..12 + 4 * i].copy_from_slice(&t.to_le_bytes());
+    }
+    8 + 4 * tokens.len()
+}
+
+#[cfg(test)]
+mod tests;

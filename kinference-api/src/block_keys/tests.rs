@@ -1,0 +1,59 @@
+use super::*;
+use proptest::prelude::*;
+
+#[test]
+fn only_full_blocks_get_keys() {
+    let h = KeyHasher::for_model("m");
+    let tokens: Vec<u32> = (0..100).collect();
+    assert_eq!(h.keys(None, &tokens, 32).len(), 3);
+    assert!(h.keys(None, &tokens[..31], 32).is_empty());
+    assert!(h.keys(None, &tokens, 0).is_empty());
+}
+
+#[test]
+fn models_do_not_collide() {
+    let tokens: Vec<u32> = (0..64).collect();
+    let a = KeyHasher::for_model("a").keys(None, &tokens, 32);
+    let b = KeyHasher::for_model("b").keys(None, &tokens, 32);
+    assert_ne!(a, b);
+}
+
+#[test]
+fn a_block_key_depends_on_its_prefix() {
+    let h = KeyHasher::for_model("m");
+    let x: Vec<u32> = (0..64).collect();
+    let mut y = x.clone();
+    y[0] = 999;
+    let kx = h.keys(None, &x, 32);
+    let ky = h.keys(None, &y, 32);
+    // Same tokens in the second block, different first block: the second keys differ too.
+    assert_eq!(x[32..], y[32..]);
+    assert_ne!(kx[1], ky[1]);
+}
+
+#[test]
+fn large_blocks_hash_like_small_ones_would_chain() {
+    let h = KeyHasher::for_model("m");
+    let tokens: Vec<u32> = (0..1024).collect();
+    let one = h.keys(None, &tokens, 512);
+    assert_eq!(one.len(), 2);
+    assert_eq!(one[1], h.block_key(Some(one[0]), &tokens[512..]));
+}
+
+proptest! {
+    /// Keys of a sequence computed in one go equal keys computed block by block from a parent,
+    /// which is how the agent sees them (a `BlockStored` event with a `parent_block_hash`).
+    #[test]
+    fn chaining_from_a_parent_matches_one_pass(tokens in prop::collection::vec(any::<u32>(), 0..400), split in 0usize..12) {
+        let h = KeyHasher::for_model("qwen");
+        let bs = 16;
+        let all = h.keys(None, &tokens, bs);
+        let split = split.min(all.len());
+        let head = h.keys(None, &tokens[..split * bs], bs);
+        let parent = head.last().copied();
+        let tail = h.keys(parent, &tokens[split * bs..], bs);
+        let mut joined = head;
+        joined.extend(tail);
+        prop_assert_eq!(all, joined);
+    }
+}

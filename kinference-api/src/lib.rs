@@ -1,0 +1,15 @@
+//! The API shared by the Kinference node agent and gateway.
+//!
+//! - [`block_keys`]: Kinference's own chained block keys, computed the same way from a vLLM event's
+//!   `token_ids` (agent) and from a tokenized prompt (gateway), so vLLM's hash settings never matter.
+//! - [`summary`]: the gRPC server-streaming API the agent serves and every gateway replica watches.
+#![forbid(unsafe_code)]
+
+pub mod block_keys;
+
+/// Generated protobuf and tonic code for `kinference.v1` (see `proto/kinference/v1/agent.proto`).
+pub mod summary {
+    tonic::include_proto!("kinference.v1");
+}
+
+pub use block_keys::{BlockKey, KeyHasher};
