@@ -13,3 +13,7 @@ pub mod summary {
 }
 
 pub use block_keys::{BlockKey, KeyHasher};
+
+/// Tokenization as the served model does it: HF `tokenizer.json` plus the model's chat template.
+#[cfg(feature = "tokenize")]
+pub mod tokenize;

@@ -1,0 +1,1 @@
+//! Node-level signals: eBPF connection-level queueing and NVML GPU state.

@@ -1,0 +1,1 @@
+//! Inference policies: ordered rules over tenant, model, semantic tags and pool state.
