@@ -1,0 +1,318 @@
+//! vLLM KV-cache event batches: the payload of each ZMQ message a worker publishes.
+//!
+//! A batch is always the msgpack array `[ts, [events...], data_parallel_rank]`. Each event is either a
+//! positional array tagged by its first element (vLLM <= 0.23) or a map with a `"type"` key (>= 0.24).
+//! Both are accepted, with any header width, extra or unknown fields skipped, and block hashes given
+//! either as integers or as byte strings (whose last 8 bytes, big-endian, are the 64-bit hash vLLM would
+//! publish as an int). See `docs/vllm-interfaces.md` section 1.2.
+
+pub mod encode;
+mod msgpack;
+
+use msgpack::{Int, Reader};
+
+/// A decoded KV event batch.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EventBatch {
+    /// Publisher wall-clock time, seconds since the Unix epoch.
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<i64>,
+}
+
+/// Where a block lives. vLLM publishes `"GPU"` for its device pool; offload tiers use other names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Medium {
+    /// `"GPU"`, or absent (vLLM <= 0.10.1 had no medium field).
+    #[default]
+    Gpu,
+    Cpu,
+    Other,
+}
+
+impl Medium {
+    fn from_name(name: &[u8]) -> Self {
+        match name {
+            b"GPU" | b"gpu" => Medium::Gpu,
+            b"CPU" | b"cpu" => Medium::Cpu,
+            _ => Medium::Other,
+        }
+    }
+}
+
+/// One KV-cache event.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    /// Full blocks newly cached, in chain order.
+    BlockStored {
+        /// The engine's hash of each block (u64, or the low 8 bytes of a digest).
+        block_hashes: Vec<u64>,
+        /// The engine hash of the block before the first one; `None` at the start of a sequence.
+        parent_block_hash: Option<u64>,
+        /// The tokens of all the blocks, concatenated.
+        token_ids: Vec<u32>,
+        block_size: u32,
+        medium: Medium,
+    },
+    /// Blocks evicted.
+    BlockRemoved {
+        block_hashes: Vec<u64>,
+        medium: Medium,
+    },
+    /// The whole prefix cache was reset.
+    AllBlocksCleared,
+    /// An event type this agent does not know (a newer vLLM); ignored.
+    Unknown,
+}
+
+impl KvEvent {
+    /// Block events carried: blocks stored or removed (a clear counts as one).
+    pub fn block_events(&self) -> usize {
+        match self {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes.len(),
+            KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
+            KvEvent::AllBlocksCleared => 1,
+            KvEvent::Unknown => 0,
+        }
+    }
+}
+
+/// Why a payload could not be decoded.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("payload ends early (at byte {pos})")]
+    Eof { pos: usize },
+    #[error("expected {expected} at byte {pos}, found marker 0x{marker:02x}")]
+    Unexpected {
+        expected: &'static str,
+        marker: u8,
+        pos: usize,
+    },
+    #[error("integer out of range at byte {pos}")]
+    OutOfRange { pos: usize },
+    #[error("malformed event: {0}")]
+    BadEvent(&'static str),
+}
+
+/// Decodes one batch payload.
+pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
+    let mut r = Reader::new(payload);
+    let n = r.array_len()?;
+    if n < 2 {
+        return Err(DecodeError::BadEvent("batch has fewer than 2 elements"));
+    }
+    let ts = if r.nil()? { 0.0 } else { r.f64()? };
+    let n_events = r.array_len()?;
+    // Capacity is bounded by the input size: a hostile header cannot make us allocate gigabytes.
+    let mut events = Vec::with_capacity(n_events.min(payload.len()));
+    for _ in 0..n_events {
+        events.push(decode_event(&mut r)?);
+    }
+    let mut data_parallel_rank = None;
+    if n >= 3 {
+        if !r.nil()? {
+            data_parallel_rank = Some(match r.int()? {
+                Int::U(v) => i64::try_from(v).unwrap_or(i64::MAX),
+                Int::I(v) => v,
+            });
+        }
+        for _ in 3..n {
+            r.skip()?;
+        }
+    }
+    Ok(EventBatch {
+        ts,
+        events,
+        data_parallel_rank,
+    })
+}
+
+fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
+    match r.peek()? {
+        0x80..=0x8f | 0xde | 0xdf => decode_map_event(r),
+        _ => decode_array_event(r),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+    Unknown,
+}
+
+fn tag(name: &[u8]) -> Tag {
+    match name {
+        b"BlockStored" => Tag::Stored,
+        b"BlockRemoved" => Tag::Removed,
+        b"AllBlocksCleared" => Tag::Cleared,
+        _ => Tag::Unknown,
+    }
+}
+
+/// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]`.
+fn decode_array_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
+    let n = r.array_len()?;
+    if n == 0 {
+        return Err(DecodeError::BadEvent("empty event array"));
+    }
+    let t = tag(r.bytes()?);
+    let mut read = 1;
+    let event = match t {
+        Tag::Stored => {
+            if n < 5 {
+                return Err(DecodeError::BadEvent(
+                    "BlockStored array has fewer than 5 elements",
+                ));
+            }
+            let block_hashes = hashes(r)?;
+            let parent_block_hash = opt_hash(r)?;
+            let token_ids = tokens(r)?;
+            let block_size = r.u32()?;
+            read = 5;
+            let mut medium = Medium::Gpu;
+            if n >= 7 {
+                r.skip()?; // lora_id
+                medium = opt_medium(r)?;
+                read = 7;
+            }
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+            }
+        }
+        Tag::Removed => {
+            if n < 2 {
+                return Err(DecodeError::BadEvent(
+                    "BlockRemoved array has no block_hashes",
+                ));
+            }
+            let block_hashes = hashes(r)?;
+            read = 2;
+            let mut medium = Medium::Gpu;
+            if n >= 3 {
+                medium = opt_medium(r)?;
+                read = 3;
+            }
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            }
+        }
+        Tag::Cleared => KvEvent::AllBlocksCleared,
+        Tag::Unknown => KvEvent::Unknown,
+    };
+    for _ in read..n {
+        r.skip()?;
+    }
+    Ok(event)
+}
+
+/// `{"type": "BlockStored", "block_hashes": ..., ...}`, fields in any order.
+fn decode_map_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
+    let n = r.map_len()?;
+    let mut t = None;
+    let mut block_hashes = None;
+    let mut parent_block_hash = None;
+    let mut token_ids = None;
+    let mut block_size = None;
+    let mut medium = Medium::Gpu;
+    for _ in 0..n {
+        let key = match r.peek()? {
+            0xa0..=0xbf | 0xd9 | 0xda | 0xdb => r.bytes()?,
+            _ => {
+                r.skip()?;
+                r.skip()?;
+                continue;
+            }
+        };
+        match key {
+            b"type" => t = Some(tag(r.bytes()?)),
+            b"block_hashes" => block_hashes = Some(hashes(r)?),
+            b"parent_block_hash" => parent_block_hash = opt_hash(r)?,
+            b"token_ids" => token_ids = Some(tokens(r)?),
+            b"block_size" => block_size = Some(r.u32()?),
+            b"medium" => medium = opt_medium(r)?,
+            _ => r.skip()?,
+        }
+    }
+    match t.ok_or(DecodeError::BadEvent("event map has no \"type\""))? {
+        Tag::Stored => Ok(KvEvent::BlockStored {
+            block_hashes: block_hashes
+                .ok_or(DecodeError::BadEvent("BlockStored without block_hashes"))?,
+            parent_block_hash,
+            token_ids: token_ids.ok_or(DecodeError::BadEvent("BlockStored without token_ids"))?,
+            block_size: block_size
+                .ok_or(DecodeError::BadEvent("BlockStored without block_size"))?,
+            medium,
+        }),
+        Tag::Removed => Ok(KvEvent::BlockRemoved {
+            block_hashes: block_hashes
+                .ok_or(DecodeError::BadEvent("BlockRemoved without block_hashes"))?,
+            medium,
+        }),
+        Tag::Cleared => Ok(KvEvent::AllBlocksCleared),
+        Tag::Unknown => Ok(KvEvent::Unknown),
+    }
+}
+
+/// A block hash: an int (taken as its 64-bit two's-complement value) or bytes (last 8, big-endian).
+fn hash(r: &mut Reader<'_>) -> Result<u64, DecodeError> {
+    match r.peek()? {
+        0xa0..=0xbf | 0xc4..=0xc6 | 0xd9..=0xdb => {
+            let b = r.bytes()?;
+            let tail = &b[b.len().saturating_sub(8)..];
+            Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | x as u64))
+        }
+        _ => Ok(match r.int()? {
+            Int::U(v) => v,
+            Int::I(v) => v as u64,
+        }),
+    }
+}
+
+fn opt_hash(r: &mut Reader<'_>) -> Result<Option<u64>, DecodeError> {
+    if r.nil()? {
+        Ok(None)
+    } else {
+        hash(r).map(Some)
+    }
+}
+
+fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>, DecodeError> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        out.push(hash(r)?);
+    }
+    Ok(out)
+}
+
+fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n.min(1 << 16));
+    for _ in 0..n {
+        out.push(r.u32()?);
+    }
+    Ok(out)
+}
+
+fn opt_medium(r: &mut Reader<'_>) -> Result<Medium, DecodeError> {
+    if r.nil()? {
+        return Ok(Medium::Gpu);
+    }
+    match r.peek()? {
+        0xa0..=0xbf | 0xd9..=0xdb => Ok(Medium::from_name(r.bytes()?)),
+        _ => {
+            r.skip()?;
+            Ok(Medium::Other)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

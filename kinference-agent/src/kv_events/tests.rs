@@ -1,0 +1,374 @@
+use super::encode::{EncodeOptions, EventFormat, encode_batch};
+use super::*;
+use proptest::prelude::*;
+use serde_json::Value;
+
+const FIXTURES: &[&str] = &["events-run1.jsonl", "events-run2.jsonl"];
+
+fn fixture_lines(name: &str) -> Vec<Value> {
+    let path = format!(
+        "{}/../bench/fixtures/vllm-0.32/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    text.lines()
+        .map(|l| serde_json::from_str(l).expect("fixture line is JSON"))
+        .collect()
+}
+
+/// Header widths: minimal (what msgspec usually writes) or the widest the spec allows.
+#[derive(Clone, Copy)]
+enum Width {
+    Minimal,
+    Wide,
+}
+
+fn w_array(out: &mut Vec<u8>, n: usize, w: Width) {
+    match w {
+        Width::Minimal => encode::array_len(out, n as u32),
+        Width::Wide => {
+            out.push(0xdd);
+            out.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+    }
+}
+
+fn w_map(out: &mut Vec<u8>, n: usize, w: Width) {
+    match w {
+        Width::Minimal => encode::map_len(out, n as u32),
+        Width::Wide => {
+            // msgspec writes map16 for structs of more than 15 fields even with fewer entries.
+            out.push(0xde);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+    }
+}
+
+/// Generic JSON -> msgpack, as msgspec would encode the same Python values.
+fn json_to_msgpack(out: &mut Vec<u8>, v: &Value, w: Width) {
+    match v {
+        Value::Null => out.push(0xc0),
+        Value::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        Value::Number(n) => {
+            if let Some(u) = n.as_u64() {
+                encode::uint(out, u);
+            } else if let Some(i) = n.as_i64() {
+                encode::int(out, i);
+            } else {
+                out.push(0xcb);
+                out.extend_from_slice(&n.as_f64().expect("number").to_be_bytes());
+            }
+        }
+        Value::String(s) => encode::str(out, s),
+        Value::Array(a) => {
+            w_array(out, a.len(), w);
+            a.iter().for_each(|x| json_to_msgpack(out, x, w));
+        }
+        Value::Object(m) => {
+            w_map(out, m.len(), w);
+            for (k, x) in m {
+                encode::str(out, k);
+                json_to_msgpack(out, x, w);
+            }
+        }
+    }
+}
+
+/// vLLM's positional field order per event type (<= 0.23 array format, 0.22 fields).
+fn array_fields(tag: &str) -> &'static [&'static str] {
+    match tag {
+        "BlockStored" => &[
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+        ],
+        "BlockRemoved" => &["block_hashes", "medium", "group_idx"],
+        _ => &[],
+    }
+}
+
+/// Re-encodes a captured batch (JSON) to msgpack in the given event format.
+fn encode_json_batch(batch: &Value, format: EventFormat, w: Width) -> Vec<u8> {
+    let a = batch.as_array().expect("batch is an array");
+    let mut out = Vec::new();
+    w_array(&mut out, 3, w);
+    out.push(0xcb);
+    out.extend_from_slice(&a[0].as_f64().expect("ts").to_be_bytes());
+    let events = a[1].as_array().expect("events");
+    w_array(&mut out, events.len(), w);
+    for ev in events {
+        match format {
+            EventFormat::Map => json_to_msgpack(&mut out, ev, w),
+            EventFormat::Array => {
+                let tag = ev["type"].as_str().expect("type");
+                let fields = array_fields(tag);
+                w_array(&mut out, 1 + fields.len(), w);
+                encode::str(&mut out, tag);
+                for f in fields {
+                    json_to_msgpack(&mut out, ev.get(*f).unwrap_or(&Value::Null), w);
+                }
+            }
+        }
+    }
+    json_to_msgpack(&mut out, &a[2], w);
+    out
+}
+
+/// What the decoder must produce for a captured batch.
+fn expected_batch(batch: &Value) -> EventBatch {
+    let a = batch.as_array().expect("batch");
+    let hashes = |v: &Value| -> Vec<u64> {
+        v.as_array()
+            .expect("hashes")
+            .iter()
+            .map(|h| h.as_u64().expect("u64 hash"))
+            .collect()
+    };
+    let events = a[1]
+        .as_array()
+        .expect("events")
+        .iter()
+        .map(|ev| match ev["type"].as_str().expect("type") {
+            "BlockStored" => KvEvent::BlockStored {
+                block_hashes: hashes(&ev["block_hashes"]),
+                parent_block_hash: ev["parent_block_hash"].as_u64(),
+                token_ids: ev["token_ids"]
+                    .as_array()
+                    .expect("tokens")
+                    .iter()
+                    .map(|t| t.as_u64().expect("token") as u32)
+                    .collect(),
+                block_size: ev["block_size"].as_u64().expect("block_size") as u32,
+                medium: Medium::Gpu,
+            },
+            "BlockRemoved" => KvEvent::BlockRemoved {
+                block_hashes: hashes(&ev["block_hashes"]),
+                medium: Medium::Gpu,
+            },
+            "AllBlocksCleared" => KvEvent::AllBlocksCleared,
+            other => panic!("unexpected event type {other}"),
+        })
+        .collect();
+    EventBatch {
+        ts: a[0].as_f64().expect("ts"),
+        events,
+        data_parallel_rank: a[2].as_i64(),
+    }
+}
+
+#[test]
+fn real_captures_decode_in_both_formats_and_any_header_width() {
+    let mut batches = 0;
+    for name in FIXTURES {
+        for line in fixture_lines(name) {
+            let expected = expected_batch(&line["batch"]);
+            for format in [EventFormat::Map, EventFormat::Array] {
+                for w in [Width::Minimal, Width::Wide] {
+                    let bytes = encode_json_batch(&line["batch"], format, w);
+                    assert_eq!(
+                        decode_batch(&bytes).as_ref(),
+                        Ok(&expected),
+                        "{name} seq {}",
+                        line["seq"]
+                    );
+                }
+            }
+            batches += 1;
+        }
+    }
+    assert_eq!(batches, 34);
+}
+
+#[test]
+fn map_encoding_reproduces_the_captured_payload_sizes() {
+    // The capture records each payload's length and first bytes: the re-encoding must match them, which
+    // proves the test feeds the decoder vLLM's real byte layout and not a lookalike.
+    for name in FIXTURES {
+        for line in fixture_lines(name) {
+            let bytes = encode_json_batch(&line["batch"], EventFormat::Map, Width::Minimal);
+            assert_eq!(
+                bytes.len() as u64,
+                line["payload_len"].as_u64().expect("len"),
+                "seq {}",
+                line["seq"]
+            );
+            let head: String = bytes.iter().take(4).map(|b| format!("{b:02x}")).collect();
+            assert!(
+                line["payload_head_hex"]
+                    .as_str()
+                    .expect("head")
+                    .starts_with(&head)
+            );
+        }
+    }
+}
+
+#[test]
+fn encoder_round_trips_every_event_kind_in_both_formats() {
+    let batch = EventBatch {
+        ts: 1.5,
+        events: vec![
+            KvEvent::BlockStored {
+                block_hashes: vec![1, u64::MAX, 1 << 63],
+                parent_block_hash: Some(7),
+                token_ids: (0..48).map(|t| t * 4000).collect(),
+                block_size: 16,
+                medium: Medium::Cpu,
+            },
+            KvEvent::BlockRemoved {
+                block_hashes: vec![u64::MAX],
+                medium: Medium::Gpu,
+            },
+            KvEvent::AllBlocksCleared,
+            KvEvent::Unknown,
+        ],
+        data_parallel_rank: Some(2),
+    };
+    for format in [EventFormat::Map, EventFormat::Array] {
+        for bin_hashes in [false, true] {
+            let bytes = encode_batch(&batch, EncodeOptions { format, bin_hashes });
+            assert_eq!(
+                decode_batch(&bytes),
+                Ok(batch.clone()),
+                "{format:?} bin={bin_hashes}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bin_hashes_use_the_last_eight_bytes_big_endian() {
+    let mut out = Vec::new();
+    encode::array_len(&mut out, 3);
+    out.push(0x00); // ts as an int
+    encode::array_len(&mut out, 1);
+    encode::map_len(&mut out, 2);
+    encode::str(&mut out, "block_hashes");
+    encode::array_len(&mut out, 2);
+    out.extend_from_slice(&[0xc4, 10, 0xff, 0xff, 1, 2, 3, 4, 5, 6, 7, 8]);
+    out.extend_from_slice(&[0xc4, 2, 0x01, 0x02]);
+    encode::str(&mut out, "type");
+    encode::str(&mut out, "BlockRemoved");
+    out.push(0xc0);
+    let batch = decode_batch(&out).expect("decodes");
+    assert_eq!(
+        batch.events,
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![0x0102030405060708, 0x0102],
+            medium: Medium::Gpu
+        }]
+    );
+}
+
+#[test]
+fn unknown_fields_and_events_are_skipped() {
+    let batch: Value = serde_json::json!([
+        12.0,
+        [
+            {"type": "SomeFutureEvent", "x": {"nested": [1, 2, {"y": null}]}},
+            {"zz_new_field": [[1, 2], {"a": "b"}], "type": "BlockRemoved", "block_hashes": [5], "medium": "GPU",
+             "locality": "LOCAL", "ownership": "tier-1"},
+            {"type": "AllBlocksCleared", "also_new": 1.25}
+        ],
+        null
+    ]);
+    let bytes = encode_json_batch(&batch, EventFormat::Map, Width::Wide);
+    let got = decode_batch(&bytes).expect("decodes");
+    assert_eq!(
+        got.events,
+        vec![
+            KvEvent::Unknown,
+            KvEvent::BlockRemoved {
+                block_hashes: vec![5],
+                medium: Medium::Gpu
+            },
+            KvEvent::AllBlocksCleared
+        ]
+    );
+    assert_eq!(got.data_parallel_rank, None);
+}
+
+#[test]
+fn old_array_events_without_medium_decode() {
+    // vLLM 0.10.0: BlockStored had 5 fields after the tag, BlockRemoved only block_hashes.
+    let batch: Value = serde_json::json!([
+        1.0,
+        [
+            ["BlockStored", [1, 2], null, [1, 2, 3, 4], 2, null],
+            ["BlockRemoved", [1]]
+        ],
+        0
+    ]);
+    let mut out = Vec::new();
+    json_to_msgpack(&mut out, &batch, Width::Minimal);
+    let got = decode_batch(&out).expect("decodes");
+    assert_eq!(got.events.len(), 2);
+    assert_eq!(
+        got.events[1],
+        KvEvent::BlockRemoved {
+            block_hashes: vec![1],
+            medium: Medium::Gpu
+        }
+    );
+}
+
+#[test]
+fn every_truncation_of_a_real_payload_is_an_error_not_a_panic() {
+    let line = &fixture_lines("events-run2.jsonl")[21];
+    for format in [EventFormat::Map, EventFormat::Array] {
+        let bytes = encode_json_batch(&line["batch"], format, Width::Minimal);
+        for cut in 0..bytes.len() {
+            assert!(decode_batch(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+}
+
+#[test]
+fn hostile_headers_do_not_allocate_or_recurse_unboundedly() {
+    // An event array claiming 2^32-1 events, then deep nesting: both must fail fast.
+    let mut huge = vec![0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff];
+    huge.extend(std::iter::repeat_n(0x91, 100_000));
+    assert!(decode_batch(&huge).is_err());
+    let mut deep = vec![0x93, 0x00, 0x91, 0x82, 0xa1, b'x'];
+    deep.extend(std::iter::repeat_n(0x91, 1_000_000));
+    assert!(decode_batch(&deep).is_err());
+}
+
+fn sample_payloads() -> Vec<Vec<u8>> {
+    let mut v = Vec::new();
+    for line in fixture_lines("events-run2.jsonl").iter().take(8) {
+        for format in [EventFormat::Map, EventFormat::Array] {
+            v.push(encode_json_batch(&line["batch"], format, Width::Minimal));
+        }
+    }
+    v
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode_batch(&bytes);
+    }
+
+    #[test]
+    fn mutated_real_payloads_never_panic(
+        idx in 0usize..16,
+        edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..8),
+    ) {
+        let samples = sample_payloads();
+        let mut bytes = samples[idx % samples.len()].clone();
+        for (pos, b) in edits {
+            let n = bytes.len();
+            bytes[pos % n] = b;
+        }
+        let _ = decode_batch(&bytes);
+    }
+}

@@ -1,0 +1,320 @@
+//! One worker's KV-cache view: the set of Kinference block keys it holds.
+//!
+//! Keys are recomputed from each `BlockStored`'s `token_ids` with the model's [`KeyHasher`], chained from
+//! the parent block through an engine-hash -> key map. The same map resolves `BlockRemoved`, so vLLM's
+//! hash algorithm, seed and width never matter. Changes since the last [`WorkerState::take_delta`] are
+//! tracked as net differences, so a block added and removed inside one summary window is never sent.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use kinference_api::{BlockKey, KeyHasher};
+
+use crate::kv_events::{KvEvent, Medium};
+
+/// A fast hasher for keys that are already well-mixed 64-bit hashes (one multiply and a fold).
+#[derive(Default, Clone, Copy)]
+pub struct U64Hasher(u64);
+
+impl Hasher for U64Hasher {
+    fn finish(&self) -> u64 {
+        let x = self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        x ^ (x >> 29)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8)) ^ b as u64;
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = self.0.rotate_left(5) ^ v;
+    }
+    fn write_u8(&mut self, v: u8) {
+        self.0 = self.0.rotate_left(5) ^ v as u64;
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.0 = self.0.rotate_left(5) ^ v as u64;
+    }
+    fn write_isize(&mut self, v: isize) {
+        self.0 = self.0.rotate_left(5) ^ v as u64;
+    }
+}
+
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<U64Hasher>>;
+
+/// An engine block: its published hash and the tier it lives in (the same hash may sit in two tiers).
+type EngineBlock = (u64, Medium);
+
+/// Counts from applying events, for metrics and logs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyStats {
+    /// Block events applied (each stored or removed block, each clear).
+    pub block_events: u64,
+    /// Stored blocks skipped because their parent was never seen (missed events).
+    pub unresolved_parents: u64,
+    /// Removals of blocks this view never held.
+    pub unknown_removals: u64,
+    /// Stored blocks dropped because the worker exceeded the block cap.
+    pub dropped_over_cap: u64,
+    /// `BlockStored` whose `token_ids` did not cover all its hashes (blocks without tokens are skipped).
+    pub short_token_lists: u64,
+}
+
+impl ApplyStats {
+    fn add(&mut self, o: ApplyStats) {
+        self.block_events += o.block_events;
+        self.unresolved_parents += o.unresolved_parents;
+        self.unknown_removals += o.unknown_removals;
+        self.dropped_over_cap += o.dropped_over_cap;
+        self.short_token_lists += o.short_token_lists;
+    }
+}
+
+/// Net change of a worker's key set since the previous delta.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyDelta {
+    /// The worker dropped everything before `added` (the gateway clears its view of the worker first).
+    pub cleared: bool,
+    pub added: Vec<BlockKey>,
+    pub removed: Vec<BlockKey>,
+}
+
+impl KeyDelta {
+    pub fn is_empty(&self) -> bool {
+        !self.cleared && self.added.is_empty() && self.removed.is_empty()
+    }
+}
+
+/// One worker's block keys and the bookkeeping to keep them exact.
+pub struct WorkerState {
+    hasher: KeyHasher,
+    block_size: Option<u32>,
+    engine: FastMap<EngineBlock, BlockKey>,
+    /// Key -> number of engine blocks mapping to it (two tiers, or vLLM extra keys we do not model).
+    keys: FastMap<BlockKey, u32>,
+    /// Keys touched since the last delta -> whether they were present at that delta.
+    touched: FastMap<BlockKey, bool>,
+    cleared: bool,
+    max_blocks: usize,
+}
+
+impl WorkerState {
+    /// An empty view for a worker serving `model`, holding at most `max_blocks` engine blocks.
+    pub fn new(model: &str, max_blocks: usize) -> Self {
+        Self {
+            hasher: KeyHasher::for_model(model),
+            block_size: None,
+            engine: FastMap::default(),
+            keys: FastMap::default(),
+            touched: FastMap::default(),
+            cleared: false,
+            max_blocks,
+        }
+    }
+
+    /// Tokens per block, once an event has told us.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// Distinct keys held.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Whether the worker holds `key`.
+    pub fn contains(&self, key: BlockKey) -> bool {
+        self.keys.contains_key(&key)
+    }
+
+    /// Every key held, in no particular order.
+    pub fn keys(&self) -> Vec<BlockKey> {
+        self.keys.keys().copied().collect()
+    }
+
+    /// Applies one event.
+    pub fn apply(&mut self, event: &KvEvent) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        match event {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                medium,
+            } => self.store(
+                block_hashes,
+                *parent_block_hash,
+                token_ids,
+                *block_size,
+                *medium,
+                &mut stats,
+            ),
+            KvEvent::BlockRemoved {
+                block_hashes,
+                medium,
+            } => {
+                for &h in block_hashes {
+                    self.remove((h, *medium), &mut stats);
+                }
+                self.maybe_shrink();
+            }
+            KvEvent::AllBlocksCleared => {
+                self.clear();
+                stats.block_events += 1;
+            }
+            KvEvent::Unknown => {}
+        }
+        stats
+    }
+
+    /// Applies every event of a batch.
+    pub fn apply_all<'a>(&mut self, events: impl IntoIterator<Item = &'a KvEvent>) -> ApplyStats {
+        let mut stats = ApplyStats::default();
+        for e in events {
+            stats.add(self.apply(e));
+        }
+        stats
+    }
+
+    /// Drops every block (AllBlocksCleared, or the engine restarted).
+    pub fn clear(&mut self) {
+        self.engine = FastMap::default();
+        self.keys = FastMap::default();
+        self.touched = FastMap::default();
+        self.cleared = true;
+    }
+
+    fn store(
+        &mut self,
+        hashes: &[u64],
+        parent: Option<u64>,
+        tokens: &[u32],
+        block_size: u32,
+        medium: Medium,
+        stats: &mut ApplyStats,
+    ) {
+        if block_size == 0 {
+            stats.short_token_lists += 1;
+            return;
+        }
+        self.block_size = Some(block_size);
+        let mut parent_key = match parent {
+            None => None,
+            Some(h) => match self
+                .engine
+                .get(&(h, medium))
+                .or_else(|| self.engine.get(&(h, Medium::Gpu)))
+            {
+                Some(&k) => Some(k),
+                None => {
+                    // Without the parent's key every key of this chain would be wrong: skip it.
+                    stats.unresolved_parents += hashes.len() as u64;
+                    return;
+                }
+            },
+        };
+        let bs = block_size as usize;
+        let full_blocks = tokens.len() / bs;
+        if full_blocks < hashes.len() {
+            stats.short_token_lists += 1;
+        }
+        for (i, &h) in hashes.iter().take(full_blocks).enumerate() {
+            let key = self
+                .hasher
+                .block_key(parent_key, &tokens[i * bs..(i + 1) * bs]);
+            parent_key = Some(key);
+            stats.block_events += 1;
+            match self.engine.get(&(h, medium)) {
+                Some(&old) if old == key => continue,
+                Some(&old) => self.release(old),
+                None if self.engine.len() >= self.max_blocks => {
+                    stats.dropped_over_cap += 1;
+                    continue;
+                }
+                None => {}
+            }
+            self.engine.insert((h, medium), key);
+            let count = self.keys.entry(key).or_insert(0);
+            *count += 1;
+            if *count == 1 {
+                self.touch(key, false);
+            }
+        }
+    }
+
+    fn remove(&mut self, block: EngineBlock, stats: &mut ApplyStats) {
+        stats.block_events += 1;
+        match self.engine.remove(&block) {
+            Some(key) => self.release(key),
+            None => stats.unknown_removals += 1,
+        }
+    }
+
+    /// One engine block no longer maps to `key`.
+    fn release(&mut self, key: BlockKey) {
+        if let Some(count) = self.keys.get_mut(&key) {
+            *count -= 1;
+            if *count == 0 {
+                self.keys.remove(&key);
+                self.touch(key, true);
+            }
+        }
+    }
+
+    /// Records that `key` changed; `was_present` is its state before this change.
+    fn touch(&mut self, key: BlockKey, was_present: bool) {
+        if !self.cleared {
+            // Only the first touch since the last delta knows the state the gateway has.
+            self.touched.entry(key).or_insert(was_present);
+        }
+    }
+
+    /// Gives memory back after large evictions (hash maps never shrink on their own).
+    fn maybe_shrink(&mut self) {
+        if self.engine.capacity() > 4096 && self.engine.len() * 4 < self.engine.capacity() {
+            self.engine.shrink_to(self.engine.len() * 2);
+            self.keys.shrink_to(self.keys.len() * 2);
+        }
+    }
+
+    /// The net change since the previous call.
+    pub fn take_delta(&mut self) -> KeyDelta {
+        if self.cleared {
+            self.cleared = false;
+            self.touched.clear();
+            return KeyDelta {
+                cleared: true,
+                added: self.keys(),
+                removed: Vec::new(),
+            };
+        }
+        let mut delta = KeyDelta::default();
+        for (key, was_present) in self.touched.drain() {
+            match (was_present, self.keys.contains_key(&key)) {
+                (false, true) => delta.added.push(key),
+                (true, false) => delta.removed.push(key),
+                _ => {}
+            }
+        }
+        if self.touched.capacity() > 4096 {
+            self.touched.shrink_to(1024);
+        }
+        delta
+    }
+
+    /// Approximate heap bytes held (for the memory metric).
+    pub fn approx_bytes(&self) -> usize {
+        // hashbrown: one control byte plus the entry per bucket.
+        self.engine.capacity() * (1 + std::mem::size_of::<(EngineBlock, BlockKey)>())
+            + self.keys.capacity() * (1 + std::mem::size_of::<(BlockKey, u32)>())
+            + self.touched.capacity() * (1 + std::mem::size_of::<(BlockKey, bool)>())
+    }
+}
+
+#[cfg(test)]
+mod tests;

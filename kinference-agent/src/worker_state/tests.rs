@@ -1,0 +1,214 @@
+use std::collections::HashSet;
+
+use super::*;
+use crate::kv_events::EventBatch;
+use crate::kv_events::decode_batch;
+use crate::kv_events::encode::{EncodeOptions, encode_batch};
+
+const MODEL: &str = "qwen2-sim";
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>, bs: u32) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens.collect(),
+        block_size: bs,
+        medium: Medium::Gpu,
+    }
+}
+
+fn removed(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockRemoved {
+        block_hashes: hashes.to_vec(),
+        medium: Medium::Gpu,
+    }
+}
+
+fn set(keys: Vec<BlockKey>) -> HashSet<BlockKey> {
+    keys.into_iter().collect()
+}
+
+#[test]
+fn keys_match_the_gateway_computation_across_a_parent_chain() {
+    let h = KeyHasher::for_model(MODEL);
+    let tokens: Vec<u32> = (0..64).collect();
+    let expected = h.keys(None, &tokens, 16);
+
+    let mut s = WorkerState::new(MODEL, 1000);
+    // Two blocks first, then two more chained from the second engine hash.
+    s.apply(&stored(&[11, 12], None, 0..32, 16));
+    s.apply(&stored(&[13, 14], Some(12), 32..64, 16));
+    assert_eq!(set(s.keys()), set(expected.clone()));
+    assert_eq!(s.block_size(), Some(16));
+
+    // Removal resolves through the engine-hash map.
+    s.apply(&removed(&[14]));
+    assert_eq!(set(s.keys()), set(expected[..3].to_vec()));
+}
+
+#[test]
+fn unknown_parent_is_skipped_not_mis_keyed() {
+    let mut s = WorkerState::new(MODEL, 1000);
+    let stats = s.apply(&stored(&[21, 22], Some(999), 0..32, 16));
+    assert_eq!(stats.unresolved_parents, 2);
+    assert!(s.is_empty());
+    let stats = s.apply(&removed(&[21]));
+    assert_eq!(stats.unknown_removals, 1);
+}
+
+#[test]
+fn deltas_are_net_changes() {
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.apply(&stored(&[1, 2], None, 0..32, 16));
+    let d = s.take_delta();
+    assert_eq!(d.added.len(), 2);
+    assert!(!d.cleared && d.removed.is_empty());
+
+    // Added then removed inside one window: nothing to send.
+    s.apply(&stored(&[3], Some(2), 32..48, 16));
+    s.apply(&removed(&[3]));
+    assert!(s.take_delta().is_empty());
+
+    // Removed then re-added: nothing either.
+    let k1 = s.keys();
+    s.apply(&removed(&[2]));
+    s.apply(&stored(&[2], Some(1), 16..32, 16));
+    assert!(s.take_delta().is_empty());
+    assert_eq!(set(s.keys()), set(k1));
+
+    s.apply(&removed(&[1]));
+    let d = s.take_delta();
+    assert_eq!(d.removed.len(), 1);
+    assert!(d.added.is_empty());
+}
+
+#[test]
+fn clear_resets_and_the_next_delta_carries_the_full_set() {
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.apply(&stored(&[1, 2], None, 0..32, 16));
+    s.take_delta();
+    s.apply(&KvEvent::AllBlocksCleared);
+    s.apply(&stored(&[7], None, 100..116, 16));
+    let d = s.take_delta();
+    assert!(d.cleared);
+    assert_eq!(d.added, s.keys());
+    assert_eq!(s.len(), 1);
+    assert!(s.take_delta().is_empty());
+}
+
+#[test]
+fn two_tiers_holding_one_block_keep_the_key_until_both_drop_it() {
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.apply(&stored(&[5], None, 0..16, 16));
+    s.apply(&KvEvent::BlockStored {
+        block_hashes: vec![5],
+        parent_block_hash: None,
+        token_ids: (0..16).collect(),
+        block_size: 16,
+        medium: Medium::Cpu,
+    });
+    assert_eq!(s.len(), 1);
+    s.apply(&removed(&[5]));
+    assert_eq!(s.len(), 1, "the CPU tier still holds it");
+    s.apply(&KvEvent::BlockRemoved {
+        block_hashes: vec![5],
+        medium: Medium::Cpu,
+    });
+    assert!(s.is_empty());
+}
+
+#[test]
+fn cap_bounds_memory_and_counts_drops() {
+    let mut s = WorkerState::new(MODEL, 3);
+    let stats = s.apply(&stored(&[1, 2, 3, 4, 5], None, 0..80, 16));
+    assert_eq!(s.len(), 3);
+    assert_eq!(stats.dropped_over_cap, 2);
+}
+
+#[test]
+fn maps_shrink_after_mass_eviction() {
+    let mut s = WorkerState::new(MODEL, 1 << 20);
+    let hashes: Vec<u64> = (1..=50_000).collect();
+    s.apply(&stored(&hashes, None, 0..50_000 * 16, 16));
+    let big = s.approx_bytes();
+    s.apply(&removed(&hashes[..49_000]));
+    s.take_delta();
+    assert_eq!(s.len(), 1000);
+    assert!(s.approx_bytes() < big / 4, "{} vs {big}", s.approx_bytes());
+}
+
+#[test]
+fn real_capture_replays_to_the_expected_key_set() {
+    // events-run2: a 10-block cache with evictions, a re-stored suffix with a parent, and a reset.
+    let path = format!(
+        "{}/../bench/fixtures/vllm-0.32/events-run2.jsonl",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let mut s = WorkerState::new("tiny", 1000);
+    let mut engine_live: HashSet<u64> = HashSet::new();
+    let mut total = ApplyStats::default();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("json");
+        // Through the real wire bytes, not the JSON.
+        let batch = json_batch(&v["batch"]);
+        let bytes = encode_batch(&batch, EncodeOptions::default());
+        let batch = decode_batch(&bytes).expect("decodes");
+        for e in &batch.events {
+            match e {
+                KvEvent::BlockStored { block_hashes, .. } => engine_live.extend(block_hashes),
+                KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.iter().for_each(|h| {
+                    engine_live.remove(h);
+                }),
+                KvEvent::AllBlocksCleared => engine_live.clear(),
+                KvEvent::Unknown => {}
+            }
+        }
+        total.add(s.apply_all(&batch.events));
+    }
+    assert_eq!(total.unresolved_parents, 0);
+    assert_eq!(total.unknown_removals, 0);
+    // The capture's cache holds at most 10 blocks; our view holds exactly one key per live engine block.
+    assert_eq!(s.len(), engine_live.len());
+    assert!(s.len() <= 10);
+    assert_eq!(s.block_size(), Some(32));
+}
+
+fn json_batch(v: &serde_json::Value) -> EventBatch {
+    let a = v.as_array().expect("batch");
+    let hashes = |v: &serde_json::Value| {
+        v.as_array()
+            .expect("h")
+            .iter()
+            .map(|h| h.as_u64().expect("u64"))
+            .collect()
+    };
+    EventBatch {
+        ts: a[0].as_f64().expect("ts"),
+        events: a[1]
+            .as_array()
+            .expect("events")
+            .iter()
+            .map(|e| match e["type"].as_str().expect("type") {
+                "BlockStored" => KvEvent::BlockStored {
+                    block_hashes: hashes(&e["block_hashes"]),
+                    parent_block_hash: e["parent_block_hash"].as_u64(),
+                    token_ids: e["token_ids"]
+                        .as_array()
+                        .expect("t")
+                        .iter()
+                        .map(|t| t.as_u64().expect("t") as u32)
+                        .collect(),
+                    block_size: e["block_size"].as_u64().expect("bs") as u32,
+                    medium: Medium::Gpu,
+                },
+                "BlockRemoved" => KvEvent::BlockRemoved {
+                    block_hashes: hashes(&e["block_hashes"]),
+                    medium: Medium::Gpu,
+                },
+                _ => KvEvent::AllBlocksCleared,
+            })
+            .collect(),
+        data_parallel_rank: a[2].as_i64(),
+    }
+}
