@@ -1,0 +1,150 @@
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::*;
+
+fn tokenizer_dir() -> PathBuf {
+    std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"))
+}
+
+fn qwen2() -> &'static ModelTokenizer {
+    static TOK: OnceLock<ModelTokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let dir = tokenizer_dir();
+        ModelTokenizer::from_dir(&dir).unwrap_or_else(|e| {
+            panic!(
+                "Qwen2 tokenizer missing at {}: {e}; run `cargo xtask setup`",
+                dir.display()
+            )
+        })
+    })
+}
+
+#[test]
+fn text_ids_equal_live_vllm_tokenize() {
+    let ids = qwen2()
+        .encode_text("Hello world, this is a test.", true)
+        .expect("encode");
+    assert_eq!(ids, vec![9707, 1879, 11, 419, 374, 264, 1273, 13]);
+}
+
+#[test]
+fn chat_ids_equal_live_vllm_tokenize() {
+    let msgs = json!([{"role": "user", "content": "Hi"}]);
+    let text = qwen2().render_chat(&msgs, true).expect("render");
+    assert_eq!(
+        text,
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let ids = qwen2().encode_chat(&msgs).expect("encode");
+    assert_eq!(
+        ids,
+        vec![151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198]
+    );
+}
+
+#[test]
+fn system_prompt_renders_as_python_jinja() {
+    let msgs = json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hi"},
+    ]);
+    let text = qwen2().render_chat(&msgs, true).expect("render");
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let no_gen = qwen2().render_chat(&msgs, false).expect("render");
+    assert!(no_gen.ends_with("<|im_start|>user\nHi<|im_end|>\n"));
+}
+
+#[test]
+fn multi_turn_with_think_block_uses_python_string_methods() {
+    // Exercises `.split()`, `.lstrip()`, `.strip()`, `.startswith()` and `messages[::-1]`.
+    let msgs = json!([
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nA1"},
+        {"role": "user", "content": "Q2"},
+    ]);
+    let text = qwen2().render_chat(&msgs, true).expect("render");
+    assert_eq!(
+        text,
+        "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n\
+         <|im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn content_parts_are_flattened_like_vllm() {
+    let parts = json!([{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}
+    ]}]);
+    let plain = json!([{"role": "user", "content": "Hello\nworld"}]);
+    assert_eq!(
+        qwen2().render_chat(&parts, true).expect("parts"),
+        qwen2().render_chat(&plain, true).expect("plain")
+    );
+}
+
+#[test]
+fn bad_messages_are_typed_errors() {
+    for bad in [
+        json!({"role": "user"}),
+        json!([]),
+        json!([{"content": "x"}]),
+        json!([{"role": "user", "content": 3}]),
+        json!([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+    ] {
+        let err = qwen2().render_chat(&bad, true).expect_err("must fail");
+        assert!(
+            matches!(err, TokenizeError::InvalidMessages(_)),
+            "{bad}: {err}"
+        );
+    }
+}
+
+#[test]
+fn missing_dir_says_how_to_fix() {
+    let err = ModelTokenizer::from_dir("/nonexistent/tokenizer").expect_err("must fail");
+    assert!(err.to_string().contains("cargo xtask setup"), "{err}");
+}
+
+#[test]
+fn long_chat_prompt_encodes_quickly() {
+    // About 8k tokens of varied English-like text: the gateway's hot path.
+    let words = [
+        "router", "cache", "token", "prefix", "worker", "latency", "the", "of", "and", "model",
+    ];
+    let mut text = String::new();
+    let mut x: u64 = 7;
+    while text.len() < 40_000 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        text.push_str(words[(x >> 33) as usize % words.len()]);
+        text.push_str(if (x >> 40).is_multiple_of(11) { ". " } else { " " });
+    }
+    let msgs =
+        json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]);
+    let tok = qwen2();
+    let n = tok.encode_chat(&msgs).expect("encode").len();
+    assert!(n > 6_000, "only {n} tokens");
+    let runs = 5;
+    let start = Instant::now();
+    for _ in 0..runs {
+        tok.encode_chat(&msgs).expect("encode");
+    }
+    let per = start.elapsed() / runs;
+    // Unoptimised `tokenizers` is ~100x slower, so debug builds only catch pathological regressions;
+    // `cargo test --release` checks the real target (a few ms for ~8k tokens).
+    let bound = if cfg!(debug_assertions) { 3_000 } else { 5 };
+    assert!(
+        per.as_millis() < bound,
+        "{n} tokens took {per:?} per encode_chat"
+    );
+}
