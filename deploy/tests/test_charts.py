@@ -1,0 +1,656 @@
+"""Tests of the Helm charts in deploy/charts and the manifests in deploy/gateway-api and deploy/examples.
+
+Offline (always): `helm lint` and `helm template` through helm-python-sdk (Helm v4's Go library), with default
+values and with every optional feature on; the rendered built-in objects (and the CRDs) must pass
+`kubernetes-validate --strict` for Kubernetes 1.33; the rendered objects must say what the charts promise
+(probes, privileges, RBAC rules, ...); the chart's CRD copies must equal the generated `crds/*.yaml`.
+
+Against a real kube-apiserver (only with KINFERENCE_TEST_APISERVER=1): every rendered object applies with
+`kubectl apply --dry-run=server`, and the RBAC, applied for real, grants each service account exactly what
+it needs (`kubectl auth can-i`). The apiserver is built once by deploy/tests/kube-apiserver/build.sh
+(3-4 minutes, cached under $KUBE_TEST_HOME, default ~/.cache/kube-test).
+
+Needs the Python packages helm-python-sdk==0.2.2, kubernetes-validate==1.37.0 and pyyaml (`cargo xtask setup`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+try:
+    import helm_python as helm
+    import yaml
+except ImportError as exc:  # pragma: no cover - environment problem, said plainly
+    raise ImportError(
+        f"{exc}: the chart tests need helm-python-sdk==0.2.2, kubernetes-validate==1.37.0 and pyyaml "
+        "in the test virtualenv; run `cargo xtask setup`"
+    ) from exc
+
+REPO = Path(__file__).resolve().parents[2]
+CHARTS = REPO / "deploy" / "charts"
+MAIN_CHART = CHARTS / "kinference"
+CRD_CHART = CHARTS / "kinference-crds"
+RELEASE = "kinference"
+NAMESPACE = "kinference"
+WORKER_NAMESPACE = "inference"
+KUBE_VERSION = "1.33.0"
+# Kinds kubernetes-validate has no schema for (custom objects).
+NOT_BUILT_IN = {"ServiceMonitor"}
+KINFERENCE_PLURALS = [
+    "inferencepools",
+    "inferencemodels",
+    "inferenceproviders",
+    "inferencetenants",
+    "inferencepolicies",
+]
+
+# Every optional feature on.
+ALL_FEATURES: dict[str, Any] = {
+    "watchNamespaces": [NAMESPACE, WORKER_NAMESPACE],
+    "commonLabels": {"team": "inference"},
+    "imagePullSecrets": [{"name": "registry"}],
+    "gateway": {
+        "replicas": 3,
+        "secretNames": ["provider-keys", "tenant-keys"],
+        "extraArgs": ["--body-limit-bytes=8388608"],
+        "extraEnv": [{"name": "EXTRA", "value": "1"}],
+        "extraVolumes": [{"name": "tokenizers", "emptyDir": {}}],
+        "extraVolumeMounts": [{"name": "tokenizers", "mountPath": "/tokenizers", "readOnly": True}],
+        "podDisruptionBudget": {"enabled": True, "maxUnavailable": None, "minAvailable": 2},
+        "priorityClassName": "high",
+        "service": {"annotations": {"a": "b"}},
+        "config": {
+            "routing": "kinference",
+            "models": [{"name": "qwen2.5-7b", "tokenizer_dir": "/tokenizers/qwen2.5"}],
+        },
+    },
+    "agent": {
+        "hostPID": True,
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "system-node-critical",
+        "kvEvents": {"hostPort": True},
+        "ebpf": {"sysResource": True},
+        "staticWorkers": [{"url": "http://10.0.0.5:8000", "model": "qwen2.5-7b"}],
+    },
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+}
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "all-features": ALL_FEATURES,
+    "cluster-wide": {"clusterWide": True, "gateway": {"secretNames": ["provider-keys"]}},
+    "agent-without-ebpf": {"agent": {"ebpf": {"enabled": False}}},
+    "gateway-only": {"agent": {"enabled": False}, "gateway": {"replicas": 1}},
+}
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def render(values: dict[str, Any], chart: Path = MAIN_CHART) -> list[dict[str, Any]]:
+    """Renders a chart like `helm template` and returns its objects (NOTES.txt left out)."""
+    with helm.Chart.load(str(chart)) as loaded:
+        manifests = loaded.render(values, name=RELEASE, namespace=NAMESPACE)
+    objects: list[dict[str, Any]] = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def chart_crds() -> list[dict[str, Any]]:
+    """The CRD objects the kinference-crds chart installs (Helm installs crds/ as they are)."""
+    return [yaml.safe_load(p.read_text()) for p in sorted((CRD_CHART / "crds").glob("*.yaml"))]
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = find(objects, kind, name)
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def kubernetes_validate(objects: list[dict[str, Any]], tmp_path: Path, name: str) -> None:
+    """Runs `kubernetes-validate --strict -k 1.33.0` on the objects; fails with its output."""
+    tool = Path(sys.executable).parent / "kubernetes-validate"
+    exe = [str(tool)] if tool.exists() else [sys.executable, "-m", "kubernetes_validate"]
+    file = tmp_path / f"{name}.yaml"
+    file.write_text(yaml.safe_dump_all(objects, sort_keys=False))
+    result = subprocess.run(
+        [*exe, "--strict", "-k", KUBE_VERSION, str(file)], capture_output=True, text=True, timeout=120
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, f"kubernetes-validate --strict -k {KUBE_VERSION} failed:\n{report}"
+    passed = report.count(" passed for resource ")
+    assert passed == len(objects), f"expected {len(objects)} objects to pass, report:\n{report}"
+
+
+# ------------------------------------------------------------------------------------------ lint, render
+
+
+@pytest.mark.parametrize("chart", [MAIN_CHART, CRD_CHART], ids=lambda p: p.name)
+@pytest.mark.parametrize("variant", ["defaults", "all-features"])
+def test_chart_lints_clean(chart: Path, variant: str) -> None:
+    values = VARIANTS[variant] if chart == MAIN_CHART else {}
+    report = helm.lint(str(chart), values, strict=True, namespace=NAMESPACE)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert not problems, f"helm lint {chart.name}: {problems}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_objects_pass_kubernetes_validate(variant: str, tmp_path: Path) -> None:
+    objects = [o for o in render(VARIANTS[variant]) if o["kind"] not in NOT_BUILT_IN]
+    assert objects
+    kubernetes_validate(objects, tmp_path, variant)
+
+
+def test_crds_pass_kubernetes_validate(tmp_path: Path) -> None:
+    kubernetes_validate(chart_crds(), tmp_path, "crds")
+
+
+def test_kubernetes_validate_rejects_an_unknown_field(tmp_path: Path) -> None:
+    """The validation above would catch a typo: a misspelt field in a rendered Deployment fails."""
+    deployment = copy.deepcopy(one(render({}), "Deployment"))
+    container(deployment)["readinesProbe"] = container(deployment).pop("readinessProbe")
+    with pytest.raises(AssertionError, match="readinesProbe"):
+        kubernetes_validate([deployment], tmp_path, "broken")
+
+
+def test_bad_pdb_values_are_refused() -> None:
+    with pytest.raises(helm.HelmError, match="only one of maxUnavailable and minAvailable"):
+        render({"gateway": {"podDisruptionBudget": {"maxUnavailable": 1, "minAvailable": 1}}})
+
+
+# ------------------------------------------------------------------------------------------------ CRDs
+
+
+def test_crd_chart_holds_the_five_kinference_crds() -> None:
+    crds = chart_crds()
+    assert sorted(c["spec"]["names"]["plural"] for c in crds) == sorted(KINFERENCE_PLURALS)
+    for crd in crds:
+        assert crd["kind"] == "CustomResourceDefinition"
+        assert crd["spec"]["group"] == "kinference.ai"
+        assert [v["name"] for v in crd["spec"]["versions"]] == ["v1alpha1"]
+        assert crd["spec"]["versions"][0]["subresources"].get("status") == {}, "status is patched by the gateway"
+    with helm.Chart.load(str(CRD_CHART)) as loaded:
+        assert len(loaded.crds) == 5, "Helm sees the files in crds/"
+        rendered = loaded.render({}, name=RELEASE, namespace=NAMESPACE)
+        assert set(rendered) == {"kinference-crds/templates/NOTES.txt"}, "the chart renders nothing but its notes"
+
+
+def test_crd_chart_copies_equal_the_generated_crds() -> None:
+    generated = sorted((REPO / "crds").glob("*.yaml"))
+    if not generated:
+        pytest.skip("crds/*.yaml are not generated yet (cargo xtask gen-crds)")
+    copies = sorted((CRD_CHART / "crds").glob("*.yaml"))
+    fix = "run: cp crds/*.yaml deploy/charts/kinference-crds/crds/"
+    assert [p.name for p in copies] == [p.name for p in generated], fix
+    for gen, cop in zip(generated, copies):
+        assert cop.read_bytes() == gen.read_bytes(), f"{cop} differs from {gen}; {fix}"
+
+
+# ------------------------------------------------------------------------------------------- gateway
+
+
+def test_gateway_deployment() -> None:
+    objects = render({})
+    deployment = one(objects, "Deployment", "kinference-gateway")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    assert c["args"][:3] == [
+        "--listen=0.0.0.0:8080",
+        "--admin-listen=0.0.0.0:9090",
+        "--config=/etc/kinference/gateway.yaml",
+    ]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8080, "admin": 9090}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    assert c["resources"]["requests"] and c["resources"]["limits"]
+    security = c["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["serviceAccountName"] == "kinference-gateway"
+    mounts = {m["mountPath"]: m for m in c["volumeMounts"]}
+    assert mounts["/etc/kinference"]["readOnly"] is True and "/tmp" in mounts
+    assert "hostPID" not in pod and "hostNetwork" not in pod
+
+
+def test_gateway_config_map_is_the_gateway_yaml() -> None:
+    config_map = one(render(ALL_FEATURES), "ConfigMap", "kinference-gateway")
+    config = yaml.safe_load(config_map["data"]["gateway.yaml"])
+    assert config["routing"] == "kinference"
+    assert config["models"] == [{"name": "qwen2.5-7b", "tokenizer_dir": "/tokenizers/qwen2.5"}]
+    assert config["kubernetes"] == {
+        "namespaces": [NAMESPACE, WORKER_NAMESPACE],
+        "all_namespaces": False,
+        "worker_selector": {"kinference.ai/worker": "true"},
+        "agent_service": "kinference-agent",
+        "agent_namespace": NAMESPACE,
+        "agent_grpc_port": 7070,
+    }
+    # The pods roll when the file changes.
+    deployment = one(render(ALL_FEATURES), "Deployment", "kinference-gateway")
+    before = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    changed = copy.deepcopy(ALL_FEATURES)
+    changed["gateway"]["config"]["routing"] = "least-outstanding"
+    after = one(render(changed), "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert before != after
+
+
+def test_gateway_service_pdb_and_replicas() -> None:
+    objects = render(ALL_FEATURES)
+    assert one(objects, "Deployment")["spec"]["replicas"] == 3
+    service = one(objects, "Service", "kinference-gateway")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "http": (80, "http"),
+        "admin": (9090, "admin"),
+    }
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["minAvailable"] == 2 and "maxUnavailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    assert one(render({}), "PodDisruptionBudget")["spec"] == {
+        "maxUnavailable": 1,
+        "selector": pdb["spec"]["selector"],
+    }
+    assert not find(render({"gateway": {"podDisruptionBudget": {"enabled": False}}}), "PodDisruptionBudget")
+
+
+# --------------------------------------------------------------------------------------------- agent
+
+
+def test_agent_daemonset_runs_on_gpu_nodes_with_only_the_ebpf_capabilities() -> None:
+    daemonset = one(render({}), "DaemonSet", "kinference-agent")
+    pod = daemonset["spec"]["template"]["spec"]
+    c = container(daemonset)
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    security = c["securityContext"]
+    assert security["privileged"] is False
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "PERFMON", "NET_ADMIN"]}
+    assert "hostPID" not in pod and "hostNetwork" not in pod and "runtimeClassName" not in pod
+    # The host paths eBPF needs, read-only.
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert volumes["btf"]["hostPath"] == {"path": "/sys/kernel/btf", "type": "Directory"}
+    assert volumes["cgroup"]["hostPath"] == {"path": "/sys/fs/cgroup", "type": "Directory"}
+    assert mounts["btf"] == {"name": "btf", "mountPath": "/sys/kernel/btf", "readOnly": True}
+    assert mounts["cgroup"] == {"name": "cgroup", "mountPath": "/host/cgroup", "readOnly": True}
+    host_paths = [v for v in pod["volumes"] if "hostPath" in v]
+    assert len(host_paths) == 2, "no host path beyond BTF and the cgroup root"
+    # Its node name from the downward API, passed as --node.
+    env = env_of(c)
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert "--node=$(NODE_NAME)" in c["args"]
+    assert "--workers=/etc/kinference/agent-workers.yaml" in c["args"]
+    assert env["KINFERENCE_AGENT_WORKER_SELECTOR"]["value"] == "kinference.ai/worker=true"
+    assert env["KINFERENCE_AGENT_NAMESPACES"]["value"] == NAMESPACE
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 7070, "metrics": 9091, "kv-events": 5557}
+    assert all("hostPort" not in p for p in c["ports"])
+
+
+def test_agent_optional_privileges_only_when_asked() -> None:
+    daemonset = one(render(ALL_FEATURES), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    c = container(daemonset)
+    assert pod["hostPID"] is True
+    assert pod["runtimeClassName"] == "nvidia"
+    assert c["securityContext"]["capabilities"]["add"] == ["BPF", "PERFMON", "NET_ADMIN", "SYS_RESOURCE"]
+    assert {p["name"]: p.get("hostPort") for p in c["ports"]}["kv-events"] == 5557
+    assert env_of(c)["KINFERENCE_AGENT_HOST_PID"]["value"] == "true"
+    workers = yaml.safe_load(one(render(ALL_FEATURES), "ConfigMap", "kinference-agent")["data"]["agent-workers.yaml"])
+    assert workers == {"workers": [{"url": "http://10.0.0.5:8000", "model": "qwen2.5-7b"}]}
+
+
+def test_agent_without_ebpf_is_unprivileged() -> None:
+    daemonset = one(render(VARIANTS["agent-without-ebpf"]), "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    security = container(daemonset)["securityContext"]
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["runAsNonRoot"] is True and security["runAsUser"] != 0
+    assert not [v for v in pod["volumes"] if "hostPath" in v]
+
+
+def test_agent_services() -> None:
+    objects = render({})
+    headless = one(objects, "Service", "kinference-agent")
+    assert headless["spec"]["clusterIP"] == "None"
+    assert {p["name"] for p in headless["spec"]["ports"]} == {"grpc", "metrics"}
+    kv = one(objects, "Service", "kinference-agent-kv")
+    assert kv["spec"]["internalTrafficPolicy"] == "Local", "workers must reach the agent on their own node"
+    assert kv["spec"]["ports"] == [{"name": "kv-events", "port": 5557, "targetPort": "kv-events", "protocol": "TCP"}]
+    gateway_only = render(VARIANTS["gateway-only"])
+    assert not find(gateway_only, "DaemonSet") and not find(gateway_only, "Service", "kinference-agent")
+    assert {o["metadata"]["name"] for o in find(gateway_only, "ServiceAccount")} == {"kinference-gateway"}
+
+
+# ---------------------------------------------------------------------------------------------- RBAC
+
+
+def rules_by_subject(objects: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """(service account, namespace the grant applies in, "*" for cluster-wide) -> rules."""
+    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    grants: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for binding in objects:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        ns = binding["metadata"].get("namespace")
+        ref = binding["roleRef"]
+        role = roles[(ref["kind"], ns if ref["kind"] == "Role" else None, ref["name"])]
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE
+            key = (subject["name"], ns or "*")
+            grants.setdefault(key, []).extend(role["rules"])
+    return grants
+
+
+def normalise(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
+    """Rules as (apiGroup, resource, resourceName or "", verb) tuples."""
+    out = set()
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for name in rule.get("resourceNames", [""]):
+                    for verb in rule["verbs"]:
+                        out.add((group, resource, name, verb))
+    return out
+
+
+READ = ("get", "list", "watch")
+GATEWAY_RULES = (
+    {("kinference.ai", r, "", v) for r in KINFERENCE_PLURALS for v in READ}
+    | {("kinference.ai", f"{r}/status", "", "patch") for r in KINFERENCE_PLURALS}
+    | {("", "pods", "", v) for v in READ}
+    | {("discovery.k8s.io", "endpointslices", "", v) for v in READ}
+)
+AGENT_RULES = {("", "pods", "", v) for v in READ}
+
+
+def test_rbac_defaults_grant_exactly_what_each_component_reads() -> None:
+    grants = rules_by_subject(render({}))
+    assert set(grants) == {("kinference-gateway", NAMESPACE), ("kinference-agent", NAMESPACE)}
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES, "no Secret access by default"
+    assert normalise(grants[("kinference-agent", NAMESPACE)]) == AGENT_RULES
+    assert not find(render({}), "ClusterRole") and not find(render({}), "ClusterRoleBinding")
+
+
+def test_rbac_watched_namespaces_and_secrets_by_name() -> None:
+    grants = rules_by_subject(render(ALL_FEATURES))
+    secrets = {("", "secrets", n, v) for n in ("provider-keys", "tenant-keys") for v in READ}
+    for ns in (NAMESPACE, WORKER_NAMESPACE):
+        assert normalise(grants[("kinference-gateway", ns)]) == GATEWAY_RULES | secrets
+        assert normalise(grants[("kinference-agent", ns)]) == AGENT_RULES
+    assert set(grants) == {(sa, ns) for sa in ("kinference-gateway", "kinference-agent") for ns in (NAMESPACE, WORKER_NAMESPACE)}
+
+
+def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() -> None:
+    grants = rules_by_subject(render({"watchNamespaces": [WORKER_NAMESPACE]}))
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == {
+        ("discovery.k8s.io", "endpointslices", "", v) for v in READ
+    }
+    assert ("kinference-agent", NAMESPACE) not in grants
+
+
+def test_rbac_cluster_wide() -> None:
+    objects = render(VARIANTS["cluster-wide"])
+    assert not find(objects, "Role") and not find(objects, "RoleBinding")
+    grants = rules_by_subject(objects)
+    secrets = {("", "secrets", "provider-keys", v) for v in READ}
+    assert normalise(grants[("kinference-gateway", "*")]) == GATEWAY_RULES | secrets
+    assert normalise(grants[("kinference-agent", "*")]) == AGENT_RULES
+
+
+# ------------------------------------------------------------------------------------ ServiceMonitor
+
+
+def test_service_monitor_only_when_enabled() -> None:
+    assert not find(render({}), "ServiceMonitor")
+    objects = render(ALL_FEATURES)
+    monitors = {m["metadata"]["name"]: m for m in find(objects, "ServiceMonitor")}
+    assert set(monitors) == {"kinference-gateway", "kinference-agent"}
+    for name, port in (("kinference-gateway", "admin"), ("kinference-agent", "metrics")):
+        monitor = monitors[name]
+        assert monitor["metadata"]["labels"]["release"] == "prometheus"
+        assert monitor["spec"]["endpoints"][0]["port"] == port
+        service = one(objects, "Service", name)
+        assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+        assert port in {p["name"] for p in service["spec"]["ports"]}
+
+
+# ---------------------------------------------------------------------------- Gateway API and examples
+
+
+def load_all(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def test_httproute_sends_v1_to_the_gateway_service() -> None:
+    gateway_api = [o for p in sorted((REPO / "deploy" / "gateway-api").glob("*.yaml")) for o in load_all(p)]
+    gateway = one(gateway_api, "Gateway")
+    route = one(gateway_api, "HTTPRoute")
+    service = one(render({}), "Service", "kinference-gateway")
+    assert route["metadata"]["namespace"] == gateway["metadata"]["namespace"] == service["metadata"]["namespace"]
+    assert route["spec"]["parentRefs"][0]["name"] == gateway["metadata"]["name"]
+    listener = route["spec"]["parentRefs"][0]["sectionName"]
+    assert listener in {lst["name"] for lst in gateway["spec"]["listeners"]}
+    assert gateway["spec"]["gatewayClassName"] == one(gateway_api, "GatewayClass")["metadata"]["name"]
+    [rule] = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    http_port = {p["name"]: p["port"] for p in service["spec"]["ports"]}["http"]
+    assert rule["backendRefs"] == [{"name": service["metadata"]["name"], "port": http_port}]
+
+
+def test_vllm_worker_example_matches_the_agent(tmp_path: Path) -> None:
+    [deployment] = load_all(REPO / "deploy" / "examples" / "vllm-worker.yaml")
+    kubernetes_validate([deployment], tmp_path, "vllm-worker")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    chart_values = yaml.safe_load((MAIN_CHART / "values.yaml").read_text())
+    assert chart_values["workerSelector"].items() <= labels.items(), "the agent selects the worker"
+    c = container(deployment)
+    args = c["args"]
+    assert "--enable-prompt-tokens-details" in args
+    assert any(a.startswith("--prefix-caching-hash-algo") for a in args)
+    kv = json.loads(args[args.index("--kv-events-config") + 1])
+    kv_service = one(render({}), "Service", "kinference-agent-kv")
+    assert kv == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{kv_service['metadata']['name']}.{NAMESPACE}.svc:5557",
+        "replay_endpoint": "tcp://*:5558",
+        "buffer_steps": 10000,
+        "topic": "kv@$(POD_NAME)@qwen2.5-7b",
+    }
+    assert env_of(c)["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert {p["containerPort"] for p in c["ports"]} >= {8000, 5558}
+
+
+# ------------------------------------------------------------------------------- real kube-apiserver
+
+APISERVER_DIR = Path(__file__).resolve().parent / "kube-apiserver"
+# A minimal ServiceMonitor CRD: the real one (prometheus-operator) is not available offline; this one lets the
+# server accept the object's kind and envelope (its spec is not checked).
+SERVICE_MONITOR_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList", "plural": "servicemonitors", "singular": "servicemonitor"},
+        "scope": "Namespaced",
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+            }
+        ],
+    },
+}
+
+
+def for_kubernetes_1_20(obj: dict[str, Any]) -> dict[str, Any]:
+    """The test apiserver is 1.20; two objects use APIs that went GA later. Rewritten here, each with its reason:
+    - PodDisruptionBudget policy/v1 (GA in 1.21) -> policy/v1beta1, whose spec has the same fields;
+    - Service spec.internalTrafficPolicy (1.22+, GA 1.26): unknown to 1.20, dropped.
+    Everything else is applied as rendered. kubernetes-validate checks the unmodified objects against 1.33."""
+    obj = copy.deepcopy(obj)
+    if obj["kind"] == "PodDisruptionBudget" and obj["apiVersion"] == "policy/v1":
+        obj["apiVersion"] = "policy/v1beta1"
+    if obj["kind"] == "Service":
+        obj["spec"].pop("internalTrafficPolicy", None)
+    return obj
+
+
+def free_port_triple() -> int:
+    """A port P such that P, P-4064 and P-4063 (the apiserver and etcd's two ports in start.sh) are free."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 5000:
+            continue
+        ok = True
+        for p in (port - 4064, port - 4063):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise RuntimeError("no free port triple")
+
+
+class Kube:
+    """kubectl against the test apiserver."""
+
+    def __init__(self, kubeconfig: str) -> None:
+        self.kubeconfig = kubeconfig
+
+    def run(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            ["kubectl", "--kubeconfig", self.kubeconfig, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def apply(self, objects: list[dict[str, Any]], *extra: str) -> str:
+        return self.run("apply", *extra, "-f", "-", stdin=yaml.safe_dump_all(objects)).stdout
+
+    def can_i(self, sa: str, verb: str, resource: str, namespace: str | None = None, subresource: str = "") -> bool:
+        args = ["auth", "can-i", verb, resource, f"--as=system:serviceaccount:{NAMESPACE}:{sa}"]
+        args += ["-n", namespace] if namespace else ["--all-namespaces"]
+        if subresource:
+            args += [f"--subresource={subresource}"]
+        return self.run(*args, check=False).stdout.strip() == "yes"
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+    if os.environ.get("KINFERENCE_TEST_APISERVER") != "1":
+        pytest.skip("set KINFERENCE_TEST_APISERVER=1 to dry-run the charts against a real kube-apiserver")
+    if shutil.which("kubectl") is None:
+        pytest.fail("KINFERENCE_TEST_APISERVER=1 but kubectl is not installed")
+    build = subprocess.run([str(APISERVER_DIR / "build.sh")], capture_output=True, text=True, timeout=1800)
+    assert build.returncode == 0, f"kube-apiserver build failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}"
+    workdir = tmp_path_factory.mktemp("kube-apiserver")
+    started = subprocess.run(
+        [str(APISERVER_DIR / "start.sh"), str(workdir), str(free_port_triple())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        assert started.returncode == 0, f"kube-apiserver did not start:\n{started.stderr}"
+        k = Kube(started.stdout.strip().splitlines()[-1])
+        for ns in (NAMESPACE, WORKER_NAMESPACE):
+            k.run("create", "namespace", ns)
+        crds = chart_crds() + [SERVICE_MONITOR_CRD]
+        k.apply(crds)
+        for crd in crds:
+            k.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd['metadata']['name']}")
+        yield k
+    finally:
+        subprocess.run([str(APISERVER_DIR / "stop.sh"), str(workdir)], timeout=60)
+
+
+def test_apiserver_accepts_the_crds(kube: Kube) -> None:
+    names = kube.run("get", "crd", "-o", "name").stdout.split()
+    for plural in KINFERENCE_PLURALS:
+        assert f"customresourcedefinition.apiextensions.k8s.io/{plural}.kinference.ai" in names
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_apiserver_dry_run_accepts_everything_rendered(kube: Kube, variant: str) -> None:
+    objects = [for_kubernetes_1_20(o) for o in render(VARIANTS[variant])]
+    out = kube.apply(objects, "--dry-run=server")
+    assert out.count("(server dry run)") == len(objects), out
+
+
+def test_apiserver_dry_run_accepts_the_vllm_worker_example(kube: Kube) -> None:
+    objects = load_all(REPO / "deploy" / "examples" / "vllm-worker.yaml")
+    out = kube.run("apply", "--dry-run=server", "-n", NAMESPACE, "-f", "-", stdin=yaml.safe_dump_all(objects)).stdout
+    assert out.count("(server dry run)") == len(objects), out
+
+
+def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
+    """Applies the all-features RBAC for real and asks the authorizer what each service account may do."""
+    objects = render(ALL_FEATURES)
+    kube.apply([o for o in objects if o["kind"] in ("ServiceAccount", "Role", "RoleBinding")])
+    gw, agent = "kinference-gateway", "kinference-agent"
+    for ns in (NAMESPACE, WORKER_NAMESPACE):
+        for plural in KINFERENCE_PLURALS:
+            for verb in READ:
+                assert kube.can_i(gw, verb, f"{plural}.kinference.ai", ns)
+            assert kube.can_i(gw, "patch", f"{plural}.kinference.ai", ns, subresource="status")
+            assert not kube.can_i(gw, "patch", f"{plural}.kinference.ai", ns), "spec is the user's"
+            assert not kube.can_i(gw, "create", f"{plural}.kinference.ai", ns)
+            assert not kube.can_i(agent, "get", f"{plural}.kinference.ai", ns)
+        assert kube.can_i(gw, "watch", "pods", ns) and kube.can_i(gw, "list", "endpointslices.discovery.k8s.io", ns)
+        assert kube.can_i(gw, "get", "secrets/provider-keys", ns)
+        assert not kube.can_i(gw, "get", "secrets/other", ns), "only the named Secrets"
+        assert not kube.can_i(gw, "list", "secrets", ns)
+        assert not kube.can_i(gw, "delete", "pods", ns)
+        assert kube.can_i(agent, "watch", "pods", ns) and kube.can_i(agent, "list", "pods", ns)
+        assert not kube.can_i(agent, "get", "secrets/provider-keys", ns)
+        assert not kube.can_i(agent, "list", "endpointslices.discovery.k8s.io", ns)
+        assert not kube.can_i(agent, "patch", "pods", ns)
+    assert not kube.can_i(gw, "list", "pods", "default"), "nothing outside the watched namespaces"
+    assert not kube.can_i(agent, "list", "pods", "default")
+    assert not kube.can_i(agent, "list", "nodes")
