@@ -654,3 +654,40 @@ def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
     assert not kube.can_i(gw, "list", "pods", "default"), "nothing outside the watched namespaces"
     assert not kube.can_i(agent, "list", "pods", "default")
     assert not kube.can_i(agent, "list", "nodes")
+
+
+# ------------------------------------------------------------------------------------------- README
+
+
+def value_paths(values: Any, prefix: str = "") -> Iterator[str]:
+    """Dotted paths of a values tree, down to leaves (scalars, lists, empty maps)."""
+    if isinstance(values, dict) and values:
+        for key, sub in values.items():
+            yield from value_paths(sub, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip(".")
+
+
+def documented_values(readme: Path) -> set[str]:
+    """The backticked first cells of the README's value tables."""
+    out = set()
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 3 and cells[1].startswith("`") and cells[1].endswith("`"):
+            out.add(cells[1].strip("`"))
+    return out
+
+
+def test_every_value_is_documented_in_the_readme() -> None:
+    """Each value path, or a map above it documented as a whole (e.g. `gateway.resources`), has a README row,
+    and every documented value exists."""
+    values = yaml.safe_load((MAIN_CHART / "values.yaml").read_text())
+    documented = documented_values(MAIN_CHART / "README.md")
+    paths = list(value_paths(values))
+    undocumented = [
+        p for p in paths if not any(p == d or p.startswith(d + ".") for d in documented)
+    ]
+    assert not undocumented, f"values missing from {MAIN_CHART / 'README.md'}: {undocumented}"
+    known = set(paths) | {p.rsplit(".", i)[0] for p in paths for i in range(1, p.count(".") + 1)}
+    stale = sorted(d for d in documented if "." in d or d in values if d not in known)
+    assert not stale, f"README documents values that do not exist: {stale}"
