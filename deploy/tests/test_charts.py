@@ -180,6 +180,23 @@ def test_kubernetes_validate_rejects_an_unknown_field(tmp_path: Path) -> None:
         kubernetes_validate([deployment], tmp_path, "broken")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"gateway": {"replica": 3}},
+        {"agent": {"ebpf": {"sysresource": True}}},
+        {"gateway": {"replicas": "3"}},
+        {"serviceMonitor": {"enable": True}},
+        {"agent": {"ebpf": {"btfPath": "sys/kernel/btf"}}},
+    ],
+    ids=["typo", "nested-typo", "wrong-type", "monitor-typo", "relative-host-path"],
+)
+def test_values_schema_refuses_mistakes(bad: dict[str, Any]) -> None:
+    """values.schema.json turns a misspelt or mistyped value into an error instead of a silent default."""
+    with pytest.raises(helm.HelmError, match="schema"):
+        render(bad)
+
+
 def test_bad_pdb_values_are_refused() -> None:
     with pytest.raises(helm.HelmError, match="only one of maxUnavailable and minAvailable"):
         render({"gateway": {"podDisruptionBudget": {"maxUnavailable": 1, "minAvailable": 1}}})
