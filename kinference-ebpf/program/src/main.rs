@@ -1,0 +1,413 @@
+//! Kinference's eBPF programs: connection-level queueing of the local vLLM workers, per watched port.
+//!
+//! All programs are BTF tracepoints (`tp_btf`), which load on kernels without kprobes or tracefs:
+//! - `inet_sock_set_state`: a server-side connection completes its handshake (enters the accept queue) or closes.
+//! - `sk_data_ready`: request bytes arrive (first byte in) on a connection; on a listener: a new connection was
+//!   queued (accept backlog).
+//! - `sock_recv_length`: the application reads (first read; also the request start where `sk_data_ready` is
+//!   missing, kernels before 6.6).
+//! - `tcp_sendmsg_locked` (fallback `sock_send_length`): the first response byte out (time to first byte).
+//! - `sys_exit` for accept/accept4: accept wait, and the listener's backlog after the dequeue.
+//!
+//! Kernel struct fields are read with `bpf_probe_read_kernel` at offsets the loader resolved from the running
+//! kernel's BTF (`KINF_CONFIG`), never at offsets compiled in here.
+#![no_std]
+#![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+use core::intrinsics::{AtomicOrdering, atomic_xadd};
+
+use aya_ebpf::{
+    Global,
+    helpers::{bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    macros::{btf_tracepoint, map},
+    maps::{HashMap, LruHashMap, RingBuf},
+    programs::BtfTracePointContext,
+};
+use aya_log_ebpf::warn;
+use kinference_ebpf_common::{
+    Backlog, CONFIG_ACCEPT, CONFIG_VALID, Config, Conn, EVENT_ACCEPT_WAIT, EVENT_TTFB, Event,
+    MAX_CONNS, MAX_PORTS, PHASE_RESPONDING, PHASE_WAITING, PortStats,
+};
+
+const AF_INET: u16 = 2;
+const AF_INET6: u16 = 10;
+const TCP_ESTABLISHED: i32 = 1;
+const TCP_SYN_RECV: i32 = 3;
+const TCP_CLOSE: i32 = 7;
+const TCP_CLOSE_WAIT: u8 = 8;
+const TCP_LISTEN: u8 = 10;
+
+/// Offsets and syscall numbers, patched by the loader before load.
+#[unsafe(no_mangle)]
+static KINF_CONFIG: Global<Config> = Global::new(Config::UNRESOLVED);
+
+#[map(name = "KINF_PORTS")]
+static PORTS: HashMap<u16, PortStats> = HashMap::with_max_entries(MAX_PORTS, 0);
+
+#[map(name = "KINF_CONNS")]
+static CONNS: LruHashMap<u64, Conn> = LruHashMap::with_max_entries(MAX_CONNS, 0);
+
+#[map(name = "KINF_BACKLOG")]
+static BACKLOG: HashMap<u16, Backlog> = HashMap::with_max_entries(MAX_PORTS, 0);
+
+#[map(name = "KINF_EVENTS")]
+static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 18, 0);
+
+#[inline(always)]
+fn config() -> Option<Config> {
+    let cfg = KINF_CONFIG.load();
+    if cfg.flags & CONFIG_VALID == 0 {
+        return None;
+    }
+    Some(cfg)
+}
+
+#[inline(always)]
+fn read<T>(base: u64, offset: u32) -> Option<T> {
+    // SAFETY: bpf_probe_read_kernel copies from any kernel address and fails cleanly on a bad one.
+    unsafe { bpf_probe_read_kernel((base + offset as u64) as *const T).ok() }
+}
+
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: a helper without arguments.
+    unsafe { bpf_ktime_get_ns() }
+}
+
+#[inline(always)]
+fn add(counter: &mut u64, value: u64) {
+    // SAFETY: `counter` points into a map value, which outlives this program run; other CPUs update it too,
+    // hence the atomic add (`AtomicU64::fetch_add` does not compile for the BPF target).
+    unsafe {
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(counter, value);
+    }
+}
+
+/// The local port of a TCP socket of the IPv4/IPv6 families, if that port is watched.
+#[inline(always)]
+fn watched_port(cfg: &Config, sk: u64) -> Option<(u16, *mut PortStats)> {
+    let family: u16 = read(sk, cfg.sock_family)?;
+    if family != AF_INET && family != AF_INET6 {
+        return None;
+    }
+    let port: u16 = read(sk, cfg.sock_num)?;
+    let stats = PORTS.get_ptr_mut(port)?;
+    Some((port, stats))
+}
+
+fn emit(
+    kind: u32,
+    port: u16,
+    value_ns: u64,
+    read_delay_ns: u64,
+    ts_ns: u64,
+    stats: *mut PortStats,
+) {
+    let event = Event {
+        ts_ns,
+        value_ns,
+        read_delay_ns,
+        kind,
+        port,
+        _pad: 0,
+    };
+    if EVENTS.output::<Event>(&event, 0).is_err() {
+        // SAFETY: `stats` came from get_ptr_mut on a live map entry.
+        unsafe { add(&mut (*stats).dropped_events, 1) };
+    }
+}
+
+/// Records the listener's accept queue length and limit for `port`.
+#[inline(always)]
+fn observe_backlog(cfg: &Config, listener: u64, port: u16) {
+    let Some(current) = read::<u32>(listener, cfg.sock_ack_backlog) else {
+        return;
+    };
+    let Some(max) = read::<u32>(listener, cfg.sock_max_ack_backlog) else {
+        return;
+    };
+    let updated_ms = (now() / 1_000_000) as u32;
+    match BACKLOG.get_ptr_mut(port) {
+        Some(b) => {
+            // SAFETY: a live map entry; a racing update only loses one observation.
+            unsafe {
+                (*b).current = current;
+                (*b).max = max;
+                if current > (*b).peak {
+                    (*b).peak = current;
+                }
+                (*b).updated_ms = updated_ms;
+            }
+        }
+        None => {
+            let _ = BACKLOG.insert(
+                port,
+                Backlog {
+                    current,
+                    max,
+                    peak: current,
+                    updated_ms,
+                },
+                0,
+            );
+        }
+    }
+}
+
+/// The connection entry for `sk`, created on first sight (connections that predate the agent, or whose
+/// handshake was missed) so that long-lived keep-alive pools are counted too.
+#[inline(always)]
+fn conn_for(sk: u64, port: u16) -> Option<*mut Conn> {
+    if let Some(c) = CONNS.get_ptr_mut(sk) {
+        return Some(c);
+    }
+    let fresh = Conn {
+        port,
+        accepted: 1,
+        ..Conn::default()
+    };
+    CONNS.insert(sk, fresh, 0).ok()?;
+    CONNS.get_ptr_mut(sk)
+}
+
+/// Starts a request on `conn` at `ts` (first byte in), ending whatever response was in progress.
+#[inline(always)]
+fn start_request(conn: *mut Conn, stats: *mut PortStats, ts: u64) {
+    // SAFETY: live map entries.
+    unsafe {
+        (*conn).phase = PHASE_WAITING;
+        (*conn).request_start_ns = ts;
+        (*conn).first_read_ns = 0;
+        add(&mut (*stats).requests, 1);
+    }
+}
+
+#[btf_tracepoint(function = "inet_sock_set_state")]
+pub fn kinf_sock_state(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    let sk: u64 = ctx.arg(0);
+    let old: i32 = ctx.arg(1);
+    let new: i32 = ctx.arg(2);
+    if new == TCP_CLOSE {
+        // The local port is already cleared here: match by socket address.
+        let _ = CONNS.remove(sk);
+    } else if new == TCP_ESTABLISHED && old == TCP_SYN_RECV {
+        let Some((port, _)) = watched_port(&cfg, sk) else {
+            return 0;
+        };
+        let conn = Conn {
+            established_ns: now(),
+            port,
+            ..Conn::default()
+        };
+        if CONNS.insert(sk, conn, 0).is_err() {
+            warn!(
+                &ctx,
+                "kinference: connection table insert failed on port {}", port
+            );
+        }
+    }
+    0
+}
+
+#[btf_tracepoint(function = "sk_data_ready")]
+pub fn kinf_data_ready(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    let sk: u64 = ctx.arg(0);
+    let Some(state) = read::<u8>(sk, cfg.sock_state) else {
+        return 0;
+    };
+    if state == TCP_LISTEN {
+        // A connection finished its handshake and was queued on this listener.
+        if let Some((port, _)) = watched_port(&cfg, sk) {
+            observe_backlog(&cfg, sk, port);
+        }
+        return 0;
+    }
+    // The peer's FIN also signals data-ready (state already CLOSE_WAIT): only data on ESTABLISHED counts.
+    if state != TCP_ESTABLISHED as u8 {
+        return 0;
+    }
+    let Some((port, stats)) = watched_port(&cfg, sk) else {
+        return 0;
+    };
+    let Some(conn) = conn_for(sk, port) else {
+        return 0;
+    };
+    // SAFETY: live map entry.
+    if unsafe { (*conn).phase } != PHASE_WAITING {
+        start_request(conn, stats, now());
+    }
+    0
+}
+
+#[btf_tracepoint(function = "sock_recv_length")]
+pub fn kinf_recv(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    let sk: u64 = ctx.arg(0);
+    let ret: i32 = ctx.arg(1);
+    if ret <= 0 || sk == 0 {
+        return 0;
+    }
+    let Some(state) = read::<u8>(sk, cfg.sock_state) else {
+        return 0;
+    };
+    if state != TCP_ESTABLISHED as u8 && state != TCP_CLOSE_WAIT {
+        return 0;
+    }
+    let Some((port, stats)) = watched_port(&cfg, sk) else {
+        return 0;
+    };
+    let Some(conn) = conn_for(sk, port) else {
+        return 0;
+    };
+    let ts = now();
+    // SAFETY: live map entry.
+    unsafe {
+        if (*conn).phase != PHASE_WAITING {
+            // No data-ready event started this request (tracepoint missing on this kernel): the first read is
+            // the earliest sign of it.
+            start_request(conn, stats, ts);
+        }
+        if (*conn).first_read_ns == 0 {
+            (*conn).first_read_ns = ts;
+        }
+    }
+    0
+}
+
+#[inline(always)]
+fn on_send(cfg: &Config, sk: u64) {
+    let Some((port, stats)) = watched_port(cfg, sk) else {
+        return;
+    };
+    let Some(conn) = CONNS.get_ptr_mut(sk) else {
+        return;
+    };
+    let ts = now();
+    // SAFETY: live map entries.
+    unsafe {
+        if (*conn).phase == PHASE_WAITING {
+            let start = (*conn).request_start_ns;
+            let ttfb = ts.saturating_sub(start);
+            let read_delay = if (*conn).first_read_ns >= start {
+                (*conn).first_read_ns - start
+            } else {
+                0
+            };
+            (*conn).phase = PHASE_RESPONDING;
+            add(&mut (*stats).responses, 1);
+            add(&mut (*stats).ttfb_sum_ns, ttfb);
+            emit(EVENT_TTFB, port, ttfb, read_delay, ts, stats);
+        }
+        (*conn).last_send_ns = ts;
+    }
+}
+
+#[btf_tracepoint(function = "tcp_sendmsg_locked")]
+pub fn kinf_tcp_sendmsg(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    let sk: u64 = ctx.arg(0);
+    on_send(&cfg, sk);
+    0
+}
+
+#[btf_tracepoint(function = "sock_send_length")]
+pub fn kinf_send(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    let sk: u64 = ctx.arg(0);
+    let ret: i32 = ctx.arg(1);
+    if ret <= 0 || sk == 0 {
+        return 0;
+    }
+    on_send(&cfg, sk);
+    0
+}
+
+/// The `struct sock` behind file descriptor `fd` of the current task, through task->files->fdt->fd[fd]->
+/// private_data (a `struct socket`)->sk.
+#[inline(always)]
+fn fd_to_sock(cfg: &Config, fd: u64) -> Option<u64> {
+    // SAFETY: a helper without arguments; the result is only used as a base for probe reads.
+    let task = unsafe { bpf_get_current_task() };
+    let files: u64 = read(task, cfg.task_files)?;
+    let fdt: u64 = read(files, cfg.files_fdt)?;
+    let max_fds: u32 = read(fdt, cfg.fdtable_max_fds)?;
+    if fd >= max_fds as u64 {
+        return None;
+    }
+    let fds: u64 = read(fdt, cfg.fdtable_fd)?;
+    let file: u64 = read(fds + fd * 8, 0)?;
+    if file == 0 {
+        return None;
+    }
+    let socket: u64 = read(file, cfg.file_private_data)?;
+    if socket == 0 {
+        return None;
+    }
+    let sk: u64 = read(socket, cfg.socket_sk)?;
+    if sk == 0 { None } else { Some(sk) }
+}
+
+#[btf_tracepoint(function = "sys_exit")]
+pub fn kinf_sys_exit(ctx: BtfTracePointContext) -> i32 {
+    let Some(cfg) = config() else { return 0 };
+    if cfg.flags & CONFIG_ACCEPT == 0 {
+        return 0;
+    }
+    let regs: u64 = ctx.arg(0);
+    let ret: i64 = ctx.arg(1);
+    if ret < 0 {
+        return 0;
+    }
+    let Some(nr) = read::<u64>(regs, cfg.regs_syscall_nr) else {
+        return 0;
+    };
+    if nr != cfg.nr_accept as u64 && nr != cfg.nr_accept4 as u64 {
+        return 0;
+    }
+    let Some(sk) = fd_to_sock(&cfg, ret as u64) else {
+        return 0;
+    };
+    let Some(conn) = CONNS.get_ptr_mut(sk) else {
+        return 0;
+    };
+    // SAFETY: live map entry.
+    let (port, established, accepted) =
+        unsafe { ((*conn).port, (*conn).established_ns, (*conn).accepted) };
+    let Some(stats) = PORTS.get_ptr_mut(port) else {
+        return 0;
+    };
+    if accepted == 0 {
+        let ts = now();
+        // SAFETY: live map entries.
+        unsafe {
+            (*conn).accepted = 1;
+            if established != 0 {
+                let wait = ts.saturating_sub(established);
+                add(&mut (*stats).accepts, 1);
+                add(&mut (*stats).accept_wait_sum_ns, wait);
+                emit(EVENT_ACCEPT_WAIT, port, wait, 0, ts, stats);
+            }
+        }
+    }
+    // The listening socket is accept's first argument: its queue just shrank by one.
+    if let Some(listen_fd) = read::<u64>(regs, cfg.regs_arg0)
+        && let Some(listener) = fd_to_sock(&cfg, listen_fd)
+    {
+        observe_backlog(&cfg, listener, port);
+    }
+    0
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";
