@@ -1,0 +1,75 @@
+//! `InferencePool`: a set of vLLM workers serving the same models on the same GPU class.
+
+use std::collections::BTreeMap;
+
+use kube::CustomResource;
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::common::{Locality, ResourceStatus, TokenPrices};
+
+/// A set of vLLM workers (found by label selector in a cluster, or listed statically in local mode)
+/// that serve the listed models on one GPU class.
+#[derive(CustomResource, Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
+#[kube(
+    group = "kinference.ai",
+    version = "v1alpha1",
+    kind = "InferencePool",
+    namespaced,
+    status = "ResourceStatus",
+    shortname = "ipool",
+    category = "kinference",
+    printcolumn(name = "GPU", type_ = "string", json_path = ".spec.gpuClass"),
+    printcolumn(name = "Locality", type_ = "string", json_path = ".spec.locality"),
+    printcolumn(
+        name = "Active",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Active\")].status"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InferencePoolSpec {
+    /// Names of the `InferenceModel`s every worker of the pool serves.
+    #[schemars(length(min = 1))]
+    pub models: Vec<String>,
+    /// Pods whose labels match are the pool's workers (cluster mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<WorkerSelector>,
+    /// Worker base URLs (local mode, or workers outside the cluster).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub endpoints: Vec<StaticEndpoint>,
+    /// GPU class, e.g. `l40s` or `h100` (informational, and a routing match key).
+    #[schemars(length(min = 1, max = 63))]
+    pub gpu_class: String,
+    /// Where the workers run; requests that must stay local only go to `Local` pools.
+    #[serde(default)]
+    pub locality: Locality,
+    /// What serving a token on this pool costs.
+    pub prices: TokenPrices,
+}
+
+/// Label selector for the pool's worker pods.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerSelector {
+    /// Labels every worker pod carries.
+    #[schemars(length(min = 1))]
+    pub match_labels: BTreeMap<String, String>,
+    /// vLLM's HTTP port on the pods.
+    #[schemars(range(min = 1, max = 65535))]
+    pub target_port: u16,
+}
+
+/// One worker given by URL.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticEndpoint {
+    /// Worker base URL, e.g. `http://127.0.0.1:8001`.
+    #[schemars(regex(pattern = r"^https?://[^\s/]+"))]
+    pub url: String,
+}
