@@ -1,4 +1,87 @@
-fn main() {
-    eprintln!("kinference-gateway: not built yet");
-    std::process::exit(2);
+//! `kinference-gateway`: serves the client API and the admin port until SIGINT or SIGTERM.
+
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use clap::Parser;
+use kinference_gateway::config::{Args, GatewayConfig};
+use kinference_gateway::health;
+use kinference_gateway::metrics::Metrics;
+use kinference_gateway::routing::Router;
+use kinference_gateway::server::{self, Gateway, Port};
+use kinference_gateway::upstream::Upstream;
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let config = GatewayConfig::load(&args.config)?;
+    let router = Router::new(config.routing_config()).context("building the router")?;
+    let metrics = Metrics::new();
+    metrics.with_registry(|registry| router.register_metrics(registry));
+    let gw = Arc::new(Gateway {
+        router: Arc::new(router),
+        upstream: Upstream::new(&args.http),
+        metrics,
+        settings: args.http.clone(),
+        models: config.model_names(),
+    });
+
+    let api = server::bind(args.listen).await?;
+    let admin = server::bind(args.admin_listen).await?;
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),
+        routing = %config.routing, "kinference-gateway started");
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let prober = tokio::spawn(health::run_prober(Arc::clone(&gw)));
+    let admin_task = tokio::spawn(server::serve(
+        admin,
+        Arc::clone(&gw),
+        Port::Admin,
+        stopped(stop_rx.clone()),
+    ));
+    let api_task = tokio::spawn(server::serve(
+        api,
+        Arc::clone(&gw),
+        Port::Api,
+        stopped(stop_rx),
+    ));
+
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    let _ = stop_tx.send(true);
+    prober.abort();
+    let _ = api_task.await;
+    let _ = admin_task.await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
 }

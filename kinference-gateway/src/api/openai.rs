@@ -1,0 +1,306 @@
+//! OpenAI wire types: the requests the gateway accepts and forwards, and the parts of vLLM's responses it
+//! reads (usage, finish reasons, stream chunks) for accounting and for the Anthropic translation.
+//!
+//! Requests keep every field the gateway does not interpret in `extra`, so vLLM's extensions
+//! (`top_k`, `ignore_eos`, ...) pass through untouched.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::errors::GatewayError;
+
+/// `stream_options` of a chat or completion request.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub include_usage: Option<bool>,
+    /// Every other option, passed through.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `POST /v1/chat/completions` request body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Served model name.
+    pub model: String,
+    /// The conversation (kept as JSON: the router tokenizes it with the model's chat template).
+    pub messages: Value,
+    /// Stream the answer as SSE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    /// Every other field, passed through.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `POST /v1/completions` request body.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    /// Served model name.
+    pub model: String,
+    /// A string, a list of strings, a list of token ids or a list of lists.
+    pub prompt: Value,
+    /// Stream the answer as SSE.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_options: Option<StreamOptions>,
+    /// Every other field, passed through.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
+}
+
+/// `usage` of a response or of the final stream chunk.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// Sum of both.
+    #[serde(default)]
+    pub total_tokens: u64,
+    /// Cache details (vLLM fills it with `--enable-prompt-tokens-details`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+impl Usage {
+    /// Cached prompt tokens, when the worker reported them.
+    pub fn cached_tokens(&self) -> Option<u64> {
+        self.prompt_tokens_details.and_then(|d| d.cached_tokens)
+    }
+}
+
+/// The message of a non-streaming chat choice.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChoiceMessage {
+    /// Generated text.
+    #[serde(default)]
+    pub content: Option<String>,
+}
+
+/// A choice of a non-streaming chat completion.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatChoice {
+    /// The assistant message.
+    #[serde(default)]
+    pub message: ChoiceMessage,
+    /// `stop`, `length`, ...
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    /// vLLM: the stop string (or token id) that ended generation.
+    #[serde(default)]
+    pub stop_reason: Option<Value>,
+}
+
+/// A non-streaming chat completion, as far as the gateway reads it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionResponse {
+    /// Response id.
+    #[serde(default)]
+    pub id: String,
+    /// Choices (the gateway uses the first).
+    #[serde(default)]
+    pub choices: Vec<ChatChoice>,
+    /// Token counts.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+}
+
+/// Only the usage of any response body (chat or completion), for accounting without a full parse.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct UsageOnly {
+    /// Token counts.
+    #[serde(default)]
+    pub usage: Option<Usage>,
+}
+
+/// `delta` of a streamed chat choice.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChunkDelta {
+    /// New text.
+    #[serde(default)]
+    pub content: Option<String>,
+}
+
+/// A choice of a stream chunk (chat: `delta`; completions: `text`).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChunkChoice {
+    /// Chat: the new text.
+    #[serde(default)]
+    pub delta: Option<ChunkDelta>,
+    /// Completions: the new text.
+    #[serde(default)]
+    pub text: Option<String>,
+    /// Set on the choice's last chunk.
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    /// vLLM: the stop string (or token id) that ended generation.
+    #[serde(default)]
+    pub stop_reason: Option<Value>,
+}
+
+impl ChunkChoice {
+    /// The text this chunk adds, if any.
+    pub fn text(&self) -> Option<&str> {
+        self.delta
+            .as_ref()
+            .and_then(|d| d.content.as_deref())
+            .or(self.text.as_deref())
+    }
+}
+
+/// One SSE chunk of a streamed chat or completion response, as far as the gateway reads it.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamChunk {
+    /// Choices (empty on the final usage chunk).
+    #[serde(default)]
+    pub choices: Vec<ChunkChoice>,
+    /// Present on the final chunk with `include_usage` (and on every chunk with continuous stats).
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// vLLM reports errors inside a stream this way.
+    #[serde(default)]
+    pub error: Option<Value>,
+}
+
+impl StreamChunk {
+    /// Whether this chunk carries generated text.
+    pub fn has_text(&self) -> bool {
+        self.choices
+            .iter()
+            .any(|c| c.text().is_some_and(|t| !t.is_empty()))
+    }
+}
+
+/// An error body from a worker: vLLM answers `{"error": {"message": ..}}` (newer) or
+/// `{"object": "error", "message": ..}` (older).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct UpstreamErrorBody {
+    /// Newer shape.
+    #[serde(default)]
+    pub error: Option<UpstreamErrorDetail>,
+    /// Older shape.
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+/// The inner error object of [`UpstreamErrorBody`].
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct UpstreamErrorDetail {
+    /// Human-readable message.
+    #[serde(default)]
+    pub message: Option<String>,
+}
+
+impl UpstreamErrorBody {
+    /// The worker's message, or the raw body when it is not in a known shape.
+    pub fn message_from(body: &[u8]) -> String {
+        match serde_json::from_slice::<UpstreamErrorBody>(body) {
+            Ok(parsed) => parsed
+                .error
+                .and_then(|e| e.message)
+                .or(parsed.message)
+                .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned()),
+            Err(_) => String::from_utf8_lossy(body).into_owned(),
+        }
+    }
+}
+
+/// Parses a JSON request body, mapping syntax and shape errors to a 400.
+pub fn parse_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, GatewayError> {
+    serde_json::from_slice(body).map_err(|e| GatewayError::MalformedJson(e.to_string()))
+}
+
+/// Asks the worker for a final usage chunk on streams, whatever the client asked, so that every
+/// request is accounted. Returns whether the client itself asked for it (then the chunk is passed on).
+pub fn force_include_usage(stream_options: &mut Option<StreamOptions>) -> bool {
+    let options = stream_options.get_or_insert_with(StreamOptions::default);
+    let client_asked = options.include_usage == Some(true);
+    options.include_usage = Some(true);
+    client_asked
+}
+
+impl ChatCompletionRequest {
+    /// Checks the fields the gateway relies on.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        validate_model(&self.model)?;
+        match self.messages.as_array() {
+            Some(m) if !m.is_empty() => Ok(()),
+            _ => Err(GatewayError::invalid(
+                "messages",
+                "`messages` must be a non-empty array",
+            )),
+        }
+    }
+}
+
+impl CompletionRequest {
+    /// Checks the fields the gateway relies on.
+    pub fn validate(&self) -> Result<(), GatewayError> {
+        validate_model(&self.model)?;
+        match &self.prompt {
+            Value::String(_) => Ok(()),
+            Value::Array(items) if !items.is_empty() => Ok(()),
+            _ => Err(GatewayError::invalid(
+                "prompt",
+                "`prompt` must be a string or a non-empty array",
+            )),
+        }
+    }
+
+    /// The text the router tokenizes: the prompt string, or the first string of a list. Token-id
+    /// prompts route without text.
+    pub fn prompt_text(&self) -> &str {
+        match &self.prompt {
+            Value::String(s) => s,
+            Value::Array(items) => items.first().and_then(Value::as_str).unwrap_or(""),
+            _ => "",
+        }
+    }
+}
+
+fn validate_model(model: &str) -> Result<(), GatewayError> {
+    if model.is_empty() {
+        return Err(GatewayError::invalid("model", "`model` must not be empty"));
+    }
+    Ok(())
+}
+
+/// The `GET /v1/models` response for a list of model names.
+pub fn models_response(models: &[String]) -> Value {
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| {
+            serde_json::json!({
+                "id": m,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kinference",
+                "root": m,
+                "parent": null,
+            })
+        })
+        .collect();
+    serde_json::json!({"object": "list", "data": data})
+}
+
+#[cfg(test)]
+mod tests;

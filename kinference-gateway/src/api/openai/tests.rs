@@ -1,0 +1,101 @@
+use super::*;
+use serde_json::json;
+
+#[test]
+fn chat_request_round_trips_unknown_fields() {
+    let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":5,"top_k":3,"stream":true}"#;
+    let mut req: ChatCompletionRequest = parse_body(body).expect("parses");
+    req.validate().expect("valid");
+    assert!(!force_include_usage(&mut req.stream_options));
+    let out: Value = serde_json::to_value(&req).expect("serializes");
+    assert_eq!(out["top_k"], 3);
+    assert_eq!(out["max_tokens"], 5);
+    assert_eq!(out["stream_options"], json!({"include_usage": true}));
+}
+
+#[test]
+fn client_asked_usage_is_reported() {
+    let mut options = Some(StreamOptions {
+        include_usage: Some(true),
+        extra: Map::new(),
+    });
+    assert!(force_include_usage(&mut options));
+}
+
+#[test]
+fn malformed_and_invalid_requests() {
+    let err = parse_body::<ChatCompletionRequest>(b"{not json").unwrap_err();
+    assert_eq!(err.status().as_u16(), 400);
+    let err = parse_body::<ChatCompletionRequest>(br#"{"messages":[]}"#).unwrap_err();
+    assert!(err.to_string().contains("model"), "{err}");
+    let req: ChatCompletionRequest = parse_body(br#"{"model":"m","messages":[]}"#).expect("parses");
+    assert!(matches!(
+        req.validate(),
+        Err(GatewayError::InvalidRequest {
+            param: Some("messages"),
+            ..
+        })
+    ));
+    let req: CompletionRequest = parse_body(br#"{"model":"m","prompt":5}"#).expect("parses");
+    assert!(req.validate().is_err());
+}
+
+#[test]
+fn completion_prompt_text_for_routing() {
+    let req: CompletionRequest =
+        parse_body(br#"{"model":"m","prompt":["first","second"]}"#).expect("parses");
+    assert_eq!(req.prompt_text(), "first");
+    let req: CompletionRequest = parse_body(br#"{"model":"m","prompt":[1,2,3]}"#).expect("parses");
+    assert_eq!(req.prompt_text(), "");
+}
+
+#[test]
+fn stream_chunks_chat_completion_and_usage() {
+    let chat: StreamChunk = serde_json::from_str(
+        r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":null}]}"#,
+    )
+    .expect("parses");
+    assert!(chat.has_text());
+    let role: StreamChunk = serde_json::from_str(
+        r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+    )
+    .expect("parses");
+    assert!(!role.has_text());
+    let completion: StreamChunk = serde_json::from_str(
+        r#"{"choices":[{"index":0,"text":" static","finish_reason":"length"}]}"#,
+    )
+    .expect("parses");
+    assert!(completion.has_text());
+    let usage: StreamChunk = serde_json::from_str(
+        r#"{"choices":[],"usage":{"prompt_tokens":100,"total_tokens":103,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":96}}}"#,
+    )
+    .expect("parses");
+    let u = usage.usage.expect("usage");
+    assert_eq!(
+        (u.prompt_tokens, u.completion_tokens, u.cached_tokens()),
+        (100, 3, Some(96))
+    );
+}
+
+#[test]
+fn upstream_error_messages_in_both_vllm_shapes() {
+    assert_eq!(
+        UpstreamErrorBody::message_from(
+            br#"{"error":{"message":"too long","type":"BadRequestError"}}"#
+        ),
+        "too long"
+    );
+    assert_eq!(
+        UpstreamErrorBody::message_from(br#"{"object":"error","message":"old shape"}"#),
+        "old shape"
+    );
+    assert_eq!(UpstreamErrorBody::message_from(b"plain"), "plain");
+}
+
+#[test]
+fn models_list_shape() {
+    let v = models_response(&["a".to_string()]);
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "a");
+    assert_eq!(v["data"][0]["object"], "model");
+}

@@ -1,0 +1,238 @@
+//! The gateway's one error type and its mapping, once, at the edge, to the client's protocol.
+//!
+//! Every stage of the pipeline returns [`GatewayError`]; only [`GatewayError::into_response`] and
+//! [`GatewayError::stream_event`] know what an OpenAI or Anthropic client expects (status, JSON shape,
+//! error type names), so the stages stay protocol-neutral.
+
+use bytes::Bytes;
+use http::{HeaderValue, StatusCode, header};
+use serde_json::json;
+
+use crate::routing::RouteError;
+
+/// Which wire protocol the client speaks; decides the error shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// OpenAI (`/v1/chat/completions`, `/v1/completions`, `/v1/models`).
+    OpenAi,
+    /// Anthropic (`/v1/messages`).
+    Anthropic,
+}
+
+impl Protocol {
+    /// Label value for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::OpenAi => "openai",
+            Protocol::Anthropic => "anthropic",
+        }
+    }
+}
+
+/// Everything that can go wrong with one request.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum GatewayError {
+    /// The body is not JSON, or not the expected JSON shape.
+    #[error("malformed request body: {0}")]
+    MalformedJson(String),
+    /// A field is missing or has a value the gateway does not accept.
+    #[error("{message}")]
+    InvalidRequest {
+        /// What is wrong, for humans.
+        message: String,
+        /// The offending field, when one is to blame.
+        param: Option<&'static str>,
+    },
+    /// No worker serves the requested model.
+    #[error("The model `{0}` does not exist")]
+    UnknownModel(String),
+    /// The request body exceeds the configured limit.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// No route for this method and path.
+    #[error("no route for {method} {path}")]
+    NotFound {
+        /// Request method.
+        method: String,
+        /// Request path.
+        path: String,
+    },
+    /// Workers serve the model but none is healthy.
+    #[error("no healthy worker serves model `{0}`")]
+    NoHealthyWorker(String),
+    /// The worker could not be reached (refused connection, connect timeout).
+    #[error("worker {worker} is unreachable: {detail}")]
+    WorkerUnreachable {
+        /// Worker base URL.
+        worker: String,
+        /// The cause.
+        detail: String,
+    },
+    /// The worker answered something the gateway cannot use, or broke the connection.
+    #[error("bad response from worker {worker}: {detail}")]
+    BadUpstream {
+        /// Worker base URL.
+        worker: String,
+        /// The cause.
+        detail: String,
+    },
+    /// The worker did not answer (or went silent mid-stream) within the configured timeout.
+    #[error("worker {worker} timed out ({what})")]
+    UpstreamTimeout {
+        /// Worker base URL.
+        worker: String,
+        /// Which timeout fired.
+        what: &'static str,
+    },
+    /// The worker rejected the request itself (its own 4xx); passed on with its status and message.
+    #[error("{message}")]
+    UpstreamRejected {
+        /// The worker's status.
+        status: StatusCode,
+        /// The worker's error message.
+        message: String,
+    },
+}
+
+impl From<RouteError> for GatewayError {
+    fn from(e: RouteError) -> Self {
+        match e {
+            RouteError::UnknownModel(m) => GatewayError::UnknownModel(m),
+            RouteError::NoHealthyWorker(m) => GatewayError::NoHealthyWorker(m),
+        }
+    }
+}
+
+impl GatewayError {
+    /// A 400 for a bad field.
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        GatewayError::InvalidRequest {
+            message: message.into(),
+            param: Some(param),
+        }
+    }
+
+    /// The HTTP status this error maps to.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            GatewayError::MalformedJson(_) | GatewayError::InvalidRequest { .. } => {
+                StatusCode::BAD_REQUEST
+            }
+            GatewayError::UnknownModel(_) | GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
+            GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::NoHealthyWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::WorkerUnreachable { .. } | GatewayError::BadUpstream { .. } => {
+                StatusCode::BAD_GATEWAY
+            }
+            GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            GatewayError::UpstreamRejected { status, .. } => *status,
+        }
+    }
+
+    /// Short label for metrics and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            GatewayError::MalformedJson(_) => "malformed_json",
+            GatewayError::InvalidRequest { .. } => "invalid_request",
+            GatewayError::UnknownModel(_) => "unknown_model",
+            GatewayError::BodyTooLarge { .. } => "body_too_large",
+            GatewayError::NotFound { .. } => "not_found",
+            GatewayError::NoHealthyWorker(_) => "no_healthy_worker",
+            GatewayError::WorkerUnreachable { .. } => "worker_unreachable",
+            GatewayError::BadUpstream { .. } => "bad_upstream",
+            GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
+            GatewayError::UpstreamRejected { .. } => "upstream_rejected",
+        }
+    }
+
+    fn openai_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            400 | 413 | 422 => "invalid_request_error",
+            404 => "not_found_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            429 => "rate_limit_error",
+            503 => "service_unavailable_error",
+            504 => "timeout_error",
+            _ => "api_error",
+        }
+    }
+
+    fn openai_code(&self) -> Option<&'static str> {
+        match self {
+            GatewayError::UnknownModel(_) => Some("model_not_found"),
+            GatewayError::BodyTooLarge { .. } => Some("request_too_large"),
+            GatewayError::NoHealthyWorker(_) => Some("no_healthy_worker"),
+            GatewayError::WorkerUnreachable { .. } => Some("worker_unreachable"),
+            GatewayError::BadUpstream { .. } => Some("bad_upstream"),
+            GatewayError::UpstreamTimeout { .. } => Some("upstream_timeout"),
+            _ => None,
+        }
+    }
+
+    fn anthropic_type(&self) -> &'static str {
+        match self.status().as_u16() {
+            400 | 422 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            504 => "timeout_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The JSON error body in the client's protocol.
+    pub fn body(&self, protocol: Protocol) -> serde_json::Value {
+        let message = self.to_string();
+        match protocol {
+            Protocol::OpenAi => {
+                let param = match self {
+                    GatewayError::InvalidRequest { param, .. } => *param,
+                    GatewayError::UnknownModel(_) => Some("model"),
+                    _ => None,
+                };
+                json!({"error": {
+                    "message": message,
+                    "type": self.openai_type(),
+                    "param": param,
+                    "code": self.openai_code(),
+                }})
+            }
+            Protocol::Anthropic => json!({
+                "type": "error",
+                "error": {"type": self.anthropic_type(), "message": message},
+            }),
+        }
+    }
+
+    /// A complete HTTP error response in the client's protocol.
+    pub fn into_response(&self, protocol: Protocol) -> http::Response<crate::server::Body> {
+        let body = Bytes::from(self.body(protocol).to_string());
+        let mut response = http::Response::new(crate::server::full(body));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        response
+    }
+
+    /// The terminal SSE event for a stream that breaks after its headers were sent: OpenAI clients get a
+    /// `data: {"error": ...}` chunk, Anthropic clients an `event: error`.
+    pub fn stream_event(&self, protocol: Protocol) -> Bytes {
+        let body = self.body(protocol);
+        match protocol {
+            Protocol::OpenAi => Bytes::from(format!("data: {body}\n\n")),
+            Protocol::Anthropic => Bytes::from(format!("event: error\ndata: {body}\n\n")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

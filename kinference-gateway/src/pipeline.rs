@@ -1,0 +1,421 @@
+//! One inference request's path through the gateway, top to bottom in [`handle`]:
+//! read -> parse -> validate (and translate) -> route -> forward -> stream back -> account.
+//!
+//! Each stage is a small function below; errors from any of them surface as one [`GatewayError`]
+//! that [`handle`] maps to the client's protocol.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use crate::api::anthropic::{self, MessagesRequest};
+use crate::api::openai::{
+    self, ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, UpstreamErrorBody,
+    UsageOnly,
+};
+use crate::errors::{GatewayError, Protocol};
+use crate::metrics::{InFlightGuard, RequestLabels, WorkerLabels};
+use crate::relay::{Relay, RelayMode};
+use crate::routing::{Decision, Prompt, RouteError, RouteRequest};
+use crate::server::{Body, Gateway, full};
+
+/// The inference endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// OpenAI `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// OpenAI `POST /v1/completions`.
+    Completions,
+    /// Anthropic `POST /v1/messages`.
+    Messages,
+}
+
+impl Endpoint {
+    /// The client's protocol.
+    pub fn protocol(self) -> Protocol {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Completions => Protocol::OpenAi,
+            Endpoint::Messages => Protocol::Anthropic,
+        }
+    }
+
+    /// The worker's endpoint the request goes to.
+    fn upstream_path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Messages => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// What one request carries through the stages.
+struct Context {
+    endpoint: Endpoint,
+    protocol: Protocol,
+    started: Instant,
+    debug: bool,
+    model: String,
+    worker: String,
+    in_flight: Option<InFlightGuard>,
+}
+
+/// A parsed client request.
+enum ClientRequest {
+    Chat(ChatCompletionRequest),
+    Completion(CompletionRequest),
+    Messages(MessagesRequest),
+}
+
+/// The request as the worker will get it.
+struct WorkerRequest {
+    /// Chat (also translated Anthropic) or completion request, kept for the router's prompt view.
+    openai: OpenAiRequest,
+    body: Bytes,
+    stream: bool,
+    /// OpenAI streams: whether the client asked for the usage chunk itself.
+    client_wants_usage: bool,
+}
+
+enum OpenAiRequest {
+    Chat(ChatCompletionRequest),
+    Completion(CompletionRequest),
+}
+
+impl WorkerRequest {
+    fn model(&self) -> &str {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => &r.model,
+            OpenAiRequest::Completion(r) => &r.model,
+        }
+    }
+
+    fn prompt(&self) -> Prompt<'_> {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => Prompt::Chat(&r.messages),
+            OpenAiRequest::Completion(r) => Prompt::Text(r.prompt_text()),
+        }
+    }
+}
+
+/// Serves one inference request.
+pub async fn handle(
+    gw: Arc<Gateway>,
+    endpoint: Endpoint,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let mut ctx = Context {
+        endpoint,
+        protocol: endpoint.protocol(),
+        started: Instant::now(),
+        debug: req
+            .headers()
+            .get("x-kinference-debug")
+            .is_some_and(|v| v.as_bytes() == b"1"),
+        model: String::new(),
+        worker: String::new(),
+        in_flight: Some(gw.metrics.in_flight()),
+    };
+    match run(&gw, &mut ctx, req).await {
+        Ok(response) => response,
+        Err(error) => {
+            account_error(&gw, &ctx, &error);
+            error.into_response(ctx.protocol)
+        }
+    }
+}
+
+async fn run(
+    gw: &Gateway,
+    ctx: &mut Context,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, GatewayError> {
+    let body = read_body(req, gw.settings.body_limit_bytes).await?;
+    let request = parse(ctx.endpoint, &body)?;
+    let worker_request = validate_and_translate(request)?;
+    ctx.model = worker_request.model().to_string();
+    let (decision, response) = route_and_forward(gw, ctx, &worker_request).await?;
+    ctx.worker = decision.worker.clone();
+    if worker_request.stream {
+        Ok(stream_back(gw, ctx, &worker_request, decision, response))
+    } else {
+        reply_whole(gw, ctx, decision, response).await
+    }
+}
+
+/// Stage 1: the body, bounded by the configured limit (413 beyond it).
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, GatewayError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(GatewayError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(GatewayError::MalformedJson(format!(
+            "reading the request body: {e}"
+        ))),
+    }
+}
+
+/// Stage 2: JSON into the endpoint's typed request (400 on bad JSON or shape).
+fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, GatewayError> {
+    Ok(match endpoint {
+        Endpoint::ChatCompletions => ClientRequest::Chat(openai::parse_body(body)?),
+        Endpoint::Completions => ClientRequest::Completion(openai::parse_body(body)?),
+        Endpoint::Messages => ClientRequest::Messages(openai::parse_body(body)?),
+    })
+}
+
+/// Stage 3: field checks, then the worker's OpenAI request (Anthropic is translated here). Streams always
+/// ask the worker for the final usage chunk so every request can be accounted.
+fn validate_and_translate(request: ClientRequest) -> Result<WorkerRequest, GatewayError> {
+    let (openai, client_wants_usage) = match request {
+        ClientRequest::Chat(mut r) => {
+            r.validate()?;
+            let wants =
+                r.stream == Some(true) && openai::force_include_usage(&mut r.stream_options);
+            (OpenAiRequest::Chat(r), wants)
+        }
+        ClientRequest::Completion(mut r) => {
+            r.validate()?;
+            let wants =
+                r.stream == Some(true) && openai::force_include_usage(&mut r.stream_options);
+            (OpenAiRequest::Completion(r), wants)
+        }
+        ClientRequest::Messages(r) => (OpenAiRequest::Chat(r.to_chat_request()?), false),
+    };
+    let (body, stream) = match &openai {
+        OpenAiRequest::Chat(r) => (serde_json::to_vec(r), r.stream == Some(true)),
+        OpenAiRequest::Completion(r) => (serde_json::to_vec(r), r.stream == Some(true)),
+    };
+    let body = body.map_err(|e| GatewayError::MalformedJson(e.to_string()))?;
+    Ok(WorkerRequest {
+        openai,
+        body: Bytes::from(body),
+        stream,
+        client_wants_usage,
+    })
+}
+
+/// Stages 4 and 5: pick a worker and send the request. A worker that refuses the connection is marked
+/// unhealthy and the request goes once more to another worker (nothing has been streamed yet).
+async fn route_and_forward(
+    gw: &Gateway,
+    ctx: &Context,
+    request: &WorkerRequest,
+) -> Result<(Decision, Response<Incoming>), GatewayError> {
+    let mut refused: Option<GatewayError> = None;
+    loop {
+        let route = RouteRequest {
+            model: request.model(),
+            prompt: request.prompt(),
+            debug: ctx.debug,
+        };
+        let decision = match gw.router.pick(route).await {
+            Ok(decision) => decision,
+            // The retry found no other worker: the refusal is the more useful answer.
+            Err(RouteError::NoHealthyWorker(_)) if refused.is_some() => {
+                return Err(refused.unwrap_or(GatewayError::NoHealthyWorker(ctx.model.clone())));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let path = ctx.endpoint.upstream_path();
+        match gw
+            .upstream
+            .post_json(&decision.worker, path, request.body.clone())
+            .await
+        {
+            Ok(response) if response.status().is_success() => return Ok((decision, response)),
+            Ok(response) => return Err(upstream_rejection(gw, &decision.worker, response).await),
+            Err(error @ GatewayError::WorkerUnreachable { .. }) => {
+                tracing::warn!(worker = %decision.worker, model = %ctx.model, %error, "worker unreachable; marking it unhealthy");
+                gw.set_health(&decision.worker, false);
+                if refused.is_some() {
+                    return Err(error);
+                }
+                gw.metrics.retry();
+                refused = Some(error);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// A worker's non-2xx answer: its own 4xx passes on with its message; anything else is a bad upstream.
+async fn upstream_rejection(
+    gw: &Gateway,
+    worker: &str,
+    response: Response<Incoming>,
+) -> GatewayError {
+    let status = response.status();
+    let body = gw
+        .upstream
+        .read_body(worker, response.into_body())
+        .await
+        .unwrap_or_default();
+    let message = UpstreamErrorBody::message_from(&body);
+    if status.is_client_error() {
+        GatewayError::UpstreamRejected { status, message }
+    } else {
+        GatewayError::BadUpstream {
+            worker: worker.to_string(),
+            detail: format!("status {status}: {message}"),
+        }
+    }
+}
+
+/// Stage 6 (streams): relay the worker's SSE stream chunk by chunk; accounting happens when it ends.
+fn stream_back(
+    gw: &Gateway,
+    ctx: &mut Context,
+    request: &WorkerRequest,
+    decision: Decision,
+    response: Response<Incoming>,
+) -> Response<Body> {
+    let mode = match ctx.endpoint {
+        Endpoint::Messages => RelayMode::Anthropic(anthropic::StreamTranslator::new(
+            &ctx.model,
+            anthropic::message_id(&format!("{:x}", rand::random::<u64>())),
+        )),
+        _ => RelayMode::OpenAi {
+            pass_usage_chunk: request.client_wants_usage,
+        },
+    };
+    let headers = routed_headers(&decision, ctx.debug);
+    let relay = Relay::new(
+        response.into_body(),
+        mode,
+        decision,
+        gw.metrics.clone(),
+        gw.upstream.idle_timeout(),
+        ctx.started,
+        WorkerLabels {
+            model: ctx.model.clone(),
+            worker: ctx.worker.clone(),
+        },
+        ctx.protocol,
+        ctx.in_flight.take(),
+    );
+    let mut response = Response::new(relay.into_body());
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.extend(headers);
+    response
+}
+
+/// Stages 6 and 7 (non-streaming): read the worker's answer, translate it for Anthropic clients, account.
+async fn reply_whole(
+    gw: &Gateway,
+    ctx: &mut Context,
+    decision: Decision,
+    response: Response<Incoming>,
+) -> Result<Response<Body>, GatewayError> {
+    let body = gw
+        .upstream
+        .read_body(&decision.worker, response.into_body())
+        .await?;
+    let (body, usage) = match ctx.endpoint {
+        Endpoint::Messages => {
+            let chat: ChatCompletionResponse =
+                serde_json::from_slice(&body).map_err(|e| GatewayError::BadUpstream {
+                    worker: decision.worker.clone(),
+                    detail: format!("unreadable chat completion: {e}"),
+                })?;
+            let message = anthropic::message_from_chat(&chat, &ctx.model);
+            (Bytes::from(message.to_string()), chat.usage)
+        }
+        // OpenAI clients get the worker's bytes untouched; only usage is read, for accounting.
+        _ => {
+            let usage = serde_json::from_slice::<UsageOnly>(&body)
+                .ok()
+                .and_then(|u| u.usage);
+            (body, usage)
+        }
+    };
+    let headers = routed_headers(&decision, ctx.debug);
+    account(gw, ctx, decision, StatusCode::OK, usage);
+    let mut response = Response::new(full(body));
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    h.extend(headers);
+    Ok(response)
+}
+
+/// `x-kinference-worker` (always) and `x-kinference-decision` (when debugging).
+fn routed_headers(decision: &Decision, debug: bool) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(&decision.worker) {
+        headers.insert("x-kinference-worker", v);
+    }
+    if debug
+        && let Some(v) = decision
+            .explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+    {
+        headers.insert("x-kinference-decision", v);
+    }
+    headers
+}
+
+/// Stage 7 (non-streaming): metrics and the router's ledger.
+fn account(
+    gw: &Gateway,
+    ctx: &Context,
+    decision: Decision,
+    status: StatusCode,
+    usage: Option<openai::Usage>,
+) {
+    let labels = WorkerLabels {
+        model: ctx.model.clone(),
+        worker: ctx.worker.clone(),
+    };
+    let usage = usage.unwrap_or_default();
+    let cached = usage.cached_tokens();
+    gw.metrics.e2e(&labels, ctx.started.elapsed().as_secs_f64());
+    gw.metrics.tokens(
+        &labels,
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        cached.unwrap_or(0),
+    );
+    gw.metrics.request(RequestLabels {
+        model: labels.model,
+        worker: labels.worker,
+        status: status.as_u16(),
+        protocol: ctx.protocol.as_str(),
+    });
+    decision.ticket.finish(
+        status.is_success(),
+        usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
+        cached.and_then(|c| usize::try_from(c).ok()),
+    );
+}
+
+/// Accounting for a request that ended in an error response.
+fn account_error(gw: &Gateway, ctx: &Context, error: &GatewayError) {
+    tracing::debug!(model = %ctx.model, worker = %ctx.worker, kind = error.kind(), %error, "request failed");
+    gw.metrics.request(RequestLabels {
+        model: ctx.model.clone(),
+        worker: ctx.worker.clone(),
+        status: error.status().as_u16(),
+        protocol: ctx.protocol.as_str(),
+    });
+}

@@ -1,0 +1,204 @@
+//! The HTTP servers: the client-facing API and the admin port, their routes, and graceful shutdown.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+
+use crate::api::openai;
+use crate::config::HttpSettings;
+use crate::errors::{GatewayError, Protocol};
+use crate::metrics::Metrics;
+use crate::pipeline::{self, Endpoint};
+use crate::routing::Router;
+use crate::upstream::Upstream;
+
+/// Response body of every route: whole or streamed, never failing (stream errors become events).
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A complete body.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed_unsync()
+}
+
+/// What every request handler shares.
+#[derive(Debug)]
+pub struct Gateway {
+    /// Picks workers.
+    pub router: Arc<Router>,
+    /// Talks to workers.
+    pub upstream: Upstream,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Limits and timeouts.
+    pub settings: HttpSettings,
+    /// Served model names (for `/v1/models`).
+    pub models: Vec<String>,
+}
+
+impl Gateway {
+    /// Records a worker's health with the router (which then skips it or not) and in the metrics.
+    pub fn set_health(&self, worker: &str, healthy: bool) {
+        self.router.set_healthy(worker, healthy);
+        self.metrics.worker_health(worker, healthy);
+    }
+
+    /// Ready when at least one worker is healthy.
+    pub fn ready(&self) -> bool {
+        self.router.workers().iter().any(|w| w.healthy)
+    }
+}
+
+/// Routes one client request.
+async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+    let endpoint = match (req.method(), req.uri().path()) {
+        (&Method::POST, "/v1/chat/completions") => Endpoint::ChatCompletions,
+        (&Method::POST, "/v1/completions") => Endpoint::Completions,
+        (&Method::POST, "/v1/messages") => Endpoint::Messages,
+        (&Method::GET, "/v1/models") => {
+            return json_response(
+                StatusCode::OK,
+                openai::models_response(&gw.models).to_string(),
+            );
+        }
+        (method, path) => {
+            let protocol = if path.starts_with("/v1/messages") {
+                Protocol::Anthropic
+            } else {
+                Protocol::OpenAi
+            };
+            return GatewayError::NotFound {
+                method: method.to_string(),
+                path: path.to_string(),
+            }
+            .into_response(protocol);
+        }
+    };
+    pipeline::handle(gw, endpoint, req).await
+}
+
+/// Routes one admin request.
+async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => {
+            let mut response = Response::new(full(gw.metrics.encode()));
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            response
+        }
+        (&Method::GET, "/healthz") => text_response(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/readyz") => {
+            if gw.ready() {
+                text_response(StatusCode::OK, "ready\n")
+            } else {
+                text_response(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker\n")
+            }
+        }
+        _ => text_response(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+fn text_response(status: StatusCode, text: &'static str) -> Response<Body> {
+    let mut response = Response::new(full(Bytes::from_static(text.as_bytes())));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    response
+}
+
+fn json_response(status: StatusCode, json: String) -> Response<Body> {
+    let mut response = Response::new(full(json));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+/// Which of the two servers.
+#[derive(Debug, Clone, Copy)]
+pub enum Port {
+    /// Client-facing API.
+    Api,
+    /// `/metrics`, `/healthz`, `/readyz`.
+    Admin,
+}
+
+/// Serves `listener` until `shutdown` resolves, then lets open connections finish (at most 10 s).
+pub async fn serve(
+    listener: TcpListener,
+    gw: Arc<Gateway>,
+    port: Port,
+    shutdown: impl Future<Output = ()>,
+) {
+    let graceful = GracefulShutdown::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .keep_alive(true)
+        .header_read_timeout(Duration::from_secs(30));
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (stream, peer) = match accepted {
+                    Ok(conn) => conn,
+                    Err(error) => {
+                        // EMFILE and the like: back off instead of spinning.
+                        tracing::warn!(%error, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        continue;
+                    }
+                };
+                let _ = stream.set_nodelay(true);
+                let gw = Arc::clone(&gw);
+                let service = service_fn(move |req| {
+                    let gw = Arc::clone(&gw);
+                    async move {
+                        Ok::<_, Infallible>(match port {
+                            Port::Api => api(gw, req).await,
+                            Port::Admin => admin(gw, req).await,
+                        })
+                    }
+                });
+                let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+                tokio::spawn(async move {
+                    if let Err(error) = conn.await {
+                        tracing::debug!(%peer, %error, "connection ended with an error");
+                    }
+                });
+            }
+            () = &mut shutdown => break,
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(Duration::from_secs(10)) => {
+            tracing::warn!("connections still open after 10 s; closing them");
+        }
+    }
+}
+
+/// Binds `addr`, with a clear error when it is taken.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))
+}
