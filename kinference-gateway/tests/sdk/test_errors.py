@@ -1,0 +1,190 @@
+"""Bad input and faults come back as each SDK's own exception types, with the right statuses; a worker
+killed mid-stream ends the stream with an error event and leaks no in-flight count."""
+
+from __future__ import annotations
+
+import time
+
+import anthropic
+import openai
+import pytest
+import requests
+
+from conftest import MODEL, Gateway
+
+MSG = [{"role": "user", "content": "Hello there"}]
+
+
+def oai(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.openai_base, api_key="unused", max_retries=0, timeout=60)
+
+
+def ant(gw: Gateway) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# --- bad input (shared cluster) ---------------------------------------------------------------
+
+def test_openai_bad_field_is_bad_request(gateway):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai(gateway).chat.completions.create(model=MODEL, messages=[])
+    assert e.value.body["param"] == "messages"
+
+
+def test_openai_unknown_model_is_not_found(gateway):
+    with pytest.raises(openai.NotFoundError) as e:
+        oai(gateway).chat.completions.create(model="no-such-model", messages=MSG)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        oai(gateway).completions.create(model="no-such-model", prompt="x")
+
+
+def test_openai_oversized_body_is_413(gateway):
+    with pytest.raises(openai.APIStatusError) as e:
+        oai(gateway).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x" * (5 * 1024 * 1024)}])
+    assert e.value.status_code == 413
+
+
+def test_anthropic_bad_fields_are_bad_request(gateway):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant(gateway).messages.create(model=MODEL, max_tokens=0, messages=MSG)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant(gateway).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert "image" in e.value.body["error"]["message"]
+
+
+def test_anthropic_missing_max_tokens_is_bad_request(gateway):
+    r = requests.post(f"{gateway.url}/v1/messages", json={"model": MODEL, "messages": MSG}, timeout=10)
+    assert r.status_code == 400
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": "max_tokens: Field required"}}
+
+
+def test_anthropic_malformed_json(gateway):
+    r = requests.post(f"{gateway.url}/v1/messages", data=b"{", timeout=10)
+    assert r.status_code == 400
+    assert r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_anthropic_unknown_model_is_not_found(gateway):
+    with pytest.raises(anthropic.NotFoundError) as e:
+        ant(gateway).messages.create(model="no-such-model", max_tokens=5, messages=MSG)
+    assert e.value.body["error"]["type"] == "not_found_error"
+
+
+def test_anthropic_oversized_body_is_413(gateway):
+    with pytest.raises(anthropic.APIStatusError) as e:
+        ant(gateway).messages.create(model=MODEL, max_tokens=5,
+                                     messages=[{"role": "user", "content": "x" * (5 * 1024 * 1024)}])
+    assert e.value.status_code == 413
+
+
+# --- faults (private clusters) -----------------------------------------------------------------
+
+def test_no_healthy_worker_is_503(cluster):
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    gw = cluster.gateway([], "--health-interval-ms", "100", extra_worker_urls=(dead,), wait_ready=False)
+    assert wait_until(lambda: requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 503)
+    with pytest.raises(openai.InternalServerError) as e:
+        oai(gw).chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
+    assert e.value.status_code == 503
+    with pytest.raises(anthropic.InternalServerError) as e:
+        ant(gw).messages.create(model=MODEL, max_tokens=3, messages=MSG)
+    assert e.value.status_code == 503
+    assert e.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_refused_connection_is_502_then_503(cluster):
+    worker = cluster.worker()
+    # Slow probes, so that the request (not the prober) is the first to meet the dead worker.
+    gw = cluster.gateway([worker], "--health-interval-ms", "600000")
+    worker.process.kill()
+    with pytest.raises(openai.InternalServerError) as e:
+        oai(gw).chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
+    assert e.value.status_code == 502
+    # The refusal marked the worker unhealthy: now nothing can serve the model.
+    with pytest.raises(anthropic.InternalServerError) as e:
+        ant(gw).messages.create(model=MODEL, max_tokens=3, messages=MSG)
+    assert e.value.status_code == 503
+    assert requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 503
+
+
+def test_refused_connection_retries_on_another_worker(cluster):
+    a, b = cluster.worker(), cluster.worker()
+    gw = cluster.gateway([a, b], "--health-interval-ms", "600000")
+    a.process.kill()
+    for _ in range(4):
+        raw = oai(gw).chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=2)
+        assert raw.headers["x-kinference-worker"] == b.url
+    assert gw.metric("kinference_gateway_upstream_retries_total") >= 1
+    assert gw.metric("kinference_gateway_worker_healthy", worker=a.url) == 0
+
+
+def test_upstream_timeout_is_504(cluster):
+    worker = cluster.worker()
+    gw = cluster.gateway([worker], "--first-byte-timeout-ms", "1")
+    with pytest.raises(openai.InternalServerError) as e:
+        oai(gw).chat.completions.create(model=MODEL, messages=MSG, max_tokens=2000)
+    assert e.value.status_code == 504
+    with pytest.raises(anthropic.APIStatusError) as e:
+        ant(gw).messages.create(model=MODEL, max_tokens=2000, messages=MSG)
+    assert e.value.status_code == 504
+
+
+LONG = 4000  # tokens: a generation that is still running when the worker is killed
+
+
+def test_worker_killed_mid_stream_openai(cluster):
+    worker = cluster.worker()
+    gw = cluster.gateway([worker])
+    stream = oai(gw).chat.completions.create(model=MODEL, messages=MSG, max_tokens=LONG, stream=True)
+    received = 0
+    with pytest.raises(openai.APIError) as e:
+        for chunk in stream:
+            received += 1
+            if received == 3:
+                assert gw.metric("kinference_gateway_requests_in_flight") == 1
+                worker.process.kill()
+    assert received < LONG
+    assert "worker" in str(e.value.message)
+    assert wait_until(lambda: gw.metric("kinference_gateway_requests_in_flight") == 0)
+    assert gw.metric("kinference_gateway_requests_total", status="502", protocol="openai") == 1
+
+
+def test_worker_killed_mid_stream_anthropic(cluster):
+    worker = cluster.worker()
+    gw = cluster.gateway([worker])
+    received = 0
+    with pytest.raises(anthropic.APIStatusError) as e:
+        with ant(gw).messages.stream(model=MODEL, max_tokens=LONG, messages=MSG) as stream:
+            for _ in stream.text_stream:
+                received += 1
+                if received == 3:
+                    worker.process.kill()
+    assert received < LONG
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "api_error"
+    assert wait_until(lambda: gw.metric("kinference_gateway_requests_in_flight") == 0)
+
+
+def test_client_abandoning_a_stream_leaks_nothing(gateway):
+    stream = oai(gateway).chat.completions.create(model=MODEL, messages=MSG, max_tokens=LONG, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    assert wait_until(lambda: gateway.metric("kinference_gateway_requests_in_flight") == 0)
+    assert wait_until(lambda: gateway.metric("kinference_gateway_requests_total", status="499") >= 1)
