@@ -5,18 +5,47 @@
 //! records the choice in its in-flight ledger. The returned [`InFlight`] ticket releases the ledger entry
 //! when the request ends (also when it is dropped on an error or an aborted stream).
 //!
-//! This first version implements the public API with a least-outstanding-requests picker for every
-//! [`RoutingMode`]; the KV index, agent subscriptions and TTFT estimate land behind the same API.
+//! Modules, in the order a request meets them:
+//! - [`tokenize`]: the prompt's tokens (the model's tokenizer, or the worker's `/tokenize`);
+//! - [`kv_index`]: which workers hold which block keys (fed by [`agents`]), and [`speculative`]
+//!   credit for requests just routed;
+//! - [`estimate`]: TTFT per candidate from cached prefix, queued work and learned rates; the choice
+//!   (near-tie spreading, load guard);
+//! - [`baseline`]: the simple strategies the benchmark compares against;
+//! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports.
+//!
+//! Missing signals degrade visibly: without live agent data the estimate uses the gateway's own
+//! ledger and speculative credit (kept longer then), and the decision reason says `degraded_*`.
+
+pub mod agents;
+pub mod baseline;
+pub mod estimate;
+pub mod kv_index;
+pub mod metrics;
+pub mod speculative;
+pub mod tokenize;
+pub mod workers;
 
 use std::fmt;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::sync::atomic::AtomicUsize;
+use std::time::{Duration, Instant};
 
+use kinference_api::{BlockKey, KeyHasher};
+use parking_lot::{Mutex, RwLock};
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
+
+use agents::AgentState;
+use estimate::{EstimatorConfig, Inputs, Rates, Scored};
+use kv_index::{KvIndex, WorkerId};
+use metrics::{DecisionLabels, WorkerLabels};
+use speculative::Speculative;
+use tokenize::{Source, Tokenizers};
+use workers::{Worker, WorkerTable};
 
 /// What the router needs from the gateway configuration (gateway-http fills it from `gateway.yaml`).
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -112,14 +141,66 @@ impl FromStr for RoutingMode {
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     /// The routing mode name is not one of the known modes.
-    #[error("unknown routing mode {0:?} (kinference, least-outstanding, random, round-robin, prefix-hash)")]
+    #[error(
+        "unknown routing mode {0:?} (kinference, least-outstanding, random, round-robin, prefix-hash)"
+    )]
     UnknownMode(String),
     /// The same worker URL appears twice.
     #[error("worker {0} is configured twice")]
     DuplicateWorker(String),
     /// More workers than the index can name.
-    #[error("too many workers ({0}); at most 65535")]
+    #[error("too many workers ({0}); at most 65533")]
     TooManyWorkers(usize),
+    /// A configured tokenizer could not be loaded.
+    #[error("tokenizer of model {model}: {error}")]
+    Tokenizer {
+        /// The model.
+        model: String,
+        /// What failed.
+        error: kinference_api::tokenize::TokenizeError,
+    },
+    /// Agents are configured but the router was built outside a tokio runtime.
+    #[error("the router must be built inside a tokio runtime to watch agents")]
+    NoRuntime,
+}
+
+/// Tuning knobs; the defaults suit a local cluster and the simulator.
+#[derive(Clone, Debug)]
+pub struct RoutingTuning {
+    /// Block size assumed for workers whose agent has not said (vLLM's default).
+    pub default_block_size: usize,
+    /// How long a routed prompt credits its worker while an agent reports it.
+    pub speculative_ttl: Duration,
+    /// The same without a live agent (the credit is then the only cache signal).
+    pub speculative_ttl_no_agent: Duration,
+    /// A disconnected agent's data is dropped after this long.
+    pub stale_after: Duration,
+    /// Load figures older than this are ignored.
+    pub load_max_age: Duration,
+    /// KV index cap, (block, worker) pairs.
+    pub index_max_pairs: usize,
+    /// Speculative credit cap, keys.
+    pub speculative_max_keys: usize,
+    /// Characters of the prompt the `prefix-hash` baseline hashes.
+    pub prefix_hash_chars: usize,
+    /// Estimate and choice.
+    pub estimator: EstimatorConfig,
+}
+
+impl Default for RoutingTuning {
+    fn default() -> Self {
+        Self {
+            default_block_size: 16,
+            speculative_ttl: Duration::from_secs(3),
+            speculative_ttl_no_agent: Duration::from_secs(120),
+            stale_after: Duration::from_secs(10),
+            load_max_age: Duration::from_secs(5),
+            index_max_pairs: 32 * 1024 * 1024,
+            speculative_max_keys: 4 * 1024 * 1024,
+            prefix_hash_chars: 256,
+            estimator: EstimatorConfig::default(),
+        }
+    }
 }
 
 /// Why no worker was picked.
@@ -180,120 +261,487 @@ pub struct WorkerView {
     pub healthy: bool,
     /// Requests this gateway has in flight there.
     pub in_flight: usize,
+    /// Whether a live agent reports its cache and load.
+    pub agent_live: bool,
+    /// Blocks the KV index believes it holds.
+    pub cached_blocks: usize,
 }
 
-struct WorkerSlot {
-    url: String,
-    model: String,
-    in_flight: AtomicUsize,
-    /// Set by the gateway's health prober (and on refused connections); unhealthy workers are skipped.
-    healthy: AtomicBool,
-}
-
+/// State shared by the router, its agent tasks and the in-flight tickets.
 struct Shared {
     mode: RoutingMode,
-    workers: Vec<WorkerSlot>,
+    tuning: RoutingTuning,
+    prior_rates: Rates,
+    workers: RwLock<WorkerTable>,
+    index: RwLock<KvIndex>,
+    spec: Mutex<Speculative>,
+    agents: Vec<Mutex<AgentState>>,
+    tokenizers: Tokenizers,
+    metrics: metrics::Metrics,
+    round_robin: AtomicUsize,
+    last_degraded_log: Mutex<Option<Instant>>,
+    gateway_id: String,
+}
+
+impl Shared {
+    fn update_index_metrics(&self) {
+        let index = self.index.read();
+        self.metrics.index_pairs.set(index.pairs() as i64);
+        self.metrics.index_bytes.set(index.memory_bytes() as i64);
+        let evictions = index.evictions();
+        drop(index);
+        let counted = self.metrics.index_evictions.get();
+        if evictions > counted {
+            self.metrics.index_evictions.inc_by(evictions - counted);
+        }
+    }
+
+    /// Which agents' data is usable now.
+    fn fresh_agents(&self, now: Instant) -> Vec<bool> {
+        self.agents
+            .iter()
+            .map(|a| a.lock().fresh(now, self.tuning.stale_after))
+            .collect()
+    }
+
+    /// Logs a degraded decision at most every 10 s.
+    fn log_degraded(&self, reason: &'static str, model: &str) {
+        let mut last = self.last_degraded_log.lock();
+        let now = Instant::now();
+        if last.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(10)) {
+            *last = Some(now);
+            tracing::warn!(
+                reason,
+                model,
+                "routing degraded: estimating from the gateway's own ledger and credit"
+            );
+        }
+    }
 }
 
 /// Picks a worker for each request. Cheap to share: wrap it in an `Arc`.
 pub struct Router {
     shared: Arc<Shared>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl fmt::Debug for Router {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Router")
             .field("mode", &self.shared.mode)
-            .field("workers", &self.shared.workers.len())
+            .field("workers", &self.shared.workers.read().all().len())
+            .field("agents", &self.shared.agents.len())
             .finish()
     }
 }
 
+impl Drop for Router {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// One candidate while a decision is being made.
+struct Candidate {
+    worker: Arc<Worker>,
+    block_size: usize,
+    live: bool,
+    queue_tokens: f64,
+    running: usize,
+    load: usize,
+    rates: Rates,
+    run: usize,
+}
+
 impl Router {
-    /// Builds a router from the gateway configuration.
+    /// Builds a router from the gateway configuration (default tuning).
     pub fn new(config: RoutingConfig) -> Result<Self, BuildError> {
-        if config.workers.len() > usize::from(u16::MAX) {
+        Self::with_tuning(config, RoutingTuning::default())
+    }
+
+    /// Builds a router with explicit tuning. Starts one task per agent (inside the current runtime).
+    pub fn with_tuning(config: RoutingConfig, tuning: RoutingTuning) -> Result<Self, BuildError> {
+        if config.workers.len() > kv_index::MAX_WORKERS {
             return Err(BuildError::TooManyWorkers(config.workers.len()));
         }
-        let mut workers: Vec<WorkerSlot> = Vec::with_capacity(config.workers.len());
-        for w in config.workers {
-            if workers.iter().any(|s| s.url == w.url) {
-                return Err(BuildError::DuplicateWorker(w.url));
+        let prior_rates = Rates::prior(&tuning.estimator);
+        let mut table = WorkerTable::default();
+        for w in &config.workers {
+            if table.get(&w.url).is_some() {
+                return Err(BuildError::DuplicateWorker(w.url.clone()));
             }
-            workers.push(WorkerSlot {
-                url: w.url,
-                model: w.model,
-                in_flight: AtomicUsize::new(0),
-                healthy: AtomicBool::new(true),
-            });
+            table.get_or_add(&w.url, &w.model, true, &prior_rates);
         }
-        Ok(Self { shared: Arc::new(Shared { mode: config.mode, workers }) })
+        let tokenizers = Tokenizers::load(
+            config
+                .models
+                .iter()
+                .map(|m| (m.name.as_str(), m.tokenizer_dir.as_deref())),
+        )
+        .map_err(|(model, error)| BuildError::Tokenizer { model, error })?;
+        let shared = Arc::new(Shared {
+            mode: config.mode,
+            prior_rates,
+            workers: RwLock::new(table),
+            index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
+            spec: Mutex::new(Speculative::new(tuning.speculative_max_keys)),
+            agents: config
+                .agents
+                .iter()
+                .map(|a| Mutex::new(AgentState::new(a)))
+                .collect(),
+            tokenizers,
+            metrics: metrics::Metrics::default(),
+            round_robin: AtomicUsize::new(0),
+            last_degraded_log: Mutex::new(None),
+            gateway_id: format!("kinference-gateway-{}", std::process::id()),
+            tuning,
+        });
+        let mut tasks = Vec::new();
+        if !shared.agents.is_empty() {
+            let handle =
+                tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
+            for a in 0..shared.agents.len() {
+                tasks.push(handle.spawn(agents::run(Arc::clone(&shared), a)));
+            }
+        }
+        Ok(Self { shared, tasks })
+    }
+
+    /// The routing mode.
+    pub fn mode(&self) -> RoutingMode {
+        self.shared.mode
     }
 
     /// Picks a worker for `req` and records it in the in-flight ledger.
     pub async fn pick(&self, req: RouteRequest<'_>) -> Result<Decision, RouteError> {
         let shared = &self.shared;
-        let (idx, slot) = shared
-            .workers
-            .iter()
-            .enumerate()
-            .filter(|(_, w)| w.model == req.model && w.healthy.load(Ordering::Relaxed))
-            .min_by_key(|(_, w)| w.in_flight.load(Ordering::Relaxed))
-            .ok_or_else(|| {
-                if shared.workers.iter().any(|w| w.model == req.model) {
+        let candidates = {
+            let table = shared.workers.read();
+            let c = table.candidates(req.model);
+            if c.is_empty() {
+                return Err(if table.knows_model(req.model) {
                     RouteError::NoHealthyWorker(req.model.to_string())
                 } else {
                     RouteError::UnknownModel(req.model.to_string())
-                }
-            })?;
-        slot.in_flight.fetch_add(1, Ordering::Relaxed);
-        let explain = req.debug.then(|| {
-            shared
-                .workers
+                });
+            }
+            c
+        };
+        if shared.mode != RoutingMode::Kinference {
+            let (i, reason) = baseline::pick(
+                shared.mode,
+                &candidates,
+                req.prompt,
+                &shared.tuning,
+                &shared.round_robin,
+            );
+            return Ok(self.record_simple(&candidates, i, reason, req.debug));
+        }
+        // Ask the least busy worker when the gateway has no tokenizer for this model.
+        let fallback = candidates
+            .iter()
+            .min_by_key(|w| w.state.lock().in_flight)
+            .map(|w| w.url.clone());
+        match shared
+            .tokenizers
+            .tokens(req.model, req.prompt, fallback.as_deref())
+            .await
+        {
+            Ok((tokens, source)) => {
+                let source = match source {
+                    Source::Local => "local",
+                    Source::Remote => "worker",
+                };
+                shared
+                    .metrics
+                    .tokenize
+                    .get_or_create(&metrics::TokenizeLabels {
+                        model: req.model.to_string(),
+                        source: source.to_string(),
+                    })
+                    .inc();
+                Ok(self.decide(req.model, &candidates, &tokens, req.debug))
+            }
+            Err(e) => {
+                shared
+                    .metrics
+                    .tokenize
+                    .get_or_create(&metrics::TokenizeLabels {
+                        model: req.model.to_string(),
+                        source: "failed".into(),
+                    })
+                    .inc();
+                tracing::debug!(model = req.model, error = %e, "prompt not tokenized");
+                shared.log_degraded("degraded_no_tokens", req.model);
+                let (i, _) = baseline::pick(
+                    RoutingMode::LeastOutstanding,
+                    &candidates,
+                    req.prompt,
+                    &shared.tuning,
+                    &shared.round_robin,
+                );
+                Ok(self.record_simple(&candidates, i, "degraded_no_tokens", req.debug))
+            }
+        }
+    }
+
+    /// Records a decision made without an estimate (baselines, no tokens).
+    fn record_simple(
+        &self,
+        candidates: &[Arc<Worker>],
+        i: usize,
+        reason: &'static str,
+        debug: bool,
+    ) -> Decision {
+        let shared = &self.shared;
+        let explain = debug.then(|| {
+            candidates
                 .iter()
-                .filter(|w| w.model == req.model)
-                .map(|w| format!("{} in_flight={}", w.url, w.in_flight.load(Ordering::Relaxed)))
+                .map(|w| format!("{} in_flight={}", w.url, w.state.lock().in_flight))
                 .collect::<Vec<_>>()
                 .join("; ")
         });
-        Ok(Decision {
-            worker: slot.url.clone(),
-            reason: "least_loaded",
+        let worker = Arc::clone(&candidates[i]);
+        worker.state.lock().in_flight += 1;
+        self.count(reason, 0);
+        Decision {
+            worker: worker.url.clone(),
+            reason,
             explain,
             prompt_tokens: None,
-            ticket: InFlight {
-                shared: Arc::clone(shared),
-                worker: idx,
-                started: Instant::now(),
-                first_token: None,
-                done: false,
-            },
-        })
+            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None),
+        }
+    }
+
+    fn count(&self, reason: &'static str, cached_tokens: usize) {
+        let m = &self.shared.metrics;
+        m.decisions
+            .get_or_create(&DecisionLabels {
+                mode: self.shared.mode.as_str().to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+        m.predicted_cached_tokens.inc_by(cached_tokens as u64);
+    }
+
+    /// The estimate-based decision for a tokenized prompt (synchronous: no lock is held across an
+    /// await, and the benchmark measures exactly this).
+    fn decide(
+        &self,
+        model: &str,
+        workers: &[Arc<Worker>],
+        tokens: &[u32],
+        debug: bool,
+    ) -> Decision {
+        let shared = &self.shared;
+        let tuning = &shared.tuning;
+        let now = Instant::now();
+        let fresh = shared.fresh_agents(now);
+        let mut cands: Vec<Candidate> = workers
+            .iter()
+            .map(|w| {
+                let st = w.state.lock();
+                let live = st
+                    .agent
+                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
+                let load = st
+                    .load
+                    .filter(|l| live && l.metrics_fresh(now, tuning.load_max_age));
+                let mut queue_tokens = st.pending_prefill_tokens;
+                let mut running = st.in_flight;
+                if let Some(l) = load {
+                    // The agent sees every gateway replica's requests; prefer it when it shows more.
+                    queue_tokens = queue_tokens.max(f64::from(l.waiting) * st.avg_uncached);
+                    running = running.max((l.running + l.waiting) as usize);
+                }
+                if let Some(k) = st.load.filter(|_| live).and_then(|l| l.kernel_in_flight) {
+                    running = running.max(k as usize);
+                }
+                Candidate {
+                    worker: Arc::clone(w),
+                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
+                    live,
+                    queue_tokens,
+                    running,
+                    load: running,
+                    rates: st.rates.clone(),
+                    run: 0,
+                }
+            })
+            .collect();
+
+        // Keys per block size in use, then every candidate's cached run in one pass per size.
+        let hasher = KeyHasher::for_model(model);
+        let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = Vec::with_capacity(sizes.len());
+        {
+            let index = shared.index.read();
+            let spec = shared.spec.lock();
+            let mut runs = Vec::new();
+            for bs in sizes {
+                let keys: Arc<[BlockKey]> = hasher.keys(None, tokens, bs).into();
+                let group: Vec<usize> = (0..cands.len())
+                    .filter(|i| cands[*i].block_size == bs)
+                    .collect();
+                let ids: Vec<WorkerId> = group
+                    .iter()
+                    .filter(|i| cands[**i].live)
+                    .map(|i| cands[*i].worker.id)
+                    .collect();
+                index.leading_runs(&keys, &ids, |_, _| {}, &mut runs);
+                for (id, run) in ids.iter().zip(runs.iter()) {
+                    if let Some(c) = cands.iter_mut().find(|c| c.worker.id == *id) {
+                        c.run = *run;
+                    }
+                }
+                spec.runs(&keys, now, |w, run| {
+                    if let Some(c) = cands
+                        .iter_mut()
+                        .find(|c| c.worker.id == w && c.block_size == bs)
+                    {
+                        c.run = c.run.max(run);
+                    }
+                });
+                keys_by_size.push((bs, keys));
+            }
+        }
+
+        let prompt_tokens = tokens.len();
+        let est_cfg = &tuning.estimator;
+        let mut estimates = Vec::with_capacity(cands.len());
+        let mut scored = Vec::with_capacity(cands.len());
+        for c in &cands {
+            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
+            let cached = (c.run * c.block_size).min(prompt_tokens.saturating_sub(1));
+            let inputs = Inputs {
+                prompt_tokens,
+                cached_tokens: cached,
+                queue_tokens: c.queue_tokens,
+                running: c.running,
+            };
+            let e = estimate::estimate(&c.rates, &inputs, est_cfg);
+            scored.push(Scored {
+                ttft_s: e.ttft_s,
+                load: c.load,
+                cached_tokens: cached,
+            });
+            estimates.push((inputs, e));
+        }
+        let (pick, why) = estimate::choose(&scored, est_cfg, &mut rand::rng())
+            .unwrap_or((0, estimate::Why::LeastLoaded));
+        let any_live = cands.iter().any(|c| c.live);
+        let reason = if any_live {
+            why.as_str()
+        } else if shared.agents.is_empty() {
+            "degraded_no_agent"
+        } else {
+            "degraded_stale"
+        };
+        if !any_live {
+            shared.log_degraded(reason, model);
+        }
+
+        let chosen = &cands[pick];
+        let (inputs, est) = estimates[pick];
+        let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
+        {
+            let mut st = chosen.worker.state.lock();
+            st.in_flight += 1;
+            st.pending_prefill_tokens += uncached;
+            st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
+        }
+        if let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == chosen.block_size) {
+            let ttl = if chosen.live {
+                tuning.speculative_ttl
+            } else {
+                tuning.speculative_ttl_no_agent
+            };
+            let mut spec = shared.spec.lock();
+            spec.credit(Arc::clone(keys), chosen.worker.id, now, now + ttl);
+            shared
+                .metrics
+                .speculative_keys
+                .set(spec.total_keys() as i64);
+        }
+        self.count(reason, inputs.cached_tokens);
+
+        let explain = debug.then(|| {
+            let mut s = String::new();
+            for (i, (c, (inp, e))) in cands.iter().zip(estimates.iter()).enumerate() {
+                if i > 0 {
+                    s.push_str("; ");
+                }
+                let _ = write!(
+                    s,
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} agent={}",
+                    if i == pick { "*" } else { "" },
+                    c.worker.url,
+                    inp.cached_tokens,
+                    inp.queue_tokens,
+                    inp.running,
+                    e.queue_s,
+                    e.ttft_s,
+                    if c.live { "live" } else { "none" },
+                );
+            }
+            s
+        });
+        Decision {
+            worker: chosen.worker.url.clone(),
+            reason,
+            explain,
+            prompt_tokens: Some(prompt_tokens),
+            ticket: InFlight::new(
+                Arc::clone(shared),
+                Arc::clone(&chosen.worker),
+                uncached,
+                Some(est.work),
+            ),
+        }
     }
 
     /// Every known worker.
     pub fn workers(&self) -> Vec<WorkerView> {
-        self.shared
-            .workers
+        let now = Instant::now();
+        let fresh = self.shared.fresh_agents(now);
+        let table = self.shared.workers.read();
+        let index = self.shared.index.read();
+        table
+            .all()
             .iter()
-            .map(|w| WorkerView {
-                url: w.url.clone(),
-                model: w.model.clone(),
-                healthy: w.healthy.load(Ordering::Relaxed),
-                in_flight: w.in_flight.load(Ordering::Relaxed),
+            .map(|w| {
+                let st = w.state.lock();
+                WorkerView {
+                    url: w.url.clone(),
+                    model: w.model.clone(),
+                    healthy: !st.gone && st.healthy,
+                    in_flight: st.in_flight,
+                    agent_live: st
+                        .agent
+                        .is_some_and(|a| fresh.get(a).copied().unwrap_or(false)),
+                    cached_blocks: index.worker_blocks(w.id),
+                }
             })
             .collect()
     }
 
     /// Marks a worker healthy or not (gateway-http's health prober and refused connections call it).
+    /// Unhealthy workers are not candidates.
     pub fn set_healthy(&self, worker: &str, healthy: bool) {
-        if let Some(slot) = self.shared.workers.iter().find(|w| w.url == worker) {
-            slot.healthy.store(healthy, Ordering::Relaxed);
+        if let Some(w) = self.shared.workers.read().get(worker) {
+            w.state.lock().healthy = healthy;
         }
     }
 
-    /// Registers the router's metrics (decisions by reason, index size, agent state).
-    pub fn register_metrics(&self, _registry: &mut Registry) {}
+    /// Registers the router's metrics (decisions by reason, index size, agents, tokenization, rates).
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        self.shared.metrics.register(registry);
+    }
 }
 
 /// A routed request's entry in the in-flight ledger.
@@ -303,8 +751,12 @@ impl Router {
 /// released exactly once.
 pub struct InFlight {
     shared: Arc<Shared>,
-    worker: usize,
+    worker: Arc<Worker>,
     started: Instant,
+    /// Uncached prompt tokens still counted as pending prefill on the worker.
+    pending_tokens: f64,
+    /// The estimate's work in tokens, to learn from the observed TTFT.
+    work: Option<f64>,
     first_token: Option<Instant>,
     done: bool,
 }
@@ -312,7 +764,7 @@ pub struct InFlight {
 impl fmt::Debug for InFlight {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("InFlight")
-            .field("worker", &self.shared.workers[self.worker].url)
+            .field("worker", &self.worker.url)
             .field("started", &self.started)
             .field("first_token", &self.first_token)
             .finish()
@@ -320,24 +772,67 @@ impl fmt::Debug for InFlight {
 }
 
 impl InFlight {
+    fn new(
+        shared: Arc<Shared>,
+        worker: Arc<Worker>,
+        pending_tokens: f64,
+        work: Option<f64>,
+    ) -> Self {
+        Self {
+            shared,
+            worker,
+            started: Instant::now(),
+            pending_tokens,
+            work,
+            first_token: None,
+            done: false,
+        }
+    }
+
     /// The first token (or first response byte) arrived; feeds the worker's learned rates.
     pub fn first_token(&mut self) {
-        if self.first_token.is_none() {
-            self.first_token = Some(Instant::now());
+        if self.first_token.is_some() || self.done {
+            return;
+        }
+        let now = Instant::now();
+        self.first_token = Some(now);
+        let ttft = now.duration_since(self.started).as_secs_f64();
+        let mut st = self.worker.state.lock();
+        st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
+        self.pending_tokens = 0.0;
+        if let Some(work) = self.work {
+            st.rates.observe(ttft, work, &self.shared.tuning.estimator);
+            let labels = WorkerLabels {
+                worker: self.worker.url.clone(),
+            };
+            self.shared
+                .metrics
+                .worker_tokens_per_s
+                .get_or_create(&labels)
+                .set(1.0 / st.rates.s_per_token);
+            self.shared
+                .metrics
+                .worker_overhead_s
+                .get_or_create(&labels)
+                .set(st.rates.overhead_s);
         }
     }
 
     /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`).
     pub fn finish(mut self, ok: bool, output_tokens: usize, cached_tokens: Option<usize>) {
-        let _ = (ok, output_tokens, cached_tokens);
+        tracing::trace!(worker = %self.worker.url, ok, output_tokens, ?cached_tokens, "request finished");
         self.release();
     }
 
     fn release(&mut self) {
-        if !self.done {
-            self.done = true;
-            self.shared.workers[self.worker].in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.done {
+            return;
         }
+        self.done = true;
+        let mut st = self.worker.state.lock();
+        st.in_flight = st.in_flight.saturating_sub(1);
+        st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
+        self.pending_tokens = 0.0;
     }
 }
 

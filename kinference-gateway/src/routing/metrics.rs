@@ -1,0 +1,145 @@
+//! The router's Prometheus metrics (prometheus-client), registered by the gateway through
+//! [`super::Router::register_metrics`].
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Labels of a routing decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// Routing mode.
+    pub mode: String,
+    /// Decision reason (`cache_hit`, `least_loaded`, `tie_spread`, `load_guard`, `degraded_*`, ...).
+    pub reason: String,
+}
+
+/// Labels naming one agent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AgentLabels {
+    /// Agent gRPC endpoint.
+    pub agent: String,
+}
+
+/// Labels naming one worker.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    /// Worker base URL.
+    pub worker: String,
+}
+
+/// Labels of a tokenization.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenizeLabels {
+    /// Model name.
+    pub model: String,
+    /// `local`, `worker` (the /tokenize fallback) or `failed`.
+    pub source: String,
+}
+
+/// All router metrics; clones share the same values.
+#[derive(Clone, Debug, Default)]
+pub struct Metrics {
+    /// Decisions by mode and reason.
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// Prompt tokens the router expected to be cached on the chosen worker.
+    pub predicted_cached_tokens: Counter,
+    /// (block, worker) pairs in the KV index.
+    pub index_pairs: Gauge,
+    /// Approximate KV index memory.
+    pub index_bytes: Gauge,
+    /// Keys dropped by the index memory cap.
+    pub index_evictions: Counter,
+    /// Keys held by speculative credits.
+    pub speculative_keys: Gauge,
+    /// Whether each agent's stream is up (1) or not (0).
+    pub agent_connected: Family<AgentLabels, Gauge>,
+    /// Stream (re)connections per agent.
+    pub agent_connects: Family<AgentLabels, Counter>,
+    /// Summary messages applied per agent.
+    pub agent_messages: Family<AgentLabels, Counter>,
+    /// Times an agent's data was dropped as stale.
+    pub agent_stale: Family<AgentLabels, Counter>,
+    /// Tokenizations by model and source.
+    pub tokenize: Family<TokenizeLabels, Counter>,
+    /// Learned prefill throughput per worker, tokens/s.
+    pub worker_tokens_per_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    /// Learned fixed overhead per worker, seconds.
+    pub worker_overhead_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+}
+
+impl Metrics {
+    /// Registers every metric under `kinference_routing_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("kinference_routing");
+        r.register(
+            "decisions",
+            "Routing decisions by mode and reason",
+            self.decisions.clone(),
+        );
+        r.register(
+            "predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen worker to have cached",
+            self.predicted_cached_tokens.clone(),
+        );
+        r.register(
+            "index_pairs",
+            "(block, worker) pairs in the KV index",
+            self.index_pairs.clone(),
+        );
+        r.register(
+            "index_bytes",
+            "Approximate KV index memory in bytes",
+            self.index_bytes.clone(),
+        );
+        r.register(
+            "index_evictions",
+            "Keys dropped by the KV index memory cap",
+            self.index_evictions.clone(),
+        );
+        r.register(
+            "speculative_keys",
+            "Keys held by speculative credits",
+            self.speculative_keys.clone(),
+        );
+        r.register(
+            "agent_connected",
+            "Whether the agent's summary stream is up",
+            self.agent_connected.clone(),
+        );
+        r.register(
+            "agent_connects",
+            "Summary stream connections per agent",
+            self.agent_connects.clone(),
+        );
+        r.register(
+            "agent_messages",
+            "Summary messages applied per agent",
+            self.agent_messages.clone(),
+        );
+        r.register(
+            "agent_stale",
+            "Times an agent's data was dropped as stale",
+            self.agent_stale.clone(),
+        );
+        r.register(
+            "tokenize",
+            "Prompt tokenizations by model and source",
+            self.tokenize.clone(),
+        );
+        r.register(
+            "worker_tokens_per_second",
+            "Learned prefill throughput per worker",
+            self.worker_tokens_per_s.clone(),
+        );
+        r.register(
+            "worker_overhead_seconds",
+            "Learned fixed overhead per worker",
+            self.worker_overhead_s.clone(),
+        );
+    }
+}

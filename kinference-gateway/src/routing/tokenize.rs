@@ -1,0 +1,227 @@
+//! Prompt tokenization for routing: the model's own tokenizer when configured, else the worker's
+//! `POST /tokenize` (vLLM's endpoint), so the gateway's block keys equal the worker's.
+//!
+//! The fallback costs a round trip per request; it is counted (`kinference_routing_tokenize_total`
+//! by source) and logged once per model so an operator sees it.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kinference_api::tokenize::{ModelTokenizer, TokenizeError};
+use serde::Deserialize;
+
+use super::Prompt;
+
+/// Prompts longer than this many bytes are tokenized on the blocking pool, not on the reactor.
+const BLOCKING_THRESHOLD: usize = 16 * 1024;
+/// How long the fallback waits for a worker's `/tokenize`.
+const REMOTE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why a prompt has no tokens.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensError {
+    /// The local tokenizer failed (bad messages, template error).
+    #[error("tokenizer: {0}")]
+    Local(#[from] TokenizeError),
+    /// The worker's `/tokenize` failed.
+    #[error("worker /tokenize at {worker}: {message}")]
+    Remote {
+        /// The worker asked.
+        worker: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// No tokenizer and no worker to ask.
+    #[error("no tokenizer and no worker to ask")]
+    NoSource,
+    /// The blocking tokenization task failed.
+    #[error("tokenizer task: {0}")]
+    Task(String),
+}
+
+/// Where a prompt's tokens came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// The gateway's own tokenizer.
+    Local,
+    /// A worker's `/tokenize`.
+    Remote,
+}
+
+/// Owned copy of a prompt for the blocking pool.
+enum OwnedPrompt {
+    Text(String),
+    Chat(serde_json::Value),
+}
+
+/// Per-model tokenizers plus the HTTP fallback.
+pub struct Tokenizers {
+    local: HashMap<String, Arc<ModelTokenizer>>,
+    client: Client<HttpConnector, Full<Bytes>>,
+    warned: HashMap<String, AtomicBool>,
+}
+
+impl std::fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizers")
+            .field("local", &self.local.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+#[derive(Deserialize)]
+struct TokenizeResponse {
+    tokens: Vec<u32>,
+}
+
+impl Tokenizers {
+    /// Loads the configured tokenizers. `models` pairs a model name with its tokenizer directory.
+    pub fn load<'a>(
+        models: impl IntoIterator<Item = (&'a str, Option<&'a Path>)>,
+    ) -> Result<Self, (String, TokenizeError)> {
+        let mut local = HashMap::new();
+        let mut warned = HashMap::new();
+        for (name, dir) in models {
+            warned.insert(name.to_string(), AtomicBool::new(false));
+            if let Some(dir) = dir {
+                let tok = ModelTokenizer::from_dir(dir).map_err(|e| (name.to_string(), e))?;
+                local.insert(name.to_string(), Arc::new(tok));
+            }
+        }
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(REMOTE_TIMEOUT));
+        let client = Client::builder(TokioExecutor::new()).build(http);
+        Ok(Self {
+            local,
+            client,
+            warned,
+        })
+    }
+
+    /// Adds (or replaces) a model's tokenizer; for tests and benches.
+    pub fn insert(&mut self, model: &str, tokenizer: Arc<ModelTokenizer>) {
+        self.local.insert(model.to_string(), tokenizer);
+    }
+
+    /// Whether the gateway tokenizes `model` itself.
+    pub fn has_local(&self, model: &str) -> bool {
+        self.local.contains_key(model)
+    }
+
+    /// Tokenizes `prompt` for `model`; without a local tokenizer asks `fallback_worker`.
+    pub async fn tokens(
+        &self,
+        model: &str,
+        prompt: Prompt<'_>,
+        fallback_worker: Option<&str>,
+    ) -> Result<(Vec<u32>, Source), TokensError> {
+        if let Some(tok) = self.local.get(model) {
+            let big = match prompt {
+                Prompt::Text(t) => t.len() > BLOCKING_THRESHOLD,
+                // Serialized size is not known without serializing; count message text roughly.
+                Prompt::Chat(v) => approx_len(v) > BLOCKING_THRESHOLD,
+            };
+            if !big {
+                return Ok((encode(tok, prompt)?, Source::Local));
+            }
+            let tok = Arc::clone(tok);
+            let owned = match prompt {
+                Prompt::Text(t) => OwnedPrompt::Text(t.to_string()),
+                Prompt::Chat(v) => OwnedPrompt::Chat(v.clone()),
+            };
+            let ids = tokio::task::spawn_blocking(move || match &owned {
+                OwnedPrompt::Text(t) => encode(&tok, Prompt::Text(t)),
+                OwnedPrompt::Chat(v) => encode(&tok, Prompt::Chat(v)),
+            })
+            .await
+            .map_err(|e| TokensError::Task(e.to_string()))??;
+            return Ok((ids, Source::Local));
+        }
+        let worker = fallback_worker.ok_or(TokensError::NoSource)?;
+        if let Some(flag) = self.warned.get(model)
+            && !flag.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                model,
+                worker,
+                "no tokenizer configured: routing tokenizes through the worker's /tokenize"
+            );
+        }
+        let ids = self.remote(model, prompt, worker).await?;
+        Ok((ids, Source::Remote))
+    }
+
+    async fn remote(
+        &self,
+        model: &str,
+        prompt: Prompt<'_>,
+        worker: &str,
+    ) -> Result<Vec<u32>, TokensError> {
+        let fail = |message: String| TokensError::Remote {
+            worker: worker.to_string(),
+            message,
+        };
+        let body = match prompt {
+            Prompt::Text(t) => serde_json::json!({ "model": model, "prompt": t }),
+            Prompt::Chat(m) => serde_json::json!({ "model": model, "messages": m }),
+        };
+        let body = serde_json::to_vec(&body).map_err(|e| fail(e.to_string()))?;
+        let uri = format!("{}/tokenize", worker.trim_end_matches('/'));
+        let req = http::Request::post(uri)
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| fail(e.to_string()))?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| fail(e.to_string()))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(fail(format!(
+                    "HTTP {status}: {}",
+                    String::from_utf8_lossy(&bytes)
+                )));
+            }
+            let parsed: TokenizeResponse =
+                serde_json::from_slice(&bytes).map_err(|e| fail(e.to_string()))?;
+            Ok(parsed.tokens)
+        };
+        tokio::time::timeout(REMOTE_TIMEOUT, fut)
+            .await
+            .map_err(|_| fail("timed out".into()))?
+    }
+}
+
+fn encode(tok: &ModelTokenizer, prompt: Prompt<'_>) -> Result<Vec<u32>, TokenizeError> {
+    match prompt {
+        // vLLM adds special tokens to completion prompts.
+        Prompt::Text(t) => tok.encode_text(t, true),
+        Prompt::Chat(m) => tok.encode_chat(m),
+    }
+}
+
+fn approx_len(v: &serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::String(s) => s.len(),
+        serde_json::Value::Array(a) => a.iter().map(approx_len).sum(),
+        serde_json::Value::Object(o) => o.values().map(approx_len).sum(),
+        _ => 8,
+    }
+}
