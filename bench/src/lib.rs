@@ -1,2 +1,3 @@
 //! Kinference's benchmark harness and the vLLM simulator it runs against.
 #![forbid(unsafe_code)]
+pub mod routing;

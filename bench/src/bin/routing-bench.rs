@@ -1,0 +1,337 @@
+//! `routing-bench`: reproduces the published cache-aware routing experiment on simulated vLLM workers.
+//!
+//! Starts `--workers` simulated workers (calibrated preset), one node agent and one gateway per routing
+//! mode on loopback, then runs every workload x concurrency x policy on the same request sequence, each
+//! run from cold caches, and writes `routing.json`, `routing.md` and `routing.svg`.
+//!
+//! Build the three binaries first (release: the gateway tokenizes multi-thousand-token prompts on the
+//! request path and a debug build would add its own latency to every TTFT):
+//! `cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway`.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use kinference_bench::routing::client::{HttpClient, LoadClient};
+use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig};
+use kinference_bench::routing::experiment::{
+    self, ExperimentConfig, Policy, RequestCount, RunRecord,
+};
+use kinference_bench::routing::oracle::Oracle;
+use kinference_bench::routing::report::Report;
+use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
+use serde_json::json;
+
+/// Routing benchmark: Kinference vs. random, round-robin, least-outstanding, prefix-hash and an oracle.
+#[derive(Debug, Parser)]
+#[command(version)]
+struct Args {
+    /// Workloads to run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "shared-prefix,unique,multi-turn"
+    )]
+    workloads: Vec<WorkloadKind>,
+    /// Concurrency levels (virtual users).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    concurrency: Vec<usize>,
+    /// Policies to compare.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "random,round-robin,least-outstanding,prefix-hash,kinference,oracle"
+    )]
+    policies: Vec<Policy>,
+    /// Requests per run at every concurrency (default: max(--min-requests, --requests-per-user x C)).
+    #[arg(long)]
+    requests_per_run: Option<usize>,
+    /// Lower bound of the requests per run when they scale with concurrency.
+    #[arg(long, default_value_t = 24)]
+    min_requests: usize,
+    /// Requests per virtual user when the requests per run scale with concurrency.
+    #[arg(long, default_value_t = 3)]
+    requests_per_user: usize,
+    /// Simulator time scale: wall-clock time = simulated time x scale. Results are reported in
+    /// simulated time.
+    #[arg(long, default_value_t = 0.05)]
+    time_scale: f64,
+    /// A small, fast subset: concurrency 2 and 8, four policies, 16 requests per run.
+    #[arg(long)]
+    quick: bool,
+    /// Seed of the request sequences.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Simulator latency preset.
+    #[arg(long, default_value = "l40s-27b-fp8")]
+    preset: String,
+    /// Extra argument for every `vllm-sim` (repeatable), e.g. `--worker-arg=--num-blocks=4096`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+    /// Where routing.json, routing.md and routing.svg go (default: bench/results, or bench/results/quick
+    /// with --quick).
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// Directory of vllm-sim, kinference-agent and kinference-gateway (default: next to this binary,
+    /// or KINFERENCE_BIN_DIR).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    /// Tokenizer directory (default: KINFERENCE_TOKENIZER_DIR, or <repo>/.assets/qwen2).
+    #[arg(long)]
+    tokenizer_dir: Option<PathBuf>,
+    /// Ask the gateways to explain each decision (`x-kinference-debug: 1`) and write every request,
+    /// with its worker and decision, to this JSON-lines file.
+    #[arg(long)]
+    requests_log: Option<PathBuf>,
+    /// Wall-clock limit of one request, in seconds.
+    #[arg(long, default_value_t = 300)]
+    request_timeout_s: u64,
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+}
+
+fn fmt_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    format!("{}m{:02}s", s / 60, s % 60)
+}
+
+fn progress_line(p: &experiment::Progress, r: &RunRecord) -> String {
+    let s = &r.summary;
+    format!(
+        "[{:>3}/{}] {:<13} c={:<2} {:<17} median TTFT {:>7.2}s  p90 {:>7.2}s  e2e {:>7.2}s  goodput {:>6.1}/min  cached {:>3.0}%  n={} err={}  ({:.1}s wall)  elapsed {}  ETA {}",
+        p.done,
+        p.total,
+        r.workload.as_str(),
+        r.concurrency,
+        r.policy.as_str(),
+        s.median_ttft_s,
+        s.p90_ttft_s,
+        s.median_e2e_s,
+        s.goodput_rpm,
+        100.0 * s.cached_token_share,
+        s.n,
+        s.errors,
+        r.wall_s,
+        fmt_duration(p.elapsed),
+        fmt_duration(p.eta),
+    )
+}
+
+fn write_requests_log(file: &mut std::fs::File, r: &RunRecord) -> std::io::Result<()> {
+    for o in &r.outcomes {
+        let line = json!({
+            "workload": r.workload,
+            "policy": r.policy,
+            "concurrency": r.concurrency,
+            "request": o,
+        });
+        writeln!(file, "{line}")?;
+    }
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let mut args = Args::parse();
+    if args.quick {
+        args.concurrency = vec![2, 8];
+        args.policies = vec![
+            Policy::Random,
+            Policy::LeastOutstanding,
+            Policy::Kinference,
+            Policy::Oracle,
+        ];
+        args.requests_per_run.get_or_insert(16);
+    }
+    let out_dir = args.out_dir.clone().unwrap_or_else(|| {
+        let dir = repo_root().join("bench/results");
+        if args.quick { dir.join("quick") } else { dir }
+    });
+    tokio::select! {
+        code = run(args, out_dir) => code,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("interrupted: stopping the cluster");
+            ExitCode::from(130)
+        }
+    }
+}
+
+async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
+    let command = format!(
+        "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway\ntarget/release/routing-bench {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    let requests = match args.requests_per_run {
+        Some(n) => RequestCount::Fixed(n),
+        None => RequestCount::Scaled {
+            min: args.min_requests,
+            per_user: args.requests_per_user,
+        },
+    };
+    let config = ExperimentConfig {
+        workloads: args.workloads.clone(),
+        concurrency: args.concurrency.clone(),
+        policies: args.policies.clone(),
+        requests,
+        seed: args.seed,
+        time_scale: args.time_scale,
+        shape: WorkloadShape::default(),
+        settle: Duration::from_millis(300),
+    };
+    let mut modes: Vec<String> = config
+        .policies
+        .iter()
+        .filter_map(|p| p.gateway_mode())
+        .map(str::to_string)
+        .collect();
+    modes.dedup();
+    let cluster_config = ClusterConfig {
+        bin_dir: args
+            .bin_dir
+            .clone()
+            .unwrap_or_else(cluster::default_bin_dir),
+        tokenizer_dir: args
+            .tokenizer_dir
+            .clone()
+            .unwrap_or_else(cluster::default_tokenizer_dir),
+        workers: args.workers,
+        preset: args.preset.clone(),
+        time_scale: args.time_scale,
+        worker_args: args.worker_args.clone(),
+        gateway_modes: modes,
+        work_dir: std::env::temp_dir()
+            .join(format!("kinference-routing-bench-{}", std::process::id())),
+        ready_timeout: Duration::from_secs(60),
+    };
+    let setup = json!({
+        "workers": args.workers,
+        "preset": args.preset,
+        "time_scale": args.time_scale,
+        "worker_args": args.worker_args,
+        "requests_per_run": match requests {
+            RequestCount::Fixed(n) => format!("{n}"),
+            RequestCount::Scaled { min, per_user } => format!("max({min}, {per_user} x concurrency)"),
+        },
+        "seed": args.seed,
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "git_commit": git_commit(),
+    });
+
+    eprintln!(
+        "routing-bench: {} runs ({} workloads x {} concurrency levels x {} policies), time scale {}, logs in {}",
+        config.runs(),
+        config.workloads.len(),
+        config.concurrency.len(),
+        config.policies.len(),
+        config.time_scale,
+        cluster_config.work_dir.display()
+    );
+    let http = HttpClient::new();
+    let mut cluster = match Cluster::start(&cluster_config, http.clone()).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("routing-bench: cannot start the cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let oracle = Arc::new(Oracle::new(http.clone(), cluster.workers().to_vec()));
+    let client = LoadClient::new(
+        http,
+        cluster::MODEL,
+        args.requests_log.is_some(),
+        Duration::from_secs(args.request_timeout_s),
+    );
+    let mut log = match args
+        .requests_log
+        .as_ref()
+        .map(std::fs::File::create)
+        .transpose()
+    {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("routing-bench: cannot create the requests log: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut done: Vec<RunRecord> = Vec::new();
+    let result = experiment::run_matrix(&mut cluster, &client, &oracle, &config, |p, r| {
+        eprintln!("{}", progress_line(p, r));
+        if let Some(file) = log.as_mut()
+            && let Err(e) = write_requests_log(file, r)
+        {
+            eprintln!("routing-bench: requests log: {e}");
+        }
+        // Results so far are written after every run, so an interrupted benchmark still leaves them.
+        done.push(r.clone());
+        let report = Report {
+            command: command.clone(),
+            setup: setup.clone(),
+            config: &config,
+            records: &done,
+        };
+        if let Err(e) = report.write_all(&out_dir) {
+            eprintln!("routing-bench: {e}");
+        }
+    })
+    .await;
+    let records = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!(
+                "routing-bench: {e} (worker/agent/gateway logs in {})",
+                cluster.work_dir().display()
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let report = Report {
+        command,
+        setup,
+        config: &config,
+        records: &records,
+    };
+    if let Err(e) = report.write_all(&out_dir) {
+        eprintln!("routing-bench: {e}");
+        return ExitCode::FAILURE;
+    }
+    eprintln!("\nTargets:");
+    for t in report.targets() {
+        eprintln!(
+            "  [{}] {}: {:.3} (required {}) {}",
+            if t.met { "met" } else { "NOT MET" },
+            t.name,
+            t.measured,
+            t.required,
+            t.detail
+        );
+    }
+    eprintln!("Results in {}", out_dir.display());
+    ExitCode::SUCCESS
+}
+
+fn git_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .current_dir(repo_root())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}

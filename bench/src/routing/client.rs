@@ -1,0 +1,451 @@
+//! The load generator: `C` virtual users, each sending the next session of the sequence, streaming.
+//!
+//! TTFT is measured from the moment a virtual user issues a request (so the router's own time, gateway
+//! or oracle, is part of it) to the first chunk with non-empty content; end-to-end latency to the end of
+//! the stream. The client is hyper-util's pooled HTTP/1.1 client over loopback.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use super::oracle::Oracle;
+use super::stats::RequestOutcome;
+use super::workload::{ChatRequest, Workload};
+
+#[cfg(test)]
+mod tests;
+
+/// Response header naming the worker the gateway routed to.
+pub const WORKER_HEADER: &str = "x-kinference-worker";
+/// Response header with the gateway's per-candidate estimates (when the request asks for it).
+pub const DECISION_HEADER: &str = "x-kinference-decision";
+/// Request header asking the gateway to explain its decision.
+pub const DEBUG_HEADER: &str = "x-kinference-debug";
+
+/// Errors of one HTTP exchange.
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    /// The request could not be built (bad URL).
+    #[error("bad request to {url}: {source}")]
+    Build {
+        /// The URL.
+        url: String,
+        /// Why.
+        source: http::Error,
+    },
+    /// Connecting or sending failed.
+    #[error("{url}: {source}")]
+    Send {
+        /// The URL.
+        url: String,
+        /// Why.
+        source: hyper_util::client::legacy::Error,
+    },
+    /// Reading the body failed.
+    #[error("{url}: reading the body: {source}")]
+    Body {
+        /// The URL.
+        url: String,
+        /// Why.
+        source: hyper::Error,
+    },
+    /// The peer answered with an unexpected status.
+    #[error("{url}: status {status}: {body}")]
+    Status {
+        /// The URL.
+        url: String,
+        /// The status.
+        status: StatusCode,
+        /// The start of the body.
+        body: String,
+    },
+    /// The body was not the JSON expected.
+    #[error("{url}: bad JSON: {source}")]
+    Json {
+        /// The URL.
+        url: String,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// No answer in time.
+    #[error("{url}: timed out after {0:?}", .timeout)]
+    Timeout {
+        /// The URL.
+        url: String,
+        /// The limit.
+        timeout: Duration,
+    },
+}
+
+/// A pooled HTTP/1.1 client with the few calls the benchmark makes.
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for HttpClient {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HttpClient {
+    /// A client with keep-alive connections and Nagle off (small SSE chunks must not wait).
+    pub fn new() -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let inner = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        Self { inner }
+    }
+
+    /// Sends a request and returns the response once its headers arrived.
+    pub async fn send(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Result<http::Response<Incoming>, HttpError> {
+        let mut builder = Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        let request = builder
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|source| HttpError::Build {
+                url: url.to_string(),
+                source,
+            })?;
+        self.inner
+            .request(request)
+            .await
+            .map_err(|source| HttpError::Send {
+                url: url.to_string(),
+                source,
+            })
+    }
+
+    /// Sends a request and reads the whole body; any status but 2xx is an error.
+    pub async fn call(&self, method: Method, url: &str, body: Bytes) -> Result<Bytes, HttpError> {
+        let response = self.send(method, url, &[], body).await?;
+        let status = response.status();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|source| HttpError::Body {
+                url: url.to_string(),
+                source,
+            })?
+            .to_bytes();
+        if !status.is_success() {
+            return Err(HttpError::Status {
+                url: url.to_string(),
+                status,
+                body: String::from_utf8_lossy(&body[..body.len().min(300)]).into_owned(),
+            });
+        }
+        Ok(body)
+    }
+
+    /// `GET url` as text.
+    pub async fn get_text(&self, url: &str) -> Result<String, HttpError> {
+        let body = self.call(Method::GET, url, Bytes::new()).await?;
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// `POST url` with a JSON body, answer parsed as JSON.
+    pub async fn post_json(&self, url: &str, body: &Value) -> Result<Value, HttpError> {
+        let bytes = Bytes::from(body.to_string());
+        let answer = self.call(Method::POST, url, bytes).await?;
+        if answer.is_empty() {
+            return Ok(Value::Null);
+        }
+        serde_json::from_slice(&answer).map_err(|source| HttpError::Json {
+            url: url.to_string(),
+            source,
+        })
+    }
+}
+
+/// Where the virtual users send their requests.
+#[derive(Clone)]
+pub enum Route {
+    /// A gateway (or a single worker): `POST {base}/v1/chat/completions`.
+    Endpoint(String),
+    /// The client-side oracle picks a worker per request.
+    Oracle(Arc<Oracle>),
+}
+
+/// Everything measured in one run.
+#[derive(Debug, Clone)]
+pub struct RunResult {
+    /// One outcome per request, in completion order.
+    pub outcomes: Vec<RequestOutcome>,
+    /// Wall-clock time from the first request sent to the last one finished.
+    pub wall: Duration,
+}
+
+/// The load generator.
+#[derive(Clone)]
+pub struct LoadClient {
+    http: HttpClient,
+    model: String,
+    debug: bool,
+    timeout: Duration,
+}
+
+impl LoadClient {
+    /// A client for `model`; `debug` asks the gateway for its decision header; `timeout` bounds one
+    /// request (wall clock).
+    pub fn new(http: HttpClient, model: &str, debug: bool, timeout: Duration) -> Self {
+        Self {
+            http,
+            model: model.to_string(),
+            debug,
+            timeout,
+        }
+    }
+
+    /// Runs `workload` with `concurrency` virtual users through `route`.
+    pub async fn run(&self, route: &Route, workload: &Workload, concurrency: usize) -> RunResult {
+        let next = AtomicUsize::new(0);
+        let start = Instant::now();
+        let users = (0..concurrency.max(1)).map(|_| async {
+            let mut outcomes = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(session) = workload.sessions.get(i) else {
+                    break;
+                };
+                for request in &session.requests {
+                    outcomes.push(self.send(route, request, start).await);
+                }
+            }
+            outcomes
+        });
+        let outcomes: Vec<RequestOutcome> = futures::future::join_all(users)
+            .await
+            .into_iter()
+            .flatten()
+            .collect();
+        RunResult {
+            outcomes,
+            wall: start.elapsed(),
+        }
+    }
+
+    /// Sends one request and measures it.
+    pub async fn send(
+        &self,
+        route: &Route,
+        request: &ChatRequest,
+        run_start: Instant,
+    ) -> RequestOutcome {
+        let issued = Instant::now();
+        let mut outcome = RequestOutcome {
+            session: request.session,
+            turn: request.turn,
+            sent_at: issued - run_start,
+            ..RequestOutcome::default()
+        };
+        let body = request.body(&self.model, true);
+        let measured = tokio::time::timeout(self.timeout, async {
+            let response = match route {
+                Route::Endpoint(base) => {
+                    let url = format!("{base}/v1/chat/completions");
+                    self.start_stream(&url, &body).await
+                }
+                Route::Oracle(oracle) => {
+                    // The decision and the admission by the worker happen under one lock, so the next
+                    // decision sees this request in the worker's queue: the oracle's view stays exact.
+                    let _turn = oracle.decision_lock().await;
+                    match oracle.pick(&body).await {
+                        Ok(choice) => {
+                            outcome.worker = Some(choice.worker.clone());
+                            outcome.decision = Some(choice.explain);
+                            let url = format!("{}/v1/chat/completions", choice.worker);
+                            self.start_stream(&url, &body).await
+                        }
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+            };
+            match response {
+                Ok(response) => self.read_stream(response, issued, &mut outcome).await,
+                Err(e) => outcome.error = Some(e),
+            }
+        })
+        .await;
+        if measured.is_err() {
+            outcome.error = Some(format!("timed out after {:?}", self.timeout));
+            outcome.e2e = None;
+        }
+        outcome
+    }
+
+    async fn start_stream(
+        &self,
+        url: &str,
+        body: &Value,
+    ) -> Result<http::Response<Incoming>, String> {
+        let headers: &[(&str, &str)] = if self.debug {
+            &[(DEBUG_HEADER, "1")]
+        } else {
+            &[]
+        };
+        self.http
+            .send(Method::POST, url, headers, Bytes::from(body.to_string()))
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    async fn read_stream(
+        &self,
+        response: http::Response<Incoming>,
+        issued: Instant,
+        outcome: &mut RequestOutcome,
+    ) {
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string)
+        };
+        if let Some(worker) = header(WORKER_HEADER) {
+            outcome.worker = Some(worker);
+        }
+        if let Some(decision) = header(DECISION_HEADER) {
+            outcome.decision = Some(decision);
+        }
+        let status = response.status();
+        let mut body = response.into_body();
+        let mut sse = SseParser::default();
+        let mut error_text = String::new();
+        while let Some(frame) = body.frame().await {
+            let frame = match frame {
+                Ok(frame) => frame,
+                Err(e) => {
+                    outcome.error = Some(format!("stream broke: {e}"));
+                    return;
+                }
+            };
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            if !status.is_success() {
+                error_text.push_str(&String::from_utf8_lossy(data));
+                continue;
+            }
+            for event in sse.push(data) {
+                match event {
+                    SseEvent::Done => {}
+                    SseEvent::Chunk(chunk) => {
+                        if outcome.ttft.is_none() && has_content(&chunk) {
+                            outcome.ttft = Some(issued.elapsed());
+                        }
+                        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+                            outcome.prompt_tokens = usage["prompt_tokens"].as_u64();
+                            outcome.completion_tokens = usage["completion_tokens"].as_u64();
+                            outcome.cached_tokens =
+                                usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+                        }
+                        if let Some(err) = chunk.get("error") {
+                            outcome.error = Some(format!("error event: {err}"));
+                        }
+                    }
+                }
+            }
+        }
+        if !status.is_success() {
+            error_text.truncate(300);
+            outcome.error = Some(format!("status {status}: {error_text}"));
+            return;
+        }
+        if outcome.ttft.is_none() && outcome.error.is_none() {
+            outcome.error = Some("stream ended without content".to_string());
+            return;
+        }
+        outcome.e2e = Some(issued.elapsed());
+    }
+}
+
+/// Whether an OpenAI stream chunk carries generated text (the first chunk only has the role).
+fn has_content(chunk: &Value) -> bool {
+    chunk["choices"].as_array().is_some_and(|choices| {
+        choices.iter().any(|c| {
+            c["delta"]["content"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty())
+                || c["text"].as_str().is_some_and(|s| !s.is_empty())
+        })
+    })
+}
+
+/// One server-sent event of an OpenAI stream.
+#[derive(Debug, PartialEq)]
+enum SseEvent {
+    /// A `data: {json}` event.
+    Chunk(Value),
+    /// `data: [DONE]`.
+    Done,
+}
+
+/// Splits a byte stream into SSE events (they may be cut anywhere by the transport).
+#[derive(Default)]
+struct SseParser {
+    buffer: Vec<u8>,
+}
+
+impl SseParser {
+    fn push(&mut self, data: &[u8]) -> Vec<SseEvent> {
+        self.buffer.extend_from_slice(data);
+        let mut events = Vec::new();
+        while let Some(end) = find_event_end(&self.buffer) {
+            let (event_len, sep_len) = end;
+            let raw: Vec<u8> = self.buffer.drain(..event_len + sep_len).collect();
+            let text = String::from_utf8_lossy(&raw[..event_len]);
+            let data: Vec<&str> = text
+                .lines()
+                .filter_map(|line| line.strip_prefix("data:"))
+                .map(str::trim_start)
+                .collect();
+            if data.is_empty() {
+                continue;
+            }
+            let payload = data.join("\n");
+            if payload.trim() == "[DONE]" {
+                events.push(SseEvent::Done);
+            } else if let Ok(value) = serde_json::from_str(&payload) {
+                events.push(SseEvent::Chunk(value));
+            }
+        }
+        events
+    }
+}
+
+/// Position and separator length of the first complete event (`\n\n` or `\r\n\r\n`).
+fn find_event_end(buffer: &[u8]) -> Option<(usize, usize)> {
+    let lf = buffer.windows(2).position(|w| w == b"\n\n").map(|p| (p, 2));
+    let crlf = buffer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|p| (p, 4));
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}

@@ -1,0 +1,42 @@
+use super::*;
+
+#[test]
+fn sse_events_are_reassembled_across_arbitrary_cuts() {
+    let stream = concat!(
+        "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+        "data: {\"choices\":[{\"delta\":{\"content\":\" hello\"}}]}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":2,",
+        "\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n",
+        "data: [DONE]\n\n"
+    )
+    .as_bytes();
+    for cut in 1..stream.len() {
+        let mut parser = SseParser::default();
+        let mut events = parser.push(&stream[..cut]);
+        events.extend(parser.push(&stream[cut..]));
+        assert_eq!(events.len(), 4, "cut at {cut}");
+        assert_eq!(events[3], SseEvent::Done);
+    }
+}
+
+#[test]
+fn only_a_chunk_with_text_counts_as_the_first_token() {
+    let role_only = serde_json::json!({"choices":[{"delta":{"role":"assistant","content":""}}]});
+    let text = serde_json::json!({"choices":[{"delta":{"content":" hi"}}]});
+    let usage = serde_json::json!({"choices":[],"usage":{"prompt_tokens":3}});
+    let completion = serde_json::json!({"choices":[{"text":" hi"}]});
+    assert!(!has_content(&role_only));
+    assert!(has_content(&text));
+    assert!(!has_content(&usage));
+    assert!(has_content(&completion));
+}
+
+#[test]
+fn crlf_separated_events_are_parsed() {
+    let mut parser = SseParser::default();
+    let events = parser.push(b"data: {\"a\":1}\r\n\r\ndata: [DONE]\r\n\r\n");
+    assert_eq!(
+        events,
+        vec![SseEvent::Chunk(serde_json::json!({"a":1})), SseEvent::Done]
+    );
+}

@@ -1,0 +1,558 @@
+//! A local Kinference cluster of real processes on loopback: simulated vLLM workers, one node agent and
+//! one gateway per routing mode.
+//!
+//! Ports are taken free from the kernel (bind port 0). Workers publish their KV events in vLLM's connect
+//! mode to SUB sockets the agent binds, exactly as a vLLM pod does towards a node-local agent. Every child
+//! is killed when the [`Cluster`] is dropped (also on panic), and its output goes to a log file under the
+//! cluster's work directory.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Method;
+use serde_json::json;
+
+use super::client::HttpClient;
+
+#[cfg(test)]
+mod tests;
+
+/// The served model name every process uses.
+pub const MODEL: &str = "qwen2-sim";
+
+/// Errors starting or driving the cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// A binary is missing.
+    #[error(
+        "binary {name} not found in {dir} (build it: `cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway`, or set KINFERENCE_BIN_DIR)"
+    )]
+    MissingBinary {
+        /// The binary.
+        name: String,
+        /// Where it was looked for.
+        dir: String,
+    },
+    /// The tokenizer files are missing.
+    #[error(
+        "tokenizer not found at {0} (run `cargo xtask setup`, or set KINFERENCE_TOKENIZER_DIR)"
+    )]
+    MissingTokenizer(String),
+    /// A file or process operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// A process exited during start-up.
+    #[error("{name} exited during start-up ({status}); last log lines:\n{log}")]
+    Exited {
+        /// The process.
+        name: String,
+        /// Its exit status.
+        status: String,
+        /// The end of its log.
+        log: String,
+    },
+    /// A process did not become ready in time.
+    #[error("{name} not ready at {url} after {timeout:?}; last log lines:\n{log}")]
+    NotReady {
+        /// The process.
+        name: String,
+        /// The URL polled.
+        url: String,
+        /// The limit.
+        timeout: Duration,
+        /// The end of its log.
+        log: String,
+    },
+    /// A request to a worker failed.
+    #[error(transparent)]
+    Http(#[from] super::client::HttpError),
+    /// A config file could not be written.
+    #[error("writing {path}: {source}")]
+    Yaml {
+        /// The file.
+        path: String,
+        /// Why.
+        source: serde_yaml::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+    let what = what.into();
+    move |source| ClusterError::Io { what, source }
+}
+
+/// How to build the cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// Directory holding `vllm-sim`, `kinference-agent` and `kinference-gateway`.
+    pub bin_dir: PathBuf,
+    /// Tokenizer directory (tokenizer.json + tokenizer_config.json) for workers and gateways.
+    pub tokenizer_dir: PathBuf,
+    /// Number of simulated workers.
+    pub workers: usize,
+    /// Simulator latency preset.
+    pub preset: String,
+    /// Simulator time scale (wall time = simulated time x scale).
+    pub time_scale: f64,
+    /// Extra `vllm-sim` arguments (e.g. `--num-blocks`).
+    pub worker_args: Vec<String>,
+    /// One gateway per routing mode (`kinference`, `random`, ...).
+    pub gateway_modes: Vec<String>,
+    /// Where config files and logs go.
+    pub work_dir: PathBuf,
+    /// How long a process may take to become ready.
+    pub ready_timeout: Duration,
+}
+
+/// Default directory of the binaries: `KINFERENCE_BIN_DIR`, else the directory of the running executable.
+pub fn default_bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("KINFERENCE_BIN_DIR") {
+        return PathBuf::from(dir);
+    }
+    let exe_dir = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .unwrap_or_else(|| PathBuf::from("."));
+    // Test executables live one level down, in `deps/`.
+    if exe_dir.ends_with("deps") {
+        exe_dir.parent().map(Path::to_path_buf).unwrap_or(exe_dir)
+    } else {
+        exe_dir
+    }
+}
+
+/// Default tokenizer directory: `KINFERENCE_TOKENIZER_DIR`, else `<repo>/.assets/qwen2`.
+pub fn default_tokenizer_dir() -> PathBuf {
+    std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")))
+}
+
+/// Reserves `n` distinct free loopback ports.
+pub fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
+    // All listeners are held until every port is known, so no port is handed out twice.
+    let listeners = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(io("binding a free port")))
+        .collect::<Result<Vec<_>, _>>()?;
+    listeners
+        .iter()
+        .map(|l| {
+            l.local_addr()
+                .map(|a| a.port())
+                .map_err(io("reading a bound port"))
+        })
+        .collect()
+}
+
+/// A child process killed when dropped.
+struct ChildGuard {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl ChildGuard {
+    fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        log: PathBuf,
+    ) -> Result<Self, ClusterError> {
+        let out = File::create(&log).map_err(io(format!("creating {}", log.display())))?;
+        let err = out.try_clone().map_err(io("duplicating a log handle"))?;
+        let mut command = Command::new(program);
+        command
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err));
+        // Quiet by default: per-request logging would cost CPU the benchmark measures.
+        if std::env::var_os("RUST_LOG").is_none() {
+            command.env("RUST_LOG", "warn");
+        }
+        let child = command
+            .spawn()
+            .map_err(io(format!("starting {}", program.display())))?;
+        tracing::debug!(name, pid = child.id(), "started");
+        Ok(Self {
+            name: name.to_string(),
+            child,
+            log,
+        })
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    fn exited(&mut self) -> Option<ClusterError> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Some(ClusterError::Exited {
+                name: self.name.clone(),
+                status: status.to_string(),
+                log: self.log_tail(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One gateway process.
+#[derive(Debug, Clone)]
+pub struct GatewayEndpoint {
+    /// Its routing mode.
+    pub mode: String,
+    /// OpenAI base URL.
+    pub url: String,
+    /// Admin base URL (`/metrics`, `/readyz`).
+    pub admin_url: String,
+}
+
+/// A running local cluster; dropping it stops every process.
+pub struct Cluster {
+    http: HttpClient,
+    workers: Vec<String>,
+    gateways: BTreeMap<String, GatewayEndpoint>,
+    agent_metrics_url: String,
+    work_dir: PathBuf,
+    // Dropped last, after the fields above.
+    children: Vec<ChildGuard>,
+}
+
+/// Prefix-cache counters summed over the workers (tokens), from their `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheCounters {
+    /// `vllm:prefix_cache_hits_total`.
+    pub hits: f64,
+    /// `vllm:prefix_cache_queries_total`.
+    pub queries: f64,
+}
+
+impl CacheCounters {
+    /// Hits / queries of the counts since `earlier`.
+    pub fn hit_share_since(&self, earlier: &CacheCounters) -> f64 {
+        let queries = self.queries - earlier.queries;
+        if queries > 0.0 {
+            (self.hits - earlier.hits) / queries
+        } else {
+            0.0
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts the agent, the workers and the gateways and waits until all are ready.
+    pub async fn start(config: &ClusterConfig, http: HttpClient) -> Result<Self, ClusterError> {
+        let bin = |name: &str| -> Result<PathBuf, ClusterError> {
+            let path = config.bin_dir.join(name);
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(ClusterError::MissingBinary {
+                    name: name.to_string(),
+                    dir: config.bin_dir.display().to_string(),
+                })
+            }
+        };
+        let (sim_bin, agent_bin, gateway_bin) = (
+            bin("vllm-sim")?,
+            bin("kinference-agent")?,
+            bin("kinference-gateway")?,
+        );
+        if !config.tokenizer_dir.join("tokenizer.json").is_file() {
+            return Err(ClusterError::MissingTokenizer(
+                config.tokenizer_dir.display().to_string(),
+            ));
+        }
+        let tokenizer_dir = std::fs::canonicalize(&config.tokenizer_dir)
+            .map_err(io(format!("resolving {}", config.tokenizer_dir.display())))?;
+        std::fs::create_dir_all(&config.work_dir)
+            .map_err(io(format!("creating {}", config.work_dir.display())))?;
+
+        let n = config.workers;
+        let ports = free_ports(3 * n + 2 + 2 * config.gateway_modes.len())?;
+        let (worker_ports, rest) = ports.split_at(3 * n);
+        let (agent_ports, gateway_ports) = rest.split_at(2);
+        let workers: Vec<WorkerPorts> = worker_ports
+            .chunks(3)
+            .map(|c| WorkerPorts {
+                http: c[0],
+                kv_events: c[1],
+                kv_replay: c[2],
+            })
+            .collect();
+        let worker_urls: Vec<String> = workers
+            .iter()
+            .map(|w| format!("http://127.0.0.1:{}", w.http))
+            .collect();
+        let agent_grpc = format!("127.0.0.1:{}", agent_ports[0]);
+        let agent_metrics = format!("127.0.0.1:{}", agent_ports[1]);
+
+        let mut cluster = Self {
+            http,
+            workers: worker_urls.clone(),
+            gateways: BTreeMap::new(),
+            agent_metrics_url: format!("http://{agent_metrics}/metrics"),
+            work_dir: config.work_dir.clone(),
+            children: Vec::new(),
+        };
+
+        // The agent first: it binds the SUB sockets the workers connect to.
+        let agent_yaml = config.work_dir.join("agent-workers.yaml");
+        write_yaml(&agent_yaml, &agent_workers_yaml(&workers))?;
+        let agent = ChildGuard::spawn(
+            "kinference-agent",
+            &agent_bin,
+            &[
+                "--grpc-listen".into(),
+                agent_grpc.clone(),
+                "--metrics-listen".into(),
+                agent_metrics.clone(),
+                "--workers".into(),
+                agent_yaml.display().to_string(),
+                "--node".into(),
+                "bench-node".into(),
+            ],
+            config.work_dir.join("agent.log"),
+        )?;
+        cluster.children.push(agent);
+
+        for (i, w) in workers.iter().enumerate() {
+            let mut args: Vec<String> = [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &w.http.to_string(),
+                "--model",
+                MODEL,
+                "--tokenizer-dir",
+                &tokenizer_dir.display().to_string(),
+                "--preset",
+                &config.preset,
+                "--time-scale",
+                &config.time_scale.to_string(),
+                "--seed",
+                &i.to_string(),
+                "--kv-events-endpoint",
+                &format!("tcp://127.0.0.1:{}", w.kv_events),
+                "--kv-replay-endpoint",
+                &format!("tcp://127.0.0.1:{}", w.kv_replay),
+                "--kv-topic",
+                &format!("kv@w{}@{MODEL}", i + 1),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            args.extend(config.worker_args.iter().cloned());
+            let child = ChildGuard::spawn(
+                &format!("vllm-sim w{}", i + 1),
+                &sim_bin,
+                &args,
+                config.work_dir.join(format!("worker-{}.log", i + 1)),
+            )?;
+            cluster.children.push(child);
+        }
+
+        let gateway_yaml_base = gateway_yaml(&worker_urls, &tokenizer_dir, &agent_grpc);
+        for (mode, ports) in config.gateway_modes.iter().zip(gateway_ports.chunks(2)) {
+            let mut yaml = gateway_yaml_base.clone();
+            yaml["routing"] = json!(mode);
+            let path = config.work_dir.join(format!("gateway-{mode}.yaml"));
+            write_yaml(&path, &yaml)?;
+            let listen = format!("127.0.0.1:{}", ports[0]);
+            let admin = format!("127.0.0.1:{}", ports[1]);
+            let child = ChildGuard::spawn(
+                &format!("kinference-gateway ({mode})"),
+                &gateway_bin,
+                &[
+                    "--listen".into(),
+                    listen.clone(),
+                    "--admin-listen".into(),
+                    admin.clone(),
+                    "--config".into(),
+                    path.display().to_string(),
+                ],
+                config.work_dir.join(format!("gateway-{mode}.log")),
+            )?;
+            cluster.children.push(child);
+            cluster.gateways.insert(
+                mode.clone(),
+                GatewayEndpoint {
+                    mode: mode.clone(),
+                    url: format!("http://{listen}"),
+                    admin_url: format!("http://{admin}"),
+                },
+            );
+        }
+
+        // Readiness, in the order the children were started.
+        let mut probes = vec![cluster.agent_metrics_url.clone()];
+        probes.extend(worker_urls.iter().map(|u| format!("{u}/health")));
+        probes.extend(
+            cluster
+                .gateways
+                .values()
+                .map(|g| format!("{}/readyz", g.admin_url)),
+        );
+        for (index, url) in probes.iter().enumerate() {
+            cluster.wait_ready(index, url, config.ready_timeout).await?;
+        }
+        Ok(cluster)
+    }
+
+    async fn wait_ready(
+        &mut self,
+        child: usize,
+        url: &str,
+        timeout: Duration,
+    ) -> Result<(), ClusterError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(exited) = self.children[child].exited() {
+                return Err(exited);
+            }
+            if self.http.get_text(url).await.is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(ClusterError::NotReady {
+                    name: self.children[child].name.clone(),
+                    url: url.to_string(),
+                    timeout,
+                    log: self.children[child].log_tail(),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Base URLs of the workers.
+    pub fn workers(&self) -> &[String] {
+        &self.workers
+    }
+
+    /// The gateway running `mode`.
+    pub fn gateway(&self, mode: &str) -> Option<&GatewayEndpoint> {
+        self.gateways.get(mode)
+    }
+
+    /// The agent's metrics URL.
+    pub fn agent_metrics_url(&self) -> &str {
+        &self.agent_metrics_url
+    }
+
+    /// Where the logs and config files are.
+    pub fn work_dir(&self) -> &Path {
+        &self.work_dir
+    }
+
+    /// Empties every worker's prefix cache (`POST /reset_prefix_cache`), so the next run starts cold,
+    /// then gives the resulting `AllBlocksCleared` events time to reach the gateways' indexes.
+    pub async fn reset_caches(&self, settle: Duration) -> Result<(), ClusterError> {
+        for w in &self.workers {
+            self.http
+                .call(
+                    Method::POST,
+                    &format!("{w}/reset_prefix_cache"),
+                    Bytes::new(),
+                )
+                .await?;
+        }
+        tokio::time::sleep(settle).await;
+        Ok(())
+    }
+
+    /// Prefix-cache counters summed over the workers.
+    pub async fn cache_counters(&self) -> Result<CacheCounters, ClusterError> {
+        let mut total = CacheCounters::default();
+        for w in &self.workers {
+            let text = self.http.get_text(&format!("{w}/metrics")).await?;
+            total.hits += metric_sum(&text, "vllm:prefix_cache_hits_total");
+            total.queries += metric_sum(&text, "vllm:prefix_cache_queries_total");
+        }
+        Ok(total)
+    }
+
+    /// Whether every child is still running (the name and log of the first one that is not).
+    pub fn check_alive(&mut self) -> Result<(), ClusterError> {
+        for child in &mut self.children {
+            if let Some(exited) = child.exited() {
+                return Err(exited);
+            }
+        }
+        Ok(())
+    }
+}
+
+struct WorkerPorts {
+    http: u16,
+    kv_events: u16,
+    kv_replay: u16,
+}
+
+fn agent_workers_yaml(workers: &[WorkerPorts]) -> serde_json::Value {
+    json!({
+        "workers": workers.iter().map(|w| json!({
+            "url": format!("http://127.0.0.1:{}", w.http),
+            "model": MODEL,
+            "kv_events_endpoint": format!("tcp://127.0.0.1:{}", w.kv_events),
+            "kv_events_bind": true,
+            "kv_replay_endpoint": format!("tcp://127.0.0.1:{}", w.kv_replay),
+        })).collect::<Vec<_>>()
+    })
+}
+
+fn gateway_yaml(workers: &[String], tokenizer_dir: &Path, agent_grpc: &str) -> serde_json::Value {
+    json!({
+        "models": [{"name": MODEL, "tokenizer_dir": tokenizer_dir.display().to_string()}],
+        "workers": workers.iter().map(|url| json!({"url": url, "model": MODEL})).collect::<Vec<_>>(),
+        "agents": [format!("http://{agent_grpc}")],
+        "routing": "kinference",
+    })
+}
+
+fn write_yaml(path: &Path, value: &serde_json::Value) -> Result<(), ClusterError> {
+    let text = serde_yaml::to_string(value).map_err(|source| ClusterError::Yaml {
+        path: path.display().to_string(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))
+}
+
+/// Sum of every sample of metric `name` (all label sets) in a Prometheus text exposition.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let rest = line.strip_prefix(name)?;
+            // The name must end here: `foo_total{..} 1` or `foo_total 1`, not `foo_total_created 1`.
+            let rest = if let Some(labels) = rest.strip_prefix('{') {
+                &labels[labels.find('}')? + 1..]
+            } else if rest.starts_with(' ') {
+                rest
+            } else {
+                return None;
+            };
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        })
+        .sum()
+}

@@ -1,0 +1,295 @@
+//! The experiment matrix: every workload x concurrency x policy, on the same request sequence, each run
+//! starting from cold caches.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use super::client::{LoadClient, Route};
+use super::cluster::{Cluster, ClusterError};
+use super::oracle::Oracle;
+use super::stats::{RequestOutcome, RunSummary, summarize};
+use super::workload::{Workload, WorkloadKind, WorkloadShape};
+
+#[cfg(test)]
+mod tests;
+
+/// A routing policy under test.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Uniformly random worker: what a Kubernetes ClusterIP Service does.
+    Random,
+    /// Workers in turn.
+    RoundRobin,
+    /// The worker with the fewest requests in flight.
+    LeastOutstanding,
+    /// Approximate prefix affinity: a hash of the prompt's leading characters.
+    PrefixHash,
+    /// Kinference: lowest estimated TTFT from the KV-cache view and queues.
+    Kinference,
+    /// Client-side oracle with the simulator's exact view (the limit).
+    Oracle,
+}
+
+impl Policy {
+    /// All policies, in report order.
+    pub const ALL: [Policy; 6] = [
+        Self::Random,
+        Self::RoundRobin,
+        Self::LeastOutstanding,
+        Self::PrefixHash,
+        Self::Kinference,
+        Self::Oracle,
+    ];
+
+    /// The name on the command line, in the results and in the gateway's `routing:` setting.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::RoundRobin => "round-robin",
+            Self::LeastOutstanding => "least-outstanding",
+            Self::PrefixHash => "prefix-hash",
+            Self::Kinference => "kinference",
+            Self::Oracle => "oracle",
+        }
+    }
+
+    /// The gateway routing mode that implements it (`None` for the client-side oracle).
+    pub fn gateway_mode(self) -> Option<&'static str> {
+        match self {
+            Self::Oracle => None,
+            other => Some(other.as_str()),
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy name that is not one of [`Policy::ALL`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "unknown policy {0:?} (expected random, round-robin, least-outstanding, prefix-hash, kinference or oracle)"
+)]
+pub struct UnknownPolicy(String);
+
+impl FromStr for Policy {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_string()))
+    }
+}
+
+/// How many requests a run sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RequestCount {
+    /// The same number at every concurrency.
+    Fixed(usize),
+    /// `max(min, per_user x concurrency)`: enough requests per virtual user that the run is not only
+    /// the initial burst.
+    Scaled {
+        /// Lower bound.
+        min: usize,
+        /// Requests per virtual user.
+        per_user: usize,
+    },
+}
+
+impl RequestCount {
+    /// Requests for a run at `concurrency`.
+    pub fn for_concurrency(self, concurrency: usize) -> usize {
+        match self {
+            Self::Fixed(n) => n,
+            Self::Scaled { min, per_user } => min.max(per_user * concurrency),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExperimentConfig {
+    /// Workloads, in order.
+    pub workloads: Vec<WorkloadKind>,
+    /// Concurrency levels (virtual users), in order.
+    pub concurrency: Vec<usize>,
+    /// Policies, in order.
+    pub policies: Vec<Policy>,
+    /// Requests per run.
+    pub requests: RequestCount,
+    /// Seed of the request sequences.
+    pub seed: u64,
+    /// Simulator time scale (wall = simulated x scale).
+    pub time_scale: f64,
+    /// Prompt sizes.
+    pub shape: WorkloadShape,
+    /// Wall-clock pause after a cache reset (lets `AllBlocksCleared` reach the gateways).
+    #[serde(skip)]
+    pub settle: Duration,
+}
+
+impl ExperimentConfig {
+    /// Number of runs in the matrix.
+    pub fn runs(&self) -> usize {
+        self.workloads.len() * self.concurrency.len() * self.policies.len()
+    }
+}
+
+/// One run's results.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunRecord {
+    /// Workload.
+    pub workload: WorkloadKind,
+    /// Policy.
+    pub policy: Policy,
+    /// Virtual users.
+    pub concurrency: usize,
+    /// The figures (simulated time).
+    pub summary: RunSummary,
+    /// `vllm:prefix_cache_hits_total / queries_total` over the run, all workers.
+    pub cache_hit_share: Option<f64>,
+    /// Wall-clock seconds the run took.
+    pub wall_s: f64,
+    /// Every request's measurements (for decision logs; not in the JSON summary).
+    #[serde(skip)]
+    pub outcomes: Vec<RequestOutcome>,
+}
+
+/// Where the matrix stands, for progress lines.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress {
+    /// Runs finished, including this one.
+    pub done: usize,
+    /// Runs in all.
+    pub total: usize,
+    /// Wall-clock time since the experiment started.
+    pub elapsed: Duration,
+    /// Estimated time left.
+    pub eta: Duration,
+}
+
+/// Errors that stop the experiment.
+#[derive(Debug, thiserror::Error)]
+pub enum ExperimentError {
+    /// A policy has no gateway in the cluster.
+    #[error("no gateway runs routing mode {0}")]
+    NoGateway(String),
+    /// The cluster failed.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
+}
+
+/// Runs one workload at one concurrency through one policy, from cold caches.
+pub async fn run_one(
+    cluster: &Cluster,
+    client: &LoadClient,
+    oracle: &Arc<Oracle>,
+    workload: &Workload,
+    policy: Policy,
+    concurrency: usize,
+    config: &ExperimentConfig,
+) -> Result<RunRecord, ExperimentError> {
+    let route = match policy.gateway_mode() {
+        None => Route::Oracle(Arc::clone(oracle)),
+        Some(mode) => Route::Endpoint(
+            cluster
+                .gateway(mode)
+                .ok_or_else(|| ExperimentError::NoGateway(mode.to_string()))?
+                .url
+                .clone(),
+        ),
+    };
+    cluster.reset_caches(config.settle).await?;
+    let before = cluster.cache_counters().await.ok();
+    let result = client.run(&route, workload, concurrency).await;
+    let after = cluster.cache_counters().await.ok();
+    let summary = summarize(
+        &result.outcomes,
+        result.wall,
+        config.time_scale,
+        workload.kind.ttft_slo_s(),
+    );
+    Ok(RunRecord {
+        workload: workload.kind,
+        policy,
+        concurrency,
+        summary,
+        cache_hit_share: before.zip(after).map(|(b, a)| a.hit_share_since(&b)),
+        wall_s: result.wall.as_secs_f64(),
+        outcomes: result.outcomes,
+    })
+}
+
+/// Runs the whole matrix: for each workload and concurrency, every policy on the same sequence.
+/// `on_run` is called after each run (progress lines, incremental writes).
+pub async fn run_matrix(
+    cluster: &mut Cluster,
+    client: &LoadClient,
+    oracle: &Arc<Oracle>,
+    config: &ExperimentConfig,
+    mut on_run: impl FnMut(&Progress, &RunRecord),
+) -> Result<Vec<RunRecord>, ExperimentError> {
+    let start = Instant::now();
+    let total = config.runs();
+    let mut records = Vec::with_capacity(total);
+    for &kind in &config.workloads {
+        for &concurrency in &config.concurrency {
+            let n = config.requests.for_concurrency(concurrency);
+            let workload = Workload::generate(kind, &config.shape, config.seed, n);
+            for &policy in &config.policies {
+                cluster.check_alive()?;
+                let record = run_one(
+                    cluster,
+                    client,
+                    oracle,
+                    &workload,
+                    policy,
+                    concurrency,
+                    config,
+                )
+                .await?;
+                records.push(record);
+                let elapsed = start.elapsed();
+                let done = records.len();
+                let eta = estimate_left(&records, config, elapsed);
+                on_run(
+                    &Progress {
+                        done,
+                        total,
+                        elapsed,
+                        eta,
+                    },
+                    &records[done - 1],
+                );
+            }
+        }
+    }
+    Ok(records)
+}
+
+/// Time left, from the runs so far: a run's wall time grows with its request count, so the estimate
+/// scales the measured seconds per request to the requests still to send.
+fn estimate_left(records: &[RunRecord], config: &ExperimentConfig, elapsed: Duration) -> Duration {
+    let sent: usize = records.iter().map(|r| r.summary.n).sum();
+    let planned: usize = config
+        .workloads
+        .iter()
+        .flat_map(|_| config.concurrency.iter())
+        .map(|&c| config.requests.for_concurrency(c) * config.policies.len())
+        .sum();
+    if sent == 0 {
+        return Duration::ZERO;
+    }
+    let per_request = elapsed.as_secs_f64() / sent as f64;
+    Duration::from_secs_f64(per_request * planned.saturating_sub(sent) as f64)
+}
