@@ -376,7 +376,11 @@ def test_agent_services() -> None:
 
 def rules_by_subject(objects: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """(service account, namespace the grant applies in, "*" for cluster-wide) -> rules."""
-    roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    roles = {
+        (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+        for o in objects
+        if o["kind"] in ("Role", "ClusterRole")
+    }
     grants: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for binding in objects:
         if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
@@ -427,7 +431,8 @@ def test_rbac_watched_namespaces_and_secrets_by_name() -> None:
     for ns in (NAMESPACE, WORKER_NAMESPACE):
         assert normalise(grants[("kinference-gateway", ns)]) == GATEWAY_RULES | secrets
         assert normalise(grants[("kinference-agent", ns)]) == AGENT_RULES
-    assert set(grants) == {(sa, ns) for sa in ("kinference-gateway", "kinference-agent") for ns in (NAMESPACE, WORKER_NAMESPACE)}
+    accounts = ("kinference-gateway", "kinference-agent")
+    assert set(grants) == {(sa, ns) for sa in accounts for ns in (NAMESPACE, WORKER_NAMESPACE)}
 
 
 def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() -> None:
@@ -522,7 +527,12 @@ SERVICE_MONITOR_CRD = {
     "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
     "spec": {
         "group": "monitoring.coreos.com",
-        "names": {"kind": "ServiceMonitor", "listKind": "ServiceMonitorList", "plural": "servicemonitors", "singular": "servicemonitor"},
+        "names": {
+            "kind": "ServiceMonitor",
+            "listKind": "ServiceMonitorList",
+            "plural": "servicemonitors",
+            "singular": "servicemonitor",
+        },
         "scope": "Namespaced",
         "versions": [
             {
@@ -631,7 +641,11 @@ class Kube:
                     "kind": "SubjectAccessReview",
                     "spec": {
                         "user": f"system:serviceaccount:{NAMESPACE}:{sa}",
-                        "groups": ["system:serviceaccounts", f"system:serviceaccounts:{NAMESPACE}", "system:authenticated"],
+                        "groups": [
+                            "system:serviceaccounts",
+                            f"system:serviceaccounts:{NAMESPACE}",
+                            "system:authenticated",
+                        ],
                         "resourceAttributes": attributes,
                     },
                 }
