@@ -12,8 +12,9 @@
 //! and settles at 0.1, and both are clamped to sane bounds. Requests with a large `work` teach the
 //! per-token rate; small ones teach the overhead.
 //!
-//! Choice: the minimum estimate among workers that pass the load guard, with near-ties (within 3% +
-//! 1 ms) broken at random so cache misses do not all land on the same replica. The load guard (as in
+//! Choice: the minimum estimate among workers that pass the load guard. Near-ties (within 3% + 1 ms)
+//! go to the one holding most of the prompt (less prefill for the cluster), and what is still equal is
+//! drawn at random so cache misses do not all land on the same replica. The load guard (as in
 //! AIBrix: least-loaded when max - min running > 16; SGLang: balance when max - min > 64 and max > 1.5
 //! min) excludes workers whose in-flight count exceeds `min + max(16, min)`: estimates can be wrong,
 //! and piling without bound onto one worker is the failure mode users report most.
@@ -207,6 +208,17 @@ pub fn choose(
         .enumerate()
         .filter(|(_, s)| eligible(s) && s.ttft_s <= band)
         .map(|(i, _)| i)
+        .collect();
+    // Among near-equal estimates, the one holding more of the prompt costs the cluster less prefill
+    // (and keeps a burst of one prefix together); spread only what is equal in that too.
+    let most_cached = ties
+        .iter()
+        .map(|i| scored[*i].cached_tokens)
+        .max()
+        .unwrap_or(0);
+    let ties: Vec<usize> = ties
+        .into_iter()
+        .filter(|i| scored[*i].cached_tokens == most_cached)
         .collect();
     let pick = match ties.len() {
         0 => return None,

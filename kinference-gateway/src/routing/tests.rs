@@ -73,3 +73,383 @@ fn modes_parse_from_config_names() {
         assert_eq!(mode.as_str().parse::<RoutingMode>().unwrap(), mode);
     }
 }
+
+// ---- The cache-aware router, with the real Qwen2 tokenizer and agent messages applied directly ----
+
+use std::path::PathBuf;
+
+use kinference_api::summary::{self as pb, Summary, summary};
+use kinference_api::tokenize::ModelTokenizer;
+
+/// Nothing listens here: the agent task keeps failing to connect, and the tests apply messages.
+const DEAD_AGENT: &str = "http://127.0.0.1:9";
+
+fn tokenizer_dir() -> PathBuf {
+    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")));
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "no tokenizer at {}: run `cargo xtask setup`",
+        dir.display()
+    );
+    dir
+}
+
+fn kconfig(workers: usize, agents: &[&str]) -> RoutingConfig {
+    RoutingConfig {
+        workers: (0..workers)
+            .map(|i| WorkerConfig {
+                url: format!("http://w{i}"),
+                model: "m".into(),
+            })
+            .collect(),
+        models: vec![ModelConfig {
+            name: "m".into(),
+            tokenizer_dir: Some(tokenizer_dir()),
+        }],
+        agents: agents.iter().map(|a| a.to_string()).collect(),
+        mode: RoutingMode::Kinference,
+    }
+}
+
+fn system_prompt() -> String {
+    "You are a meticulous assistant for a logistics company. Answer precisely and cite the policy. "
+        .repeat(40)
+}
+
+/// Block keys (block size 16) of `text` as a completion prompt.
+fn keys_of(text: &str) -> Vec<u64> {
+    let tok = ModelTokenizer::from_dir(tokenizer_dir()).unwrap();
+    let ids = tok.encode_text(text, true).unwrap();
+    KeyHasher::for_model("m").keys(None, &ids, 16)
+}
+
+fn load(running: u32, waiting: u32) -> pb::WorkerLoad {
+    pb::WorkerLoad {
+        running,
+        waiting,
+        metrics_ok: true,
+        ..Default::default()
+    }
+}
+
+fn worker_state(url: &str, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerState {
+    pb::WorkerState {
+        worker_id: url.into(),
+        model: "m".into(),
+        block_size: 16,
+        keys,
+        load: Some(load),
+    }
+}
+
+fn snapshot(epoch: u64, workers: Vec<pb::WorkerState>) -> Summary {
+    Summary {
+        kind: Some(summary::Kind::Snapshot(pb::Snapshot {
+            node: "n1".into(),
+            epoch,
+            workers,
+            node_state: None,
+        })),
+    }
+}
+
+fn delta(workers: Vec<pb::WorkerDelta>) -> Summary {
+    Summary {
+        kind: Some(summary::Kind::Delta(pb::Delta {
+            workers,
+            node_state: None,
+        })),
+    }
+}
+
+/// Stops the agent task (nothing listens at [`DEAD_AGENT`]) and marks its stream up, so the test can
+/// apply the agent's messages itself, as the stream would.
+fn attach_agent(router: &Router) {
+    for t in &router.tasks {
+        t.abort();
+    }
+    let mut st = router.shared.agents[0].lock();
+    st.connected = true;
+    st.since = Instant::now();
+}
+
+fn text(prompt: &str) -> RouteRequest<'_> {
+    RouteRequest {
+        model: "m",
+        prompt: Prompt::Text(prompt),
+        debug: true,
+    }
+}
+
+#[tokio::test]
+async fn routes_a_known_scenario_to_where_the_cache_is() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let system = system_prompt();
+    let keys = keys_of(&system);
+    assert!(keys.len() > 40, "{}", keys.len());
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", vec![], load(0, 0)),
+                worker_state("http://w1", keys[..2].to_vec(), load(0, 0)),
+                worker_state("http://w2", keys.clone(), load(1, 0)),
+            ],
+        ),
+    );
+    let prompt = format!("{system}Where is parcel 1234?");
+    let d = router.pick(text(&prompt)).await.unwrap();
+    assert_eq!(d.worker, "http://w2", "{:?}", d.explain);
+    assert_eq!(d.reason, "cache_hit");
+    let explain = d.explain.clone().unwrap();
+    assert!(
+        explain.contains(&format!("*http://w2 cached={}", keys.len() * 16)),
+        "{explain}"
+    );
+    assert!(explain.contains("http://w1 cached=32 "), "{explain}");
+    assert!(d.prompt_tokens.unwrap() > keys.len() * 16);
+    let views = router.workers();
+    assert_eq!(
+        views
+            .iter()
+            .find(|w| w.url == "http://w2")
+            .unwrap()
+            .cached_blocks,
+        keys.len()
+    );
+    assert!(views.iter().all(|w| w.agent_live));
+}
+
+#[tokio::test]
+async fn speculative_credit_keeps_a_burst_of_one_prefix_together() {
+    // No agent at all: the credit is the only cache signal, and the reason says so.
+    let router = Router::new(kconfig(3, &[])).unwrap();
+    let system = system_prompt();
+    let mut tickets = Vec::new();
+    for i in 0..4 {
+        let prompt = format!("{system}Question {i}?");
+        let d = router.pick(text(&prompt)).await.unwrap();
+        assert_eq!(d.reason, "degraded_no_agent");
+        tickets.push(d);
+    }
+    // The second request finds the first one's credit (the blocks are not even computed yet). Later
+    // ones may replicate the prefix elsewhere once queueing behind it costs more than a miss.
+    let first = &tickets[0].worker;
+    assert_eq!(&tickets[1].worker, first);
+    let explain = tickets[1].explain.as_deref().unwrap();
+    assert!(explain.contains(&format!("*{first} cached=")), "{explain}");
+    assert!(
+        !explain.contains(&format!("*{first} cached=0 ")),
+        "{explain}"
+    );
+}
+
+#[tokio::test]
+async fn misses_spread_over_idle_workers() {
+    let router = Router::new(kconfig(4, &[DEAD_AGENT])).unwrap();
+    let mut counts = std::collections::HashMap::new();
+    for i in 0..80 {
+        // Distinct first tokens: no prompt shares a block with another.
+        let prompt = format!("{i} unrelated request number {i} about topic {}", i * 7);
+        let d = router.pick(text(&prompt)).await.unwrap();
+        // Never connected: the agent's data is missing, and the reason says so.
+        assert_eq!(d.reason, "degraded_stale");
+        *counts.entry(d.worker.clone()).or_insert(0usize) += 1;
+    }
+    assert_eq!(counts.len(), 4, "{counts:?}");
+    assert!(counts.values().all(|c| *c >= 8), "{counts:?}");
+}
+
+#[tokio::test]
+async fn load_guard_stops_piling_onto_the_cached_worker() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let system = system_prompt();
+    let keys = keys_of(&system);
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", keys.clone(), load(30, 0)),
+                worker_state("http://w1", vec![], load(0, 0)),
+                worker_state("http://w2", vec![], load(0, 0)),
+            ],
+        ),
+    );
+    let prompt = format!("{system}Where is parcel 1234?");
+    let d = router.pick(text(&prompt)).await.unwrap();
+    assert_ne!(d.worker, "http://w0", "{:?}", d.explain);
+    assert_eq!(d.reason, "load_guard");
+    // Under the guard's slack the cache wins again.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            load: Some(load(10, 0)),
+            ..Default::default()
+        }]),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    assert_eq!(d.worker, "http://w0", "{:?}", d.explain);
+}
+
+#[tokio::test]
+async fn deltas_snapshots_and_epochs_update_the_index() {
+    let router = Router::new(kconfig(1, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let blocks = |url: &str| {
+        router
+            .workers()
+            .into_iter()
+            .find(|w| w.url == url)
+            .map(|w| w.cached_blocks)
+    };
+    let keys: Vec<u64> = (1..=8).collect();
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            7,
+            vec![worker_state("http://w0", keys[..4].to_vec(), load(0, 0))],
+        ),
+    );
+    assert_eq!(blocks("http://w0"), Some(4));
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![
+            pb::WorkerDelta {
+                worker_id: "http://w0".into(),
+                added: keys[4..].to_vec(),
+                removed: vec![1],
+                ..Default::default()
+            },
+            // A worker the config does not list, discovered through the agent.
+            pb::WorkerDelta {
+                worker_id: "http://d1".into(),
+                model: "m".into(),
+                block_size: 16,
+                added: vec![100, 101],
+                ..Default::default()
+            },
+        ]),
+    );
+    assert_eq!(blocks("http://w0"), Some(7));
+    assert_eq!(blocks("http://d1"), Some(2));
+    assert!(router.shared.index.read().contains(
+        100,
+        router.shared.workers.read().get("http://d1").unwrap().id
+    ));
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            cleared: true,
+            added: vec![42],
+            ..Default::default()
+        }]),
+    );
+    assert_eq!(blocks("http://w0"), Some(1));
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://d1".into(),
+            gone: true,
+            ..Default::default()
+        }]),
+    );
+    assert_eq!(blocks("http://d1"), Some(0));
+    assert!(
+        !router
+            .workers()
+            .iter()
+            .find(|w| w.url == "http://d1")
+            .unwrap()
+            .healthy
+    );
+    // The agent restarted: its new snapshot replaces everything it said before.
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(8, vec![worker_state("http://w0", vec![5, 6], load(0, 0))]),
+    );
+    assert_eq!(blocks("http://w0"), Some(2));
+    assert_eq!(router.shared.index.read().pairs(), 2);
+}
+
+#[tokio::test]
+async fn first_token_teaches_the_worker_its_rate_and_releases_the_queue() {
+    let router = Router::new(kconfig(1, &[])).unwrap();
+    let prompt = system_prompt();
+    let mut d = router.pick(text(&prompt)).await.unwrap();
+    let worker = router
+        .shared
+        .workers
+        .read()
+        .get("http://w0")
+        .cloned()
+        .unwrap();
+    assert!(worker.state.lock().pending_prefill_tokens > 500.0);
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    d.ticket.first_token();
+    {
+        let st = worker.state.lock();
+        assert_eq!(st.pending_prefill_tokens, 0.0);
+        assert_eq!(st.rates.samples, 1);
+        assert_eq!(st.in_flight, 1);
+    }
+    d.ticket.finish(true, 16, Some(0));
+    assert_eq!(worker.state.lock().in_flight, 0);
+}
+
+#[tokio::test]
+async fn unhealthy_workers_are_skipped() {
+    let router = Router::new(kconfig(2, &[])).unwrap();
+    router.set_healthy("http://w0", false);
+    for _ in 0..5 {
+        assert_eq!(
+            router.pick(text("hello there")).await.unwrap().worker,
+            "http://w1"
+        );
+    }
+    router.set_healthy("http://w1", false);
+    assert_eq!(
+        router.pick(text("x")).await.unwrap_err(),
+        RouteError::NoHealthyWorker("m".into())
+    );
+}
+
+#[tokio::test]
+async fn baselines_route_by_their_rule() {
+    let mut cfg = kconfig(3, &[]);
+    cfg.mode = RoutingMode::RoundRobin;
+    let router = Router::new(cfg.clone()).unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        seen.push(router.pick(text("p")).await.unwrap().worker);
+    }
+    seen.sort();
+    assert_eq!(seen, vec!["http://w0", "http://w1", "http://w2"]);
+    cfg.mode = RoutingMode::PrefixHash;
+    let router = Router::new(cfg).unwrap();
+    let a = router
+        .pick(text(&format!("{}A", system_prompt())))
+        .await
+        .unwrap();
+    let b = router
+        .pick(text(&format!("{}B", system_prompt())))
+        .await
+        .unwrap();
+    assert_eq!(a.worker, b.worker);
+    assert_eq!(a.reason, "prefix_hash");
+}

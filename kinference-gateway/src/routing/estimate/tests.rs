@@ -157,3 +157,27 @@ fn load_guard_caps_piling_onto_one_worker() {
     assert!(within_guard(80, 40, &cfg));
     assert!(!within_guard(81, 40, &cfg));
 }
+
+#[test]
+fn near_ties_prefer_the_cache_then_spread() {
+    let cfg = cfg();
+    let mut rng = StdRng::seed_from_u64(3);
+    let scored = vec![
+        Scored {
+            ttft_s: 1.00,
+            load: 0,
+            cached_tokens: 0,
+        },
+        Scored {
+            ttft_s: 1.01,
+            load: 1,
+            cached_tokens: 4_000,
+        },
+        Scored {
+            ttft_s: 1.00,
+            load: 0,
+            cached_tokens: 0,
+        },
+    ];
+    assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::CacheHit)));
+}
