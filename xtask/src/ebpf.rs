@@ -22,7 +22,7 @@ pub struct BuildArgs {
     /// Only check for the toolchain pieces; never install anything (report what is missing instead).
     #[arg(long)]
     no_install: bool,
-    /// Where to copy the object (default: target/ebpf/kinference.bpf.o, or $KINFERENCE_EBPF_OBJECT).
+    /// Where to copy the object (default: $KINFERENCE_EBPF_OBJECT, else <target dir>/ebpf/kinference.bpf.o).
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -80,7 +80,7 @@ pub fn build(args: BuildArgs) -> anyhow::Result<()> {
     let out = args
         .out
         .or_else(|| std::env::var_os("KINFERENCE_EBPF_OBJECT").map(PathBuf::from))
-        .unwrap_or_else(|| root.join(OBJECT_RELATIVE));
+        .unwrap_or_else(|| default_object(&root));
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
@@ -90,6 +90,15 @@ pub fn build(args: BuildArgs) -> anyhow::Result<()> {
     eprintln!("build-ebpf: wrote {} ({size} bytes)", out.display());
     eprintln!("build-ebpf: rebuild the agent (`cargo build -p kinference-agent`) to embed it");
     Ok(())
+}
+
+/// `$CARGO_TARGET_DIR/ebpf/kinference.bpf.o` when set (relative to the repository root), else
+/// `target/ebpf/kinference.bpf.o`; the agent's build.rs computes the same path.
+fn default_object(root: &Path) -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR").filter(|v| !v.is_empty()) {
+        Some(dir) => root.join(dir).join("ebpf/kinference.bpf.o"),
+        None => root.join(OBJECT_RELATIVE),
+    }
 }
 
 fn repo_root() -> PathBuf {
