@@ -1,0 +1,373 @@
+//! The eBPF programs in the real kernel against a loopback HTTP server with known per-request delays and
+//! concurrency: in-flight counts and time to first byte must match what the clients see.
+//!
+//! Needs root (CAP_BPF, CAP_PERFMON) and the object (`cargo xtask build-ebpf` before building the agent);
+//! without either the loading part prints why and returns. Tolerance for time to first byte: 20 ms + 10%
+//! of the client's own measurement (observed differences are a few ms).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kinference_agent::node::ebpf::{
+    EbpfOptions, KernelMonitor, KernelView, ProgramState, embedded_object,
+};
+use kinference_agent::node::gpu::GpuMonitor;
+use prometheus_client::registry::Registry;
+
+const POLL: Duration = Duration::from_millis(20);
+const IDLE_GAP: Duration = Duration::from_millis(200);
+
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .map(|l| l.split_whitespace().nth(2) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+/// A thread-per-connection HTTP/1.1 server: `GET /sleep/<ms>` sleeps that long, then answers `ok`.
+/// `Connection: close` requests are answered and closed; others keep the connection open. Stops on drop.
+struct SleepServer {
+    port: u16,
+    stop: Arc<AtomicBool>,
+}
+
+impl SleepServer {
+    fn start() -> SleepServer {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop_accept = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop_accept.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        std::thread::spawn(move || serve(stream));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        SleepServer { port, stop }
+    }
+}
+
+impl Drop for SleepServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn serve(stream: TcpStream) {
+    let _ = stream.set_nonblocking(false);
+    let mut reader = BufReader::new(match stream.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    });
+    let mut writer = stream;
+    loop {
+        let mut request_line = String::new();
+        if reader.read_line(&mut request_line).unwrap_or(0) == 0 {
+            return;
+        }
+        let mut close = false;
+        loop {
+            let mut header = String::new();
+            if reader.read_line(&mut header).unwrap_or(0) == 0 {
+                return;
+            }
+            if header.to_ascii_lowercase().starts_with("connection: close") {
+                close = true;
+            }
+            if header == "\r\n" {
+                break;
+            }
+        }
+        let ms: u64 = request_line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.strip_prefix("/sleep/"))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        std::thread::sleep(Duration::from_millis(ms));
+        let connection = if close { "close" } else { "keep-alive" };
+        let response =
+            format!("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: {connection}\r\n\r\nok");
+        if writer.write_all(response.as_bytes()).is_err() || close {
+            return;
+        }
+    }
+}
+
+/// Sends one request on `stream` and returns the time from the request's first byte to the response's.
+fn request(stream: &mut TcpStream, ms: u64, close: bool) -> Duration {
+    let connection = if close { "Connection: close\r\n" } else { "" };
+    let req = format!("GET /sleep/{ms} HTTP/1.1\r\nHost: test\r\n{connection}\r\n");
+    let start = Instant::now();
+    stream.write_all(req.as_bytes()).expect("write");
+    let mut first = [0u8; 1];
+    stream.read_exact(&mut first).expect("first byte");
+    let ttfb = start.elapsed();
+    // Read the rest of the (fixed-size) response: "HTTP/1.1 200 OK..." up to the 2-byte body.
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 256];
+    while !rest.ends_with(b"\r\n\r\nok") {
+        let n = stream.read(&mut buf).expect("read");
+        if n == 0 {
+            break;
+        }
+        rest.extend_from_slice(&buf[..n]);
+    }
+    ttfb
+}
+
+fn view(monitor: &KernelMonitor, port: u16) -> KernelView {
+    std::thread::sleep(POLL * 3);
+    monitor.view(port).unwrap_or_default()
+}
+
+fn within_tolerance(kernel: Duration, client: Duration) -> bool {
+    let diff = kernel.abs_diff(client);
+    diff <= Duration::from_millis(20) + client / 10
+}
+
+#[test]
+fn kernel_view_matches_the_clients() {
+    if !is_root() {
+        eprintln!("skipping the kernel part: not root (needs CAP_BPF and CAP_PERFMON)");
+        return;
+    }
+    let options = EbpfOptions {
+        poll_interval: POLL,
+        idle_gap: IDLE_GAP,
+        ..EbpfOptions::from_env()
+    };
+    if options.object_path.is_none() && embedded_object().is_none() {
+        eprintln!(
+            "skipping the kernel part: agent built without the eBPF object (run `cargo xtask build-ebpf`)"
+        );
+        return;
+    }
+    let monitor = KernelMonitor::start(options);
+    let status = monitor.status().clone();
+    for p in &status.programs {
+        eprintln!(
+            "program {}: {} {}",
+            p.program,
+            p.state.as_str(),
+            p.reason.as_deref().unwrap_or("")
+        );
+    }
+    if !status.active {
+        let reason = status.reason.clone().unwrap_or_default();
+        let all_reasons: String = status
+            .programs
+            .iter()
+            .filter_map(|p| p.reason.clone())
+            .collect();
+        if ["not permitted", "EPERM", "Permission denied", "EACCES"]
+            .iter()
+            .any(|m| reason.contains(m) || all_reasons.contains(m))
+        {
+            eprintln!("skipping the kernel part: no capability to load eBPF here: {reason}");
+            return;
+        }
+        panic!(
+            "eBPF did not load as root: {reason}; programs: {:?}",
+            status.programs
+        );
+    }
+    let attached = |tp: &str| {
+        status
+            .programs
+            .iter()
+            .any(|p| p.program == tp && p.state == ProgramState::Attached)
+    };
+    assert!(attached("inet_sock_set_state"), "{:?}", status.programs);
+
+    let server = SleepServer::start();
+    monitor.watch(server.port, &format!("http://127.0.0.1:{}", server.port));
+    std::thread::sleep(POLL * 5);
+    let idle = view(&monitor, server.port);
+    assert_eq!(idle.in_flight, 0, "{idle:?}");
+
+    // Phase 1: 6 concurrent clients, one request per connection, delays 200..1200 ms.
+    let delays: Vec<u64> = (1..=6).map(|i| i * 200).collect();
+    let started = Instant::now();
+    let clients: Vec<_> = delays
+        .iter()
+        .map(|&ms| {
+            let port = server.port;
+            std::thread::spawn(move || {
+                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                request(&mut stream, ms, true)
+            })
+        })
+        .collect();
+    // All six are waiting at ~100 ms; three remain at ~700 ms (200, 400, 600 answered).
+    std::thread::sleep(Duration::from_millis(100).saturating_sub(started.elapsed()));
+    let early = view(&monitor, server.port);
+    std::thread::sleep(Duration::from_millis(700).saturating_sub(started.elapsed()));
+    let middle = view(&monitor, server.port);
+    let mut client_ttfb: Vec<Duration> = clients
+        .into_iter()
+        .map(|c| c.join().expect("client"))
+        .collect();
+    std::thread::sleep(IDLE_GAP + POLL * 3);
+    let after = view(&monitor, server.port);
+    eprintln!("early {early:?}\nmiddle {middle:?}\nafter {after:?}\nclients {client_ttfb:?}");
+    assert_eq!(
+        early.in_flight, 6,
+        "all six requests in flight at 100 ms: {early:?}"
+    );
+    assert_eq!(early.waiting, 6, "{early:?}");
+    assert_eq!(middle.in_flight, 3, "three left at ~700 ms: {middle:?}");
+    assert_eq!(after.in_flight, 0, "{after:?}");
+    assert_eq!(after.requests_total, 6, "{after:?}");
+    assert_eq!(after.responses_total, 6, "{after:?}");
+    let mut kernel_ttfb = after.ttfb_recent.clone();
+    assert_eq!(kernel_ttfb.len(), 6, "{after:?}");
+    kernel_ttfb.sort();
+    client_ttfb.sort();
+    for ((k, c), ms) in kernel_ttfb.iter().zip(&client_ttfb).zip(&delays) {
+        assert!(
+            within_tolerance(*k, *c),
+            "kernel {k:?} vs client {c:?} (delay {ms} ms)"
+        );
+        assert!(
+            *k >= Duration::from_millis(*ms),
+            "kernel {k:?} shorter than the server's delay {ms} ms"
+        );
+    }
+    let p50 = after.ttfb_p50.expect("p50");
+    assert!(
+        within_tolerance(p50, client_ttfb[3]),
+        "p50 {p50:?} vs {:?}",
+        client_ttfb[3]
+    );
+    if attached("sys_exit") {
+        let wait = after.accept_wait_p50.expect("accept wait samples");
+        assert!(
+            wait < Duration::from_millis(200),
+            "accept wait {wait:?} on an idle accept loop"
+        );
+    }
+    if attached("sk_data_ready") || attached("sys_exit") {
+        assert_eq!(
+            after.accept_backlog_max, 128,
+            "std's listen() backlog: {after:?}"
+        );
+    }
+
+    // Phase 2: one keep-alive connection, three sequential requests; in flight is 1 during each and 0 once the
+    // response has been idle for longer than the idle gap.
+    let stream = TcpStream::connect(("127.0.0.1", server.port)).expect("connect");
+    let port = server.port;
+    let mut keepalive_client = Vec::new();
+    for ms in [150u64, 300, 450] {
+        let handle = {
+            let mut s = stream.try_clone().expect("clone");
+            std::thread::spawn(move || request(&mut s, ms, false))
+        };
+        std::thread::sleep(Duration::from_millis(80));
+        let during = view(&monitor, port);
+        assert_eq!(during.in_flight, 1, "during a {ms} ms request: {during:?}");
+        assert_eq!(during.waiting, 1, "{during:?}");
+        keepalive_client.push(handle.join().expect("client"));
+        std::thread::sleep(IDLE_GAP + POLL * 3);
+        let between = view(&monitor, port);
+        assert_eq!(
+            between.in_flight, 0,
+            "after the {ms} ms response: {between:?}"
+        );
+        assert_eq!(
+            between.connections, 1,
+            "the keep-alive connection stays open: {between:?}"
+        );
+    }
+    let end = view(&monitor, port);
+    let recent = &end.ttfb_recent[end.ttfb_recent.len() - 3..];
+    for (k, c) in recent.iter().zip(&keepalive_client) {
+        assert!(
+            within_tolerance(*k, *c),
+            "keep-alive: kernel {k:?} vs client {c:?}"
+        );
+    }
+    assert_eq!(end.requests_total, 9, "{end:?}");
+    drop(stream);
+    std::thread::sleep(Duration::from_millis(100));
+    let closed = view(&monitor, port);
+    assert_eq!(closed.connections, 0, "{closed:?}");
+
+    let mut registry = Registry::default();
+    monitor.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    assert!(
+        text.contains(r#"kinference_agent_ebpf_program_state{program="inet_sock_set_state",state="attached"} 1"#),
+        "{text}"
+    );
+    assert!(
+        text.contains("kinference_agent_kernel_ttfb_seconds_count"),
+        "{text}"
+    );
+}
+
+/// Where eBPF cannot load (no object here) and NVML is absent, both say why and the views are simply empty.
+#[test]
+fn without_ebpf_and_nvml_the_agent_says_why() {
+    let monitor = KernelMonitor::start(EbpfOptions {
+        object_path: Some("/nonexistent/kinference.bpf.o".into()),
+        ..EbpfOptions::default()
+    });
+    assert!(!monitor.active());
+    let reason = monitor.status().reason.clone().unwrap_or_default();
+    assert!(reason.contains("/nonexistent/kinference.bpf.o"), "{reason}");
+    monitor.watch(8001, "http://127.0.0.1:8001");
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(monitor.view(8001).is_none());
+
+    let disabled = KernelMonitor::start(EbpfOptions {
+        disabled: true,
+        ..EbpfOptions::default()
+    });
+    assert!(
+        disabled
+            .status()
+            .programs
+            .iter()
+            .all(|p| p.state == ProgramState::Disabled)
+    );
+
+    let gpu =
+        GpuMonitor::start_with_library(std::path::Path::new("/nonexistent/libnvidia-ml.so.1"));
+    let node = gpu
+        .sample(&[("http://127.0.0.1:8001".into(), 8001)])
+        .to_proto();
+    assert!(node.gpus.is_empty());
+    assert!(
+        node.gpu_unavailable_reason.contains("NVML unavailable"),
+        "{}",
+        node.gpu_unavailable_reason
+    );
+
+    let mut registry = Registry::default();
+    monitor.register_metrics(&mut registry);
+    gpu.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    assert!(
+        text.contains(
+            r#"kinference_agent_ebpf_program_state{program="sys_exit",state="load_failed"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(text.contains("kinference_agent_gpu_available 0"), "{text}");
+}
