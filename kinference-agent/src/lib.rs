@@ -4,9 +4,21 @@
 //! block keys, and streams a snapshot then batched deltas to every gateway replica over gRPC.
 //!
 //! - [`config`]: flags and the local workers file; [`discovery`]: worker add/remove events.
-//! - [`kv_events`]: vLLM event batch decoding; [`worker_state`]: per-worker key set and deltas.
+//! - [`kv_events`]: vLLM event batch decoding; [`worker_state`]: one worker's key set and deltas.
+//! - [`subscriber`]: a worker's ZMQ event stream with sequence tracking and replay.
+//! - [`scrape`]: a worker's vLLM `/metrics` (load, block size).
+//! - [`registry`]: every local worker's state, shared by the above and [`grpc`], the summary stream.
+//! - [`metrics`]: the agent's own Prometheus metrics; [`app`]: wiring; [`node`]: GPU and kernel signals.
 #![forbid(unsafe_code)]
 
+pub mod app;
+pub mod config;
+pub mod discovery;
+pub mod grpc;
 pub mod kv_events;
+pub mod metrics;
 pub mod node;
+pub mod registry;
+pub mod scrape;
+pub mod subscriber;
 pub mod worker_state;

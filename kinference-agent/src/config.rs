@@ -1,0 +1,177 @@
+//! The agent's configuration: command-line flags and the local workers file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+
+/// Command-line flags of `kinference-agent`.
+#[derive(Clone, Debug, Parser)]
+#[command(
+    name = "kinference-agent",
+    version,
+    about = "Kinference node agent: KV-cache and load summaries of local vLLM workers"
+)]
+pub struct Args {
+    /// Address of the gRPC summary server (`kinference.v1.NodeAgent/Watch`).
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_GRPC_LISTEN",
+        default_value = "127.0.0.1:7070"
+    )]
+    pub grpc_listen: SocketAddr,
+
+    /// Address of the Prometheus `/metrics` endpoint.
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_METRICS_LISTEN",
+        default_value = "127.0.0.1:9091"
+    )]
+    pub metrics_listen: SocketAddr,
+
+    /// Local workers file (YAML, `workers: [...]`); re-read when it changes.
+    #[arg(long, env = "KINFERENCE_AGENT_WORKERS")]
+    pub workers: PathBuf,
+
+    /// Node name reported in snapshots (default: the host name).
+    #[arg(long, env = "KINFERENCE_NODE_NAME")]
+    pub node: Option<String>,
+
+    /// How often each worker's `/metrics` is scraped, in milliseconds.
+    #[arg(long, default_value_t = 250)]
+    pub scrape_interval_ms: u64,
+
+    /// How long events are coalesced into one delta message, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub coalesce_ms: u64,
+
+    /// Messages queued per watching gateway before it is considered behind (it then gets a fresh snapshot).
+    #[arg(long, default_value_t = 256)]
+    pub watcher_queue: usize,
+
+    /// Most engine blocks tracked per worker; beyond it new blocks are dropped (logged and counted).
+    #[arg(long, default_value_t = 4_000_000)]
+    pub max_blocks_per_worker: usize,
+
+    /// How often the workers file is checked for changes, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    pub workers_poll_ms: u64,
+}
+
+impl Args {
+    pub fn scrape_interval(&self) -> Duration {
+        Duration::from_millis(self.scrape_interval_ms.max(10))
+    }
+    pub fn coalesce(&self) -> Duration {
+        Duration::from_millis(self.coalesce_ms)
+    }
+    /// The node name: `--node`, else the host name, else `"local"`.
+    pub fn node_name(&self) -> String {
+        self.node
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .or_else(|| {
+                std::fs::read_to_string("/etc/hostname")
+                    .ok()
+                    .map(|s| s.trim().to_string())
+            })
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "local".to_string())
+    }
+}
+
+/// One local vLLM worker, as the workers file (or a later discovery source) describes it.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerSpec {
+    /// Worker base URL; also its stable id.
+    pub url: String,
+    /// Served model name.
+    pub model: String,
+    /// The worker's KV events endpoint (ZMQ PUB).
+    pub kv_events_endpoint: Option<String>,
+    /// `true`: the agent binds a SUB here and vLLM connects (vLLM's connect mode, endpoint without `*`).
+    /// `false`: the agent connects to a worker that binds.
+    #[serde(default = "default_true")]
+    pub kv_events_bind: bool,
+    /// The worker's replay endpoint (ZMQ ROUTER, always bound by vLLM).
+    pub kv_replay_endpoint: Option<String>,
+    /// Only messages with this topic are applied (default: all).
+    #[serde(default)]
+    pub kv_topic: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// The local workers file.
+#[derive(Clone, Debug, Deserialize, Default, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WorkersFile {
+    #[serde(default)]
+    pub workers: Vec<WorkerSpec>,
+}
+
+/// Why the workers file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("parsing {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: serde_yaml::Error,
+    },
+    #[error("{path}: worker {url} is listed twice")]
+    Duplicate { path: PathBuf, url: String },
+}
+
+impl WorkersFile {
+    /// Reads and validates a workers file.
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(&text).map_err(|e| match e {
+            ParseError::Yaml(source) => ConfigError::Parse {
+                path: path.into(),
+                source,
+            },
+            ParseError::Duplicate(url) => ConfigError::Duplicate {
+                path: path.into(),
+                url,
+            },
+        })
+    }
+
+    fn parse(text: &str) -> Result<Self, ParseError> {
+        let mut file: WorkersFile = if text.trim().is_empty() {
+            Self::default()
+        } else {
+            serde_yaml::from_str(text).map_err(ParseError::Yaml)?
+        };
+        let mut seen = std::collections::HashSet::new();
+        for w in &mut file.workers {
+            w.url = w.url.trim_end_matches('/').to_string();
+            if !seen.insert(w.url.clone()) {
+                return Err(ParseError::Duplicate(w.url.clone()));
+            }
+        }
+        Ok(file)
+    }
+}
+
+enum ParseError {
+    Yaml(serde_yaml::Error),
+    Duplicate(String),
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+//! The summary stream every gateway watches: `kinference.v1.NodeAgent/Watch`.
+//!
+//! One broadcaster task owns the stream's order. Woken by any change, it waits one coalescing window,
+//! then drains every worker's net key changes into a single `Delta`, and hands it to each watcher's
+//! bounded queue without waiting. A new watcher, or one whose queue was full (a slow gateway), gets a
+//! fresh `Snapshot` built in the same pass instead: ingestion never waits for a gateway, and a gateway
+//! that falls behind is made current again by one message. Keys travel as packed `fixed64`.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kinference_api::summary::node_agent_server::NodeAgent;
+use kinference_api::summary::{self as pb, summary::Kind};
+use parking_lot::Mutex;
+use prost::Message;
+use tokio::sync::mpsc;
+use tokio_stream::Stream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::metrics::AgentMetrics;
+use crate::registry::{Load, Registry};
+
+/// Load figures are resent at least this often, so `metrics_age_ms` and `event_lag_ms` stay meaningful.
+const LOAD_REFRESH: Duration = Duration::from_secs(1);
+
+/// One connected gateway.
+struct Watcher {
+    id: String,
+    tx: mpsc::Sender<Result<pb::Summary, Status>>,
+    /// Set for a new watcher and for one that fell behind: the next message it gets is a snapshot.
+    needs_snapshot: AtomicBool,
+}
+
+/// Shared between the gRPC service (adds watchers) and the broadcaster (feeds them).
+pub struct Broadcaster {
+    registry: Arc<Registry>,
+    metrics: AgentMetrics,
+    node: String,
+    epoch: u64,
+    queue: usize,
+    watchers: Mutex<Vec<Arc<Watcher>>>,
+}
+
+/// What the broadcaster last told gateways about a worker.
+struct Announced {
+    generation: u64,
+    block_size: u32,
+    load: Option<LoadSent>,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+struct LoadSent {
+    running: u32,
+    waiting: u32,
+    kv_usage: f32,
+    ok: bool,
+    at: Instant,
+}
+
+impl Broadcaster {
+    /// A broadcaster for this node; `epoch` changes every process start.
+    pub fn new(
+        registry: Arc<Registry>,
+        metrics: AgentMetrics,
+        node: String,
+        queue: usize,
+    ) -> Arc<Self> {
+        let epoch = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Arc::new(Self {
+            registry,
+            metrics,
+            node,
+            epoch,
+            queue: queue.max(2),
+            watchers: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Registers a gateway; its stream starts with a snapshot.
+    fn add_watcher(&self, id: String) -> mpsc::Receiver<Result<pb::Summary, Status>> {
+        let (tx, rx) = mpsc::channel(self.queue);
+        tracing::info!(gateway = %id, "gateway watching");
+        self.watchers.lock().push(Arc::new(Watcher {
+            id,
+            tx,
+            needs_snapshot: AtomicBool::new(true),
+        }));
+        self.metrics.watchers.inc();
+        self.registry.notify();
+        rx
+    }
+
+    /// Runs the broadcast loop until cancelled.
+    pub async fn run(self: Arc<Self>, coalesce: Duration, cancel: CancellationToken) {
+        let mut announced: HashMap<String, Announced> = HashMap::new();
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = self.registry.changed() => {}
+                _ = tokio::time::sleep(LOAD_REFRESH) => {}
+            }
+            if !coalesce.is_zero() {
+                tokio::time::sleep(coalesce).await;
+            }
+            self.tick(&mut announced);
+        }
+    }
+
+    /// One pass: drains every worker's changes into a delta, and builds a snapshot if a watcher needs one.
+    fn tick(&self, announced: &mut HashMap<String, Announced>) {
+        let watchers: Vec<Arc<Watcher>> = self.watchers.lock().clone();
+        // A watcher behind with a still-full queue cannot take a snapshot yet: do not build one for it.
+        let need_snapshot = watchers
+            .iter()
+            .any(|w| w.needs_snapshot.load(Ordering::Relaxed) && w.tx.capacity() > 0);
+        let now = Instant::now();
+        let slots = self.registry.list();
+        let mut delta = pb::Delta::default();
+        let mut snapshot = need_snapshot.then(|| pb::Snapshot {
+            node: self.node.clone(),
+            epoch: self.epoch,
+            workers: Vec::with_capacity(slots.len()),
+            node_state: None,
+        });
+        let mut key_changes = 0u64;
+
+        for slot in &slots {
+            let url = &slot.spec.url;
+            // Drain and (if needed) copy the keys under one lock, so snapshot and delta agree.
+            let (mut change, block_size, keys) = {
+                let mut kv = slot.kv.lock();
+                let change = kv.take_delta();
+                let keys = snapshot.is_some().then(|| kv.keys());
+                (change, kv.block_size(), keys)
+            };
+            let load = slot.load.lock().clone();
+            let block_size = block_size.or(load.block_size).unwrap_or(0);
+            let wire_load = to_wire_load(&load, now);
+            let sent = LoadSent {
+                running: wire_load.running,
+                waiting: wire_load.waiting,
+                kv_usage: wire_load.kv_usage,
+                ok: wire_load.metrics_ok,
+                at: now,
+            };
+            if let (Some(snap), Some(keys)) = (snapshot.as_mut(), keys) {
+                snap.workers.push(pb::WorkerState {
+                    worker_id: url.clone(),
+                    model: slot.spec.model.clone(),
+                    block_size,
+                    keys,
+                    load: Some(wire_load),
+                });
+            }
+
+            let entry = announced
+                .get_mut(url)
+                .filter(|a| a.generation == slot.generation);
+            let mut wd = pb::WorkerDelta {
+                worker_id: url.clone(),
+                ..Default::default()
+            };
+            let mut send = false;
+            match entry {
+                None => {
+                    // New to the in-sync watchers (or replaced with fresh state): announce it in full.
+                    let keys = slot.kv.lock().keys();
+                    change = crate::worker_state::KeyDelta {
+                        cleared: true,
+                        added: keys,
+                        removed: Vec::new(),
+                    };
+                    wd.model = slot.spec.model.clone();
+                    wd.block_size = block_size;
+                    wd.load = Some(wire_load);
+                    send = true;
+                    announced.insert(
+                        url.clone(),
+                        Announced {
+                            generation: slot.generation,
+                            block_size,
+                            load: Some(sent),
+                        },
+                    );
+                }
+                Some(a) => {
+                    if a.block_size != block_size {
+                        wd.model = slot.spec.model.clone();
+                        wd.block_size = block_size;
+                        a.block_size = block_size;
+                        send = true;
+                    }
+                    let load_changed = a.load.is_none_or(|p| {
+                        (p.running, p.waiting, p.kv_usage, p.ok)
+                            != (sent.running, sent.waiting, sent.kv_usage, sent.ok)
+                            || now.duration_since(p.at) >= LOAD_REFRESH
+                    });
+                    if load_changed {
+                        wd.load = Some(wire_load);
+                        a.load = Some(sent);
+                        send = true;
+                    }
+                }
+            }
+            if !change.is_empty() {
+                key_changes += (change.added.len() + change.removed.len()) as u64;
+                wd.cleared = change.cleared;
+                wd.added = change.added;
+                wd.removed = change.removed;
+                send = true;
+            }
+            if send {
+                delta.workers.push(wd);
+            }
+        }
+        // Workers that left since the last pass.
+        let gone: Vec<String> = announced
+            .keys()
+            .filter(|url| !slots.iter().any(|s| &s.spec.url == *url))
+            .cloned()
+            .collect();
+        for url in gone {
+            announced.remove(&url);
+            delta.workers.push(pb::WorkerDelta {
+                worker_id: url,
+                gone: true,
+                ..Default::default()
+            });
+        }
+
+        let delta = (!delta.workers.is_empty()).then_some(pb::Summary {
+            kind: Some(Kind::Delta(delta)),
+        });
+        let snapshot = snapshot.map(|s| pb::Summary {
+            kind: Some(Kind::Snapshot(s)),
+        });
+        let mut closed = false;
+        for w in &watchers {
+            let msg = if w.needs_snapshot.load(Ordering::Relaxed) {
+                snapshot.as_ref()
+            } else {
+                delta.as_ref()
+            };
+            let Some(msg) = msg else { continue };
+            match w.tx.try_send(Ok(msg.clone())) {
+                Ok(()) => {
+                    self.metrics.summary_messages.inc();
+                    self.metrics.summary_bytes.inc_by(msg.encoded_len() as u64);
+                    if matches!(msg.kind, Some(Kind::Delta(_))) {
+                        self.metrics.summary_key_changes.inc_by(key_changes);
+                    }
+                    w.needs_snapshot.store(false, Ordering::Relaxed);
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    if !w.needs_snapshot.swap(true, Ordering::Relaxed) {
+                        self.metrics.watcher_resyncs.inc();
+                        tracing::warn!(gateway = %w.id, "gateway fell behind; it will get a fresh snapshot");
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => closed = true,
+            }
+        }
+        if closed {
+            self.watchers.lock().retain(|w| {
+                let open = !w.tx.is_closed();
+                if !open {
+                    tracing::info!(gateway = %w.id, "gateway stopped watching");
+                    self.metrics.watchers.dec();
+                }
+                open
+            });
+        }
+    }
+}
+
+fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
+    let now_unix = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    pb::WorkerLoad {
+        running: load.running,
+        waiting: load.waiting,
+        kv_usage: load.kv_usage,
+        metrics_age_ms: load.scraped_at.map_or(u32::MAX, |t| {
+            now.duration_since(t).as_millis().min(u32::MAX as u128) as u32
+        }),
+        metrics_ok: load.metrics_ok,
+        event_lag_ms: load.last_event_ts.map_or(0, |ts| {
+            ((now_unix - ts).max(0.0) * 1000.0).min(u32::MAX as f64) as u32
+        }),
+        ..Default::default()
+    }
+}
+
+/// The tonic service.
+pub struct NodeAgentService {
+    broadcaster: Arc<Broadcaster>,
+}
+
+impl NodeAgentService {
+    pub fn new(broadcaster: Arc<Broadcaster>) -> Self {
+        Self { broadcaster }
+    }
+}
+
+type SummaryStream = Pin<Box<dyn Stream<Item = Result<pb::Summary, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl NodeAgent for NodeAgentService {
+    type WatchStream = SummaryStream;
+
+    async fn watch(
+        &self,
+        request: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let id = request.into_inner().gateway_id;
+        let rx = self.broadcaster.add_watcher(if id.is_empty() {
+            "anonymous".into()
+        } else {
+            id
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+#[cfg(test)]
+mod tests;

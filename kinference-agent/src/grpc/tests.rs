@@ -1,0 +1,192 @@
+use std::collections::HashSet;
+
+use super::*;
+use crate::config::WorkerSpec;
+use crate::kv_events::{KvEvent, Medium};
+
+fn spec(url: &str) -> WorkerSpec {
+    WorkerSpec {
+        url: url.into(),
+        model: "m".into(),
+        kv_events_endpoint: None,
+        kv_events_bind: true,
+        kv_replay_endpoint: None,
+        kv_topic: None,
+    }
+}
+
+fn store(first_hash: u64, parent: Option<u64>, n: u64, bs: u32) -> KvEvent {
+    KvEvent::BlockStored {
+        block_hashes: (first_hash..first_hash + n).collect(),
+        parent_block_hash: parent,
+        token_ids: (0..(n as u32 * bs))
+            .map(|t| t.wrapping_mul(2654435761) ^ first_hash as u32)
+            .collect(),
+        block_size: bs,
+        medium: Medium::Gpu,
+    }
+}
+
+fn setup(queue: usize) -> (Arc<Registry>, Arc<Broadcaster>) {
+    let registry = Arc::new(Registry::default());
+    let b = Broadcaster::new(
+        registry.clone(),
+        AgentMetrics::default(),
+        "n1".into(),
+        queue,
+    );
+    (registry, b)
+}
+
+fn recv_now(rx: &mut mpsc::Receiver<Result<pb::Summary, Status>>) -> Option<Kind> {
+    rx.try_recv().ok().and_then(|r| r.ok()).and_then(|s| s.kind)
+}
+
+/// Applies a message to a gateway-side view, as a gateway would.
+fn apply(view: &mut HashMap<String, HashSet<u64>>, kind: &Kind) {
+    match kind {
+        Kind::Snapshot(s) => {
+            view.clear();
+            for w in &s.workers {
+                view.insert(w.worker_id.clone(), w.keys.iter().copied().collect());
+            }
+        }
+        Kind::Delta(d) => {
+            for w in &d.workers {
+                if w.gone {
+                    view.remove(&w.worker_id);
+                    continue;
+                }
+                let set = view.entry(w.worker_id.clone()).or_default();
+                if w.cleared {
+                    set.clear();
+                }
+                w.removed.iter().for_each(|k| {
+                    set.remove(k);
+                });
+                set.extend(w.added.iter().copied());
+            }
+        }
+    }
+}
+
+#[test]
+fn snapshot_first_then_deltas_keep_a_gateway_exact() {
+    let (registry, b) = setup(16);
+    let w1 = registry.upsert(spec("http://w1"), 1000);
+    w1.kv.lock().apply(&store(1, None, 4, 16));
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g1".into());
+    b.tick(&mut announced);
+    let mut view = HashMap::new();
+    let first = recv_now(&mut rx).expect("a message");
+    assert!(
+        matches!(first, Kind::Snapshot(ref s) if s.node == "n1" && s.workers.len() == 1 && s.workers[0].keys.len() == 4)
+    );
+    apply(&mut view, &first);
+
+    w1.kv.lock().apply(&store(5, Some(4), 2, 16));
+    w1.kv.lock().apply(&KvEvent::BlockRemoved {
+        block_hashes: vec![1],
+        medium: Medium::Gpu,
+    });
+    let w2 = registry.upsert(spec("http://w2"), 1000);
+    w2.kv.lock().apply(&store(100, None, 3, 16));
+    b.tick(&mut announced);
+    let d = recv_now(&mut rx).expect("delta");
+    assert!(matches!(d, Kind::Delta(_)));
+    apply(&mut view, &d);
+    assert_eq!(
+        view["http://w1"],
+        w1.kv.lock().keys().into_iter().collect::<HashSet<_>>()
+    );
+    assert_eq!(
+        view["http://w2"],
+        w2.kv.lock().keys().into_iter().collect::<HashSet<_>>()
+    );
+
+    registry.remove("http://w2");
+    b.tick(&mut announced);
+    apply(&mut view, &recv_now(&mut rx).expect("gone"));
+    assert!(!view.contains_key("http://w2"));
+}
+
+#[test]
+fn a_gateway_that_falls_behind_gets_a_fresh_snapshot() {
+    let (registry, b) = setup(2);
+    let w1 = registry.upsert(spec("http://w1"), 100_000);
+    let mut announced = HashMap::new();
+    let mut slow = b.add_watcher("slow".into());
+    let mut fast = b.add_watcher("fast".into());
+    let mut fast_view = HashMap::new();
+    for i in 0..10 {
+        w1.kv.lock().apply(&store(
+            1 + 10 * i,
+            if i == 0 { None } else { Some(10 * i) },
+            10,
+            16,
+        ));
+        b.tick(&mut announced);
+        while let Some(k) = recv_now(&mut fast) {
+            apply(&mut fast_view, &k);
+        }
+    }
+    // The slow one read nothing: its queue (2) filled; ingestion was never blocked.
+    let mut slow_view = HashMap::new();
+    while let Some(k) = recv_now(&mut slow) {
+        apply(&mut slow_view, &k);
+    }
+    b.tick(&mut announced);
+    let k = recv_now(&mut slow).expect("resync");
+    assert!(
+        matches!(k, Kind::Snapshot(_)),
+        "a lagging gateway is resent a snapshot"
+    );
+    apply(&mut slow_view, &k);
+    let truth: HashSet<u64> = w1.kv.lock().keys().into_iter().collect();
+    assert_eq!(truth.len(), 100);
+    assert_eq!(slow_view["http://w1"], truth);
+    assert_eq!(fast_view["http://w1"], truth);
+}
+
+#[test]
+fn summary_bandwidth_per_block_event_is_under_ten_bytes() {
+    // A busy worker: 4-block prompts stored, older blocks evicted, 5 ms of events per message.
+    let (registry, b) = setup(1024);
+    let url = "http://10.0.0.7:8000";
+    let w = registry.upsert(spec(url), 1 << 20);
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g".into());
+    b.tick(&mut announced);
+    let _snapshot = recv_now(&mut rx);
+    let (mut block_events, mut bytes, mut messages) = (0u64, 0usize, 0usize);
+    let mut next_hash = 1u64;
+    for window in 0..200u64 {
+        // ~40 block events per window (e.g. 8 prompts x 4 blocks stored + 8 evictions).
+        for _ in 0..8 {
+            let e = store(next_hash, None, 4, 16);
+            block_events += e.block_events() as u64;
+            w.kv.lock().apply(&e);
+            next_hash += 4;
+        }
+        if window > 2 {
+            let old: Vec<u64> = (next_hash - 96..next_hash - 88).collect();
+            let e = KvEvent::BlockRemoved {
+                block_hashes: old,
+                medium: Medium::Gpu,
+            };
+            block_events += e.block_events() as u64;
+            w.kv.lock().apply(&e);
+        }
+        b.tick(&mut announced);
+        while let Ok(Ok(m)) = rx.try_recv() {
+            bytes += m.encoded_len() + 5; // + gRPC message framing
+            messages += 1;
+        }
+    }
+    let per_event = bytes as f64 / block_events as f64;
+    println!(
+        "summary bandwidth: {bytes} B in {messages} messages for {block_events} block events = {per_event:.2} B/event"
+    );
+    assert!(per_event <= 10.0, "{per_event:.2} bytes per block event");
+}

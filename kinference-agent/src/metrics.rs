@@ -1,0 +1,154 @@
+//! The agent's own Prometheus metrics (node-level, served on `--metrics-listen`).
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Per-worker label set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    pub worker: String,
+}
+
+/// Every metric the agent exports. Cheap to clone (handles to shared atomics).
+#[derive(Clone, Default)]
+pub struct AgentMetrics {
+    pub kv_blocks: Family<WorkerLabel, Gauge>,
+    pub kv_state_bytes: Family<WorkerLabel, Gauge>,
+    pub kv_block_events: Family<WorkerLabel, Counter>,
+    pub kv_batches: Family<WorkerLabel, Counter>,
+    pub kv_seq_gaps: Family<WorkerLabel, Counter>,
+    pub kv_replays: Family<WorkerLabel, Counter>,
+    pub kv_replay_failures: Family<WorkerLabel, Counter>,
+    pub kv_engine_restarts: Family<WorkerLabel, Counter>,
+    pub kv_decode_errors: Family<WorkerLabel, Counter>,
+    pub kv_unresolved_parents: Family<WorkerLabel, Counter>,
+    pub kv_unknown_removals: Family<WorkerLabel, Counter>,
+    pub kv_dropped_over_cap: Family<WorkerLabel, Counter>,
+    pub kv_event_lag_seconds: Family<WorkerLabel, Gauge<f64, AtomicU64>>,
+    pub scrape_failures: Family<WorkerLabel, Counter>,
+    pub scrape_ok: Family<WorkerLabel, Gauge>,
+    pub watchers: Gauge,
+    pub watcher_resyncs: Counter,
+    pub summary_messages: Counter,
+    pub summary_bytes: Counter,
+    pub summary_key_changes: Counter,
+}
+
+impl AgentMetrics {
+    /// Registers every metric under the `kinference_agent` prefix.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("kinference_agent");
+        r.register(
+            "kv_blocks",
+            "Distinct block keys held per worker",
+            self.kv_blocks.clone(),
+        );
+        r.register(
+            "kv_state_bytes",
+            "Approximate memory of a worker's block-key state",
+            self.kv_state_bytes.clone(),
+        );
+        r.register(
+            "kv_block_events",
+            "Block events applied (stored, removed, cleared)",
+            self.kv_block_events.clone(),
+        );
+        r.register(
+            "kv_batches",
+            "KV event batches applied",
+            self.kv_batches.clone(),
+        );
+        r.register(
+            "kv_seq_gaps",
+            "Sequence gaps seen on a worker's KV event stream",
+            self.kv_seq_gaps.clone(),
+        );
+        r.register(
+            "kv_replays",
+            "Replays requested from a worker's replay socket",
+            self.kv_replays.clone(),
+        );
+        r.register(
+            "kv_replay_failures",
+            "Replays that failed or timed out",
+            self.kv_replay_failures.clone(),
+        );
+        r.register(
+            "kv_engine_restarts",
+            "Engine restarts detected (sequence went back)",
+            self.kv_engine_restarts.clone(),
+        );
+        r.register(
+            "kv_decode_errors",
+            "KV event messages that could not be decoded",
+            self.kv_decode_errors.clone(),
+        );
+        r.register(
+            "kv_unresolved_parents",
+            "Stored blocks skipped because their parent block was unknown",
+            self.kv_unresolved_parents.clone(),
+        );
+        r.register(
+            "kv_unknown_removals",
+            "Removals of blocks the agent never saw stored",
+            self.kv_unknown_removals.clone(),
+        );
+        r.register(
+            "kv_dropped_over_cap",
+            "Stored blocks dropped because the worker exceeded the block cap",
+            self.kv_dropped_over_cap.clone(),
+        );
+        r.register(
+            "kv_event_lag_seconds",
+            "Now minus the timestamp of the newest KV event batch applied",
+            self.kv_event_lag_seconds.clone(),
+        );
+        r.register(
+            "scrape_failures",
+            "Failed scrapes of a worker's /metrics",
+            self.scrape_failures.clone(),
+        );
+        r.register(
+            "scrape_ok",
+            "1 when the worker's last /metrics scrape succeeded",
+            self.scrape_ok.clone(),
+        );
+        r.register(
+            "watchers",
+            "Gateways currently watching this agent",
+            self.watchers.clone(),
+        );
+        r.register(
+            "watcher_resyncs",
+            "Snapshots resent to watchers that fell behind",
+            self.watcher_resyncs.clone(),
+        );
+        r.register(
+            "summary_messages",
+            "Summary messages sent to watchers",
+            self.summary_messages.clone(),
+        );
+        r.register(
+            "summary_bytes",
+            "Encoded bytes of summary messages sent to watchers",
+            self.summary_bytes.clone(),
+        );
+        r.register(
+            "summary_key_changes",
+            "Block keys added or removed in delta messages sent",
+            self.summary_key_changes.clone(),
+        );
+    }
+}
+
+/// The label for a worker.
+pub fn worker(url: &str) -> WorkerLabel {
+    WorkerLabel {
+        worker: url.to_string(),
+    }
+}

@@ -1,0 +1,99 @@
+//! The agent's view of its local workers, shared by ingestion, scraping and the summary stream.
+//!
+//! Each worker has a [`WorkerSlot`]: its spec, its block-key state and its load. Ingestion and scraping
+//! write one slot each (one task per worker, so the per-slot locks are uncontended); the summary
+//! broadcaster reads all of them once per coalescing window.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::{Mutex, RwLock};
+use tokio::sync::Notify;
+
+use crate::config::WorkerSpec;
+use crate::worker_state::WorkerState;
+
+/// A worker's load, from its `/metrics` and its event stream.
+#[derive(Clone, Debug, Default)]
+pub struct Load {
+    pub running: u32,
+    pub waiting: u32,
+    pub kv_usage: f32,
+    /// When the last successful scrape finished.
+    pub scraped_at: Option<Instant>,
+    /// Whether the last scrape succeeded.
+    pub metrics_ok: bool,
+    /// Block size from `vllm:cache_config_info`, when the worker reports it.
+    pub block_size: Option<u32>,
+    /// Publisher timestamp (Unix seconds) of the newest batch applied.
+    pub last_event_ts: Option<f64>,
+}
+
+/// One local worker.
+pub struct WorkerSlot {
+    pub spec: WorkerSpec,
+    /// Unique per slot: a worker replaced under the same url gets a new one.
+    pub generation: u64,
+    pub kv: Mutex<WorkerState>,
+    pub load: Mutex<Load>,
+}
+
+impl WorkerSlot {
+    /// Tokens per block: from the events, else from the worker's metrics, else unknown (0).
+    pub fn block_size(&self) -> u32 {
+        self.kv
+            .lock()
+            .block_size()
+            .or(self.load.lock().block_size)
+            .unwrap_or(0)
+    }
+}
+
+/// Every local worker, by url.
+#[derive(Default)]
+pub struct Registry {
+    workers: RwLock<BTreeMap<String, Arc<WorkerSlot>>>,
+    changed: Notify,
+    generations: AtomicU64,
+}
+
+impl Registry {
+    /// Adds (or replaces, with fresh state) a worker; returns its slot.
+    pub fn upsert(&self, spec: WorkerSpec, max_blocks: usize) -> Arc<WorkerSlot> {
+        let slot = Arc::new(WorkerSlot {
+            kv: Mutex::new(WorkerState::new(&spec.model, max_blocks)),
+            load: Mutex::new(Load::default()),
+            generation: self.generations.fetch_add(1, Ordering::Relaxed),
+            spec,
+        });
+        self.workers
+            .write()
+            .insert(slot.spec.url.clone(), slot.clone());
+        self.notify();
+        slot
+    }
+
+    /// Forgets a worker.
+    pub fn remove(&self, url: &str) -> Option<Arc<WorkerSlot>> {
+        let slot = self.workers.write().remove(url);
+        self.notify();
+        slot
+    }
+
+    /// Every worker, ordered by url.
+    pub fn list(&self) -> Vec<Arc<WorkerSlot>> {
+        self.workers.read().values().cloned().collect()
+    }
+
+    /// Wakes the summary broadcaster: something changed.
+    pub fn notify(&self) {
+        self.changed.notify_one();
+    }
+
+    /// Waits for the next [`Registry::notify`].
+    pub async fn changed(&self) {
+        self.changed.notified().await
+    }
+}

@@ -1,0 +1,257 @@
+//! Scrapes each local worker's vLLM `/metrics` for its load and block size.
+//!
+//! Only four series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11) and the `block_size` label of
+//! `vllm:cache_config_info`. With several engines (data parallel) counts are summed and usage is the
+//! maximum. A failed scrape marks the figures stale (`metrics_ok = false`), logs and counts.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{self, AgentMetrics};
+use crate::registry::{Registry, WorkerSlot};
+
+/// The load figures read from one scrape.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct VllmLoad {
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    pub kv_usage: Option<f64>,
+    pub block_size: Option<u32>,
+}
+
+/// Parses the Prometheus text exposition format, keeping only the series above. Malformed lines are
+/// skipped: one odd line from a newer vLLM must not blind the router.
+pub fn parse(text: &str) -> VllmLoad {
+    let mut load = VllmLoad::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some(sample) = parse_line(line) else {
+            continue;
+        };
+        let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+        match sample.name {
+            "vllm:num_requests_running" => add(&mut load.running, sample.value),
+            "vllm:num_requests_waiting" => add(&mut load.waiting, sample.value),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                load.kv_usage = Some(load.kv_usage.map_or(sample.value, |u| u.max(sample.value)))
+            }
+            "vllm:cache_config_info" => {
+                if let Some(bs) = sample.label("block_size").and_then(|v| v.parse().ok()) {
+                    load.block_size = Some(bs);
+                }
+            }
+            _ => {}
+        }
+    }
+    load
+}
+
+struct Sample<'a> {
+    name: &'a str,
+    labels: Vec<(&'a str, String)>,
+    value: f64,
+}
+
+impl Sample<'_> {
+    fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn parse_line(line: &str) -> Option<Sample<'_>> {
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if rest.starts_with('{') {
+        let (parsed, after) = parse_labels(&rest[1..])?;
+        labels = parsed;
+        rest = after;
+    }
+    // The value, then an optional timestamp.
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "NaN" => f64::NAN,
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// Parses `k="v",k2="v2"}` (after the opening brace), with `\\`, `\"` and `\n` escapes.
+fn parse_labels(s: &str) -> Option<(Vec<(&str, String)>, &str)> {
+    let mut labels = Vec::new();
+    let mut rest = s;
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        if let Some(after) = rest.strip_prefix('}') {
+            return Some((labels, after));
+        }
+        let eq = rest.find('=')?;
+        let key = rest[..eq].trim();
+        rest = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let mut value = String::new();
+        let mut chars = rest.char_indices();
+        let end = loop {
+            let (i, c) = chars.next()?;
+            match c {
+                '"' => break i,
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                c => value.push(c),
+            }
+        };
+        labels.push((key, value));
+        rest = &rest[end + 1..];
+    }
+}
+
+/// Why a scrape failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    #[error("bad metrics url: {0}")]
+    Url(#[from] http::uri::InvalidUri),
+    #[error("request failed: {0}")]
+    Request(#[from] hyper_util::client::legacy::Error),
+    #[error("status {0}")]
+    Status(http::StatusCode),
+    #[error("reading body: {0}")]
+    Body(String),
+    #[error("timed out")]
+    Timeout,
+}
+
+/// An HTTP client for scrapes (plain HTTP: workers are scraped over the node's loopback or pod network).
+pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
+
+/// A client suited to scraping.
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build_http()
+}
+
+/// Fetches and parses one worker's metrics.
+pub async fn scrape_once(
+    client: &HttpClient,
+    base_url: &str,
+    timeout: Duration,
+) -> Result<VllmLoad, ScrapeError> {
+    let uri: http::Uri = format!("{}/metrics", base_url.trim_end_matches('/')).parse()?;
+    let fetch = async {
+        let resp = client.get(uri).await?;
+        if !resp.status().is_success() {
+            return Err(ScrapeError::Status(resp.status()));
+        }
+        let body = Limited::new(resp.into_body(), 16 << 20)
+            .collect()
+            .await
+            .map_err(|e| ScrapeError::Body(e.to_string()))?
+            .to_bytes();
+        Ok(parse(&String::from_utf8_lossy(&body)))
+    };
+    tokio::time::timeout(timeout, fetch)
+        .await
+        .map_err(|_| ScrapeError::Timeout)?
+}
+
+/// Scrapes one worker every `interval` until cancelled, updating its slot.
+pub async fn run(
+    slot: Arc<WorkerSlot>,
+    registry: Arc<Registry>,
+    metrics: AgentMetrics,
+    client: HttpClient,
+    interval: Duration,
+    cancel: CancellationToken,
+) {
+    let label = metrics::worker(&slot.spec.url);
+    let timeout = interval.max(Duration::from_millis(200)) * 4;
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut was_ok = true;
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let result = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = scrape_once(&client, &slot.spec.url, timeout) => r,
+        };
+        let changed = {
+            let mut load = slot.load.lock();
+            let before = (
+                load.running,
+                load.waiting,
+                load.kv_usage,
+                load.metrics_ok,
+                load.block_size,
+            );
+            match &result {
+                Ok(v) => {
+                    load.running = v.running.map_or(0, |x| x.max(0.0) as u32);
+                    load.waiting = v.waiting.map_or(0, |x| x.max(0.0) as u32);
+                    load.kv_usage = v.kv_usage.unwrap_or(0.0) as f32;
+                    load.block_size = v.block_size.or(load.block_size);
+                    load.scraped_at = Some(Instant::now());
+                    load.metrics_ok = true;
+                }
+                Err(_) => load.metrics_ok = false,
+            }
+            before
+                != (
+                    load.running,
+                    load.waiting,
+                    load.kv_usage,
+                    load.metrics_ok,
+                    load.block_size,
+                )
+        };
+        match result {
+            Ok(_) => {
+                metrics.scrape_ok.get_or_create(&label).set(1);
+                if !was_ok {
+                    tracing::info!(worker = %slot.spec.url, "worker metrics scrape recovered");
+                }
+                was_ok = true;
+            }
+            Err(error) => {
+                metrics.scrape_failures.get_or_create(&label).inc();
+                metrics.scrape_ok.get_or_create(&label).set(0);
+                if was_ok {
+                    tracing::warn!(worker = %slot.spec.url, %error, "worker metrics scrape failed; load marked stale");
+                } else {
+                    tracing::debug!(worker = %slot.spec.url, %error, "worker metrics scrape still failing");
+                }
+                was_ok = false;
+            }
+        }
+        if changed {
+            registry.notify();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
