@@ -1,0 +1,2 @@
+//! `kinfctl`: offline policy tooling (lint, test, explain). Being written.
+fn main() {}

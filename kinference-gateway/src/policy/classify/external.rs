@@ -1,0 +1,133 @@
+//! An optional external classifier over HTTP (e.g. a Presidio or model-based PII service).
+//!
+//! `POST <url>` with `{"text": ..., "model": ...}`; the answer is `{"tags": ["pii", ...]}`. The call
+//! has a hard timeout. On timeout or error the configured [`OnError`] applies: `TagPii` (default)
+//! fails closed by treating the request as personal data, `Ignore` proceeds with the built-in
+//! classifiers only.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde::Deserialize;
+
+use super::tags;
+
+#[cfg(test)]
+mod tests;
+
+/// What to do when the external classifier fails or times out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Add the `pii` tag: the request stays local (fail closed).
+    #[default]
+    TagPii,
+    /// Go on without the external tags.
+    Ignore,
+}
+
+/// Why the external classifier gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ExternalError {
+    #[error("invalid classifier URL {0:?}")]
+    Url(String),
+    #[error("classifier timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("classifier request failed: {0}")]
+    Http(String),
+    #[error("classifier answered HTTP {0}")]
+    Status(u16),
+    #[error("classifier answer is not {{\"tags\": [...]}}: {0}")]
+    Body(String),
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    #[serde(default)]
+    tags: Vec<String>,
+}
+
+/// A client for one external classifier endpoint.
+#[derive(Clone)]
+pub struct ExternalClassifier {
+    uri: http::Uri,
+    timeout: Duration,
+    on_error: OnError,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl ExternalClassifier {
+    /// A classifier at `url` (plain HTTP, typically a sidecar on loopback or a cluster Service).
+    pub fn new(url: &str, timeout: Duration, on_error: OnError) -> Result<Self, ExternalError> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|_| ExternalError::Url(url.to_string()))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(ExternalError::Url(url.to_string()));
+        }
+        Ok(ExternalClassifier {
+            uri,
+            timeout,
+            on_error,
+            client: Client::builder(TokioExecutor::new()).build_http(),
+        })
+    }
+
+    /// Asks the classifier; errors are returned as such.
+    pub async fn classify(
+        &self,
+        text: &str,
+        model: &str,
+    ) -> Result<BTreeSet<String>, ExternalError> {
+        let body = serde_json::json!({"text": text, "model": model}).to_string();
+        let request = http::Request::post(self.uri.clone())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| ExternalError::Http(e.to_string()))?;
+        let call = async {
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| ExternalError::Http(e.to_string()))?;
+            let status = response.status();
+            let bytes = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| ExternalError::Http(e.to_string()))?
+                .to_bytes();
+            if !status.is_success() {
+                return Err(ExternalError::Status(status.as_u16()));
+            }
+            let answer: Answer =
+                serde_json::from_slice(&bytes).map_err(|e| ExternalError::Body(e.to_string()))?;
+            Ok(tags::from_header(&answer.tags.join(",")))
+        };
+        tokio::time::timeout(self.timeout, call)
+            .await
+            .map_err(|_| ExternalError::Timeout(self.timeout))?
+    }
+
+    /// Asks the classifier and applies [`OnError`] on failure (logged, never silent).
+    pub async fn classify_or_fallback(&self, text: &str, model: &str) -> BTreeSet<String> {
+        match self.classify(text, model).await {
+            Ok(tags) => tags,
+            Err(error) => {
+                tracing::warn!(%error, on_error = ?self.on_error, "external classifier unavailable");
+                match self.on_error {
+                    OnError::TagPii => BTreeSet::from([
+                        crate::policy::engine::PII_TAG.to_string(),
+                        "classifier-unavailable".to_string(),
+                    ]),
+                    OnError::Ignore => BTreeSet::from(["classifier-unavailable".to_string()]),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! PII detectors over prompt text: e-mail addresses, phone numbers, IBANs (mod-97 checked),
+//! payment cards (Luhn checked), IPv4/IPv6 addresses, US SSNs and UK National Insurance numbers.
+//!
+//! Each detector finds candidates with a regular expression and then checks them (checksums,
+//! ranges, reserved values) so that look-alikes (dates, versions, order numbers, `std::vec`) do
+//! not match. False negatives are the dangerous side here (a miss may send personal data to a
+//! cloud provider), so the checks reject only what is provably not an identifier.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::sync::LazyLock;
+
+use regex::Regex;
+use serde::Serialize;
+
+#[cfg(test)]
+mod tests;
+
+/// A kind of personal data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PiiKind {
+    Email,
+    Phone,
+    Iban,
+    PaymentCard,
+    IpAddress,
+    UsSsn,
+    UkNino,
+}
+
+impl PiiKind {
+    /// The tag added for this kind: `pii:<kind>`.
+    pub fn tag(self) -> &'static str {
+        match self {
+            PiiKind::Email => "pii:email",
+            PiiKind::Phone => "pii:phone",
+            PiiKind::Iban => "pii:iban",
+            PiiKind::PaymentCard => "pii:payment_card",
+            PiiKind::IpAddress => "pii:ip_address",
+            PiiKind::UsSsn => "pii:us_ssn",
+            PiiKind::UkNino => "pii:uk_nino",
+        }
+    }
+}
+
+/// One detection: kind and byte range in the scanned text (never the text itself, so logs and
+/// decisions never carry the personal data).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PiiMatch {
+    pub kind: PiiKind,
+    pub start: usize,
+    pub end: usize,
+}
+
+fn re(pattern: &str) -> Regex {
+    // The patterns are constants covered by tests; failing here is a programming error.
+    Regex::new(pattern).unwrap_or_else(|e| panic!("invalid built-in PII pattern {pattern}: {e}"))
+}
+
+static EMAIL: LazyLock<Regex> = LazyLock::new(|| {
+    re(
+        r"(?i)\b[a-z0-9][a-z0-9._%+-]{0,63}@(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,24}\b",
+    )
+});
+// International (+CC ...) with 8-15 digits, or North-American (555) 123-4567 / 555-123-4567,
+// or UK national 0xxxx xxxxxx / 020 7946 0958. Separators are required in national forms so
+// that bare numbers (order ids, timestamps) do not match.
+static PHONE: LazyLock<Regex> = LazyLock::new(|| {
+    re(r"(?x)
+        (?:^|[^\w+])(
+            \+\d{1,3}(?:[\s.-]?\(?\d{1,5}\)?){2,6}
+          | \(\d{3}\)\s?\d{3}[\s.-]\d{4}
+          | \d{3}[.\s-]\d{3}[.\s-]\d{4}
+          | 0\d{2,4}\s\d{3,4}\s?\d{3,4}
+        )(?:$|[^\w-])")
+});
+static IBAN: LazyLock<Regex> =
+    LazyLock::new(|| re(r"\b([A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?)\b"));
+static CARD: LazyLock<Regex> =
+    LazyLock::new(|| re(r"(?:^|[^\d-])(\d(?:[ -]?\d){12,18})(?:$|[^\d-])"));
+static IPV4: LazyLock<Regex> = LazyLock::new(|| {
+    re(r"(?:^|[^\w.])(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})(?:$|[^\w.]|\.(?:\s|$))")
+});
+static IPV6: LazyLock<Regex> =
+    LazyLock::new(|| re(r"(?i)(?:^|[^\w:])([0-9a-f]{0,4}(?::[0-9a-f]{0,4}){2,7})(?:$|[^\w:])"));
+static SSN: LazyLock<Regex> =
+    LazyLock::new(|| re(r"(?:^|[^\d-])(\d{3})-(\d{2})-(\d{4})(?:$|[^\d-])"));
+static NINO: LazyLock<Regex> = LazyLock::new(|| {
+    re(r"(?i)\b([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z])\s?(\d{2})\s?(\d{2})\s?(\d{2})\s?([A-D])\b")
+});
+
+/// Every PII match in `text`, in order of position.
+pub fn scan(text: &str) -> Vec<PiiMatch> {
+    let mut out = Vec::new();
+    for m in EMAIL.find_iter(text) {
+        out.push(PiiMatch {
+            kind: PiiKind::Email,
+            start: m.start(),
+            end: m.end(),
+        });
+    }
+    for c in PHONE.captures_iter(text) {
+        if let Some(m) = c.get(1) {
+            let digits = m.as_str().chars().filter(char::is_ascii_digit).count();
+            if (8..=15).contains(&digits) {
+                out.push(PiiMatch {
+                    kind: PiiKind::Phone,
+                    start: m.start(),
+                    end: m.end(),
+                });
+            }
+        }
+    }
+    for c in IBAN.captures_iter(text) {
+        if let Some(m) = c.get(1)
+            && iban_valid(m.as_str())
+        {
+            out.push(PiiMatch {
+                kind: PiiKind::Iban,
+                start: m.start(),
+                end: m.end(),
+            });
+        }
+    }
+    for c in CARD.captures_iter(text) {
+        if let Some(m) = c.get(1)
+            && card_valid(m.as_str())
+        {
+            out.push(PiiMatch {
+                kind: PiiKind::PaymentCard,
+                start: m.start(),
+                end: m.end(),
+            });
+        }
+    }
+    for c in IPV4.captures_iter(text) {
+        if let Some(m) = c.get(1)
+            && let Ok(ip) = m.as_str().parse::<Ipv4Addr>()
+            && !ip.is_loopback()
+            && !ip.is_unspecified()
+            && !ip.is_broadcast()
+        {
+            out.push(PiiMatch {
+                kind: PiiKind::IpAddress,
+                start: m.start(),
+                end: m.end(),
+            });
+        }
+    }
+    for c in IPV6.captures_iter(text) {
+        if let Some(m) = c.get(1)
+            && ipv6_plausible(m.as_str())
+        {
+            out.push(PiiMatch {
+                kind: PiiKind::IpAddress,
+                start: m.start(),
+                end: m.end(),
+            });
+        }
+    }
+    for c in SSN.captures_iter(text) {
+        if let (Some(all), Some(area), Some(group), Some(serial)) =
+            (c.get(0), c.get(1), c.get(2), c.get(3))
+            && ssn_valid(area.as_str(), group.as_str(), serial.as_str())
+        {
+            let _ = all;
+            out.push(PiiMatch {
+                kind: PiiKind::UsSsn,
+                start: area.start(),
+                end: serial.end(),
+            });
+        }
+    }
+    for c in NINO.captures_iter(text) {
+        if let (Some(m), Some(prefix)) = (c.get(0), c.get(1)) {
+            let prefix = prefix.as_str().to_ascii_uppercase();
+            if !matches!(
+                prefix.as_str(),
+                "BG" | "GB" | "NK" | "KN" | "TN" | "NT" | "ZZ"
+            ) {
+                out.push(PiiMatch {
+                    kind: PiiKind::UkNino,
+                    start: m.start(),
+                    end: m.end(),
+                });
+            }
+        }
+    }
+    out.sort_by_key(|m| (m.start, m.kind));
+    out
+}
+
+/// IBAN check: country code, length 15-34, and the ISO 13616 mod-97 remainder of 1.
+pub fn iban_valid(candidate: &str) -> bool {
+    let s: String = candidate.chars().filter(|c| !c.is_whitespace()).collect();
+    if !(15..=34).contains(&s.len()) || !s.is_ascii() {
+        return false;
+    }
+    let (head, tail) = s.split_at(4);
+    let mut rem: u32 = 0;
+    for c in tail.chars().chain(head.chars()) {
+        let v = match c {
+            '0'..='9' => c as u32 - '0' as u32,
+            'A'..='Z' => c as u32 - 'A' as u32 + 10,
+            _ => return false,
+        };
+        rem = if v >= 10 {
+            (rem * 100 + v) % 97
+        } else {
+            (rem * 10 + v) % 97
+        };
+    }
+    rem == 1
+}
+
+/// Payment card check: 13-19 digits, a known issuer prefix, and the Luhn checksum.
+pub fn card_valid(candidate: &str) -> bool {
+    let digits: Vec<u32> = candidate.chars().filter_map(|c| c.to_digit(10)).collect();
+    if !(13..=19).contains(&digits.len()) || digits.iter().all(|d| *d == digits[0]) {
+        return false;
+    }
+    // Visa 4, Mastercard 51-55/22-27, Amex 34/37, Discover/UnionPay 6, Diners 30/36/38, JCB 35.
+    let issuer = match digits[0] {
+        4 | 6 => true,
+        5 => (1..=5).contains(&digits[1]),
+        2 => (2..=7).contains(&digits[1]),
+        3 => matches!(digits[1], 0 | 4 | 5 | 6 | 7 | 8),
+        _ => false,
+    };
+    issuer && luhn(&digits)
+}
+
+/// The Luhn (mod 10) checksum.
+pub fn luhn(digits: &[u32]) -> bool {
+    let sum: u32 = digits
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(i, d)| {
+            if i % 2 == 1 {
+                if d * 2 > 9 { d * 2 - 9 } else { d * 2 }
+            } else {
+                *d
+            }
+        })
+        .sum();
+    sum.is_multiple_of(10)
+}
+
+/// US SSN rules: area not 000, 666 or 900-999; group not 00; serial not 0000.
+fn ssn_valid(area: &str, group: &str, serial: &str) -> bool {
+    let area: u32 = area.parse().unwrap_or(0);
+    area != 0 && area != 666 && area < 900 && group != "00" && serial != "0000"
+}
+
+/// An IPv6 address with at least three non-empty groups (so `a::b`, `::1` and C++/Rust paths
+/// like `abc::def` do not count), not loopback or unspecified.
+fn ipv6_plausible(candidate: &str) -> bool {
+    let groups = candidate.split(':').filter(|g| !g.is_empty()).count();
+    groups >= 3
+        && candidate
+            .parse::<Ipv6Addr>()
+            .is_ok_and(|ip| !ip.is_loopback() && !ip.is_unspecified())
+}

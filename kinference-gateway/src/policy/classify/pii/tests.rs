@@ -1,0 +1,117 @@
+use super::{PiiKind, scan};
+
+fn kinds(text: &str) -> Vec<PiiKind> {
+    scan(text).into_iter().map(|m| m.kind).collect()
+}
+
+fn assert_finds(kind: PiiKind, text: &str) {
+    assert!(
+        kinds(text).contains(&kind),
+        "{kind:?} not found in {text:?}: {:?}",
+        scan(text)
+    );
+}
+
+fn assert_misses(kind: PiiKind, text: &str) {
+    assert!(
+        !kinds(text).contains(&kind),
+        "{kind:?} wrongly found in {text:?}: {:?}",
+        scan(text)
+    );
+}
+
+#[test]
+fn emails() {
+    assert_finds(
+        PiiKind::Email,
+        "write to jane.doe+work@example.co.uk please",
+    );
+    assert_finds(PiiKind::Email, "Contact: J_Smith@Mail.Example.COM.");
+    assert_misses(PiiKind::Email, "ping @jane on slack");
+    assert_misses(PiiKind::Email, "user@localhost has no domain");
+    assert_misses(PiiKind::Email, "the decorator @app.route('/x')");
+}
+
+#[test]
+fn phone_numbers() {
+    assert_finds(PiiKind::Phone, "call +44 20 7946 0958 now");
+    assert_finds(PiiKind::Phone, "call +1 (415) 555-2671");
+    assert_finds(PiiKind::Phone, "my number is (415) 555-2671");
+    assert_finds(PiiKind::Phone, "my number is 415-555-2671.");
+    assert_finds(PiiKind::Phone, "mobile 07700 900123");
+    assert_finds(PiiKind::Phone, "+49-30-901820");
+    assert_misses(PiiKind::Phone, "released on 2024-01-15 at 10:30");
+    assert_misses(PiiKind::Phone, "order 4155552671 shipped");
+    assert_misses(PiiKind::Phone, "version 1.2.3 and +5 points");
+    assert_misses(PiiKind::Phone, "+12 is short");
+}
+
+#[test]
+fn ibans_with_mod97() {
+    assert_finds(PiiKind::Iban, "pay to GB82 WEST 1234 5698 7654 32 today");
+    assert_finds(PiiKind::Iban, "IBAN DE89370400440532013000");
+    assert_finds(PiiKind::Iban, "FR1420041010050500013M02606");
+    // Same shapes with a wrong check digit: mod-97 fails.
+    assert_misses(PiiKind::Iban, "pay to GB83 WEST 1234 5698 7654 32 today");
+    assert_misses(PiiKind::Iban, "IBAN DE89370400440532013001");
+    assert_misses(PiiKind::Iban, "SKU AB12CDEF34567890 in stock");
+}
+
+#[test]
+fn payment_cards_with_luhn() {
+    assert_finds(PiiKind::PaymentCard, "card 4111 1111 1111 1111 exp 12/29");
+    assert_finds(PiiKind::PaymentCard, "card 5555-5555-5555-4444");
+    assert_finds(PiiKind::PaymentCard, "amex 378282246310005");
+    // Luhn fails.
+    assert_misses(PiiKind::PaymentCard, "card 4111 1111 1111 1112");
+    // Luhn passes but no issuer starts with 9; repeated digits are not cards.
+    assert_misses(PiiKind::PaymentCard, "ref 9999999999999995");
+    assert_misses(PiiKind::PaymentCard, "zeros 0000 0000 0000 0000");
+    assert_misses(PiiKind::PaymentCard, "phone 415-555-2671 is not a card");
+}
+
+#[test]
+fn ip_addresses() {
+    assert_finds(PiiKind::IpAddress, "client 203.0.113.42 connected");
+    assert_finds(PiiKind::IpAddress, "from 10.1.2.3.");
+    assert_finds(PiiKind::IpAddress, "v6 2001:db8::8a2e:370:7334 seen");
+    assert_finds(PiiKind::IpAddress, "fe80:0:0:0:0:0:0:1%eth0");
+    assert_misses(PiiKind::IpAddress, "octets 999.1.1.1 are invalid");
+    assert_misses(PiiKind::IpAddress, "version 1.2.3.4.5 of the lib");
+    assert_misses(PiiKind::IpAddress, "listen on 127.0.0.1 and 0.0.0.0");
+    assert_misses(PiiKind::IpAddress, "std::vec::Vec and abc::def and ::1");
+    assert_misses(PiiKind::IpAddress, "at 12:30:45 today");
+}
+
+#[test]
+fn us_ssns() {
+    assert_finds(PiiKind::UsSsn, "SSN 123-45-6789 on file");
+    assert_misses(PiiKind::UsSsn, "SSN 000-12-3456 is invalid");
+    assert_misses(PiiKind::UsSsn, "SSN 666-12-3456 is invalid");
+    assert_misses(PiiKind::UsSsn, "SSN 912-12-3456 is invalid");
+    assert_misses(PiiKind::UsSsn, "SSN 123-00-4567 is invalid");
+    assert_misses(PiiKind::UsSsn, "part 1234-56-7890 number");
+}
+
+#[test]
+fn uk_ninos() {
+    assert_finds(PiiKind::UkNino, "NI number AB 12 34 56 C");
+    assert_finds(PiiKind::UkNino, "ni: jg103759a");
+    assert_misses(PiiKind::UkNino, "GB123456A is not valid");
+    assert_misses(PiiKind::UkNino, "QQ 12 34 56 C is not valid");
+    assert_misses(PiiKind::UkNino, "AB123456E suffix E is not valid");
+}
+
+#[test]
+fn clean_text_has_no_pii() {
+    let text = "Write a Rust function that parses 2024-01-15, uses std::collections::HashMap, \
+                binds 127.0.0.1:8080 and returns Vec<u8>. Version 3.11.4, issue #4521.";
+    assert!(scan(text).is_empty(), "{:?}", scan(text));
+}
+
+#[test]
+fn matches_report_positions_not_content() {
+    let text = "mail a@example.org";
+    let m = &scan(text)[0];
+    assert_eq!(&text[m.start..m.end], "a@example.org");
+}

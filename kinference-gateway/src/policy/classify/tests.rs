@@ -1,0 +1,61 @@
+use serde_json::json;
+
+use super::{classify_request, request_text};
+
+#[test]
+fn pii_in_an_earlier_message_is_found() {
+    let body = json!({"model": "m", "messages": [
+        {"role": "user", "content": "my email is jane@example.com"},
+        {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": "now summarise our chat"}
+    ]});
+    let c = classify_request(&body, None);
+    assert!(
+        c.tags.contains("pii") && c.tags.contains("pii:email"),
+        "{:?}",
+        c.tags
+    );
+}
+
+#[test]
+fn content_parts_tool_calls_and_anthropic_system_are_scanned() {
+    let openai = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "card 4111 1111 1111 1111"}]}]});
+    assert!(
+        classify_request(&openai, None)
+            .tags
+            .contains("pii:payment_card")
+    );
+    let tool = json!({"messages": [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+        "function": {"name": "lookup", "arguments": "{\"ssn\": \"123-45-6789\"}"}}]}]});
+    assert!(classify_request(&tool, None).tags.contains("pii:us_ssn"));
+    let anthropic = json!({"system": [{"type": "text", "text": "Customer IBAN DE89370400440532013000"}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]});
+    assert!(classify_request(&anthropic, None).tags.contains("pii:iban"));
+    let completion = json!({"prompt": ["a", "call +44 20 7946 0958"]});
+    assert!(
+        classify_request(&completion, None)
+            .tags
+            .contains("pii:phone")
+    );
+}
+
+#[test]
+fn header_and_metadata_tags_are_merged_and_cannot_remove_pii() {
+    let body = json!({"messages": [{"role": "user", "content": "reach me at a@example.org"}],
+        "metadata": {"tags": "internal"}});
+    let c = classify_request(&body, Some("batch"));
+    for t in ["pii", "internal", "batch"] {
+        assert!(c.tags.contains(t), "{t} missing from {:?}", c.tags);
+    }
+}
+
+#[test]
+fn images_are_skipped_and_turns_counted() {
+    let body = json!({"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,GB82WEST12345698765432"}}]},
+        {"role": "user", "content": "what is this?"}]});
+    let (text, turns) = request_text(&body);
+    assert_eq!(turns, 2);
+    assert!(!text.contains("base64"));
+    assert!(classify_request(&body, None).pii.is_empty());
+}
