@@ -7,17 +7,23 @@ use std::sync::Arc;
 
 use crate::server::Gateway;
 
-/// Probes every worker every `health_interval`, forever. The first round runs at once so `/readyz`
-/// reflects reality right after start.
+/// Probes every worker every `health_interval`, forever. Call [`probe_all`] once before serving so
+/// that `/readyz` and routing reflect reality from the first request on.
 pub async fn run_prober(gw: Arc<Gateway>) {
-    let mut interval = tokio::time::interval(gw.settings.health_interval());
+    let period = gw.settings.health_interval();
+    let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        let workers = gw.router.workers();
-        let probes = workers.iter().map(|w| probe_one(&gw, &w.url, w.healthy));
-        futures::future::join_all(probes).await;
+        probe_all(&gw).await;
     }
+}
+
+/// Probes every worker once, concurrently (bounded by the probe timeout).
+pub async fn probe_all(gw: &Gateway) {
+    let workers = gw.router.workers();
+    let probes = workers.iter().map(|w| probe_one(gw, &w.url, w.healthy));
+    futures::future::join_all(probes).await;
 }
 
 async fn probe_one(gw: &Gateway, worker: &str, was_healthy: bool) {

@@ -41,6 +41,8 @@ async fn main() -> anyhow::Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    // One probe round before serving: no request (and no /readyz) sees an unprobed worker as healthy.
+    health::probe_all(&gw).await;
     let prober = tokio::spawn(health::run_prober(Arc::clone(&gw)));
     let admin_task = tokio::spawn(server::serve(
         admin,

@@ -1,0 +1,358 @@
+//! `gateway-overhead`: the latency the gateway adds over a direct connection to the same worker.
+//!
+//! Starts one `vllm-sim` (preset `fast`, scaled time so it answers in well under a millisecond) and one
+//! `kinference-gateway` in front of it, then measures, side by side in one run, the same requests sent
+//! directly and through the gateway: non-streaming (whole response) and streaming (time to the first
+//! body byte), at each concurrency. Direct and gateway rounds alternate (and swap order every round), so
+//! drift on the machine hits both sides alike. Prints p50 and p99 of each side, the added latency and
+//! the ratio of medians.
+//!
+//! ```text
+//! cargo build --release -p kinference-bench -p kinference-gateway
+//! target/release/gateway-overhead --rounds 10 --requests 400
+//! ```
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// Measures the gateway's added latency over direct worker access.
+#[derive(Debug, Parser)]
+#[command(name = "gateway-overhead")]
+struct Args {
+    /// Directory with `vllm-sim` and `kinference-gateway` (default: this binary's directory).
+    #[arg(long, env = "KINFERENCE_BIN_DIR")]
+    bin_dir: Option<PathBuf>,
+    /// Tokenizer directory for the simulator and the gateway (default: `<repo>/.assets/qwen2`).
+    #[arg(long, env = "KINFERENCE_TOKENIZER_DIR")]
+    tokenizer_dir: Option<PathBuf>,
+    /// The simulator's time scale (wall seconds per model second); small = fast answers.
+    #[arg(long, default_value_t = 0.01)]
+    time_scale: f64,
+    /// The gateway's routing mode.
+    #[arg(long, default_value = "kinference")]
+    routing: String,
+    /// Concurrency levels to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    concurrency: Vec<usize>,
+    /// Measured rounds per side (direct and gateway alternate).
+    #[arg(long, default_value_t = 10)]
+    rounds: usize,
+    /// Requests per round.
+    #[arg(long, default_value_t = 400)]
+    requests: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: u32,
+}
+
+/// A child process killed when dropped (also on panic or early return).
+struct Guard(Child, &'static str);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+async fn wait_ready(client: &HttpClient, url: &str, child: &mut Guard) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Some(status) = child.0.try_wait()? {
+            bail!("{} exited with {status} before {url} answered", child.1);
+        }
+        let request = Request::get(url).body(Full::new(Bytes::new()))?;
+        if let Ok(Ok(response)) =
+            tokio::time::timeout(Duration::from_secs(1), client.request(request)).await
+        {
+            let ok = response.status().is_success();
+            let _ = response.into_body().collect().await;
+            if ok {
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("{url} not ready within 60 s")
+}
+
+/// Sends one request; returns the latency that counts (first body byte for streams, whole body
+/// otherwise) and the worker that answered, if the gateway said.
+async fn one(
+    client: &HttpClient,
+    url: &str,
+    body: &Bytes,
+    stream: bool,
+) -> anyhow::Result<Duration> {
+    let request = Request::builder()
+        .method(Method::POST)
+        .uri(url)
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()))?;
+    let start = Instant::now();
+    let response = client.request(request).await?;
+    if !response.status().is_success() {
+        bail!("{url}: status {}", response.status());
+    }
+    let mut body = response.into_body();
+    let mut first = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+            first = Some(start.elapsed());
+        }
+    }
+    let whole = start.elapsed();
+    Ok(if stream {
+        first.unwrap_or(whole)
+    } else {
+        whole
+    })
+}
+
+/// `requests` requests at `concurrency`; the latencies.
+async fn round(
+    client: &HttpClient,
+    url: &str,
+    body: &Bytes,
+    stream: bool,
+    concurrency: usize,
+    requests: usize,
+) -> anyhow::Result<Vec<Duration>> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        let (client, url, body, next) =
+            (client.clone(), url.to_string(), body.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::with_capacity(requests / concurrency + 1);
+            while next.fetch_add(1, Ordering::Relaxed) < requests {
+                out.push(one(&client, &url, &body, stream).await?);
+            }
+            anyhow::Ok(out)
+        }));
+    }
+    let mut all = Vec::with_capacity(requests);
+    for task in tasks {
+        all.extend(task.await??);
+    }
+    Ok(all)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin_dir = match &args.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("binary directory")?
+            .to_path_buf(),
+    };
+    let tokenizer = args
+        .tokenizer_dir
+        .clone()
+        .unwrap_or_else(|| repo_root().join(".assets/qwen2"));
+    if !tokenizer.join("tokenizer.json").exists() {
+        bail!(
+            "no tokenizer in {}: run `cargo xtask setup`",
+            tokenizer.display()
+        );
+    }
+    let workdir = std::env::temp_dir().join(format!("gateway-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir)?;
+
+    let (sim_port, gw_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+    let worker = format!("http://127.0.0.1:{sim_port}");
+    let mut sim = Guard(
+        Command::new(bin_dir.join("vllm-sim"))
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &sim_port.to_string(),
+                "--model",
+                "qwen2-sim",
+            ])
+            .arg("--tokenizer-dir")
+            .arg(&tokenizer)
+            .args([
+                "--preset",
+                "fast",
+                "--time-scale",
+                &args.time_scale.to_string(),
+            ])
+            .args(["--max-num-seqs", "256"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
+        "vllm-sim",
+    );
+    let config = workdir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: qwen2-sim\n    tokenizer_dir: {}\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: {}\n",
+            tokenizer.display(),
+            args.routing
+        ),
+    )?;
+    let mut gateway = Guard(
+        Command::new(bin_dir.join("kinference-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{gw_port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| {
+                format!("starting {}", bin_dir.join("kinference-gateway").display())
+            })?,
+        "kinference-gateway",
+    );
+
+    let client = client();
+    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
+    wait_ready(
+        &client,
+        &format!("http://127.0.0.1:{admin_port}/readyz"),
+        &mut gateway,
+    )
+    .await?;
+
+    let direct_url = format!("{worker}/v1/chat/completions");
+    let gateway_url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
+    println!(
+        "gateway-overhead: vllm-sim --preset fast --time-scale {}, routing {}, {} rounds x {} requests per side, max_tokens {}",
+        args.time_scale, args.routing, args.rounds, args.requests, args.max_tokens
+    );
+    println!(
+        "{:<11} {:>4} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10} | {:>9}",
+        "mode",
+        "conc",
+        "direct p50",
+        "gw p50",
+        "direct p99",
+        "gw p99",
+        "added p50",
+        "added p99",
+        "p50 ratio"
+    );
+    for stream in [false, true] {
+        let body = Bytes::from(
+            serde_json::json!({
+                "model": "qwen2-sim",
+                "messages": [{"role": "user", "content": "Say something about latency."}],
+                "max_tokens": args.max_tokens,
+                "stream": stream,
+            })
+            .to_string(),
+        );
+        for &concurrency in &args.concurrency {
+            // Warm-up: connections, caches, the simulator's prefix cache.
+            round(
+                &client,
+                &direct_url,
+                &body,
+                stream,
+                concurrency,
+                concurrency * 4,
+            )
+            .await?;
+            round(
+                &client,
+                &gateway_url,
+                &body,
+                stream,
+                concurrency,
+                concurrency * 4,
+            )
+            .await?;
+            let (mut direct, mut via) = (Vec::new(), Vec::new());
+            for r in 0..args.rounds {
+                let order = if r % 2 == 0 {
+                    [true, false]
+                } else {
+                    [false, true]
+                };
+                for is_direct in order {
+                    let url = if is_direct { &direct_url } else { &gateway_url };
+                    let lat =
+                        round(&client, url, &body, stream, concurrency, args.requests).await?;
+                    if is_direct {
+                        direct.extend(lat);
+                    } else {
+                        via.extend(lat);
+                    }
+                }
+            }
+            direct.sort_unstable();
+            via.sort_unstable();
+            let (d50, d99) = (percentile(&direct, 50.0), percentile(&direct, 99.0));
+            let (g50, g99) = (percentile(&via, 50.0), percentile(&via, 99.0));
+            println!(
+                "{:<11} {:>4} | {:>7.3} ms {:>7.3} ms | {:>7.3} ms {:>7.3} ms | {:>+7.3} ms {:>+7.3} ms | {:>8.2}x",
+                if stream { "stream-ttfb" } else { "non-stream" },
+                concurrency,
+                ms(d50),
+                ms(g50),
+                ms(d99),
+                ms(g99),
+                ms(g50) - ms(d50),
+                ms(g99) - ms(d99),
+                ms(g50) / ms(d50).max(1e-9),
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&workdir);
+    Ok(())
+}
