@@ -1,2 +1,418 @@
-//! `kinfctl`: offline policy tooling (lint, test, explain). Being written.
-fn main() {}
+//! `kinfctl`: offline policy tooling; no cluster needed.
+//!
+//! - `kinfctl lint DIR`: schema and semantic checks of a directory of CRD-shaped YAML (unknown
+//!   references, unreachable/shadowed/conflicting rules, PII rules that could fail open).
+//! - `kinfctl test DIR --cases FILE`: evaluates sample requests and compares the decisions with
+//!   the expected ones (for CI in a policy repository).
+//! - `kinfctl explain DIR --request FILE [--state FILE]`: the decision for one request, rule by rule.
+//!
+//! Every message names its file and line. Exit codes: 0 ok, 1 findings or failed cases,
+//! 2 usage or I/O errors.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use kinference_crds::Complexity;
+use kinference_gateway::policy::classify::{classify_request, tags::TAGS_HEADER};
+use kinference_gateway::policy::engine::{
+    Backend, Decision, Outcome, PoolStates, RequestFacts, evaluate,
+};
+use kinference_gateway::policy::lint::{Severity, lint_dir};
+use kinference_gateway::policy::model::PolicySet;
+use kinference_gateway::policy::source::load_dir;
+use serde::Deserialize;
+
+#[derive(Parser)]
+#[command(
+    name = "kinfctl",
+    version,
+    about = "Lint, test and explain Kinference policies offline"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a policy directory; exit 1 when there are errors.
+    Lint {
+        /// Directory of CRD-shaped YAML (searched recursively).
+        dir: PathBuf,
+        /// Output format.
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Run expected-decision cases against a policy directory; exit 1 when one fails.
+    Test {
+        dir: PathBuf,
+        /// YAML file with `cases: [{name, request, state?, expect}]`.
+        #[arg(long)]
+        cases: PathBuf,
+    },
+    /// Explain the decision for one request.
+    Explain {
+        dir: PathBuf,
+        /// YAML/JSON file: `{tenant?, headers?, body, tags?, complexity?, prompt_tokens?}`.
+        #[arg(long)]
+        request: PathBuf,
+        /// YAML/JSON file with pool state: `{pools: {NAME: {queue_depth, kv_cache_usage, estimated_ttft_ms, cached_tokens, available}}}`.
+        #[arg(long)]
+        state: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+/// A usage or I/O error: exit code 2.
+struct Fatal(String);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Lint { dir, format } => lint(&dir, format),
+        Command::Test { dir, cases } => test(&dir, &cases),
+        Command::Explain {
+            dir,
+            request,
+            state,
+            format,
+        } => explain(&dir, &request, state.as_deref(), format),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(Fatal(message)) => {
+            eprintln!("kinfctl: {message}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn lint(dir: &Path, format: Format) -> Result<bool, Fatal> {
+    let (set, findings) = lint_dir(dir).map_err(|e| Fatal(e.to_string()))?;
+    let errors = findings
+        .iter()
+        .filter(|f| f.severity == Severity::Error)
+        .count();
+    match format {
+        Format::Json => {
+            let json = serde_json::to_string_pretty(&findings).map_err(|e| Fatal(e.to_string()))?;
+            println!("{json}");
+        }
+        Format::Text => {
+            for f in &findings {
+                println!("{f}");
+            }
+            println!(
+                "{}: {} models, {} pools, {} providers, {} tenants, {} policies; {errors} error(s), {} warning(s)",
+                dir.display(),
+                set.models.len(),
+                set.pools.len(),
+                set.providers.len(),
+                set.tenants.len(),
+                set.policies.len(),
+                findings.len() - errors
+            );
+        }
+    }
+    Ok(errors == 0)
+}
+
+/// A sample request as written in request and case files.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestSpec {
+    /// Authenticated tenant (absent: unknown API key).
+    #[serde(default)]
+    tenant: Option<String>,
+    /// Request headers (only `x-kinference-tags` matters here).
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    /// The request body: OpenAI chat/completions or Anthropic messages.
+    body: serde_json::Value,
+    /// Extra tags, as an upstream classifier would add.
+    #[serde(default)]
+    tags: Vec<String>,
+    /// Overrides the complexity classifier.
+    #[serde(default)]
+    complexity: Option<Complexity>,
+    /// Overrides the prompt-length estimate.
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+}
+
+impl RequestSpec {
+    fn facts(&self) -> Result<RequestFacts, String> {
+        let model = self
+            .body
+            .get("model")
+            .and_then(|m| m.as_str())
+            .ok_or("request body has no \"model\"")?
+            .to_string();
+        let header = self
+            .headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(TAGS_HEADER))
+            .map(|(_, v)| v.as_str());
+        let c = classify_request(&self.body, header);
+        let mut tags = c.tags;
+        tags.extend(self.tags.iter().map(|t| t.to_ascii_lowercase()));
+        let (text, _) = kinference_gateway::policy::classify::request_text(&self.body);
+        Ok(RequestFacts {
+            tenant: self.tenant.clone(),
+            model,
+            tags,
+            complexity: Some(self.complexity.unwrap_or(c.complexity.level)),
+            // Roughly four characters per token; enough for cost ordering.
+            prompt_tokens: Some(
+                self.prompt_tokens
+                    .unwrap_or((text.len() as u64).div_ceil(4)),
+            ),
+            max_output_tokens: self
+                .body
+                .get("max_tokens")
+                .or_else(|| self.body.get("max_completion_tokens"))
+                .and_then(|v| v.as_u64()),
+        })
+    }
+}
+
+fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, Fatal> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Fatal(format!("cannot read {}: {e}", path.display())))?;
+    serde_yaml::from_str(&text).map_err(|e| {
+        let line = e.location().map_or(1, |l| l.line());
+        Fatal(format!("{}:{line}: {e}", path.display()))
+    })
+}
+
+/// Loads a directory for evaluation; objects that failed validation are reported and fail the
+/// command (a decision against a partly applied set would mislead).
+fn load(dir: &Path) -> Result<Option<PolicySet>, Fatal> {
+    let loaded = load_dir(dir, None).map_err(|e| Fatal(e.to_string()))?;
+    let mut ok = true;
+    for p in &loaded.problems {
+        println!("{p}");
+        ok = false;
+    }
+    for p in &loaded.outcome.problems {
+        println!("{p}");
+        ok = false;
+    }
+    if !ok {
+        println!(
+            "{}: the policy set has errors (run `kinfctl lint`)",
+            dir.display()
+        );
+        return Ok(None);
+    }
+    Ok(Some(loaded.outcome.set))
+}
+
+fn explain(
+    dir: &Path,
+    request: &Path,
+    state: Option<&Path>,
+    format: Format,
+) -> Result<bool, Fatal> {
+    let spec: RequestSpec = read_yaml(request)?;
+    let state: PoolStates = match state {
+        Some(p) => read_yaml(p)?,
+        None => PoolStates::default(),
+    };
+    let facts = spec
+        .facts()
+        .map_err(|e| Fatal(format!("{}: {e}", request.display())))?;
+    let Some(set) = load(dir)? else {
+        return Ok(false);
+    };
+    let decision = evaluate(&set, &facts, &state);
+    match format {
+        Format::Json => {
+            let json = serde_json::json!({"facts": facts, "decision": decision});
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&json).map_err(|e| Fatal(e.to_string()))?
+            );
+        }
+        Format::Text => {
+            println!(
+                "request: tenant={} model={} tags={:?} complexity={:?}",
+                facts.tenant.as_deref().unwrap_or("<unknown>"),
+                facts.model,
+                facts.tags,
+                facts.complexity
+            );
+            print!("{}", decision.explain());
+        }
+    }
+    Ok(true)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CasesFile {
+    cases: Vec<Case>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Case {
+    name: String,
+    request: RequestSpec,
+    #[serde(default)]
+    state: PoolStates,
+    expect: Expect,
+}
+
+/// Expected decision; only the given fields are compared.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct Expect {
+    /// `route`, `burst` or `reject`.
+    outcome: String,
+    /// `policy/rule`, or `default` for no deciding rule.
+    #[serde(default)]
+    rule: Option<String>,
+    /// First target, `pool/NAME` or `provider/NAME`.
+    #[serde(default)]
+    target: Option<String>,
+    /// Model sent upstream by the first target.
+    #[serde(default)]
+    model: Option<String>,
+    /// Reject status.
+    #[serde(default)]
+    status: Option<u16>,
+    /// Reject code.
+    #[serde(default)]
+    code: Option<String>,
+    /// Whether the request was local-only.
+    #[serde(default)]
+    local_only: Option<bool>,
+    /// No target may be remote.
+    #[serde(default)]
+    all_local: Option<bool>,
+}
+
+fn check(expect: &Expect, d: &Decision) -> Vec<String> {
+    let mut diffs = Vec::new();
+    let (outcome, first) = match &d.outcome {
+        Outcome::Route(p) => (if p.burst { "burst" } else { "route" }, p.targets.first()),
+        Outcome::Reject(_) => ("reject", None),
+    };
+    if expect.outcome != outcome {
+        diffs.push(format!(
+            "outcome: expected {}, got {outcome}",
+            expect.outcome
+        ));
+    }
+    if let Some(rule) = &expect.rule {
+        let got = d.rule().map_or("default".to_string(), ToString::to_string);
+        if *rule != got {
+            diffs.push(format!("rule: expected {rule}, got {got}"));
+        }
+    }
+    if let Some(target) = &expect.target {
+        let got = first.map_or("<none>".to_string(), |t| t.backend.to_string());
+        if *target != got {
+            diffs.push(format!("target: expected {target}, got {got}"));
+        }
+    }
+    if let Some(model) = &expect.model {
+        let got = first.map_or("<none>", |t| t.model.as_str());
+        if model != got {
+            diffs.push(format!("model: expected {model}, got {got}"));
+        }
+    }
+    if let Outcome::Reject(r) = &d.outcome {
+        if let Some(status) = expect.status
+            && status != r.status
+        {
+            diffs.push(format!("status: expected {status}, got {}", r.status));
+        }
+        if let Some(code) = &expect.code
+            && code != r.code
+        {
+            diffs.push(format!("code: expected {code}, got {}", r.code));
+        }
+    } else if expect.status.is_some() || expect.code.is_some() {
+        diffs.push("status/code: expected a rejection".into());
+    }
+    if let Some(local) = expect.local_only
+        && local != d.local_only.is_some()
+    {
+        diffs.push(format!(
+            "localOnly: expected {local}, got {}",
+            d.local_only.is_some()
+        ));
+    }
+    if expect.all_local == Some(true)
+        && let Outcome::Route(p) = &d.outcome
+        && let Some(t) = p.targets.iter().find(|t| {
+            matches!(t.backend, Backend::Provider(_))
+                || t.locality != kinference_crds::Locality::Local
+        })
+    {
+        diffs.push(format!("allLocal: {} is remote", t.backend));
+    }
+    diffs
+}
+
+fn case_line(text: &str, name: &str) -> usize {
+    text.lines()
+        .position(|l| {
+            l.trim_start()
+                .trim_start_matches("- ")
+                .strip_prefix("name:")
+                .is_some_and(|v| v.trim().trim_matches(|c| c == '"' || c == '\'') == name)
+        })
+        .map_or(1, |i| i + 1)
+}
+
+fn test(dir: &Path, cases_path: &Path) -> Result<bool, Fatal> {
+    let cases: CasesFile = read_yaml(cases_path)?;
+    let text = std::fs::read_to_string(cases_path).map_err(|e| Fatal(e.to_string()))?;
+    let Some(set) = load(dir)? else {
+        return Ok(false);
+    };
+    let (mut passed, mut failed) = (0, 0);
+    for case in &cases.cases {
+        let line = case_line(&text, &case.name);
+        let facts = match case.request.facts() {
+            Ok(f) => f,
+            Err(e) => {
+                println!("FAIL {}:{line}: {}: {e}", cases_path.display(), case.name);
+                failed += 1;
+                continue;
+            }
+        };
+        let decision = evaluate(&set, &facts, &case.state);
+        let diffs = check(&case.expect, &decision);
+        if diffs.is_empty() {
+            println!("PASS {}", case.name);
+            passed += 1;
+        } else {
+            failed += 1;
+            println!(
+                "FAIL {}:{line}: {}: {}",
+                cases_path.display(),
+                case.name,
+                diffs.join("; ")
+            );
+            for l in decision.explain().lines() {
+                println!("    {l}");
+            }
+        }
+    }
+    println!("{passed} passed, {failed} failed");
+    Ok(failed == 0)
+}
