@@ -41,6 +41,9 @@ pub struct Args {
 
     #[command(flatten)]
     pub http: HttpSettings,
+
+    #[command(flatten)]
+    pub extproc: crate::extproc::ExtProcArgs,
 }
 
 /// Limits and timeouts of the HTTP path (client side and upstream side).
@@ -135,6 +138,9 @@ pub struct GatewayConfig {
     /// Directory of policy YAML files (optional).
     #[serde(default)]
     pub policy_dir: Option<PathBuf>,
+    /// In-cluster discovery of workers and agents (the Helm chart writes it); see [`crate::discovery`].
+    #[serde(default)]
+    pub kubernetes: Option<crate::discovery::KubernetesConfig>,
 }
 
 /// Errors loading the configuration file.

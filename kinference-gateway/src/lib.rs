@@ -7,7 +7,9 @@
 
 pub mod api;
 pub mod config;
+pub mod discovery;
 pub mod errors;
+pub mod extproc;
 pub mod health;
 pub mod metrics;
 pub mod pipeline;

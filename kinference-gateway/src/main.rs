@@ -7,7 +7,6 @@ use clap::Parser;
 use kinference_gateway::config::{Args, GatewayConfig};
 use kinference_gateway::health;
 use kinference_gateway::metrics::Metrics;
-use kinference_gateway::routing::Router;
 use kinference_gateway::server::{self, Gateway, Port};
 use kinference_gateway::upstream::Upstream;
 use tracing_subscriber::EnvFilter;
@@ -21,17 +20,20 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let config = GatewayConfig::load(&args.config)?;
-    let router = Router::new(config.routing_config()).context("building the router")?;
+    let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(&config)
+        .await
+        .context("building the router")?;
     let metrics = Metrics::new();
     metrics.with_registry(|registry| router.register_metrics(registry));
     let gw = Arc::new(Gateway {
-        router: Arc::new(router),
+        router: Arc::clone(&router),
         upstream: Upstream::new(&args.http),
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),
     });
 
+    let _extproc = kinference_gateway::extproc::spawn(&args.extproc, Arc::clone(&router)).await?;
     let api = server::bind(args.listen).await?;
     let admin = server::bind(args.admin_listen).await?;
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),

@@ -738,6 +738,33 @@ impl Router {
         }
     }
 
+    /// Adds a worker found by in-cluster discovery, or brings back one that left; `false` when the
+    /// table is full. A known URL keeps the model it was first added with.
+    pub fn upsert_worker(&self, url: &str, model: &str) -> bool {
+        let added =
+            self.shared
+                .workers
+                .write()
+                .get_or_add(url, model, false, &self.shared.prior_rates);
+        match added {
+            Some(w) => {
+                w.state.lock().gone = false;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A discovered worker left (pod deleted, not ready, relabelled): no longer a candidate.
+    /// Configured workers stay.
+    pub fn remove_worker(&self, url: &str) {
+        if let Some(w) = self.shared.workers.read().get(url)
+            && !w.configured
+        {
+            w.state.lock().gone = true;
+        }
+    }
+
     /// Registers the router's metrics (decisions by reason, index size, agents, tokenization, rates).
     pub fn register_metrics(&self, registry: &mut Registry) {
         self.shared.metrics.register(registry);

@@ -1,0 +1,486 @@
+//! In-cluster discovery: the gateway's workers and agents from the Kubernetes API.
+//!
+//! - Workers ([`pods`]): pods matching the worker label selector in the watched namespaces that are
+//!   Running and Ready with a pod IP. Pods coming, going, turning (un)ready and being relabelled are
+//!   followed with `kube::runtime::watcher` and fed to the router ([`WorkerSink`]) as they happen.
+//! - Agents ([`agents`]): the ready endpoints of the agent's headless Service (EndpointSlices).
+//!
+//! Configured by the `kubernetes:` block the Helm chart writes into `gateway.yaml`
+//! ([`KubernetesConfig`]); without that block the gateway runs on its static configuration only.
+//! Static workers and agents from the file are kept alongside what discovery finds.
+//!
+//! The router's agent list is fixed when it is built, so the agents found at start (waited for up to
+//! [`AGENT_SYNC_TIMEOUT`]) are the ones it watches; later agent changes are published on
+//! [`AgentSet`] and logged, and reach the router once it can add agents at runtime.
+
+pub mod agents;
+pub mod pods;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::core::DynamicObject;
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Client};
+use parking_lot::Mutex;
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::GatewayConfig;
+use crate::routing::{BuildError, Router};
+use pods::{PodWorker, pod_key, worker_of};
+
+/// How long the gateway waits at start for the first list of agents.
+pub const AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `kubernetes:` block of `gateway.yaml` (written by the chart's gateway ConfigMap).
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct KubernetesConfig {
+    /// Namespaces where worker pods are watched.
+    #[serde(default)]
+    pub namespaces: Vec<String>,
+    /// Watch every namespace instead (the chart's `clusterWide`).
+    #[serde(default)]
+    pub all_namespaces: bool,
+    /// Labels a worker pod carries (all must match).
+    #[serde(default = "default_worker_selector")]
+    pub worker_selector: BTreeMap<String, String>,
+    /// Name of the agents' headless Service; no agent discovery without it.
+    #[serde(default)]
+    pub agent_service: Option<String>,
+    /// Its namespace.
+    #[serde(default)]
+    pub agent_namespace: Option<String>,
+    /// The agents' gRPC port when a slice does not name a `grpc` port.
+    #[serde(default = "default_agent_port")]
+    pub agent_grpc_port: u16,
+}
+
+fn default_worker_selector() -> BTreeMap<String, String> {
+    BTreeMap::from([("kinference.ai/worker".to_string(), "true".to_string())])
+}
+
+fn default_agent_port() -> u16 {
+    7070
+}
+
+impl KubernetesConfig {
+    /// The worker selector as a label selector string (`k=v,k2=v2`).
+    pub fn label_selector(&self) -> String {
+        self.worker_selector
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+/// Why discovery could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// No Kubernetes client (no in-cluster service account, no kubeconfig).
+    #[error("kubernetes client: {0}")]
+    Client(#[from] kube::Error),
+    /// The router could not be built.
+    #[error(transparent)]
+    Router(#[from] BuildError),
+}
+
+/// Where discovered workers go (the [`Router`] in the gateway).
+pub trait WorkerSink: Send + Sync + 'static {
+    /// A worker is ready.
+    fn upsert(&self, worker: &PodWorker);
+    /// A worker left or is no longer ready.
+    fn remove(&self, url: &str);
+}
+
+impl WorkerSink for Router {
+    fn upsert(&self, worker: &PodWorker) {
+        if !self.upsert_worker(&worker.url, &worker.model) {
+            tracing::error!(worker = %worker.url, "worker table full; discovered worker ignored");
+        }
+    }
+    fn remove(&self, url: &str) {
+        self.remove_worker(url);
+    }
+}
+
+/// The discovered workers: URL -> model.
+pub type WorkerSet = BTreeMap<String, String>;
+
+/// The discovered agents, and whether the first list has arrived.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AgentSet {
+    /// The first complete list was received.
+    pub synced: bool,
+    /// gRPC URLs.
+    pub urls: BTreeSet<String>,
+}
+
+/// Running discovery; dropping it stops the watches.
+#[derive(Debug)]
+pub struct Discovery {
+    workers: watch::Receiver<WorkerSet>,
+    agents: watch::Receiver<AgentSet>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Discovery {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Discovery {
+    /// Starts watching worker pods (fed to `sink`) and, when configured, the agents.
+    pub fn start(client: Client, config: &KubernetesConfig, sink: Arc<dyn WorkerSink>) -> Self {
+        let (workers_tx, workers) = watch::channel(WorkerSet::new());
+        let workers_tx = Arc::new(workers_tx);
+        let selector = config.label_selector();
+        let mut tasks = Vec::new();
+        let scopes: Vec<Option<String>> = if config.all_namespaces || config.namespaces.is_empty() {
+            if !config.all_namespaces {
+                tracing::warn!(
+                    "kubernetes.namespaces is empty: watching worker pods in all namespaces"
+                );
+            }
+            vec![None]
+        } else {
+            config.namespaces.iter().cloned().map(Some).collect()
+        };
+        for ns in scopes {
+            let api: Api<Pod> = match &ns {
+                Some(ns) => Api::namespaced(client.clone(), ns),
+                None => Api::all(client.clone()),
+            };
+            tasks.push(tokio::spawn(follow_pods(
+                api,
+                selector.clone(),
+                ns,
+                Arc::clone(&sink),
+                Arc::clone(&workers_tx),
+            )));
+        }
+        let (agents_tx, agents) = watch::channel(AgentSet::default());
+        if let Some(service) = config.agent_service.clone() {
+            let ns = config
+                .agent_namespace
+                .clone()
+                .or_else(|| std::env::var("POD_NAMESPACE").ok())
+                .unwrap_or_else(|| "default".to_string());
+            tasks.push(tokio::spawn(follow_agents(
+                client,
+                ns,
+                service,
+                config.agent_grpc_port,
+                agents_tx,
+            )));
+        } else {
+            agents_tx.send_replace(AgentSet {
+                synced: true,
+                urls: BTreeSet::new(),
+            });
+        }
+        Self {
+            workers,
+            agents,
+            tasks,
+        }
+    }
+
+    /// The discovered workers, updated as they change.
+    pub fn workers(&self) -> watch::Receiver<WorkerSet> {
+        self.workers.clone()
+    }
+
+    /// The discovered agents, updated as they change.
+    pub fn agents(&self) -> watch::Receiver<AgentSet> {
+        self.agents.clone()
+    }
+
+    /// The agents once the first list has arrived (or what is known after `timeout`).
+    pub async fn initial_agents(&self, timeout: Duration) -> BTreeSet<String> {
+        let mut rx = self.agents.clone();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|a| a.synced)).await;
+        let set = rx.borrow().clone();
+        if !set.synced {
+            tracing::warn!(
+                ?timeout,
+                "no agent list from the Kubernetes API yet; starting without discovered agents"
+            );
+        }
+        set.urls
+    }
+}
+
+/// Builds the gateway's router and, when `gateway.yaml` has a `kubernetes:` block, starts discovery
+/// feeding it: the agents found at start join the configured ones, workers follow the pods.
+pub async fn router_with_discovery(
+    config: &GatewayConfig,
+) -> Result<(Arc<Router>, Option<Discovery>), DiscoveryError> {
+    let mut routing = config.routing_config();
+    let Some(kube_config) = config.kubernetes.as_ref() else {
+        return Ok((Arc::new(Router::new(routing)?), None));
+    };
+    let client = Client::try_default().await?;
+    // The router is built after the agents are known but discovery needs it as the worker sink:
+    // buffer worker changes in a forwarding sink until the router exists.
+    let late = Arc::new(LateSink::default());
+    let discovery = Discovery::start(
+        client,
+        kube_config,
+        Arc::clone(&late) as Arc<dyn WorkerSink>,
+    );
+    for url in discovery.initial_agents(AGENT_SYNC_TIMEOUT).await {
+        if !routing.agents.contains(&url) {
+            routing.agents.push(url);
+        }
+    }
+    let router = Arc::new(Router::new(routing)?);
+    late.attach(Arc::clone(&router) as Arc<dyn WorkerSink>);
+    tracing::info!(
+        namespaces = ?kube_config.namespaces,
+        selector = %kube_config.label_selector(),
+        agents = ?router_agents(&discovery),
+        "in-cluster discovery started"
+    );
+    Ok((router, Some(discovery)))
+}
+
+fn router_agents(d: &Discovery) -> Vec<String> {
+    d.agents.borrow().urls.iter().cloned().collect()
+}
+
+/// A sink that queues changes until its target is attached, then forwards them.
+#[derive(Default)]
+struct LateSink {
+    inner: Mutex<LateInner>,
+}
+
+#[derive(Default)]
+struct LateInner {
+    target: Option<Arc<dyn WorkerSink>>,
+    queued: Vec<(PodWorker, bool)>,
+}
+
+impl LateSink {
+    fn attach(&self, target: Arc<dyn WorkerSink>) {
+        let mut inner = self.inner.lock();
+        for (w, up) in inner.queued.drain(..) {
+            if up {
+                target.upsert(&w);
+            } else {
+                target.remove(&w.url);
+            }
+        }
+        inner.target = Some(target);
+    }
+}
+
+impl WorkerSink for LateSink {
+    fn upsert(&self, worker: &PodWorker) {
+        let mut inner = self.inner.lock();
+        match &inner.target {
+            Some(t) => t.upsert(worker),
+            None => inner.queued.push((worker.clone(), true)),
+        }
+    }
+    fn remove(&self, url: &str) {
+        let mut inner = self.inner.lock();
+        match &inner.target {
+            Some(t) => t.remove(url),
+            None => inner.queued.push((
+                PodWorker {
+                    url: url.to_string(),
+                    model: String::new(),
+                },
+                false,
+            )),
+        }
+    }
+}
+
+/// One namespace's (or all namespaces') worker pods, as seen so far.
+struct PodTable {
+    by_pod: HashMap<String, PodWorker>,
+    sink: Arc<dyn WorkerSink>,
+    published: Arc<watch::Sender<WorkerSet>>,
+}
+
+impl PodTable {
+    /// Pod `key` is now `worker` (None: not a ready worker, or gone).
+    fn set(&mut self, key: String, worker: Option<PodWorker>) {
+        let old = self.by_pod.get(&key);
+        if old == worker.as_ref() {
+            return;
+        }
+        if let Some(old) = old
+            && worker.as_ref().is_none_or(|w| w.url != old.url)
+        {
+            tracing::info!(pod = %key, worker = %old.url, "worker left");
+            self.sink.remove(&old.url);
+            let url = old.url.clone();
+            self.published.send_modify(|s| {
+                s.remove(&url);
+            });
+        }
+        match worker {
+            Some(w) => {
+                tracing::info!(pod = %key, worker = %w.url, model = %w.model, "worker ready");
+                self.sink.upsert(&w);
+                self.published.send_modify(|s| {
+                    s.insert(w.url.clone(), w.model.clone());
+                });
+                self.by_pod.insert(key, w);
+            }
+            None => {
+                self.by_pod.remove(&key);
+            }
+        }
+    }
+
+    /// A fresh list replaced everything: pods not in it are gone.
+    fn replace(&mut self, listed: HashMap<String, Option<PodWorker>>) {
+        let gone: Vec<String> = self
+            .by_pod
+            .keys()
+            .filter(|k| !listed.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.set(key, None);
+        }
+        for (key, worker) in listed {
+            self.set(key, worker);
+        }
+    }
+}
+
+async fn follow_pods(
+    api: Api<Pod>,
+    selector: String,
+    namespace: Option<String>,
+    sink: Arc<dyn WorkerSink>,
+    published: Arc<watch::Sender<WorkerSet>>,
+) {
+    let mut table = PodTable {
+        by_pod: HashMap::new(),
+        sink,
+        published,
+    };
+    let config = watcher::Config::default().labels(&selector);
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let mut listing: Option<HashMap<String, Option<PodWorker>>> = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Init) => listing = Some(HashMap::new()),
+            Ok(Event::InitApply(pod)) => {
+                if let Some(l) = listing.as_mut() {
+                    l.insert(pod_key(&pod), worker_of(&pod));
+                }
+            }
+            Ok(Event::InitDone) => {
+                if let Some(l) = listing.take() {
+                    table.replace(l);
+                }
+            }
+            Ok(Event::Apply(pod)) => table.set(pod_key(&pod), worker_of(&pod)),
+            Ok(Event::Delete(pod)) => table.set(pod_key(&pod), None),
+            Err(error) => {
+                tracing::warn!(namespace = ?namespace, %error, "watching worker pods failed; retrying")
+            }
+        }
+    }
+}
+
+async fn follow_agents(
+    client: Client,
+    namespace: String,
+    service: String,
+    default_port: u16,
+    published: watch::Sender<AgentSet>,
+) {
+    // The EndpointSlice version the server serves (v1 from Kubernetes 1.21, v1beta1 before).
+    let mut backoff = Duration::from_millis(200);
+    let resource = loop {
+        match kube::discovery::group(&client, "discovery.k8s.io").await {
+            Ok(group) => match group.recommended_kind("EndpointSlice") {
+                Some((ar, _)) => break ar,
+                None => tracing::warn!("the API server serves no EndpointSlice kind"),
+            },
+            Err(error) => tracing::warn!(%error, "discovering the EndpointSlice API failed"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(10));
+    };
+    let api: Api<DynamicObject> = Api::namespaced_with(client, &namespace, &resource);
+    let selector = format!("{}={service}", agents::SERVICE_NAME_LABEL);
+    let config = watcher::Config::default().labels(&selector);
+    let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+    let mut by_slice: HashMap<String, BTreeSet<String>> = HashMap::new();
+    let mut listing: Option<HashMap<String, BTreeSet<String>>> = None;
+    let agents_in = |obj: &DynamicObject| -> BTreeSet<String> {
+        match serde_json::from_value::<agents::Slice>(obj.data.clone()) {
+            Ok(slice) => agents::agents_of(&slice, default_port),
+            Err(error) => {
+                tracing::warn!(%error, "unreadable EndpointSlice ignored");
+                BTreeSet::new()
+            }
+        }
+    };
+    let publish = |by_slice: &HashMap<String, BTreeSet<String>>| {
+        let urls: BTreeSet<String> = by_slice.values().flatten().cloned().collect();
+        published.send_if_modified(|cur| {
+            let changed = !cur.synced || cur.urls != urls;
+            if changed {
+                tracing::info!(agents = ?urls, "agent set changed");
+                cur.synced = true;
+                cur.urls = urls;
+            }
+            changed
+        });
+    };
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Init) => listing = Some(HashMap::new()),
+            Ok(Event::InitApply(obj)) => {
+                if let Some(l) = listing.as_mut() {
+                    l.insert(
+                        obj.metadata.name.clone().unwrap_or_default(),
+                        agents_in(&obj),
+                    );
+                }
+            }
+            Ok(Event::InitDone) => {
+                if let Some(l) = listing.take() {
+                    by_slice = l;
+                    publish(&by_slice);
+                }
+            }
+            Ok(Event::Apply(obj)) => {
+                by_slice.insert(
+                    obj.metadata.name.clone().unwrap_or_default(),
+                    agents_in(&obj),
+                );
+                publish(&by_slice);
+            }
+            Ok(Event::Delete(obj)) => {
+                by_slice.remove(obj.metadata.name.as_deref().unwrap_or_default());
+                publish(&by_slice);
+            }
+            Err(error) => {
+                tracing::warn!(%namespace, %service, %error, "watching agent EndpointSlices failed; retrying")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,116 @@
+//! The inference request inside an ext_proc body: which API it speaks (from `:path`, else from the
+//! JSON's shape) and what the router needs from it (model, prompt).
+//!
+//! Parsing and validation reuse the HTTP gateway's own wire types ([`crate::api`]), so a body the
+//! gateway would refuse with 400 is refused here with the same message, and a body it accepts is
+//! routed on exactly the same prompt (Anthropic requests are translated to OpenAI messages first).
+
+use serde_json::Value;
+
+use crate::api::anthropic::MessagesRequest;
+use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest};
+use crate::errors::{GatewayError, Protocol};
+use crate::routing::Prompt;
+
+/// Which inference API a request uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// OpenAI `POST /v1/chat/completions`.
+    Chat,
+    /// OpenAI `POST /v1/completions`.
+    Completions,
+    /// Anthropic `POST /v1/messages`.
+    Messages,
+}
+
+impl Api {
+    /// The API named by a request path (query string ignored); `None` for other paths.
+    pub fn from_path(path: &str) -> Option<Self> {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        match path {
+            "/v1/chat/completions" => Some(Api::Chat),
+            "/v1/completions" => Some(Api::Completions),
+            "/v1/messages" => Some(Api::Messages),
+            _ => None,
+        }
+    }
+
+    /// The protocol errors are reported in.
+    pub fn protocol(self) -> Protocol {
+        match self {
+            Api::Chat | Api::Completions => Protocol::OpenAi,
+            Api::Messages => Protocol::Anthropic,
+        }
+    }
+}
+
+/// What the router needs from a request, owned (the body buffer is gone by the time it routes).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Parsed {
+    /// The API the request uses.
+    pub api: Api,
+    /// Requested model.
+    pub model: String,
+    /// The prompt in the router's terms.
+    pub prompt: OwnedPrompt,
+}
+
+/// An owned [`Prompt`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum OwnedPrompt {
+    /// Completion prompt text.
+    Text(String),
+    /// Chat `messages` (OpenAI shape).
+    Chat(Value),
+}
+
+impl OwnedPrompt {
+    /// The router's view.
+    pub fn as_prompt(&self) -> Prompt<'_> {
+        match self {
+            OwnedPrompt::Text(t) => Prompt::Text(t),
+            OwnedPrompt::Chat(m) => Prompt::Chat(m),
+        }
+    }
+}
+
+/// Parses a request body. `api` comes from `:path`; when the path is not an inference path (an
+/// HTTPRoute may rewrite it), the body's shape decides: `messages` is OpenAI chat, `prompt` a
+/// completion (Anthropic is recognised by its path only).
+pub fn parse(api: Option<Api>, body: &[u8]) -> Result<Parsed, GatewayError> {
+    let api = match api {
+        Some(api) => api,
+        None => {
+            let value: Value = openai::parse_body(body)?;
+            if value.get("messages").is_some() {
+                Api::Chat
+            } else if value.get("prompt").is_some() {
+                Api::Completions
+            } else {
+                return Err(GatewayError::invalid(
+                    "messages",
+                    "the body has neither `messages` nor `prompt`",
+                ));
+            }
+        }
+    };
+    let (model, prompt) = match api {
+        Api::Chat => {
+            let r: ChatCompletionRequest = openai::parse_body(body)?;
+            r.validate()?;
+            (r.model, OwnedPrompt::Chat(r.messages))
+        }
+        Api::Completions => {
+            let r: CompletionRequest = openai::parse_body(body)?;
+            r.validate()?;
+            let text = r.prompt_text().to_string();
+            (r.model, OwnedPrompt::Text(text))
+        }
+        Api::Messages => {
+            let r: MessagesRequest = openai::parse_body(body)?;
+            let chat = r.to_chat_request()?;
+            (chat.model, OwnedPrompt::Chat(chat.messages))
+        }
+    };
+    Ok(Parsed { api, model, prompt })
+}

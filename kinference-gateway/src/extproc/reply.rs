@@ -1,0 +1,153 @@
+//! The ext_proc messages the handler sends back, built the way the Gateway API Inference Extension's
+//! endpoint picker builds them, so an Envoy configured for that picker works unchanged.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse, TrailersResponse,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+/// The header (and `envoy.lb` metadata key) naming the chosen endpoint, as `ip:port`.
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+/// The dynamic metadata namespace Envoy's original-destination load balancer reads.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The worker's base URL, for logs and tests (the same header the HTTP gateway returns).
+pub const WORKER_HEADER: &str = "x-kinference-worker";
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            // Envoy sends and prefers `raw_value`; the endpoint picker sets it too.
+            raw_value: value.as_bytes().to_vec(),
+            ..Default::default()
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn string_value(s: &str) -> Value {
+    Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+/// `envoy.lb { x-gateway-destination-endpoint: endpoint }`.
+pub fn destination_metadata(endpoint: &str) -> Struct {
+    let inner = Struct {
+        fields: HashMap::from([(DESTINATION_HEADER.to_string(), string_value(endpoint))]),
+    };
+    Struct {
+        fields: HashMap::from([(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]),
+    }
+}
+
+/// The answer to the last request-body chunk once a worker is chosen: the destination header (the
+/// route cache is cleared so Envoy re-evaluates the route with it) and the `envoy.lb` metadata.
+pub fn routed(endpoint: &str, worker: &str) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers: vec![
+                        set_header(DESTINATION_HEADER, endpoint),
+                        set_header(WORKER_HEADER, worker),
+                    ],
+                    remove_headers: Vec::new(),
+                }),
+                clear_route_cache: true,
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(destination_metadata(endpoint)),
+        ..Default::default()
+    }
+}
+
+/// Continue unchanged after request headers.
+pub fn request_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Continue after a request-body chunk that is not the last (streamed body mode).
+pub fn request_body_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Continue after response headers.
+pub fn response_headers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseHeaders(HeadersResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Continue after a response-body chunk.
+pub fn response_body_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: Some(CommonResponse::default()),
+        })),
+        ..Default::default()
+    }
+}
+
+/// Continue after request trailers.
+pub fn request_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// Continue after response trailers.
+pub fn response_trailers_continue() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ResponseTrailers(TrailersResponse::default())),
+        ..Default::default()
+    }
+}
+
+/// A local reply Envoy sends to the client instead of forwarding: `status` with a JSON body.
+/// `details` shows up in Envoy's access log (`%RESPONSE_CODE_DETAILS%`).
+pub fn immediate(status: u16, body: &serde_json::Value, details: &str) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus {
+                code: i32::from(status),
+            }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![set_header("content-type", "application/json")],
+                remove_headers: Vec::new(),
+            }),
+            body: body.to_string().into_bytes(),
+            grpc_status: None,
+            details: details.to_string(),
+        })),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,203 @@
+//! One ext_proc stream, i.e. one HTTP request through Envoy: the state between its messages.
+//!
+//! Request phase: headers (path, debug flag), then the body, buffered here until `end_of_stream`
+//! (Envoy's `BUFFERED` mode sends one chunk; `STREAMED` sends several, each acknowledged), then the
+//! decision. Response phase (when Envoy is configured to send it): the status, the first body chunk
+//! of a server-sent-event stream (the first token: it feeds the router's learned rates), and the end
+//! of the body with its `usage`, which finishes the router's in-flight ticket. Whatever happens, the
+//! ticket is dropped with the session, so an aborted request never leaks an in-flight count.
+
+use bytes::BytesMut;
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, ProcessingRequest, ProcessingResponse, processing_response,
+};
+
+use super::body::{self, Api};
+use super::{Handler, Refusal, reply};
+use crate::api::openai::{Usage, UsageOnly};
+use crate::errors::{GatewayError, Protocol};
+use crate::routing::InFlight;
+
+/// The most response-body bytes kept to find `usage` at the end (the tail of a stream suffices).
+const USAGE_TAIL_BYTES: usize = 64 * 1024;
+
+/// Per-stream state.
+#[derive(Debug, Default)]
+pub struct Session {
+    api: Option<Api>,
+    debug: bool,
+    body: BytesMut,
+    /// The decision's ledger entry, held until the response ends (or the stream does).
+    ticket: Option<InFlight>,
+    /// A refusal was sent: Envoy ignores everything after it.
+    done: bool,
+    response_ok: bool,
+    response_sse: bool,
+    response_tail: BytesMut,
+}
+
+impl Session {
+    /// Handles one message from Envoy; returns the answer to send (none in observability mode, or
+    /// after a local reply).
+    pub async fn on_message(
+        &mut self,
+        handler: &Handler,
+        msg: ProcessingRequest,
+    ) -> Option<ProcessingResponse> {
+        let answer = match msg.request? {
+            Request::RequestHeaders(h) => {
+                self.on_request_headers(h.headers.as_ref());
+                if h.end_of_stream {
+                    // No body (GET /v1/models, health checks): nothing to route on; Envoy's route decides.
+                    tracing::debug!("ext_proc request without body; not routed");
+                }
+                reply::request_headers_continue()
+            }
+            Request::RequestBody(b) => self.on_request_body(handler, b).await,
+            Request::RequestTrailers(_) => reply::request_trailers_continue(),
+            Request::ResponseHeaders(h) => {
+                self.on_response_headers(h.headers.as_ref());
+                if h.end_of_stream {
+                    self.finish(None);
+                }
+                reply::response_headers_continue()
+            }
+            Request::ResponseBody(b) => {
+                self.on_response_body(b);
+                reply::response_body_continue()
+            }
+            Request::ResponseTrailers(_) => {
+                self.finish(None);
+                reply::response_trailers_continue()
+            }
+        };
+        if self.done && !matches!(answer.response, Some(ref r) if is_immediate(r)) {
+            return None;
+        }
+        (!msg.observability_mode).then_some(answer)
+    }
+
+    fn on_request_headers(&mut self, headers: Option<&HeaderMap>) {
+        self.api = header(headers, ":path").and_then(|p| Api::from_path(&p));
+        self.debug = header(headers, "x-kinference-debug").as_deref() == Some("1");
+    }
+
+    async fn on_request_body(&mut self, handler: &Handler, b: HttpBody) -> ProcessingResponse {
+        if self.done {
+            return reply::request_body_continue();
+        }
+        let protocol = self.api.map_or(Protocol::OpenAi, Api::protocol);
+        if self.body.len() + b.body.len() > handler.settings.body_limit_bytes {
+            self.done = true;
+            let limit = handler.settings.body_limit_bytes;
+            return Refusal::Gateway(GatewayError::BodyTooLarge { limit }).reply(protocol);
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return reply::request_body_continue();
+        }
+        let body = std::mem::take(&mut self.body);
+        let parsed = match body::parse(self.api, &body) {
+            Ok(p) => p,
+            Err(e) => {
+                self.done = true;
+                return Refusal::Gateway(e).reply(protocol);
+            }
+        };
+        let protocol = parsed.api.protocol();
+        match handler.decide(&parsed, self.debug).await {
+            Ok(routed) => {
+                let answer = reply::routed(&routed.endpoint, &routed.decision.worker);
+                tracing::debug!(model = %parsed.model, worker = %routed.decision.worker,
+                    endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
+                self.ticket = Some(routed.decision.ticket);
+                answer
+            }
+            Err(refusal) => {
+                self.done = true;
+                tracing::debug!(model = %parsed.model, error = %refusal, "ext_proc refused");
+                refusal.reply(protocol)
+            }
+        }
+    }
+
+    fn on_response_headers(&mut self, headers: Option<&HeaderMap>) {
+        self.response_ok = header(headers, ":status")
+            .and_then(|s| s.parse::<u16>().ok())
+            .is_some_and(|s| (200..300).contains(&s));
+        self.response_sse =
+            header(headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+    }
+
+    fn on_response_body(&mut self, b: HttpBody) {
+        if let Some(ticket) = self.ticket.as_mut()
+            && self.response_sse
+            && !b.body.is_empty()
+        {
+            // The first event of a stream is the first token (a whole JSON answer is not).
+            ticket.first_token();
+        }
+        self.response_tail.extend_from_slice(&b.body);
+        if self.response_tail.len() > USAGE_TAIL_BYTES {
+            let cut = self.response_tail.len() - USAGE_TAIL_BYTES;
+            let _ = self.response_tail.split_to(cut);
+        }
+        if b.end_of_stream {
+            let usage = usage_in(&self.response_tail);
+            self.finish(usage);
+        }
+    }
+
+    /// The response ended: release the ledger entry with what the worker reported.
+    fn finish(&mut self, usage: Option<Usage>) {
+        if let Some(ticket) = self.ticket.take() {
+            let usage = usage.unwrap_or_default();
+            ticket.finish(
+                self.response_ok,
+                usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
+                usage.cached_tokens().and_then(|c| usize::try_from(c).ok()),
+            );
+        }
+    }
+}
+
+fn is_immediate(r: &processing_response::Response) -> bool {
+    matches!(r, processing_response::Response::ImmediateResponse(_))
+}
+
+/// A header's value (Envoy fills `raw_value`; older versions `value`). Names are lower-case in HTTP/2.
+fn header(headers: Option<&HeaderMap>, name: &str) -> Option<String> {
+    headers?
+        .headers
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case(name))
+        .map(|h| {
+            if h.raw_value.is_empty() {
+                h.value.clone()
+            } else {
+                String::from_utf8_lossy(&h.raw_value).into_owned()
+            }
+        })
+}
+
+/// `usage` from the end of a response body: a whole JSON answer, or the last SSE event carrying it.
+pub fn usage_in(tail: &[u8]) -> Option<Usage> {
+    if let Ok(u) = serde_json::from_slice::<UsageOnly>(tail)
+        && u.usage.is_some()
+    {
+        return u.usage;
+    }
+    let text = std::str::from_utf8(tail).ok().or_else(|| {
+        // The tail may start mid-character; skip to the first line start.
+        let start = tail.iter().position(|b| *b == b'\n')? + 1;
+        std::str::from_utf8(&tail[start..]).ok()
+    })?;
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .filter(|d| d.contains("\"usage\""))
+        .find_map(|d| serde_json::from_str::<UsageOnly>(d).ok()?.usage)
+}
