@@ -1,3 +1,4 @@
 //! Kinference's benchmark harness and the vLLM simulator it runs against.
 #![forbid(unsafe_code)]
 pub mod routing;
+pub mod sim;

@@ -1,4 +1,171 @@
-fn main() {
-    eprintln!("vllm-sim: not built yet");
-    std::process::exit(2);
+//! `vllm-sim`: one simulated vLLM worker (see `kinference_bench::sim`).
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use kinference_bench::sim::engine::Preset;
+use kinference_bench::sim::kv_events::{EventFormat, KvEventsConfig, ReplayFormat};
+use kinference_bench::sim::{SimConfig, start};
+use tokio_util::sync::CancellationToken;
+
+/// A vLLM 0.32 stand-in: OpenAI API, real tokenization, prefix cache with vLLM's block hashes,
+/// KV events over ZeroMQ, vLLM's /metrics, and a continuous-batching latency model.
+#[derive(Debug, Parser)]
+#[command(name = "vllm-sim", version)]
+struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// HTTP port (0: any free port, printed in the log).
+    #[arg(long, default_value_t = 8001)]
+    port: u16,
+    /// Served model name.
+    #[arg(long, default_value = "qwen2-sim")]
+    model: String,
+    /// Directory with tokenizer.json and tokenizer_config.json.
+    #[arg(
+        long,
+        env = "KINFERENCE_TOKENIZER_DIR",
+        default_value = ".assets/qwen2"
+    )]
+    tokenizer_dir: PathBuf,
+    /// Latency preset: `fast` (tests) or `l40s-27b-fp8` (one L40S serving a ~27B FP8 model).
+    #[arg(long, value_enum, default_value_t = Preset::Fast)]
+    preset: Preset,
+    /// Wall seconds per simulated second: 0.1 runs ten times faster than real time.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV cache blocks (vLLM's num_gpu_blocks; block 0 is reserved as in vLLM).
+    #[arg(long, default_value_t = 4096)]
+    num_blocks: usize,
+    /// Most requests in one batch.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Longest prompt + completion, in tokens.
+    #[arg(long, default_value_t = 32768)]
+    max_model_len: usize,
+    /// Seed of the generated tokens.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// ZeroMQ PUB endpoint for KV events (binds if it contains `*` or `::` or is ipc://, else connects).
+    #[arg(long)]
+    kv_events_endpoint: Option<String>,
+    /// ZeroMQ ROUTER endpoint for replaying buffered KV event batches (always binds).
+    #[arg(long)]
+    kv_replay_endpoint: Option<String>,
+    /// Topic (first frame) of every KV event message.
+    #[arg(long, default_value = "")]
+    kv_topic: String,
+    /// Event encoding: `map` (vLLM >= 0.24) or `array` (<= 0.23).
+    #[arg(long, value_enum, default_value_t = EventFormat::Map)]
+    kv_event_format: EventFormat,
+    /// Replay reply shape: `v0.26` ([topic, seq, payload]) or `v0.25` ([seq, payload]).
+    #[arg(long, value_enum, default_value_t = ReplayFormat::V026)]
+    replay_format: ReplayFormat,
+    /// Batches kept for replay.
+    #[arg(long, default_value_t = 10000)]
+    kv_buffer_steps: usize,
+    /// Leave `usage.prompt_tokens_details` null (vLLM without --enable-prompt-tokens-details).
+    #[arg(long)]
+    no_prompt_tokens_details: bool,
+}
+
+impl Args {
+    fn into_config(self) -> SimConfig {
+        let kv_events = self
+            .kv_events_endpoint
+            .clone()
+            .map(|endpoint| KvEventsConfig {
+                endpoint,
+                replay_endpoint: self.kv_replay_endpoint.clone(),
+                topic: self.kv_topic.clone(),
+                format: self.kv_event_format,
+                replay_format: self.replay_format,
+                buffer_steps: self.kv_buffer_steps,
+                dp_rank: 0,
+            });
+        SimConfig {
+            listen: SocketAddr::new(self.host, self.port),
+            model: self.model,
+            tokenizer_dir: self.tokenizer_dir,
+            preset: self.preset,
+            time_scale: self.time_scale,
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len,
+            seed: self.seed,
+            prompt_tokens_details: !self.no_prompt_tokens_details,
+            kv_events,
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if args.kv_replay_endpoint.is_some() && args.kv_events_endpoint.is_none() {
+        tracing::error!("--kv-replay-endpoint needs --kv-events-endpoint");
+        return ExitCode::from(2);
+    }
+    let cfg = args.into_config();
+    let shutdown = CancellationToken::new();
+    let running = match start(cfg.clone(), shutdown.clone()).await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "vllm-sim failed to start");
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(
+        addr = %running.addr,
+        model = %cfg.model,
+        preset = ?cfg.preset,
+        time_scale = cfg.time_scale,
+        block_size = cfg.block_size,
+        num_blocks = cfg.num_blocks,
+        zmq = ?running.zmq_bound,
+        "vllm-sim listening on http://{}",
+        running.addr
+    );
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    shutdown.cancel();
+    let _ = running.server.await;
+    ExitCode::SUCCESS
 }

@@ -1,0 +1,553 @@
+//! The simulator's HTTP server (hyper 1, HTTP/1.1 like vLLM's uvicorn): vLLM's OpenAI-compatible routes,
+//! `/tokenize`, `/metrics`, `/health`, `/version`, `/reset_prefix_cache`, the `render` routes, and the
+//! simulator-only `/sim/estimate` and `/sim/state`.
+//!
+//! Each generation request is tokenized here (real tokenizer and chat template), checked against
+//! `max_model_len`, queued in the engine and answered from its token stream, whole or as SSE.
+//! A client that disconnects drops the stream, which aborts the request in the engine.
+
+pub mod error;
+pub mod openai;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full, Limited, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use kinference_api::tokenize::{ModelTokenizer, TokenizeError};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use self::error::ApiError;
+use self::openai::{GenRequest, PromptInput};
+use crate::sim::engine::{Engine, TokenOut};
+use crate::sim::metrics::{CacheInfo, Metrics};
+
+/// Response body: whole or streamed.
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// Largest accepted request body.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub tokenizer: Arc<ModelTokenizer>,
+    pub metrics: Arc<Metrics>,
+    /// Served model name.
+    pub model: String,
+    /// `root` of `/v1/models` (the tokenizer directory).
+    pub root: String,
+    pub max_model_len: usize,
+    pub num_blocks: usize,
+    pub prompt_tokens_details: bool,
+    /// Text of each token the engine can generate.
+    pub token_text: HashMap<u32, String>,
+    pub started: u64,
+    /// Extra facts echoed by `/sim/state` (preset, time scale ...).
+    pub info: Value,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("model", &self.model)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Token ids the simulator generates: whole lowercase words with a leading space (`Ġword` in byte-level
+/// BPE vocabularies), so every token decodes on its own and text streams cleanly. Sorted by id.
+pub fn output_vocabulary(tok: &ModelTokenizer) -> Vec<(u32, String)> {
+    let mut words: Vec<(u32, String)> = tok
+        .tokenizer()
+        .get_vocab(false)
+        .into_iter()
+        .filter(|(s, _)| {
+            s.strip_prefix('Ġ').is_some_and(|w| {
+                (3..=8).contains(&w.len()) && w.bytes().all(|b| b.is_ascii_lowercase())
+            })
+        })
+        .filter_map(|(_, id)| Some((id, tok.decode(&[id]).ok()?)))
+        .collect();
+    words.sort_by_key(|(id, _)| *id);
+    words.truncate(4096);
+    words
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_secs()
+}
+
+/// Serves HTTP on `listener` until `shutdown`, then drains open connections (at most 5 s).
+pub async fn serve(listener: TcpListener, state: Arc<AppState>, shutdown: CancellationToken) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            a = listener.accept() => a,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // E.g. out of file descriptors: keep serving the connections we have.
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let st = state.clone();
+        let conn = http1::Builder::new().serve_connection(
+            TokioIo::new(stream),
+            service_fn(move |req| handle(st.clone(), req)),
+        );
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(5)) => {
+            tracing::warn!("connections still open after 5 s; closing");
+        }
+    }
+}
+
+fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed());
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static(content_type),
+    );
+    r
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+    full(status, "application/json", v.to_string())
+}
+
+fn error_response(e: &ApiError) -> Response<Body> {
+    json_response(e.status(), &e.body())
+}
+
+/// Routes one request; never fails (errors become vLLM error JSON).
+pub async fn handle(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, Infallible> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let result = route(&state, &method, &path, req).await;
+    Ok(result.unwrap_or_else(|e| {
+        tracing::debug!(%method, %path, error = %e, "request refused");
+        error_response(&e)
+    }))
+}
+
+async fn read_json(req: Request<Incoming>) -> Result<Value, ApiError> {
+    let body = Limited::new(req.into_body(), MAX_BODY_BYTES)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::TooLarge
+            } else {
+                ApiError::bad(format!("cannot read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| ApiError::bad(format!("Invalid JSON body: {e}")))
+}
+
+async fn route(
+    state: &Arc<AppState>,
+    method: &Method,
+    path: &str,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
+    let get = method == Method::GET;
+    let post = method == Method::POST;
+    match path {
+        "/health" | "/ping" if get || post => Ok(full(StatusCode::OK, "application/json", "")),
+        "/version" if get => Ok(json_response(StatusCode::OK, &json!({"version": "0.32.0"}))),
+        "/v1/models" if get => Ok(json_response(
+            StatusCode::OK,
+            &openai::models_body(
+                &state.model,
+                &state.root,
+                state.max_model_len,
+                state.started,
+            ),
+        )),
+        "/metrics" if get => Ok(full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            state.metrics.render(
+                state.engine.gauges(),
+                &CacheInfo {
+                    block_size: state.engine.block_size(),
+                    num_gpu_blocks: state.num_blocks,
+                },
+            ),
+        )),
+        "/v1/completions" if post => {
+            let r = openai::parse_completion(&read_json(req).await?)?;
+            generate(state, r, false).await
+        }
+        "/v1/chat/completions" if post => {
+            let r = openai::parse_chat(&read_json(req).await?)?;
+            generate(state, r, true).await
+        }
+        "/v1/completions/render" if post => {
+            let r = openai::parse_completion(&read_json(req).await?)?;
+            render(state, &r)
+        }
+        "/v1/chat/completions/render" if post => {
+            let r = openai::parse_chat(&read_json(req).await?)?;
+            render(state, &r)
+        }
+        "/tokenize" if post => tokenize(state, &read_json(req).await?),
+        "/detokenize" if post => detokenize(state, &read_json(req).await?),
+        "/reset_prefix_cache" if post => {
+            if !state.engine.reset_prefix_cache() {
+                tracing::warn!("reset_prefix_cache refused: requests are running");
+            }
+            Ok(full(StatusCode::OK, "application/json", ""))
+        }
+        "/sim/estimate" if post => {
+            let body = read_json(req).await?;
+            let r = if body.get("messages").is_some() {
+                openai::parse_chat(&body)?
+            } else {
+                openai::parse_completion(&body)?
+            };
+            check_model(state, &r)?;
+            let ids = prompt_ids(state, &r.prompt)?;
+            Ok(json_response(
+                StatusCode::OK,
+                &serde_json::to_value(state.engine.estimate(&ids)).unwrap_or(Value::Null),
+            ))
+        }
+        "/sim/state" if get => {
+            let mut v = serde_json::to_value(state.engine.snapshot()).unwrap_or(Value::Null);
+            v["model"] = json!(state.model);
+            v["info"] = state.info.clone();
+            Ok(json_response(StatusCode::OK, &v))
+        }
+        "/health"
+        | "/ping"
+        | "/version"
+        | "/v1/models"
+        | "/metrics"
+        | "/v1/completions"
+        | "/v1/chat/completions"
+        | "/v1/completions/render"
+        | "/v1/chat/completions/render"
+        | "/tokenize"
+        | "/detokenize"
+        | "/reset_prefix_cache"
+        | "/sim/estimate"
+        | "/sim/state" => Err(ApiError::MethodNotAllowed),
+        _ => Err(ApiError::RouteNotFound),
+    }
+}
+
+fn check_model(state: &AppState, r: &GenRequest) -> Result<(), ApiError> {
+    match &r.model {
+        Some(m) if *m != state.model => Err(ApiError::ModelNotFound(m.clone())),
+        _ => Ok(()),
+    }
+}
+
+fn tokenize_error(e: TokenizeError) -> ApiError {
+    match e {
+        TokenizeError::InvalidMessages(m) => ApiError::bad_param("messages", m),
+        other => ApiError::bad(other.to_string()),
+    }
+}
+
+/// Token ids of a request's prompt, as vLLM computes them.
+fn prompt_ids(state: &AppState, p: &PromptInput) -> Result<Vec<u32>, ApiError> {
+    let ids = match p {
+        PromptInput::Text(t) => state
+            .tokenizer
+            .encode_text(t, true)
+            .map_err(tokenize_error)?,
+        PromptInput::Tokens(ids) => ids.clone(),
+        PromptInput::Chat {
+            messages,
+            add_generation_prompt,
+            kwargs,
+        } => {
+            let text = state
+                .tokenizer
+                .render_chat_with(messages, *add_generation_prompt, kwargs.as_ref())
+                .map_err(tokenize_error)?;
+            state
+                .tokenizer
+                .encode_text(&text, false)
+                .map_err(tokenize_error)?
+        }
+    };
+    if ids.is_empty() {
+        return Err(ApiError::bad_param("prompt", "The prompt cannot be empty"));
+    }
+    Ok(ids)
+}
+
+/// Generated text of some tokens.
+fn text_of(state: &AppState, tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|t| state.token_text.get(t).map(String::as_str).unwrap_or(""))
+        .collect()
+}
+
+fn request_id(chat: bool) -> String {
+    let r: u128 = rand::random();
+    if chat {
+        format!("chatcmpl-{r:032x}")
+    } else {
+        format!("cmpl-{r:032x}")
+    }
+}
+
+async fn generate(
+    state: &Arc<AppState>,
+    r: GenRequest,
+    chat: bool,
+) -> Result<Response<Body>, ApiError> {
+    check_model(state, &r)?;
+    let ids = prompt_ids(state, &r.prompt)?;
+    let max_tokens = r.max_tokens.unwrap_or(16);
+    let total = ids.len() + max_tokens;
+    if total > state.max_model_len {
+        return Err(ApiError::bad(format!(
+            "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
+            state.max_model_len,
+            total,
+            ids.len(),
+            max_tokens
+        )));
+    }
+    // A request that can never fit in the KV cache would wait forever.
+    let capacity = (state.num_blocks.saturating_sub(1)) * state.engine.block_size();
+    if total > capacity {
+        return Err(ApiError::bad(format!(
+            "the request needs {total} tokens of KV cache but the simulator has {capacity}"
+        )));
+    }
+    let n_prompt = ids.len();
+    let generation = state.engine.submit(ids, max_tokens);
+    let id = request_id(chat);
+    let created = unix_now();
+    tracing::debug!(request = %id, engine_id = generation.id, n_prompt, max_tokens, "queued");
+    if r.stream {
+        return Ok(stream_response(
+            state.clone(),
+            generation.tokens,
+            id,
+            created,
+            chat,
+            r.include_usage,
+        ));
+    }
+    let mut tokens = generation.tokens;
+    let mut out = Vec::with_capacity(max_tokens);
+    let mut cached = 0;
+    while let Some(t) = tokens.recv().await {
+        cached = t.cached_tokens;
+        out.push(t.token);
+        if t.finish.is_some() {
+            break;
+        }
+    }
+    let usage = openai::usage(n_prompt, out.len(), cached, state.prompt_tokens_details);
+    let text = text_of(state, &out);
+    let body = if chat {
+        openai::chat_body(&id, created, &state.model, &text, usage)
+    } else {
+        openai::completion_body(&id, created, &state.model, &text, usage)
+    };
+    Ok(json_response(StatusCode::OK, &body))
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+fn stream_response(
+    state: Arc<AppState>,
+    mut tokens: mpsc::UnboundedReceiver<TokenOut>,
+    id: String,
+    created: u64,
+    chat: bool,
+    include_usage: bool,
+) -> Response<Body> {
+    let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
+    tokio::spawn(async move {
+        let model = state.model.clone();
+        let send = |b: Bytes| {
+            let tx = tx.clone();
+            async move { tx.send(Ok(Frame::data(b))).await.is_ok() }
+        };
+        if chat {
+            let first = openai::chat_chunk(
+                &id,
+                created,
+                &model,
+                json!({"role": "assistant", "content": ""}),
+                None,
+            );
+            if !send(sse(&first)).await {
+                return;
+            }
+        }
+        let (mut n, mut prompt, mut cached) = (0usize, 0usize, 0usize);
+        // Dropping `tokens` (on return) tells the engine the client is gone.
+        while let Some(t) = tokens.recv().await {
+            n += 1;
+            prompt = t.prompt_tokens;
+            cached = t.cached_tokens;
+            let text = text_of(&state, &[t.token]);
+            let finish = t.finish.map(|f| f.as_str());
+            let chunk = if chat {
+                openai::chat_chunk(&id, created, &model, json!({"content": text}), finish)
+            } else {
+                openai::completion_chunk(&id, created, &model, &text, finish)
+            };
+            if !send(sse(&chunk)).await {
+                return;
+            }
+            if finish.is_some() {
+                break;
+            }
+        }
+        if include_usage {
+            let usage = openai::usage(prompt, n, cached, state.prompt_tokens_details);
+            if !send(sse(&openai::usage_chunk(&id, created, &model, chat, usage))).await {
+                return;
+            }
+        }
+        send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    });
+    let mut r = Response::new(BodyExt::boxed(StreamBody::new(ReceiverStream::new(rx))));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
+    );
+    r
+}
+
+fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
+    let model = body.get("model").and_then(Value::as_str).map(str::to_owned);
+    if let Some(m) = &model
+        && *m != state.model
+    {
+        return Err(ApiError::ModelNotFound(m.clone()));
+    }
+    let ids = if let Some(messages) = body.get("messages") {
+        let add_gen = body
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        let add_special = body
+            .get("add_special_tokens")
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let text = state
+            .tokenizer
+            .render_chat_with(messages, add_gen, body.get("chat_template_kwargs"))
+            .map_err(tokenize_error)?;
+        state
+            .tokenizer
+            .encode_text(&text, add_special)
+            .map_err(tokenize_error)?
+    } else if let Some(prompt) = body.get("prompt").and_then(Value::as_str) {
+        let add_special = body
+            .get("add_special_tokens")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        state
+            .tokenizer
+            .encode_text(prompt, add_special)
+            .map_err(tokenize_error)?
+    } else {
+        return Err(ApiError::bad_param(
+            "prompt",
+            "either `prompt` (a string) or `messages` is required",
+        ));
+    };
+    let token_strs = body
+        .get("return_token_strs")
+        .and_then(Value::as_bool)
+        .unwrap_or(false)
+        .then(|| {
+            ids.iter()
+                .map(|&i| state.tokenizer.id_to_token(i).unwrap_or_default())
+                .collect::<Vec<_>>()
+        });
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"count": ids.len(), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": token_strs}),
+    ))
+}
+
+fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
+    let ids: Vec<u32> = body
+        .get("tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect()
+        })
+        .ok_or_else(|| ApiError::bad_param("tokens", "tokens must be a list of token ids"))?;
+    let text = state.tokenizer.decode(&ids).map_err(tokenize_error)?;
+    Ok(json_response(StatusCode::OK, &json!({"prompt": text})))
+}
+
+/// `render` routes: the prompt as the engine would receive it (rendered text and token ids).
+fn render(state: &AppState, r: &GenRequest) -> Result<Response<Body>, ApiError> {
+    check_model(state, r)?;
+    let text = match &r.prompt {
+        PromptInput::Text(t) => Some(t.clone()),
+        PromptInput::Tokens(_) => None,
+        PromptInput::Chat {
+            messages,
+            add_generation_prompt,
+            kwargs,
+        } => Some(
+            state
+                .tokenizer
+                .render_chat_with(messages, *add_generation_prompt, kwargs.as_ref())
+                .map_err(tokenize_error)?,
+        ),
+    };
+    let ids = prompt_ids(state, &r.prompt)?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({"model": state.model, "prompt": text, "prompt_token_ids": ids}),
+    ))
+}

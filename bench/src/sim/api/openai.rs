@@ -1,0 +1,262 @@
+//! OpenAI request fields the simulator reads, and the JSON shapes vLLM 0.32 returns (non-streaming
+//! bodies, SSE chunks, `usage`), as captured live in `docs/vllm-interfaces.md` section 3.2.
+
+use serde_json::{Value, json};
+
+use super::error::ApiError;
+
+/// What to tokenize.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// `/v1/completions` text (tokenized with special tokens).
+    Text(String),
+    /// `/v1/completions` with token ids.
+    Tokens(Vec<u32>),
+    /// `/v1/chat/completions` messages.
+    Chat {
+        messages: Value,
+        add_generation_prompt: bool,
+        kwargs: Option<Value>,
+    },
+}
+
+/// The fields of a completion or chat request that matter here.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn opt_usize(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+            ApiError::bad_param(key, format!("{key} must be a non-negative integer"))
+        }),
+    }
+}
+
+fn opt_bool(body: &Value, key: &'static str, default: bool) -> Result<bool, ApiError> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(ApiError::bad_param(key, format!("{key} must be a boolean"))),
+    }
+}
+
+fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
+    if !body.is_object() {
+        return Err(ApiError::bad("the request body must be a JSON object"));
+    }
+    let model = match body.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(ApiError::bad_param("model", "model must be a string")),
+    };
+    if let Some(n) = opt_usize(body, "n")?
+        && n != 1
+    {
+        return Err(ApiError::bad_param("n", "the simulator only supports n=1"));
+    }
+    let max_tokens = match opt_usize(body, "max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => opt_usize(body, "max_tokens")?,
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::bad_param(
+            "max_tokens",
+            "max_tokens must be at least 1, got 0.",
+        ));
+    }
+    let stream = opt_bool(body, "stream", false)?;
+    let include_usage = match body.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(o @ Value::Object(_)) => {
+            if !stream {
+                return Err(ApiError::bad_param(
+                    "stream_options",
+                    "Stream options can only be defined when `stream=True`.",
+                ));
+            }
+            opt_bool(o, "include_usage", false)?
+        }
+        Some(_) => {
+            return Err(ApiError::bad_param(
+                "stream_options",
+                "stream_options must be an object",
+            ));
+        }
+    };
+    Ok(GenRequest {
+        model,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+    })
+}
+
+fn token_list(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+/// Reads a `/v1/completions` body.
+pub fn parse_completion(body: &Value) -> Result<GenRequest, ApiError> {
+    let prompt = match body.get("prompt") {
+        Some(Value::String(s)) => PromptInput::Text(s.clone()),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            PromptInput::Text(items[0].as_str().unwrap_or_default().to_owned())
+        }
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_array() => {
+            let inner = items[0].as_array().map(Vec::as_slice).unwrap_or_default();
+            PromptInput::Tokens(token_list(inner).ok_or_else(|| {
+                ApiError::bad_param("prompt", "prompt token ids must be non-negative integers")
+            })?)
+        }
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_number) => {
+            PromptInput::Tokens(token_list(items).ok_or_else(|| {
+                ApiError::bad_param("prompt", "prompt token ids must be non-negative integers")
+            })?)
+        }
+        Some(Value::Array(items)) if items.len() > 1 => {
+            return Err(ApiError::bad_param(
+                "prompt",
+                "batched prompts are not supported by the simulator",
+            ));
+        }
+        None | Some(Value::Null) => {
+            return Err(ApiError::bad_param("prompt", "Field required: prompt"));
+        }
+        Some(_) => {
+            return Err(ApiError::bad_param(
+                "prompt",
+                "prompt must be a string, a list of token ids or a list with one of them",
+            ));
+        }
+    };
+    common(body, prompt)
+}
+
+/// Reads a `/v1/chat/completions` body.
+pub fn parse_chat(body: &Value) -> Result<GenRequest, ApiError> {
+    let messages = match body.get("messages") {
+        Some(m @ Value::Array(_)) => m.clone(),
+        None | Some(Value::Null) => {
+            return Err(ApiError::bad_param("messages", "Field required: messages"));
+        }
+        Some(_) => return Err(ApiError::bad_param("messages", "messages must be a list")),
+    };
+    let prompt = PromptInput::Chat {
+        messages,
+        add_generation_prompt: opt_bool(body, "add_generation_prompt", true)?,
+        kwargs: body.get("chat_template_kwargs").cloned(),
+    };
+    common(body, prompt)
+}
+
+/// The `usage` object. `details`: whether `prompt_tokens_details` is reported (on by default here, as
+/// with vLLM's `--enable-prompt-tokens-details`).
+pub fn usage(prompt: usize, completion: usize, cached: usize, details: bool) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": if details { json!({"cached_tokens": cached}) } else { Value::Null },
+    })
+}
+
+/// `system_fingerprint` of vLLM 0.32 responses.
+pub const FINGERPRINT: &str = "vllm-0.32.0-sim";
+
+/// A whole `/v1/completions` response.
+pub fn completion_body(id: &str, created: u64, model: &str, text: &str, usage: Value) -> Value {
+    json!({
+        "id": id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "text": text, "logprobs": null, "finish_reason": "length",
+            "stop_reason": null, "token_ids": null, "prompt_logprobs": null, "prompt_token_ids": null,
+        }],
+        "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage, "kv_transfer_params": null,
+    })
+}
+
+/// A whole `/v1/chat/completions` response.
+pub fn chat_body(id: &str, created: u64, model: &str, text: &str, usage: Value) -> Value {
+    json!({
+        "id": id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {
+                "role": "assistant", "content": text, "refusal": null, "annotations": null,
+                "audio": null, "function_call": null, "tool_calls": [], "reasoning_content": null,
+            },
+            "logprobs": null, "finish_reason": "length", "stop_reason": null, "token_ids": null,
+        }],
+        "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage,
+        "prompt_logprobs": null, "prompt_token_ids": null, "kv_transfer_params": null,
+    })
+}
+
+/// One streamed completion chunk.
+pub fn completion_chunk(
+    id: &str,
+    created: u64,
+    model: &str,
+    text: &str,
+    finish: Option<&str>,
+) -> Value {
+    json!({
+        "id": id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{
+            "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+            "stop_reason": null, "prompt_token_ids": null, "token_ids": null,
+        }],
+    })
+}
+
+/// One streamed chat chunk with `delta`.
+pub fn chat_chunk(
+    id: &str,
+    created: u64,
+    model: &str,
+    delta: Value,
+    finish: Option<&str>,
+) -> Value {
+    let mut choice = json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish});
+    if finish.is_some() {
+        choice["stop_reason"] = Value::Null;
+    }
+    json!({
+        "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+        "choices": [choice],
+    })
+}
+
+/// The final usage chunk (`choices: []`), sent with `stream_options.include_usage`.
+pub fn usage_chunk(id: &str, created: u64, model: &str, chat: bool, usage: Value) -> Value {
+    json!({
+        "id": id,
+        "object": if chat { "chat.completion.chunk" } else { "text_completion" },
+        "created": created, "model": model, "choices": [], "usage": usage,
+        "system_fingerprint": FINGERPRINT,
+    })
+}
+
+/// `GET /v1/models`.
+pub fn models_body(model: &str, root: &str, max_model_len: usize, created: u64) -> Value {
+    json!({"object": "list", "data": [{
+        "id": model, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+        "parent": null, "max_model_len": max_model_len,
+        "permission": [{
+            "id": format!("modelperm-{model}"), "object": "model_permission", "created": created,
+            "allow_create_engine": false, "allow_sampling": true, "allow_logprobs": true,
+            "allow_search_indices": false, "allow_view": true, "allow_fine_tuning": false,
+            "organization": "*", "group": null, "is_blocking": false,
+        }],
+    }]})
+}

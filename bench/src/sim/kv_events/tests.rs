@@ -1,0 +1,52 @@
+use super::*;
+
+#[test]
+fn bind_or_connect_follows_vllm() {
+    assert!(binds("tcp://*:5557"));
+    assert!(binds("tcp://[::]:5557"));
+    assert!(binds("ipc:///tmp/kv"));
+    assert!(!binds("tcp://127.0.0.1:25557"));
+    assert_eq!(
+        normalize("tcp://*:5557").expect("tcp"),
+        "tcp://0.0.0.0:5557"
+    );
+    assert_eq!(
+        normalize("tcp://127.0.0.1:*").expect("tcp"),
+        "tcp://127.0.0.1:0"
+    );
+    assert!(normalize("inproc://x").is_err());
+}
+
+#[test]
+fn big_hashes_are_uint64_and_batch_is_3_array() {
+    let ev = KvCacheEvent::BlockRemoved {
+        block_hashes: vec![u64::MAX - 1],
+    };
+    let b = encode_batch(1.5, &[ev], 0, EventFormat::Map);
+    assert_eq!(b[0], 0x93, "fixarray(3)");
+    assert_eq!(b[1], 0xcb, "float64 ts");
+    assert_eq!(b[10], 0x91, "one event");
+    assert_eq!(b[11], 0x84, "fixmap(4)");
+    let pos = b.iter().position(|&x| x == 0xcf).expect("uint64 marker");
+    assert_eq!(&b[pos + 1..pos + 9], &(u64::MAX - 1).to_be_bytes());
+    assert_eq!(*b.last().expect("rank"), 0x00, "dp rank 0");
+}
+
+#[test]
+fn array_format_is_positional_with_trailing_nils() {
+    let ev = KvCacheEvent::BlockStored {
+        block_hashes: vec![1],
+        parent_block_hash: None,
+        token_ids: vec![5, 6],
+        block_size: 2,
+    };
+    let b = encode_batch(0.0, &[ev], 0, EventFormat::Array);
+    let v = rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
+    let event = &v[1][0];
+    let fields = event.as_array().expect("array event");
+    assert_eq!(fields.len(), 12);
+    assert_eq!(fields[0].as_str(), Some("BlockStored"));
+    assert!(fields[2].is_nil());
+    assert_eq!(fields[6].as_str(), Some("GPU"));
+    assert!(fields[11].is_nil());
+}

@@ -1,0 +1,157 @@
+//! A vLLM stand-in that behaves like vLLM 0.32 wherever a router looks: the OpenAI HTTP API with real
+//! tokenization, a prefix cache with vLLM's block hashing, KV events over ZeroMQ, `/metrics`, and a
+//! latency model of continuous batching, plus `/sim/estimate` and `/sim/state` for the benchmark.
+//!
+//! - [`api`]: HTTP routes, OpenAI JSON shapes, SSE.
+//! - [`cache`]: blocks, LRU eviction, vLLM's sha256/pickle block hashes, KV cache events.
+//! - [`engine`]: the scheduler (continuous batching, chunked prefill) and the latency presets.
+//! - [`kv_events`]: the ZeroMQ publisher and replay socket, msgpack as msgspec writes it.
+//! - [`metrics`]: vLLM's Prometheus exposition.
+
+pub mod api;
+pub mod cache;
+pub mod engine;
+pub mod kv_events;
+pub mod metrics;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kinference_api::tokenize::{ModelTokenizer, TokenizeError};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use self::engine::{CoreConfig, Engine, Preset};
+use self::kv_events::{KvEventsConfig, KvEventsError, KvPublisher};
+use self::metrics::Metrics;
+
+/// Everything one simulated worker needs (the `vllm-sim` flags, typed).
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub listen: SocketAddr,
+    /// Served model name.
+    pub model: String,
+    pub tokenizer_dir: PathBuf,
+    pub preset: Preset,
+    /// Wall seconds per model second (0.1 runs 10x faster than real time).
+    pub time_scale: f64,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_model_len: usize,
+    pub seed: u64,
+    pub prompt_tokens_details: bool,
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// Why the simulator could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] TokenizeError),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("kv events: {0}")]
+    KvEvents(#[from] KvEventsError),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+}
+
+/// A started simulator.
+#[derive(Debug)]
+pub struct Running {
+    /// The bound HTTP address.
+    pub addr: SocketAddr,
+    /// The bound ZeroMQ endpoints, if any.
+    pub zmq_bound: Vec<String>,
+    /// Resolves when the HTTP server has drained after shutdown.
+    pub server: tokio::task::JoinHandle<()>,
+}
+
+/// Loads the tokenizer, binds every socket, and starts the engine and the HTTP server; both stop when
+/// `shutdown` is cancelled.
+pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Running, SimError> {
+    if cfg.block_size == 0 || cfg.num_blocks < 2 || cfg.max_num_seqs == 0 {
+        return Err(SimError::Config(
+            "block size and max-num-seqs must be > 0 and num-blocks >= 2".into(),
+        ));
+    }
+    if !(cfg.time_scale.is_finite() && cfg.time_scale >= 0.0) {
+        return Err(SimError::Config("time scale must be >= 0".into()));
+    }
+    let tokenizer = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
+    let vocab = api::output_vocabulary(&tokenizer);
+    let metrics = Arc::new(Metrics::new(cfg.model.clone()));
+    let publisher = match cfg.kv_events.clone() {
+        Some(kc) => Some(KvPublisher::start(kc, shutdown.clone()).await?),
+        None => None,
+    };
+    let zmq_bound = publisher
+        .as_ref()
+        .map(|p| p.bound.clone())
+        .unwrap_or_default();
+    let latency = cfg.preset.latency();
+    let engine = Engine::new(
+        CoreConfig {
+            block_size: cfg.block_size,
+            num_blocks: cfg.num_blocks,
+            max_num_seqs: cfg.max_num_seqs,
+            latency,
+            output_vocab: vocab.iter().map(|(id, _)| *id).collect(),
+            seed: cfg.seed,
+        },
+        cfg.time_scale,
+        metrics.clone(),
+        publisher,
+    );
+    tokio::spawn(engine.clone().run(shutdown.clone()));
+
+    let listener = TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|source| SimError::Listen {
+            addr: cfg.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(|source| SimError::Listen {
+        addr: cfg.listen,
+        source,
+    })?;
+    let state = Arc::new(api::AppState {
+        engine,
+        tokenizer,
+        metrics,
+        model: cfg.model.clone(),
+        root: cfg.tokenizer_dir.display().to_string(),
+        max_model_len: cfg.max_model_len,
+        num_blocks: cfg.num_blocks,
+        prompt_tokens_details: cfg.prompt_tokens_details,
+        token_text: vocab.into_iter().collect(),
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or_default(),
+        info: json!({
+            "preset": format!("{:?}", cfg.preset),
+            "time_scale": cfg.time_scale,
+            "latency": latency,
+            "max_num_seqs": cfg.max_num_seqs,
+            "num_blocks": cfg.num_blocks,
+            "kv_events": cfg.kv_events.as_ref().map(|k| json!({
+                "endpoint": k.endpoint, "replay_endpoint": k.replay_endpoint, "topic": k.topic,
+                "format": format!("{:?}", k.format), "replay_format": format!("{:?}", k.replay_format),
+            })),
+        }),
+    });
+    let server = tokio::spawn(api::serve(listener, state, shutdown));
+    Ok(Running {
+        addr,
+        zmq_bound,
+        server,
+    })
+}
