@@ -135,7 +135,7 @@ async fn run(
 ) -> Result<Response<Body>, GatewayError> {
     let body = read_body(req, gw.settings.body_limit_bytes).await?;
     let request = parse(ctx.endpoint, &body)?;
-    let worker_request = validate_and_translate(request)?;
+    let worker_request = validate_and_translate(request, body)?;
     ctx.model = worker_request.model().to_string();
     let (decision, response) = route_and_forward(gw, ctx, &worker_request).await?;
     ctx.worker = decision.worker.clone();
@@ -177,34 +177,81 @@ fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ClientRequest, GatewayError>
 }
 
 /// Stage 3: field checks, then the worker's OpenAI request (Anthropic is translated here). Streams always
-/// ask the worker for the final usage chunk so every request can be accounted.
-fn validate_and_translate(request: ClientRequest) -> Result<WorkerRequest, GatewayError> {
-    let (openai, client_wants_usage) = match request {
+/// ask the worker for the final usage chunk so every request can be accounted. OpenAI bodies that need
+/// no change are forwarded byte for byte (no re-serialization on the hot path).
+fn validate_and_translate(
+    request: ClientRequest,
+    original: Bytes,
+) -> Result<WorkerRequest, GatewayError> {
+    match request {
         ClientRequest::Chat(mut r) => {
             r.validate()?;
-            let wants =
-                r.stream == Some(true) && openai::force_include_usage(&mut r.stream_options);
-            (OpenAiRequest::Chat(r), wants)
+            let stream = r.stream == Some(true);
+            let (body, client_wants_usage) =
+                match passthrough_body(&mut r.stream_options, stream, original) {
+                    (Some(body), wants) => (body, wants),
+                    (None, wants) => (serialize(&r)?, wants),
+                };
+            Ok(WorkerRequest {
+                openai: OpenAiRequest::Chat(r),
+                body,
+                stream,
+                client_wants_usage,
+            })
         }
         ClientRequest::Completion(mut r) => {
             r.validate()?;
-            let wants =
-                r.stream == Some(true) && openai::force_include_usage(&mut r.stream_options);
-            (OpenAiRequest::Completion(r), wants)
+            let stream = r.stream == Some(true);
+            let (body, client_wants_usage) =
+                match passthrough_body(&mut r.stream_options, stream, original) {
+                    (Some(body), wants) => (body, wants),
+                    (None, wants) => (serialize(&r)?, wants),
+                };
+            Ok(WorkerRequest {
+                openai: OpenAiRequest::Completion(r),
+                body,
+                stream,
+                client_wants_usage,
+            })
         }
-        ClientRequest::Messages(r) => (OpenAiRequest::Chat(r.to_chat_request()?), false),
-    };
-    let (body, stream) = match &openai {
-        OpenAiRequest::Chat(r) => (serde_json::to_vec(r), r.stream == Some(true)),
-        OpenAiRequest::Completion(r) => (serde_json::to_vec(r), r.stream == Some(true)),
-    };
-    let body = body.map_err(|e| GatewayError::MalformedJson(e.to_string()))?;
-    Ok(WorkerRequest {
-        openai,
-        body: Bytes::from(body),
-        stream,
-        client_wants_usage,
-    })
+        ClientRequest::Messages(r) => {
+            let chat = r.to_chat_request()?;
+            Ok(WorkerRequest {
+                stream: chat.stream == Some(true),
+                body: serialize(&chat)?,
+                openai: OpenAiRequest::Chat(chat),
+                client_wants_usage: false,
+            })
+        }
+    }
+}
+
+/// The body for the worker of an OpenAI request when the client's bytes can be used (`None`: the
+/// request must be re-serialized), and whether the client asked for the usage chunk. Streams without
+/// `stream_options` get `"stream_options":{"include_usage":true}` spliced in front of the client's fields.
+fn passthrough_body(
+    options: &mut Option<openai::StreamOptions>,
+    stream: bool,
+    original: Bytes,
+) -> (Option<Bytes>, bool) {
+    if !stream {
+        return (Some(original), false);
+    }
+    let had_options = options.is_some();
+    let client_wants_usage = openai::force_include_usage(options);
+    if client_wants_usage {
+        return (Some(original), true);
+    }
+    if had_options {
+        return (None, false);
+    }
+    (openai::splice_include_usage(&original), false)
+}
+
+fn serialize<T: serde::Serialize>(request: &T) -> Result<Bytes, GatewayError> {
+    serde_json::to_vec(request)
+        .map(Bytes::from)
+        .map_err(|e| GatewayError::MalformedJson(e.to_string()))
 }
 
 /// Stages 4 and 5: pick a worker and send the request. A worker that refuses the connection is marked

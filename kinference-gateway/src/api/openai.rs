@@ -238,6 +238,26 @@ pub fn force_include_usage(stream_options: &mut Option<StreamOptions>) -> bool {
     client_asked
 }
 
+/// `body` (a JSON object without `stream_options`) with `"stream_options":{"include_usage":true}` as
+/// its first member; `None` when the body does not start with `{`.
+pub fn splice_include_usage(body: &[u8]) -> Option<bytes::Bytes> {
+    const MEMBER: &[u8] = br#""stream_options":{"include_usage":true}"#;
+    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    if body[open] != b'{' {
+        return None;
+    }
+    let rest = &body[open + 1..];
+    let empty = rest.iter().all(|b| b.is_ascii_whitespace() || *b == b'}');
+    let mut out = Vec::with_capacity(body.len() + MEMBER.len() + 2);
+    out.push(b'{');
+    out.extend_from_slice(MEMBER);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(rest);
+    Some(out.into())
+}
+
 impl ChatCompletionRequest {
     /// Checks the fields the gateway relies on.
     pub fn validate(&self) -> Result<(), GatewayError> {

@@ -99,3 +99,17 @@ fn models_list_shape() {
     assert_eq!(v["data"][0]["id"], "a");
     assert_eq!(v["data"][0]["object"], "model");
 }
+
+#[test]
+fn splicing_include_usage_keeps_the_body_valid() {
+    let body = br#"  {"model":"m","stream":true,"messages":[]}"#;
+    let spliced = splice_include_usage(body).expect("object");
+    let v: Value = serde_json::from_slice(&spliced).expect("valid json");
+    assert_eq!(v["stream_options"], json!({"include_usage": true}));
+    assert_eq!(v["model"], "m");
+    assert_eq!(v["stream"], true);
+    let v: Value =
+        serde_json::from_slice(&splice_include_usage(b"{}").expect("object")).expect("json");
+    assert_eq!(v, json!({"stream_options": {"include_usage": true}}));
+    assert!(splice_include_usage(b"[1]").is_none());
+}
