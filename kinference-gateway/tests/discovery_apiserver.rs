@@ -1,0 +1,327 @@
+//! In-cluster discovery against a real kube-apiserver (`deploy/tests/kube-apiserver/`), run only with
+//! `KINFERENCE_TEST_APISERVER=1` (it starts etcd and kube-apiserver, about 5 s; `build.sh` must have
+//! built them once). The test plays the kubelet: it creates Node and Pod objects, patches pod status
+//! (Running, Ready, pod IP), relabels and deletes pods, and publishes agent EndpointSlices; the router's
+//! worker set and the discovered agents must follow within seconds.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kinference_gateway::discovery::{Discovery, KubernetesConfig, WorkerSink};
+use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::DynamicObject;
+use kube::{Api, Client};
+use serde_json::json;
+
+const NS: &str = "inference";
+const MODEL: &str = "qwen2-sim";
+
+/// etcd + kube-apiserver started by `start.sh`, stopped on drop.
+struct ApiServer {
+    dir: PathBuf,
+    kubeconfig: PathBuf,
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        let _ = Command::new(scripts().join("stop.sh"))
+            .arg(&self.dir)
+            .status();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn scripts() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tests/kube-apiserver")
+}
+
+fn free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
+/// `start.sh` uses PORT, PORT-4064 and PORT-4063.
+fn free_port_triple() -> u16 {
+    loop {
+        let p = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("port");
+        if p > 20000 && free(p - 4064) && free(p - 4063) {
+            return p;
+        }
+    }
+}
+
+fn start_apiserver(tag: &str) -> Option<ApiServer> {
+    if std::env::var("KINFERENCE_TEST_APISERVER").as_deref() != Ok("1") {
+        eprintln!(
+            "SKIPPED: set KINFERENCE_TEST_APISERVER=1 to run discovery against a real kube-apiserver \
+             (deploy/tests/kube-apiserver/build.sh builds it once)"
+        );
+        return None;
+    }
+    let dir = std::env::temp_dir().join(format!("kinference-{tag}-{}", std::process::id()));
+    let out = Command::new(scripts().join("start.sh"))
+        .arg(&dir)
+        .arg(free_port_triple().to_string())
+        .output()
+        .expect("run start.sh");
+    let server = ApiServer {
+        kubeconfig: dir.join("kubeconfig"),
+        dir,
+    };
+    assert!(
+        out.status.success(),
+        "start.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(server)
+}
+
+async fn client(server: &ApiServer) -> Client {
+    let kc = Kubeconfig::read_from(&server.kubeconfig).expect("kubeconfig");
+    let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+        .await
+        .expect("client config");
+    Client::try_from(config).expect("client")
+}
+
+async fn create_node(client: &Client, name: &str) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node: Node = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name,
+            "labels": {"nvidia.com/gpu.present": "true"}}
+    }))
+    .expect("node");
+    nodes
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("create node");
+}
+
+fn worker_pod(name: &str, node: &str, port: u16) -> Pod {
+    serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": NS,
+            "labels": {"kinference.ai/worker": "true", "kinference.ai/model": MODEL},
+            "annotations": {"kinference.ai/http-port": port.to_string()}
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0"}]}
+    }))
+    .expect("pod")
+}
+
+/// What a kubelet reports once the container runs and its readiness probe passes (or fails).
+async fn set_status(pods: &Api<Pod>, name: &str, ip: &str, ready: bool) {
+    let status = json!({"status": {
+        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "192.168.0.1",
+        "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]
+    }});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("patch status");
+}
+
+/// The router's ready workers.
+fn ready(router: &Router) -> BTreeMap<String, String> {
+    router
+        .workers()
+        .into_iter()
+        .filter(|w| w.healthy)
+        .map(|w| (w.url, w.model))
+        .collect()
+}
+
+async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !check() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "not within 10 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "{what}: seen {:?} after the API call returned",
+        start.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_follows_worker_pods_and_agent_slices() {
+    let Some(server) = start_apiserver("gw-discovery") else {
+        return;
+    };
+    let client = client(&server).await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": NS}}))
+            .expect("namespace"),
+        )
+        .await
+        .expect("create namespace");
+    create_node(&client, "gpu-a").await;
+    create_node(&client, "gpu-b").await;
+
+    let router = Arc::new(
+        Router::new(RoutingConfig {
+            models: vec![ModelConfig {
+                name: MODEL.into(),
+                tokenizer_dir: None,
+            }],
+            ..Default::default()
+        })
+        .expect("router"),
+    );
+    let config: KubernetesConfig = serde_json::from_value(json!({
+        "namespaces": [NS],
+        "worker_selector": {"kinference.ai/worker": "true"},
+        "agent_service": "kinference-agent",
+        "agent_namespace": NS,
+        "agent_grpc_port": 7070
+    }))
+    .expect("config");
+    let discovery = Discovery::start(
+        client.clone(),
+        &config,
+        Arc::clone(&router) as Arc<dyn WorkerSink>,
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+
+    // A pod is a worker only once it runs, is ready and has an IP.
+    pods.create(&PostParams::default(), &worker_pod("w1", "gpu-a", 8001))
+        .await
+        .expect("create w1");
+    pods.create(&PostParams::default(), &worker_pod("w2", "gpu-b", 8002))
+        .await
+        .expect("create w2");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(ready(&router).is_empty(), "pending pods are no workers");
+    set_status(&pods, "w1", "10.0.1.1", true).await;
+    set_status(&pods, "w2", "10.0.1.2", true).await;
+    let both = BTreeMap::from([
+        ("http://10.0.1.1:8001".to_string(), MODEL.to_string()),
+        ("http://10.0.1.2:8002".to_string(), MODEL.to_string()),
+    ]);
+    eventually("two ready pods -> two workers", || ready(&router) == both).await;
+    assert_eq!(*discovery.workers().borrow(), both);
+
+    // Relabelled out of the selector: gone; relabelled back: back.
+    let unlabel = json!({"metadata": {"labels": {"kinference.ai/worker": null}}});
+    pods.patch("w1", &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+        .expect("relabel");
+    eventually("relabelled pod leaves", || {
+        !ready(&router).contains_key("http://10.0.1.1:8001")
+    })
+    .await;
+    let relabel = json!({"metadata": {"labels": {"kinference.ai/worker": "true"}}});
+    pods.patch("w1", &PatchParams::default(), &Patch::Merge(&relabel))
+        .await
+        .expect("relabel back");
+    eventually("relabelled pod returns", || ready(&router) == both).await;
+
+    // Not ready (readiness probe failing): not a candidate.
+    set_status(&pods, "w2", "10.0.1.2", false).await;
+    eventually("unready pod leaves", || {
+        ready(&router).keys().collect::<Vec<_>>() == ["http://10.0.1.1:8001"]
+    })
+    .await;
+
+    // Deleted: gone; a new pod: added.
+    pods.delete("w1", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete w1");
+    pods.create(&PostParams::default(), &worker_pod("w3", "gpu-a", 8003))
+        .await
+        .expect("create w3");
+    set_status(&pods, "w3", "10.0.1.3", true).await;
+    eventually("deleted pod leaves, new pod joins", || {
+        ready(&router).keys().collect::<Vec<_>>() == ["http://10.0.1.3:8003"]
+    })
+    .await;
+    assert_eq!(
+        discovery
+            .workers()
+            .borrow()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>(),
+        ["http://10.0.1.3:8003"]
+    );
+
+    // Agents: the EndpointSlices of the agent Service (v1beta1 on this 1.20 server, v1 on 1.21+).
+    let group = kube::discovery::group(&client, "discovery.k8s.io")
+        .await
+        .expect("discovery group");
+    let (ar, _) = group
+        .recommended_kind("EndpointSlice")
+        .expect("EndpointSlice kind");
+    let slices: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &ar);
+    let slice = |addresses: &[(&str, bool)]| {
+        let endpoints: Vec<_> = addresses
+            .iter()
+            .map(|(a, r)| json!({"addresses": [a], "conditions": {"ready": r}}))
+            .collect();
+        let value = json!({
+            "apiVersion": ar.api_version, "kind": "EndpointSlice",
+            "metadata": {"name": "kinference-agent-abc", "namespace": NS,
+                         "labels": {"kubernetes.io/service-name": "kinference-agent"}},
+            "addressType": "IPv4",
+            "endpoints": endpoints,
+            "ports": [{"name": "grpc", "port": 7070, "protocol": "TCP"},
+                      {"name": "metrics", "port": 9091, "protocol": "TCP"}]
+        });
+        serde_json::from_value::<DynamicObject>(value).expect("slice")
+    };
+    let agents = discovery.agents();
+    assert!(
+        discovery
+            .initial_agents(Duration::from_secs(10))
+            .await
+            .is_empty(),
+        "no agents before the slice exists"
+    );
+    slices
+        .create(
+            &PostParams::default(),
+            &slice(&[("10.0.2.1", true), ("10.0.2.2", false)]),
+        )
+        .await
+        .expect("create slice");
+    eventually("agent slice -> agents", || {
+        agents.borrow().urls.iter().cloned().collect::<Vec<_>>() == ["http://10.0.2.1:7070"]
+    })
+    .await;
+    slices
+        .patch(
+            "kinference-agent-abc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"endpoints": [
+                {"addresses": ["10.0.2.1"], "conditions": {"ready": true}},
+                {"addresses": ["10.0.2.2"], "conditions": {"ready": true}}]})),
+        )
+        .await
+        .expect("patch slice");
+    eventually("second agent ready", || agents.borrow().urls.len() == 2).await;
+    slices
+        .delete("kinference-agent-abc", &DeleteParams::default())
+        .await
+        .expect("delete slice");
+    eventually("agents gone with the slice", || {
+        agents.borrow().urls.is_empty()
+    })
+    .await;
+    drop(discovery);
+    drop(server);
+}
