@@ -380,6 +380,93 @@ impl KvIndex {
         }
     }
 
+    /// Like [`KvIndex::leading_runs`], by bisection: O(distinct run ends x log n) probes instead of
+    /// one per key of the longest run (a 2,000-block prompt cached on some worker costs ~30 probes,
+    /// not 2,000 cache misses).
+    ///
+    /// Exact when every worker's block set is prefix-closed (holding a block implies holding its
+    /// parent), which is how vLLM evicts: a finished request's blocks are freed tail first, so a
+    /// chain is evicted from its end. A hole (a lost removal event) can make a run look longer than
+    /// it is; a worker's run never extends past a probed key it lacks.
+    pub fn leading_runs_bisect(
+        &self,
+        keys: &[BlockKey],
+        candidates: &[WorkerId],
+        out: &mut Vec<usize>,
+    ) {
+        out.clear();
+        out.resize(candidates.len(), 0);
+        if keys.is_empty() || candidates.is_empty() {
+            return;
+        }
+        let mut cand = WorkerBits::new();
+        let mut slot_of = vec![
+            u32::MAX;
+            candidates
+                .iter()
+                .map(|w| usize::from(*w) + 1)
+                .max()
+                .unwrap_or(0)
+        ];
+        for (c, w) in candidates.iter().enumerate() {
+            set_bit(&mut cand, *w);
+            slot_of[usize::from(*w)] = c as u32;
+        }
+        let h0 = self.holders_within(keys[0], &cand);
+        if h0.iter().all(|b| *b == 0) {
+            return;
+        }
+        let empty = vec![0u64; cand.len()];
+        let mut stack = vec![(0usize, keys.len(), h0, empty)];
+        while let Some((lo, hi, hlo, hhi)) = stack.pop() {
+            // Workers in hlo but not in hhi end their run somewhere in (lo, hi].
+            if hlo == hhi {
+                continue;
+            }
+            if hi == lo + 1 {
+                for (wi, (a, b)) in hlo.iter().zip(hhi.iter()).enumerate() {
+                    let mut ended = a & !b;
+                    while ended != 0 {
+                        let w = wi * 64 + ended.trailing_zeros() as usize;
+                        out[slot_of[w] as usize] = hi;
+                        ended &= ended - 1;
+                    }
+                }
+                continue;
+            }
+            let mid = lo + (hi - lo) / 2;
+            // Enforce the prefix: a worker is in the run at mid only if it was at lo.
+            let mut hmid = self.holders_within(keys[mid], &hlo);
+            for (m, b) in hmid.iter_mut().zip(hhi.iter()) {
+                *m |= b;
+            }
+            stack.push((lo, mid, hlo, hmid.clone()));
+            stack.push((mid, hi, hmid, hhi));
+        }
+    }
+
+    /// The holders of `key` that are also in `within`.
+    fn holders_within(&self, key: BlockKey, within: &[u64]) -> WorkerBits {
+        let mut bits = vec![0u64; within.len()];
+        if let Some(h) = self.map.get(&key) {
+            match h.spill_index() {
+                Some(s) => {
+                    for ((dst, src), w) in bits.iter_mut().zip(self.spill[s].iter()).zip(within) {
+                        *dst = src & w;
+                    }
+                }
+                None => {
+                    for w in h.0 {
+                        if w != EMPTY && has_bit(within, w) {
+                            bits[usize::from(w) / 64] |= 1 << (w % 64);
+                        }
+                    }
+                }
+            }
+        }
+        bits
+    }
+
     fn evict(&mut self) {
         let target = self.max_pairs - self.max_pairs / 20;
         while self.pairs > target && !self.map.is_empty() {

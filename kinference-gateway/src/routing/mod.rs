@@ -183,6 +183,9 @@ pub struct RoutingTuning {
     pub speculative_max_keys: usize,
     /// Characters of the prompt the `prefix-hash` baseline hashes.
     pub prefix_hash_chars: usize,
+    /// Start a Watch stream per configured agent. Off: the caller feeds summaries through
+    /// [`Router::apply_agent_summary`].
+    pub connect_agents: bool,
     /// Estimate and choice.
     pub estimator: EstimatorConfig,
 }
@@ -198,6 +201,7 @@ impl Default for RoutingTuning {
             index_max_pairs: 32 * 1024 * 1024,
             speculative_max_keys: 4 * 1024 * 1024,
             prefix_hash_chars: 256,
+            connect_agents: true,
             estimator: EstimatorConfig::default(),
         }
     }
@@ -400,7 +404,7 @@ impl Router {
             tuning,
         });
         let mut tasks = Vec::new();
-        if !shared.agents.is_empty() {
+        if !shared.agents.is_empty() && shared.tuning.connect_agents {
             let handle =
                 tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
             for a in 0..shared.agents.len() {
@@ -418,18 +422,7 @@ impl Router {
     /// Picks a worker for `req` and records it in the in-flight ledger.
     pub async fn pick(&self, req: RouteRequest<'_>) -> Result<Decision, RouteError> {
         let shared = &self.shared;
-        let candidates = {
-            let table = shared.workers.read();
-            let c = table.candidates(req.model);
-            if c.is_empty() {
-                return Err(if table.knows_model(req.model) {
-                    RouteError::NoHealthyWorker(req.model.to_string())
-                } else {
-                    RouteError::UnknownModel(req.model.to_string())
-                });
-            }
-            c
-        };
+        let candidates = self.candidates(req.model)?;
         if shared.mode != RoutingMode::Kinference {
             let (i, reason) = baseline::pick(
                 shared.mode,
@@ -486,6 +479,49 @@ impl Router {
                 Ok(self.record_simple(&candidates, i, "degraded_no_tokens", req.debug))
             }
         }
+    }
+
+    /// The decision stage alone, for a prompt already tokenized (the benchmark measures this; an
+    /// embedding that tokenizes elsewhere can call it). Always the Kinference estimate.
+    pub fn pick_tokens(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        debug: bool,
+    ) -> Result<Decision, RouteError> {
+        let candidates = self.candidates(model)?;
+        Ok(self.decide(model, &candidates, tokens, debug))
+    }
+
+    /// Applies one summary as if agent number `agent` (its index in the configured `agents`) had
+    /// streamed it, and marks that agent connected. For routers built with
+    /// `RoutingTuning::connect_agents = false` (tests, benchmarks, an agent embedded in-process).
+    pub fn apply_agent_summary(&self, agent: usize, summary: kinference_api::summary::Summary) {
+        if agent >= self.shared.agents.len() {
+            return;
+        }
+        {
+            let mut st = self.shared.agents[agent].lock();
+            if !st.connected {
+                st.connected = true;
+                st.since = Instant::now();
+            }
+        }
+        agents::apply(&self.shared, agent, summary);
+    }
+
+    /// Healthy candidates for `model`, or why there are none.
+    fn candidates(&self, model: &str) -> Result<Vec<Arc<Worker>>, RouteError> {
+        let table = self.shared.workers.read();
+        let c = table.candidates(model);
+        if c.is_empty() {
+            return Err(if table.knows_model(model) {
+                RouteError::NoHealthyWorker(model.to_string())
+            } else {
+                RouteError::UnknownModel(model.to_string())
+            });
+        }
+        Ok(c)
     }
 
     /// Records a decision made without an estimate (baselines, no tokens).
@@ -593,7 +629,7 @@ impl Router {
                     .filter(|i| cands[**i].live)
                     .map(|i| cands[*i].worker.id)
                     .collect();
-                index.leading_runs(&keys, &ids, |_, _| {}, &mut runs);
+                index.leading_runs_bisect(&keys, &ids, &mut runs);
                 for (id, run) in ids.iter().zip(runs.iter()) {
                     if let Some(c) = cands.iter_mut().find(|c| c.worker.id == *id) {
                         c.run = *run;

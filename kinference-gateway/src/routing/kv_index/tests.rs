@@ -144,3 +144,52 @@ fn memory_per_pair_is_compact() {
     let per_pair = idx.memory_bytes() as f64 / idx.pairs() as f64;
     assert!(per_pair < 32.0, "{per_pair} bytes per (block, worker)");
 }
+
+#[test]
+fn bisection_matches_the_scan_on_a_known_layout() {
+    let mut idx = KvIndex::new(100_000);
+    let keys: Vec<BlockKey> = (1000..3000).collect();
+    for k in &keys[..1500] {
+        idx.insert(*k, 7);
+    }
+    for w in 10..20 {
+        for k in &keys[..500] {
+            idx.insert(*k, w);
+        }
+    }
+    for k in &keys[..1] {
+        idx.insert(*k, 99);
+    }
+    let cands: Vec<WorkerId> = (0..100).collect();
+    let mut bis = Vec::new();
+    idx.leading_runs_bisect(&keys, &cands, &mut bis);
+    assert_eq!(bis, runs(&idx, &keys, &cands));
+    assert_eq!(bis[7], 1500);
+    assert_eq!(bis[15], 500);
+    assert_eq!(bis[99], 1);
+    assert_eq!(bis[0], 0);
+}
+
+proptest::proptest! {
+    #[test]
+    fn bisection_equals_the_scan_on_prefix_closed_sets(
+        n in 0usize..300,
+        runs_by_worker in proptest::collection::vec(0usize..320, 1..70),
+        noise in proptest::collection::vec(0u64..1_000_000, 0..200),
+    ) {
+        let keys: Vec<BlockKey> = (0..n as u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1).collect();
+        let mut idx = KvIndex::new(1_000_000);
+        for (w, run) in runs_by_worker.iter().enumerate() {
+            for k in &keys[..(*run).min(n)] {
+                idx.insert(*k, w as WorkerId);
+            }
+        }
+        for (i, k) in noise.iter().enumerate() {
+            idx.insert(k << 20, (i % 70) as WorkerId);
+        }
+        let cands: Vec<WorkerId> = (0..runs_by_worker.len() as WorkerId).rev().collect();
+        let mut bis = Vec::new();
+        idx.leading_runs_bisect(&keys, &cands, &mut bis);
+        proptest::prop_assert_eq!(&bis, &runs(&idx, &keys, &cands));
+    }
+}
