@@ -614,36 +614,42 @@ impl Router {
         let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
         sizes.sort_unstable();
         sizes.dedup();
-        let mut keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = Vec::with_capacity(sizes.len());
+        // Hash before taking any lock: it is the most expensive part of a decision.
+        let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
+            .into_iter()
+            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
+            .collect();
+        let mut slot_of = vec![
+            usize::MAX;
+            cands
+                .iter()
+                .map(|c| usize::from(c.worker.id) + 1)
+                .max()
+                .unwrap_or(0)
+        ];
+        for (i, c) in cands.iter().enumerate() {
+            slot_of[usize::from(c.worker.id)] = i;
+        }
         {
             let index = shared.index.read();
             let spec = shared.spec.lock();
             let mut runs = Vec::new();
-            for bs in sizes {
-                let keys: Arc<[BlockKey]> = hasher.keys(None, tokens, bs).into();
+            for (bs, keys) in &keys_by_size {
                 let group: Vec<usize> = (0..cands.len())
-                    .filter(|i| cands[*i].block_size == bs)
+                    .filter(|i| cands[*i].block_size == *bs && cands[*i].live)
                     .collect();
-                let ids: Vec<WorkerId> = group
-                    .iter()
-                    .filter(|i| cands[**i].live)
-                    .map(|i| cands[*i].worker.id)
-                    .collect();
-                index.leading_runs_bisect(&keys, &ids, &mut runs);
-                for (id, run) in ids.iter().zip(runs.iter()) {
-                    if let Some(c) = cands.iter_mut().find(|c| c.worker.id == *id) {
-                        c.run = *run;
-                    }
+                let ids: Vec<WorkerId> = group.iter().map(|i| cands[*i].worker.id).collect();
+                index.leading_runs_bisect(keys, &ids, &mut runs);
+                for (i, run) in group.iter().zip(runs.iter()) {
+                    cands[*i].run = *run;
                 }
-                spec.runs(&keys, now, |w, run| {
-                    if let Some(c) = cands
-                        .iter_mut()
-                        .find(|c| c.worker.id == w && c.block_size == bs)
+                spec.runs(keys, now, |w, run| {
+                    if let Some(c) = slot_of.get(usize::from(w)).and_then(|i| cands.get_mut(*i))
+                        && c.block_size == *bs
                     {
                         c.run = c.run.max(run);
                     }
                 });
-                keys_by_size.push((bs, keys));
             }
         }
 
