@@ -77,6 +77,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
         std::time::Duration::from_millis(args.workers_poll_ms.max(50)),
         shutdown.clone(),
     );
+    let changes = discovery::kube::with_kube_source(changes, &node, shutdown.clone()).await;
     tokio::spawn(supervise(
         changes,
         registry.clone(),

@@ -12,6 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{WorkerSpec, WorkersFile};
 
+pub mod kube;
+
 /// A change to the set of local workers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WorkerChange {

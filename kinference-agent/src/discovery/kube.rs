@@ -1,0 +1,277 @@
+//! The Kubernetes worker source: the vLLM pods on this agent's node, followed with
+//! `kube::runtime::watcher` (field selector `spec.nodeName=<node>`, the chart's worker label selector),
+//! emitting the same [`WorkerChange`]s as the workers file.
+//!
+//! A pod is a worker while it is Running and Ready with a pod IP and a model (label or annotation
+//! `kinference.ai/model`). Its spec follows the chart's conventions (deploy/examples/vllm-worker.yaml):
+//! URL `http://<pod ip>:<kinference.ai/http-port, default 8000>`, KV events on the agent's own listen
+//! endpoint (vLLM connects to it) with topic `kv@<pod name>@<model>`, replay at
+//! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated.
+//!
+//! Configured by the DaemonSet's environment: `KINFERENCE_AGENT_WORKER_SELECTOR` (on when set),
+//! `KINFERENCE_AGENT_NAMESPACES` (comma-separated; empty = all), `KINFERENCE_AGENT_KV_EVENTS_LISTEN`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use ::kube::runtime::WatchStreamExt;
+use ::kube::runtime::watcher::{self, Event};
+use ::kube::{Api, Client};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{WorkerChange, diff};
+use crate::config::WorkerSpec;
+
+/// Annotation with the worker's HTTP port.
+pub const HTTP_PORT_ANNOTATION: &str = "kinference.ai/http-port";
+/// Annotation with the worker's KV replay port.
+pub const REPLAY_PORT_ANNOTATION: &str = "kinference.ai/kv-replay-port";
+/// Label (or annotation) with the served model.
+pub const MODEL_KEY: &str = "kinference.ai/model";
+/// vLLM's default HTTP port.
+pub const DEFAULT_HTTP_PORT: u16 = 8000;
+
+/// Where and what the Kubernetes source watches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KubeSource {
+    /// This node's name (`spec.nodeName` of the pods to follow).
+    pub node: String,
+    /// Namespaces to watch; empty means all.
+    pub namespaces: Vec<String>,
+    /// Label selector of worker pods, e.g. `kinference.ai/worker=true`.
+    pub selector: String,
+    /// The agent's KV-event listen endpoint the workers connect to, e.g. `tcp://0.0.0.0:5557`.
+    pub kv_events_endpoint: Option<String>,
+}
+
+impl KubeSource {
+    /// The source the DaemonSet's environment describes, or `None` when no selector is set.
+    pub fn from_env(node: &str) -> Option<Self> {
+        let selector = std::env::var("KINFERENCE_AGENT_WORKER_SELECTOR").ok()?;
+        let namespaces = std::env::var("KINFERENCE_AGENT_NAMESPACES")
+            .unwrap_or_default()
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+        Some(Self {
+            node: node.to_string(),
+            namespaces,
+            selector,
+            kv_events_endpoint: std::env::var("KINFERENCE_AGENT_KV_EVENTS_LISTEN")
+                .ok()
+                .filter(|s| !s.is_empty()),
+        })
+    }
+
+    /// The worker a pod is, if it should be followed now.
+    pub fn spec_of(&self, pod: &Pod) -> Option<WorkerSpec> {
+        let meta = &pod.metadata;
+        if meta.deletion_timestamp.is_some() {
+            return None;
+        }
+        let spec_node = pod.spec.as_ref()?.node_name.as_deref();
+        if spec_node != Some(self.node.as_str()) {
+            return None;
+        }
+        let status = pod.status.as_ref()?;
+        if status.phase.as_deref() != Some("Running") {
+            return None;
+        }
+        let ready = status
+            .conditions
+            .as_ref()?
+            .iter()
+            .any(|c| c.type_ == "Ready" && c.status == "True");
+        if !ready {
+            return None;
+        }
+        let ip = status.pod_ip.as_deref().filter(|ip| !ip.is_empty())?;
+        let host = if ip.contains(':') {
+            format!("[{ip}]")
+        } else {
+            ip.to_string()
+        };
+        let model = lookup(meta.labels.as_ref(), MODEL_KEY)
+            .or_else(|| lookup(meta.annotations.as_ref(), MODEL_KEY))?;
+        let port = match lookup(meta.annotations.as_ref(), HTTP_PORT_ANNOTATION) {
+            Some(p) => p.trim().parse::<u16>().ok()?,
+            None => DEFAULT_HTTP_PORT,
+        };
+        let replay = lookup(meta.annotations.as_ref(), REPLAY_PORT_ANNOTATION)
+            .and_then(|p| p.trim().parse::<u16>().ok())
+            .map(|p| format!("tcp://{host}:{p}"));
+        let name = meta.name.as_deref()?;
+        Some(WorkerSpec {
+            url: format!("http://{host}:{port}"),
+            model: model.to_string(),
+            kv_events_endpoint: self.kv_events_endpoint.clone(),
+            kv_events_bind: true,
+            kv_replay_endpoint: replay,
+            kv_topic: Some(format!("kv@{name}@{model}")),
+        })
+    }
+}
+
+fn lookup<'a>(map: Option<&'a BTreeMap<String, String>>, key: &str) -> Option<&'a str> {
+    map?.get(key).map(String::as_str).filter(|v| !v.is_empty())
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or(""),
+        pod.metadata.name.as_deref().unwrap_or("")
+    )
+}
+
+/// Follows this node's worker pods until `cancel`; emits the current workers, then every change.
+pub fn watch_pods(
+    client: Client,
+    source: KubeSource,
+    cancel: CancellationToken,
+) -> mpsc::Receiver<WorkerChange> {
+    let (tx, rx) = mpsc::channel(64);
+    let scopes: Vec<Option<String>> = if source.namespaces.is_empty() {
+        vec![None]
+    } else {
+        source.namespaces.iter().cloned().map(Some).collect()
+    };
+    // One watch per namespace, all feeding one table so the emitted diff covers the whole node.
+    let (events_tx, mut events) = mpsc::channel::<(usize, Event<Pod>)>(64);
+    for (i, ns) in scopes.into_iter().enumerate() {
+        let api: Api<Pod> = match &ns {
+            Some(ns) => Api::namespaced(client.clone(), ns),
+            None => Api::all(client.clone()),
+        };
+        let config = watcher::Config::default()
+            .labels(&source.selector)
+            .fields(&format!("spec.nodeName={}", source.node));
+        let events_tx = events_tx.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let mut stream = watcher::watcher(api, config).default_backoff().boxed();
+            loop {
+                let event = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    e = stream.next() => e,
+                };
+                match event {
+                    Some(Ok(e)) => {
+                        if events_tx.send((i, e)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Some(Err(error)) => {
+                        tracing::warn!(namespace = ?ns, %error, "watching worker pods failed; retrying")
+                    }
+                    None => return,
+                }
+            }
+        });
+    }
+    drop(events_tx);
+    tokio::spawn(async move {
+        // (scope, pod key) -> spec of the pods that are workers now.
+        let mut pods: HashMap<(usize, String), WorkerSpec> = HashMap::new();
+        let mut listing: HashMap<usize, HashMap<String, Option<WorkerSpec>>> = HashMap::new();
+        let mut current: BTreeMap<String, WorkerSpec> = BTreeMap::new();
+        loop {
+            let (scope, event) = tokio::select! {
+                _ = cancel.cancelled() => return,
+                e = events.recv() => match e {
+                    Some(e) => e,
+                    None => return,
+                },
+            };
+            match event {
+                Event::Init => {
+                    listing.insert(scope, HashMap::new());
+                    continue;
+                }
+                Event::InitApply(pod) => {
+                    if let Some(l) = listing.get_mut(&scope) {
+                        l.insert(pod_key(&pod), source.spec_of(&pod));
+                    }
+                    continue;
+                }
+                Event::InitDone => {
+                    let listed = listing.remove(&scope).unwrap_or_default();
+                    pods.retain(|(s, _), _| *s != scope);
+                    for (key, spec) in listed {
+                        if let Some(spec) = spec {
+                            pods.insert((scope, key), spec);
+                        }
+                    }
+                }
+                Event::Apply(pod) => match source.spec_of(&pod) {
+                    Some(spec) => {
+                        pods.insert((scope, pod_key(&pod)), spec);
+                    }
+                    None => {
+                        pods.remove(&(scope, pod_key(&pod)));
+                    }
+                },
+                Event::Delete(pod) => {
+                    pods.remove(&(scope, pod_key(&pod)));
+                }
+            }
+            let next: BTreeMap<String, WorkerSpec> =
+                pods.values().map(|s| (s.url.clone(), s.clone())).collect();
+            for change in diff(&current, &next) {
+                tracing::info!(?change, node = %source.node, "worker pods changed");
+                if tx.send(change).await.is_err() {
+                    return;
+                }
+            }
+            current = next;
+        }
+    });
+    rx
+}
+
+/// Adds the Kubernetes source to `file_changes` when the environment configures one (in a cluster);
+/// otherwise returns `file_changes` unchanged. Without a usable client the file stays the only source.
+pub async fn with_kube_source(
+    file_changes: mpsc::Receiver<WorkerChange>,
+    node: &str,
+    cancel: CancellationToken,
+) -> mpsc::Receiver<WorkerChange> {
+    let Some(source) = KubeSource::from_env(node) else {
+        return file_changes;
+    };
+    let client = match Client::try_default().await {
+        Ok(c) => c,
+        Err(error) => {
+            tracing::error!(%error, "KINFERENCE_AGENT_WORKER_SELECTOR is set but there is no Kubernetes client; following the workers file only");
+            return file_changes;
+        }
+    };
+    tracing::info!(node, selector = %source.selector, namespaces = ?source.namespaces, "following worker pods on this node");
+    let pods = watch_pods(client, source, cancel);
+    merge(file_changes, pods)
+}
+
+/// Both sources into one stream.
+fn merge(
+    mut a: mpsc::Receiver<WorkerChange>,
+    mut b: mpsc::Receiver<WorkerChange>,
+) -> mpsc::Receiver<WorkerChange> {
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(async move {
+        let (mut a_open, mut b_open) = (true, true);
+        while a_open || b_open {
+            let change = tokio::select! {
+                c = a.recv(), if a_open => match c { Some(c) => c, None => { a_open = false; continue; } },
+                c = b.recv(), if b_open => match c { Some(c) => c, None => { b_open = false; continue; } },
+            };
+            if tx.send(change).await.is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
