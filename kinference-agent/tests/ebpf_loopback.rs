@@ -40,7 +40,11 @@ struct SleepServer {
 
 impl SleepServer {
     fn start() -> SleepServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        Self::start_on("127.0.0.1:0").expect("bind")
+    }
+
+    fn start_on(addr: &str) -> std::io::Result<SleepServer> {
+        let listener = TcpListener::bind(addr)?;
         let port = listener.local_addr().expect("addr").port();
         listener.set_nonblocking(true).expect("nonblocking");
         let stop = Arc::new(AtomicBool::new(false));
@@ -55,7 +59,7 @@ impl SleepServer {
                 }
             }
         });
-        SleepServer { port, stop }
+        Ok(SleepServer { port, stop })
     }
 }
 
@@ -128,9 +132,9 @@ fn request(stream: &mut TcpStream, ms: u64, close: bool) -> Duration {
     ttfb
 }
 
-fn view(monitor: &KernelMonitor, port: u16) -> KernelView {
+fn view(monitor: &KernelMonitor, worker: &str) -> KernelView {
     std::thread::sleep(POLL * 3);
-    monitor.view(port).unwrap_or_default()
+    monitor.view(worker).unwrap_or_default()
 }
 
 fn within_tolerance(kernel: Duration, client: Duration) -> bool {
@@ -138,11 +142,12 @@ fn within_tolerance(kernel: Duration, client: Duration) -> bool {
     diff <= Duration::from_millis(20) + client / 10
 }
 
-#[test]
-fn kernel_view_matches_the_clients() {
+/// The monitor with the programs loaded, or `None` (with the reason printed) where this machine cannot load
+/// them: not root, or the agent built without the object.
+fn loaded_monitor() -> Option<KernelMonitor> {
     if !is_root() {
         eprintln!("skipping the kernel part: not root (needs CAP_BPF and CAP_PERFMON)");
-        return;
+        return None;
     }
     let options = EbpfOptions {
         poll_interval: POLL,
@@ -153,7 +158,7 @@ fn kernel_view_matches_the_clients() {
         eprintln!(
             "skipping the kernel part: agent built without the eBPF object (run `cargo xtask build-ebpf`)"
         );
-        return;
+        return None;
     }
     let monitor = KernelMonitor::start(options);
     let status = monitor.status().clone();
@@ -177,13 +182,22 @@ fn kernel_view_matches_the_clients() {
             .any(|m| reason.contains(m) || all_reasons.contains(m))
         {
             eprintln!("skipping the kernel part: no capability to load eBPF here: {reason}");
-            return;
+            return None;
         }
         panic!(
             "eBPF did not load as root: {reason}; programs: {:?}",
             status.programs
         );
     }
+    Some(monitor)
+}
+
+#[test]
+fn kernel_view_matches_the_clients() {
+    let Some(monitor) = loaded_monitor() else {
+        return;
+    };
+    let status = monitor.status().clone();
     let attached = |tp: &str| {
         status
             .programs
@@ -193,9 +207,10 @@ fn kernel_view_matches_the_clients() {
     assert!(attached("inet_sock_set_state"), "{:?}", status.programs);
 
     let server = SleepServer::start();
-    monitor.watch(server.port, &format!("http://127.0.0.1:{}", server.port));
+    let worker = format!("http://127.0.0.1:{}", server.port);
+    assert!(monitor.watch(&worker));
     std::thread::sleep(POLL * 5);
-    let idle = view(&monitor, server.port);
+    let idle = view(&monitor, &worker);
     assert_eq!(idle.in_flight, 0, "{idle:?}");
 
     // Phase 1: 6 concurrent clients, one request per connection, delays 300..1800 ms (wide margins around the
@@ -214,15 +229,15 @@ fn kernel_view_matches_the_clients() {
         .collect();
     // All six are waiting at ~150 ms; three remain at ~1050 ms (300, 600, 900 answered).
     std::thread::sleep(Duration::from_millis(90).saturating_sub(started.elapsed()));
-    let early = view(&monitor, server.port);
+    let early = view(&monitor, &worker);
     std::thread::sleep(Duration::from_millis(1000).saturating_sub(started.elapsed()));
-    let middle = view(&monitor, server.port);
+    let middle = view(&monitor, &worker);
     let mut client_ttfb: Vec<Duration> = clients
         .into_iter()
         .map(|c| c.join().expect("client"))
         .collect();
     std::thread::sleep(IDLE_GAP + POLL * 3);
-    let after = view(&monitor, server.port);
+    let after = view(&monitor, &worker);
     eprintln!("early {early:?}\nmiddle {middle:?}\nafter {after:?}\nclients {client_ttfb:?}");
     assert_eq!(
         early.in_flight, 6,
@@ -270,7 +285,6 @@ fn kernel_view_matches_the_clients() {
     // Phase 2: one keep-alive connection, three sequential requests; in flight is 1 during each and 0 once the
     // response has been idle for longer than the idle gap.
     let stream = TcpStream::connect(("127.0.0.1", server.port)).expect("connect");
-    let port = server.port;
     let mut keepalive_client = Vec::new();
     for ms in [150u64, 300, 450] {
         let handle = {
@@ -278,12 +292,12 @@ fn kernel_view_matches_the_clients() {
             std::thread::spawn(move || request(&mut s, ms, false))
         };
         std::thread::sleep(Duration::from_millis(80));
-        let during = view(&monitor, port);
+        let during = view(&monitor, &worker);
         assert_eq!(during.in_flight, 1, "during a {ms} ms request: {during:?}");
         assert_eq!(during.waiting, 1, "{during:?}");
         keepalive_client.push(handle.join().expect("client"));
         std::thread::sleep(IDLE_GAP + POLL * 3);
-        let between = view(&monitor, port);
+        let between = view(&monitor, &worker);
         assert_eq!(
             between.in_flight, 0,
             "after the {ms} ms response: {between:?}"
@@ -293,7 +307,7 @@ fn kernel_view_matches_the_clients() {
             "the keep-alive connection stays open: {between:?}"
         );
     }
-    let end = view(&monitor, port);
+    let end = view(&monitor, &worker);
     let recent = &end.ttfb_recent[end.ttfb_recent.len() - 3..];
     for (k, c) in recent.iter().zip(&keepalive_client) {
         assert!(
@@ -304,7 +318,7 @@ fn kernel_view_matches_the_clients() {
     assert_eq!(end.requests_total, 9, "{end:?}");
     drop(stream);
     std::thread::sleep(Duration::from_millis(100));
-    let closed = view(&monitor, port);
+    let closed = view(&monitor, &worker);
     assert_eq!(closed.connections, 0, "{closed:?}");
 
     let mut registry = Registry::default();
@@ -321,6 +335,72 @@ fn kernel_view_matches_the_clients() {
     );
 }
 
+/// Two workers on the same port at different local addresses (two pods on one node) are measured apart:
+/// one watched by its own IP, the other through the any-address entry.
+#[test]
+fn workers_on_one_port_are_told_apart_by_address() {
+    // A non-loopback address of this machine (no packet is sent by a UDP connect).
+    let local_ip = std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|u| u.connect("10.255.255.255:9").map(|_| u))
+        .and_then(|u| u.local_addr())
+        .map(|a| a.ip())
+        .ok()
+        .filter(|ip| ip.is_ipv4() && !ip.is_loopback() && !ip.is_unspecified());
+    let Some(local_ip) = local_ip else {
+        eprintln!("skipping: no non-loopback IPv4 address here");
+        return;
+    };
+    let Some(monitor) = loaded_monitor() else {
+        return;
+    };
+    let Ok(pod) = SleepServer::start_on(&format!("{local_ip}:0")) else {
+        eprintln!("skipping: cannot bind {local_ip}");
+        return;
+    };
+    let Ok(other) = SleepServer::start_on(&format!("127.0.0.1:{}", pod.port)) else {
+        eprintln!("skipping: port {} taken on loopback", pod.port);
+        return;
+    };
+    let pod_url = format!("http://{local_ip}:{}", pod.port);
+    let other_url = format!("http://127.0.0.1:{}", other.port);
+    assert!(monitor.watch(&pod_url));
+    assert!(monitor.watch(&other_url));
+    std::thread::sleep(POLL * 5);
+
+    let started = Instant::now();
+    let targets = [
+        (local_ip.to_string(), 600u64),
+        (local_ip.to_string(), 600),
+        ("127.0.0.1".to_string(), 600),
+    ];
+    let clients: Vec<_> = targets
+        .into_iter()
+        .map(|(host, ms)| {
+            let port = pod.port;
+            std::thread::spawn(move || {
+                let mut stream = TcpStream::connect((host.as_str(), port)).expect("connect");
+                request(&mut stream, ms, true)
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(150).saturating_sub(started.elapsed()));
+    let pod_view = view(&monitor, &pod_url);
+    let other_view = monitor.view(&other_url).unwrap_or_default();
+    for c in clients {
+        c.join().expect("client");
+    }
+    std::thread::sleep(POLL * 3);
+    let pod_after = view(&monitor, &pod_url);
+    let other_after = monitor.view(&other_url).unwrap_or_default();
+    eprintln!("pod {pod_view:?}\nother {other_view:?}");
+    assert_eq!(pod_view.in_flight, 2, "{pod_view:?}");
+    assert_eq!(other_view.in_flight, 1, "{other_view:?}");
+    assert_eq!(pod_after.requests_total, 2, "{pod_after:?}");
+    assert_eq!(other_after.requests_total, 1, "{other_after:?}");
+    assert_eq!(pod_after.ttfb_recent.len(), 2, "{pod_after:?}");
+    assert_eq!(other_after.ttfb_recent.len(), 1, "{other_after:?}");
+}
+
 /// Where eBPF cannot load (no object here) and NVML is absent, both say why and the views are simply empty.
 #[test]
 fn without_ebpf_and_nvml_the_agent_says_why() {
@@ -331,9 +411,9 @@ fn without_ebpf_and_nvml_the_agent_says_why() {
     assert!(!monitor.active());
     let reason = monitor.status().reason.clone().unwrap_or_default();
     assert!(reason.contains("/nonexistent/kinference.bpf.o"), "{reason}");
-    monitor.watch(8001, "http://127.0.0.1:8001");
+    assert!(monitor.watch("http://127.0.0.1:8001"));
     std::thread::sleep(Duration::from_millis(50));
-    assert!(monitor.view(8001).is_none());
+    assert!(monitor.view("http://127.0.0.1:8001").is_none());
 
     let disabled = KernelMonitor::start(EbpfOptions {
         disabled: true,

@@ -4,7 +4,8 @@
 //! [`KernelMonitor::start`] loads the object, patches in the struct offsets of the running kernel (from its
 //! BTF), attaches each program on its own and reports per program what attached and why not. The agent keeps
 //! running with whatever subset works, and without eBPF at all. A poller thread then reads the maps every
-//! `poll_interval` into a [`KernelView`] per watched worker port, and feeds the node metrics.
+//! `poll_interval` into a [`KernelView`] per watched worker (local address and port), and feeds the node
+//! metrics.
 //!
 //! "In flight" here is: requests whose first byte arrived and whose response has not started (`waiting`),
 //! plus requests whose response is still being sent (a send within `idle_gap`). HTTP/1.1 keeps connections
@@ -267,6 +268,25 @@ pub fn port_of(url: &str) -> Option<u16> {
     port.parse().ok()
 }
 
+/// The endpoint the kernel program matches for a worker base URL: its port, and its IPv4 address when that
+/// tells pods apart (not loopback, unspecified, a hostname or IPv6: then any local address matches).
+pub fn watch_key(url: &str) -> Option<common::WatchKey> {
+    let port = port_of(url)?;
+    let authority = url.split_once("://")?.1.split(['/', '?', '#']).next()?;
+    let host_port = authority.rsplit('@').next()?;
+    let host = host_port.split(':').next().unwrap_or("");
+    let addr = match host.parse::<std::net::Ipv4Addr>() {
+        // skc_rcv_saddr holds the address in network order; the program reads it as a native u32.
+        Ok(ip) if !ip.is_loopback() && !ip.is_unspecified() => u32::from_ne_bytes(ip.octets()),
+        _ => 0,
+    };
+    Some(common::WatchKey {
+        addr,
+        port,
+        _pad: 0,
+    })
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ProgramLabels {
     program: String,
@@ -337,13 +357,13 @@ impl KernelMetrics {
 }
 
 enum Command {
-    Watch(u16, String),
-    Unwatch(u16),
+    Watch(common::WatchKey, String),
+    Unwatch(common::WatchKey),
 }
 
 struct Shared {
     status: std::sync::OnceLock<EbpfStatus>,
-    views: Mutex<HashMap<u16, (String, KernelView)>>,
+    views: Mutex<HashMap<common::WatchKey, (String, KernelView)>>,
     commands: Mutex<Vec<Command>>,
     metrics: KernelMetrics,
     stop: AtomicBool,
@@ -422,22 +442,49 @@ impl KernelMonitor {
         self.status().active
     }
 
-    /// Starts measuring `port` (a local worker's listening port), labelled `worker` in the metrics.
-    pub fn watch(&self, port: u16, worker: &str) {
+    /// Starts measuring the worker at `worker_url` (its base URL, also the metrics' `worker` label); false
+    /// when the URL names no port. Two workers on the same port are told apart only by a pod IP in the URL.
+    pub fn watch(&self, worker_url: &str) -> bool {
+        let Some(key) = watch_key(worker_url) else {
+            return false;
+        };
         self.shared
             .commands
             .lock()
-            .push(Command::Watch(port, worker.to_string()));
+            .push(Command::Watch(key, worker_url.to_string()));
+        true
     }
 
-    /// Stops measuring `port` and forgets its view.
-    pub fn unwatch(&self, port: u16) {
-        self.shared.commands.lock().push(Command::Unwatch(port));
+    /// Stops measuring the worker at `worker_url` and forgets its view.
+    pub fn unwatch(&self, worker_url: &str) {
+        if let Some(key) = watch_key(worker_url) {
+            self.shared.commands.lock().push(Command::Unwatch(key));
+        }
     }
 
-    /// The latest view of `port`; `None` when eBPF is not active or the port is not watched (yet).
-    pub fn view(&self, port: u16) -> Option<KernelView> {
-        self.shared.views.lock().get(&port).map(|(_, v)| v.clone())
+    /// The latest view of the worker at `worker_url`; `None` when eBPF is not active or the worker is not
+    /// watched (yet).
+    pub fn view(&self, worker_url: &str) -> Option<KernelView> {
+        let key = watch_key(worker_url)?;
+        self.shared.views.lock().get(&key).map(|(_, v)| v.clone())
+    }
+
+    /// Fills the kernel fields of a summary's `WorkerLoad` for the worker at `worker_url`: `kernel_ok`,
+    /// `kernel_in_flight`, `accept_backlog`, `accept_backlog_max`, `kernel_ttfb_p50_us` (all zero and
+    /// `kernel_ok = false` without a view).
+    pub fn fill_worker_load(
+        &self,
+        worker_url: &str,
+        load: &mut kinference_api::summary::WorkerLoad,
+    ) {
+        let view = self.view(worker_url);
+        load.kernel_ok = view.is_some();
+        let view = view.unwrap_or_default();
+        load.kernel_in_flight = view.in_flight;
+        // The peak since the previous read: a burst that filled the queue between reads still shows.
+        load.accept_backlog = view.accept_backlog.max(view.accept_backlog_peak);
+        load.accept_backlog_max = view.accept_backlog_max;
+        load.kernel_ttfb_p50_us = view.ttfb_p50_us();
     }
 
     /// Registers the node metrics fed by this monitor: `kinference_agent_ebpf_program_state{program,state}`,
@@ -540,9 +587,9 @@ struct Loaded {
     // Kept alive: dropping it detaches the programs.
     _ebpf: aya::Ebpf,
     logger: Option<aya_log::EbpfLogger<TracingLog>>,
-    ports: BpfHashMap<MapData, u16, common::PortStats>,
+    ports: BpfHashMap<MapData, common::WatchKey, common::PortStats>,
     conns: BpfHashMap<MapData, u64, common::Conn>,
-    backlog: BpfHashMap<MapData, u16, common::Backlog>,
+    backlog: BpfHashMap<MapData, common::WatchKey, common::Backlog>,
     events: RingBuf<MapData>,
 }
 
@@ -600,6 +647,7 @@ pub fn resolve_config(btf: &Btf) -> Result<common::Config, BtfError> {
         sock_state: sock("__sk_common.skc_state")?,
         sock_ack_backlog: sock("sk_ack_backlog")?,
         sock_max_ack_backlog: sock("sk_max_ack_backlog")?,
+        sock_rcv_saddr: sock("__sk_common.skc_rcv_saddr")?,
         ..common::Config::UNRESOLVED
     };
     // The accept hook walks task->files->fdt->fd[n]->private_data->sk and reads the syscall number from
@@ -854,8 +902,10 @@ pub fn decode_event(bytes: &[u8]) -> Option<common::Event> {
         value_ns: u64_at(8)?,
         read_delay_ns: u64_at(16)?,
         kind: u32_at(24)?,
-        port: u16_at(28)?,
+        addr: u32_at(28)?,
+        port: u16_at(32)?,
         _pad: 0,
+        _pad2: 0,
     })
 }
 
@@ -877,7 +927,7 @@ fn monotonic_ns() -> u64 {
 }
 
 fn run_poller(mut loaded: Loaded, options: &EbpfOptions, shared: &Shared) {
-    let mut tracks: HashMap<u16, PortTrack> = HashMap::new();
+    let mut tracks: HashMap<common::WatchKey, PortTrack> = HashMap::new();
     while !shared.stop.load(Ordering::Relaxed) {
         apply_commands(&mut loaded, &mut tracks, shared);
         poll_once(&mut loaded, &mut tracks, options, shared);
@@ -885,22 +935,26 @@ fn run_poller(mut loaded: Loaded, options: &EbpfOptions, shared: &Shared) {
     }
 }
 
-fn apply_commands(loaded: &mut Loaded, tracks: &mut HashMap<u16, PortTrack>, shared: &Shared) {
+fn apply_commands(
+    loaded: &mut Loaded,
+    tracks: &mut HashMap<common::WatchKey, PortTrack>,
+    shared: &Shared,
+) {
     let commands = std::mem::take(&mut *shared.commands.lock());
     for command in commands {
         match command {
-            Command::Watch(port, worker) => {
-                if let Some(track) = tracks.get_mut(&port) {
+            Command::Watch(key, worker) => {
+                if let Some(track) = tracks.get_mut(&key) {
                     track.worker = worker;
                     continue;
                 }
-                if let Err(e) = loaded.ports.insert(port, common::PortStats::default(), 0) {
-                    tracing::warn!(port, error = %e, "eBPF: cannot watch port");
+                if let Err(e) = loaded.ports.insert(key, common::PortStats::default(), 0) {
+                    tracing::warn!(port = key.port, %worker, error = %e, "eBPF: cannot watch worker");
                     continue;
                 }
-                tracing::info!(port, %worker, "eBPF: watching worker port");
+                tracing::info!(port = key.port, %worker, "eBPF: watching worker");
                 tracks.insert(
-                    port,
+                    key,
                     PortTrack {
                         worker,
                         ttfb: VecDeque::new(),
@@ -908,13 +962,13 @@ fn apply_commands(loaded: &mut Loaded, tracks: &mut HashMap<u16, PortTrack>, sha
                     },
                 );
             }
-            Command::Unwatch(port) => {
-                let _ = loaded.ports.remove(&port);
-                let _ = loaded.backlog.remove(&port);
-                if let Some(track) = tracks.remove(&port) {
+            Command::Unwatch(key) => {
+                let _ = loaded.ports.remove(&key);
+                let _ = loaded.backlog.remove(&key);
+                if let Some(track) = tracks.remove(&key) {
                     shared.metrics.forget(&track.worker);
                 }
-                shared.views.lock().remove(&port);
+                shared.views.lock().remove(&key);
             }
         }
     }
@@ -922,7 +976,7 @@ fn apply_commands(loaded: &mut Loaded, tracks: &mut HashMap<u16, PortTrack>, sha
 
 fn poll_once(
     loaded: &mut Loaded,
-    tracks: &mut HashMap<u16, PortTrack>,
+    tracks: &mut HashMap<common::WatchKey, PortTrack>,
     options: &EbpfOptions,
     shared: &Shared,
 ) {
@@ -932,7 +986,12 @@ fn poll_once(
         let Some(event) = decode_event(&item) else {
             continue;
         };
-        let Some(track) = tracks.get_mut(&event.port) else {
+        let key = common::WatchKey {
+            addr: event.addr,
+            port: event.port,
+            _pad: 0,
+        };
+        let Some(track) = tracks.get_mut(&key) else {
             continue;
         };
         let value = Duration::from_nanos(event.value_ns);
@@ -968,10 +1027,15 @@ fn poll_once(
     // Per port: requests waiting for their first response byte, and responses still being sent.
     let now_ns = monotonic_ns();
     let gap_ns = u64::try_from(options.idle_gap.as_nanos()).unwrap_or(u64::MAX);
-    let mut counts: HashMap<u16, (u32, u32, u32)> = HashMap::new();
+    let mut counts: HashMap<common::WatchKey, (u32, u32, u32)> = HashMap::new();
     for entry in loaded.conns.iter() {
         let Ok((_, conn)) = entry else { continue };
-        let c = counts.entry(conn.port).or_default();
+        let key = common::WatchKey {
+            addr: conn.addr,
+            port: conn.port,
+            _pad: 0,
+        };
+        let c = counts.entry(key).or_default();
         c.2 += 1;
         match conn.phase {
             common::PHASE_WAITING => c.0 += 1,
@@ -983,7 +1047,7 @@ fn poll_once(
     }
 
     let mut views = HashMap::with_capacity(tracks.len());
-    for (&port, track) in tracks.iter_mut() {
+    for (&key, track) in tracks.iter_mut() {
         for window in [&mut track.ttfb, &mut track.accept_wait] {
             while window
                 .front()
@@ -992,15 +1056,15 @@ fn poll_once(
                 window.pop_front();
             }
         }
-        let (waiting, responding, connections) = counts.get(&port).copied().unwrap_or_default();
-        let stats = loaded.ports.get(&port, 0).unwrap_or_default();
-        let backlog = loaded.backlog.get(&port, 0).ok();
+        let (waiting, responding, connections) = counts.get(&key).copied().unwrap_or_default();
+        let stats = loaded.ports.get(&key, 0).unwrap_or_default();
+        let backlog = loaded.backlog.get(&key, 0).ok();
         if let Some(b) = backlog
             && b.peak != b.current
         {
             // Reset the peak so the next read shows the peak of the next interval.
             let _ = loaded.backlog.insert(
-                port,
+                key,
                 common::Backlog {
                     peak: b.current,
                     ..b
@@ -1042,7 +1106,7 @@ fn poll_once(
             .accept_backlog_max
             .get_or_create(&labels)
             .set(i64::from(view.accept_backlog_max));
-        views.insert(port, (track.worker.clone(), view));
+        views.insert(key, (track.worker.clone(), view));
     }
     *shared.views.lock() = views;
 }

@@ -8,12 +8,15 @@
 
 /// Name of the global (`.rodata`) holding the [`Config`] the loader patches before loading.
 pub const CONFIG_GLOBAL: &str = "KINF_CONFIG";
-/// Watched ports and their counters: `HashMap<u16 /* local port, host order */, PortStats>`.
+/// Watched worker endpoints and their counters: `HashMap<WatchKey, PortStats>`.
 pub const PORTS_MAP: &str = "KINF_PORTS";
 /// Connections to watched ports: `LruHashMap<u64 /* struct sock address */, Conn>`.
 pub const CONNS_MAP: &str = "KINF_CONNS";
-/// Per-port listener backlog observations: `HashMap<u16, Backlog>`.
+/// Listener backlog observations per watched endpoint: `HashMap<WatchKey, Backlog>`.
 pub const BACKLOG_MAP: &str = "KINF_BACKLOG";
+/// Listening sockets bound to any address, matched to an endpoint at their first accept:
+/// `LruHashMap<u64 /* struct sock address */, WatchKey>`.
+pub const LISTENERS_MAP: &str = "KINF_LISTENERS";
 /// Samples (time to first byte, accept wait): `RingBuf` of [`Event`].
 pub const EVENTS_MAP: &str = "KINF_EVENTS";
 
@@ -67,6 +70,8 @@ pub struct Config {
     pub nr_accept: u32,
     /// Syscall number of `accept4`.
     pub nr_accept4: u32,
+    /// `struct sock` -> `__sk_common.skc_rcv_saddr` (IPv4 local address, network order).
+    pub sock_rcv_saddr: u32,
 }
 
 impl Config {
@@ -89,7 +94,20 @@ impl Config {
         regs_arg0: 0,
         nr_accept: 0,
         nr_accept4: 0,
+        sock_rcv_saddr: 0,
     };
+}
+
+/// A watched worker endpoint: local IPv4 address and port. Address 0 matches any address (a worker reached
+/// on loopback, or bound to 0.0.0.0 on the host network); a pod IP keeps two pods on the same port apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct WatchKey {
+    /// IPv4 address as the kernel stores it (network byte order, read as a native u32); 0 for any.
+    pub addr: u32,
+    /// Local port, host order.
+    pub port: u16,
+    pub _pad: u16,
 }
 
 /// Counters per watched port (value of [`PORTS_MAP`]; the agent inserts a zeroed one to watch a port).
@@ -149,7 +167,8 @@ pub struct Conn {
     pub phase: u8,
     /// 1 once the application accepted it.
     pub accepted: u8,
-    pub _pad: u32,
+    /// The [`WatchKey::addr`] it matched (0: the any-address entry).
+    pub addr: u32,
 }
 
 /// [`Event::kind`]: `value_ns` is a request's time from first byte in to first response byte out.
@@ -169,9 +188,12 @@ pub struct Event {
     pub read_delay_ns: u64,
     /// [`EVENT_TTFB`] or [`EVENT_ACCEPT_WAIT`].
     pub kind: u32,
+    /// The [`WatchKey::addr`] it matched.
+    pub addr: u32,
     /// Local (worker) port.
     pub port: u16,
     pub _pad: u16,
+    pub _pad2: u32,
 }
 
 #[cfg(feature = "user")]
@@ -179,6 +201,7 @@ mod user {
     // SAFETY: all of these are #[repr(C)] structs of integers with explicit padding fields, valid for every
     // bit pattern, which is what aya::Pod requires.
     unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::WatchKey {}
     unsafe impl aya::Pod for super::PortStats {}
     unsafe impl aya::Pod for super::Backlog {}
     unsafe impl aya::Pod for super::Conn {}

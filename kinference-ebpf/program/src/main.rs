@@ -1,4 +1,5 @@
-//! Kinference's eBPF programs: connection-level queueing of the local vLLM workers, per watched port.
+//! Kinference's eBPF programs: connection-level queueing of the local vLLM workers, per watched endpoint
+//! (local address and port).
 //!
 //! All programs are BTF tracepoints (`tp_btf`), which load on kernels without kprobes or tracefs:
 //! - `inet_sock_set_state`: a server-side connection completes its handshake (enters the accept queue) or closes.
@@ -28,7 +29,7 @@ use aya_ebpf::{
 use aya_log_ebpf::warn;
 use kinference_ebpf_common::{
     Backlog, CONFIG_ACCEPT, CONFIG_VALID, Config, Conn, EVENT_ACCEPT_WAIT, EVENT_TTFB, Event,
-    MAX_CONNS, MAX_PORTS, PHASE_RESPONDING, PHASE_WAITING, PortStats,
+    MAX_CONNS, MAX_PORTS, PHASE_RESPONDING, PHASE_WAITING, PortStats, WatchKey,
 };
 
 const AF_INET: u16 = 2;
@@ -44,13 +45,16 @@ const TCP_LISTEN: u8 = 10;
 static KINF_CONFIG: Global<Config> = Global::new(Config::UNRESOLVED);
 
 #[map(name = "KINF_PORTS")]
-static PORTS: HashMap<u16, PortStats> = HashMap::with_max_entries(MAX_PORTS, 0);
+static PORTS: HashMap<WatchKey, PortStats> = HashMap::with_max_entries(MAX_PORTS, 0);
 
 #[map(name = "KINF_CONNS")]
 static CONNS: LruHashMap<u64, Conn> = LruHashMap::with_max_entries(MAX_CONNS, 0);
 
 #[map(name = "KINF_BACKLOG")]
-static BACKLOG: HashMap<u16, Backlog> = HashMap::with_max_entries(MAX_PORTS, 0);
+static BACKLOG: HashMap<WatchKey, Backlog> = HashMap::with_max_entries(MAX_PORTS, 0);
+
+#[map(name = "KINF_LISTENERS")]
+static LISTENERS: LruHashMap<u64, WatchKey> = LruHashMap::with_max_entries(MAX_PORTS, 0);
 
 #[map(name = "KINF_EVENTS")]
 static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 18, 0);
@@ -85,21 +89,38 @@ fn add(counter: &mut u64, value: u64) {
     }
 }
 
-/// The local port of a TCP socket of the IPv4/IPv6 families, if that port is watched.
+/// The watched endpoint a socket of the IPv4/IPv6 families belongs to: its exact local address and port,
+/// else the any-address entry for the port.
 #[inline(always)]
-fn watched_port(cfg: &Config, sk: u64) -> Option<(u16, *mut PortStats)> {
+fn watched(cfg: &Config, sk: u64) -> Option<(WatchKey, *mut PortStats)> {
     let family: u16 = read(sk, cfg.sock_family)?;
     if family != AF_INET && family != AF_INET6 {
         return None;
     }
     let port: u16 = read(sk, cfg.sock_num)?;
-    let stats = PORTS.get_ptr_mut(port)?;
-    Some((port, stats))
+    let addr: u32 = read(sk, cfg.sock_rcv_saddr)?;
+    let exact = WatchKey {
+        addr,
+        port,
+        _pad: 0,
+    };
+    if addr != 0
+        && let Some(stats) = PORTS.get_ptr_mut(exact)
+    {
+        return Some((exact, stats));
+    }
+    let any = WatchKey {
+        addr: 0,
+        port,
+        _pad: 0,
+    };
+    let stats = PORTS.get_ptr_mut(any)?;
+    Some((any, stats))
 }
 
 fn emit(
     kind: u32,
-    port: u16,
+    key: WatchKey,
     value_ns: u64,
     read_delay_ns: u64,
     ts_ns: u64,
@@ -110,8 +131,10 @@ fn emit(
         value_ns,
         read_delay_ns,
         kind,
-        port,
+        addr: key.addr,
+        port: key.port,
         _pad: 0,
+        _pad2: 0,
     };
     if EVENTS.output::<Event>(&event, 0).is_err() {
         // SAFETY: `stats` came from get_ptr_mut on a live map entry.
@@ -119,9 +142,9 @@ fn emit(
     }
 }
 
-/// Records the listener's accept queue length and limit for `port`.
+/// Records the listener's accept queue length and limit for `key`.
 #[inline(always)]
-fn observe_backlog(cfg: &Config, listener: u64, port: u16) {
+fn observe_backlog(cfg: &Config, listener: u64, key: WatchKey) {
     let Some(current) = read::<u32>(listener, cfg.sock_ack_backlog) else {
         return;
     };
@@ -129,7 +152,7 @@ fn observe_backlog(cfg: &Config, listener: u64, port: u16) {
         return;
     };
     let updated_ms = (now() / 1_000_000) as u32;
-    match BACKLOG.get_ptr_mut(port) {
+    match BACKLOG.get_ptr_mut(key) {
         Some(b) => {
             // SAFETY: a live map entry; a racing update only loses one observation.
             unsafe {
@@ -143,7 +166,7 @@ fn observe_backlog(cfg: &Config, listener: u64, port: u16) {
         }
         None => {
             let _ = BACKLOG.insert(
-                port,
+                key,
                 Backlog {
                     current,
                     max,
@@ -159,12 +182,13 @@ fn observe_backlog(cfg: &Config, listener: u64, port: u16) {
 /// The connection entry for `sk`, created on first sight (connections that predate the agent, or whose
 /// handshake was missed) so that long-lived keep-alive pools are counted too.
 #[inline(always)]
-fn conn_for(sk: u64, port: u16) -> Option<*mut Conn> {
+fn conn_for(sk: u64, key: WatchKey) -> Option<*mut Conn> {
     if let Some(c) = CONNS.get_ptr_mut(sk) {
         return Some(c);
     }
     let fresh = Conn {
-        port,
+        port: key.port,
+        addr: key.addr,
         accepted: 1,
         ..Conn::default()
     };
@@ -193,19 +217,21 @@ pub fn kinf_sock_state(ctx: BtfTracePointContext) -> i32 {
     if new == TCP_CLOSE {
         // The local port is already cleared here: match by socket address.
         let _ = CONNS.remove(sk);
+        let _ = LISTENERS.remove(sk);
     } else if new == TCP_ESTABLISHED && old == TCP_SYN_RECV {
-        let Some((port, _)) = watched_port(&cfg, sk) else {
+        let Some((key, _)) = watched(&cfg, sk) else {
             return 0;
         };
         let conn = Conn {
             established_ns: now(),
-            port,
+            port: key.port,
+            addr: key.addr,
             ..Conn::default()
         };
         if CONNS.insert(sk, conn, 0).is_err() {
             warn!(
                 &ctx,
-                "kinference: connection table insert failed on port {}", port
+                "kinference: connection table insert failed on port {}", key.port
             );
         }
     }
@@ -220,9 +246,13 @@ pub fn kinf_data_ready(ctx: BtfTracePointContext) -> i32 {
         return 0;
     };
     if state == TCP_LISTEN {
-        // A connection finished its handshake and was queued on this listener.
-        if let Some((port, _)) = watched_port(&cfg, sk) {
-            observe_backlog(&cfg, sk, port);
+        // A connection finished its handshake and was queued on this listener. A listener on any address
+        // (a pod's 0.0.0.0) is matched to its endpoint at its first accept.
+        if let Some(key) = LISTENERS.get_ptr(sk) {
+            // SAFETY: live map entry.
+            observe_backlog(&cfg, sk, unsafe { *key });
+        } else if let Some((key, _)) = watched(&cfg, sk) {
+            observe_backlog(&cfg, sk, key);
         }
         return 0;
     }
@@ -230,10 +260,10 @@ pub fn kinf_data_ready(ctx: BtfTracePointContext) -> i32 {
     if state != TCP_ESTABLISHED as u8 {
         return 0;
     }
-    let Some((port, stats)) = watched_port(&cfg, sk) else {
+    let Some((key, stats)) = watched(&cfg, sk) else {
         return 0;
     };
-    let Some(conn) = conn_for(sk, port) else {
+    let Some(conn) = conn_for(sk, key) else {
         return 0;
     };
     // SAFETY: live map entry.
@@ -257,10 +287,10 @@ pub fn kinf_recv(ctx: BtfTracePointContext) -> i32 {
     if state != TCP_ESTABLISHED as u8 && state != TCP_CLOSE_WAIT {
         return 0;
     }
-    let Some((port, stats)) = watched_port(&cfg, sk) else {
+    let Some((key, stats)) = watched(&cfg, sk) else {
         return 0;
     };
-    let Some(conn) = conn_for(sk, port) else {
+    let Some(conn) = conn_for(sk, key) else {
         return 0;
     };
     let ts = now();
@@ -280,7 +310,7 @@ pub fn kinf_recv(ctx: BtfTracePointContext) -> i32 {
 
 #[inline(always)]
 fn on_send(cfg: &Config, sk: u64) {
-    let Some((port, stats)) = watched_port(cfg, sk) else {
+    let Some((key, stats)) = watched(cfg, sk) else {
         return;
     };
     let Some(conn) = CONNS.get_ptr_mut(sk) else {
@@ -300,7 +330,7 @@ fn on_send(cfg: &Config, sk: u64) {
             (*conn).phase = PHASE_RESPONDING;
             add(&mut (*stats).responses, 1);
             add(&mut (*stats).ttfb_sum_ns, ttfb);
-            emit(EVENT_TTFB, port, ttfb, read_delay, ts, stats);
+            emit(EVENT_TTFB, key, ttfb, read_delay, ts, stats);
         }
         (*conn).last_send_ns = ts;
     }
@@ -375,9 +405,19 @@ pub fn kinf_sys_exit(ctx: BtfTracePointContext) -> i32 {
         return 0;
     };
     // SAFETY: live map entry.
-    let (port, established, accepted) =
-        unsafe { ((*conn).port, (*conn).established_ns, (*conn).accepted) };
-    let Some(stats) = PORTS.get_ptr_mut(port) else {
+    let (key, established, accepted) = unsafe {
+        let c = &*conn;
+        (
+            WatchKey {
+                addr: c.addr,
+                port: c.port,
+                _pad: 0,
+            },
+            c.established_ns,
+            c.accepted,
+        )
+    };
+    let Some(stats) = PORTS.get_ptr_mut(key) else {
         return 0;
     };
     if accepted == 0 {
@@ -389,15 +429,19 @@ pub fn kinf_sys_exit(ctx: BtfTracePointContext) -> i32 {
                 let wait = ts.saturating_sub(established);
                 add(&mut (*stats).accepts, 1);
                 add(&mut (*stats).accept_wait_sum_ns, wait);
-                emit(EVENT_ACCEPT_WAIT, port, wait, 0, ts, stats);
+                emit(EVENT_ACCEPT_WAIT, key, wait, 0, ts, stats);
             }
         }
     }
-    // The listening socket is accept's first argument: its queue just shrank by one.
+    // The listening socket is accept's first argument: its queue just shrank by one. Remember which endpoint
+    // it serves, for its enqueue events.
     if let Some(listen_fd) = read::<u64>(regs, cfg.regs_arg0)
         && let Some(listener) = fd_to_sock(&cfg, listen_fd)
     {
-        observe_backlog(&cfg, listener, port);
+        if LISTENERS.get_ptr(listener).is_none() {
+            let _ = LISTENERS.insert(listener, key, 0);
+        }
+        observe_backlog(&cfg, listener, key);
     }
     0
 }

@@ -13,6 +13,21 @@ fn worker_urls_give_ports() {
 }
 
 #[test]
+fn worker_urls_give_endpoints() {
+    let key = |url| watch_key(url).map(|k| (k.addr, k.port));
+    // Loopback, unspecified, names and IPv6 match any local address; a pod IP matches only itself.
+    assert_eq!(key("http://127.0.0.1:8001"), Some((0, 8001)));
+    assert_eq!(key("http://0.0.0.0:8001"), Some((0, 8001)));
+    assert_eq!(key("http://worker-0.svc:8000/v1"), Some((0, 8000)));
+    assert_eq!(key("http://[fd00::1]:8000"), Some((0, 8000)));
+    assert_eq!(
+        key("http://10.1.2.3:8000"),
+        Some((u32::from_ne_bytes([10, 1, 2, 3]), 8000))
+    );
+    assert_eq!(key("10.1.2.3:8000"), None);
+}
+
+#[test]
 fn median_and_events() {
     let ms = Duration::from_millis;
     assert_eq!(median([ms(3), ms(1), ms(2)].into_iter()), Some(ms(2)));
@@ -27,16 +42,20 @@ fn median_and_events() {
         value_ns: 2,
         read_delay_ns: 3,
         kind: 4,
+        addr: 6,
         port: 5,
         _pad: 0,
+        _pad2: 0,
     };
     let mut bytes = Vec::new();
     bytes.extend_from_slice(&1u64.to_ne_bytes());
     bytes.extend_from_slice(&2u64.to_ne_bytes());
     bytes.extend_from_slice(&3u64.to_ne_bytes());
     bytes.extend_from_slice(&4u32.to_ne_bytes());
+    bytes.extend_from_slice(&6u32.to_ne_bytes());
     bytes.extend_from_slice(&5u16.to_ne_bytes());
     bytes.extend_from_slice(&0u16.to_ne_bytes());
+    bytes.extend_from_slice(&0u32.to_ne_bytes());
     assert_eq!(bytes.len(), std::mem::size_of::<common::Event>());
     assert_eq!(decode_event(&bytes), Some(event));
     assert_eq!(decode_event(&bytes[..20]), None);
@@ -73,19 +92,32 @@ fn disabled_reports_every_program_and_exports_the_state() {
             .iter()
             .all(|p| p.state == ProgramState::Disabled)
     );
-    monitor.watch(8001, "http://127.0.0.1:8001");
-    assert_eq!(monitor.view(8001), None);
+    assert!(monitor.watch("http://127.0.0.1:8001"));
+    assert!(!monitor.watch("not a url"));
+    assert_eq!(monitor.view("http://127.0.0.1:8001"), None);
+    let mut load = kinference_api::summary::WorkerLoad {
+        kernel_ok: true,
+        kernel_in_flight: 3,
+        ..Default::default()
+    };
+    monitor.fill_worker_load("http://127.0.0.1:8001", &mut load);
+    assert!(!load.kernel_ok);
+    assert_eq!(load.kernel_in_flight, 0);
 
     let mut registry = Registry::default();
     monitor.register_metrics(&mut registry);
     let mut text = String::new();
     prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
     assert!(
-        text.contains(r#"kinference_agent_ebpf_program_state{program="inet_sock_set_state",state="disabled"} 1"#),
+        text.contains(
+            r#"kinference_agent_ebpf_program_state{program="inet_sock_set_state",state="disabled"} 1"#
+        ),
         "{text}"
     );
     assert!(
-        text.contains(r#"kinference_agent_ebpf_program_state{program="inet_sock_set_state",state="attached"} 0"#),
+        text.contains(
+            r#"kinference_agent_ebpf_program_state{program="inet_sock_set_state",state="attached"} 0"#
+        ),
         "{text}"
     );
 }
