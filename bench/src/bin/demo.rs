@@ -19,7 +19,7 @@ use kinference_bench::routing::experiment::{
     self, ExperimentConfig, Policy, RequestCount, RunRecord,
 };
 use kinference_bench::routing::oracle::Oracle;
-use kinference_bench::routing::workload::{Workload, WorkloadKind, WorkloadShape};
+use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 
 /// Kinference demo: random routing vs. Kinference on 3 simulated vLLM workers.
 #[derive(Debug, Parser)]
@@ -72,6 +72,7 @@ async fn run(args: &Args) -> Result<(), DemoError> {
         concurrency: vec![args.concurrency],
         policies: policies.to_vec(),
         requests: RequestCount::Fixed(args.requests),
+        warmup: None,
         seed: args.seed,
         time_scale: args.time_scale,
         shape: WorkloadShape::default(),
@@ -106,15 +107,11 @@ async fn run(args: &Args) -> Result<(), DemoError> {
             println!("  gateway ({}): {}  (admin {})", g.mode, g.url, g.admin_url);
         }
     }
-    let workload = Workload::generate(
-        WorkloadKind::SharedPrefix,
-        &config.shape,
-        config.seed,
-        args.requests,
-    );
+    let (warmup, workload) = config.sequences(WorkloadKind::SharedPrefix, args.concurrency);
     println!(
-        "\nWorkload: {} requests, {} shared system prompts of ~{} tokens + a short question each, {} users at once, TTFT SLO {} s.",
+        "\nWorkload: {} requests ({} more to warm the caches first), {} shared system prompts of ~{} tokens + a short question each, {} users at once, TTFT SLO {} s.",
         workload.len(),
+        warmup.len(),
         config.shape.shared_prefixes,
         config.shape.prefix_words,
         args.concurrency,
@@ -129,6 +126,7 @@ async fn run(args: &Args) -> Result<(), DemoError> {
             &cluster,
             &client,
             &oracle,
+            &warmup,
             &workload,
             policy,
             args.concurrency,

@@ -62,6 +62,10 @@ struct Args {
     /// A small, fast subset: concurrency 2 and 8, four policies, 16 requests per run.
     #[arg(long)]
     quick: bool,
+    /// Unmeasured warm-up requests before each run (default: twice the number of shared prefixes for
+    /// shared-prefix, none for the others).
+    #[arg(long)]
+    warmup: Option<usize>,
     /// Seed of the request sequences.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -188,6 +192,7 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         concurrency: args.concurrency.clone(),
         policies: args.policies.clone(),
         requests,
+        warmup: args.warmup,
         seed: args.seed,
         time_scale: args.time_scale,
         shape: WorkloadShape::default(),

@@ -73,6 +73,9 @@ pub enum ClusterError {
         /// The end of its log.
         log: String,
     },
+    /// A worker kept its cache despite `POST /reset_prefix_cache`.
+    #[error("{0} still holds cached blocks after /reset_prefix_cache for 30 s")]
+    ResetRefused(String),
     /// A request to a worker failed.
     #[error(transparent)]
     Http(#[from] super::client::HttpError),
@@ -469,12 +472,39 @@ impl Cluster {
     /// then gives the resulting `AllBlocksCleared` events time to reach the gateways' indexes.
     pub async fn reset_caches(&self, settle: Duration) -> Result<(), ClusterError> {
         for w in &self.workers {
+            // vLLM refuses the reset while requests run (answering 200 all the same), so the simulator's
+            // own view is checked and the reset retried until the cache is really empty.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                self.http
+                    .call(
+                        Method::POST,
+                        &format!("{w}/reset_prefix_cache"),
+                        Bytes::new(),
+                    )
+                    .await?;
+                let state = self.http.get_text(&format!("{w}/sim/state")).await?;
+                let empty = serde_json::from_str::<serde_json::Value>(&state)
+                    .ok()
+                    .and_then(|v| v["block_hashes"].as_array().map(Vec::is_empty))
+                    // Not a simulator: trust the reset.
+                    .unwrap_or(true);
+                if empty {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(ClusterError::ResetRefused(w.clone()));
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        // Like vLLM, the simulator publishes `AllBlocksCleared` only with its next engine step: one
+        // tiny request per worker (too short to fill a block, so it caches nothing) makes that step,
+        // and the pause lets the event travel worker -> agent -> gateways before the next run.
+        let flush = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+        for w in &self.workers {
             self.http
-                .call(
-                    Method::POST,
-                    &format!("{w}/reset_prefix_cache"),
-                    Bytes::new(),
-                )
+                .post_json(&format!("{w}/v1/completions"), &flush)
                 .await?;
         }
         tokio::time::sleep(settle).await;

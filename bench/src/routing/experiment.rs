@@ -127,6 +127,9 @@ pub struct ExperimentConfig {
     pub policies: Vec<Policy>,
     /// Requests per run.
     pub requests: RequestCount,
+    /// Requests sent before each measured run, through the same policy, not measured (`None`: twice
+    /// the number of shared prefixes for shared-prefix, none otherwise).
+    pub warmup: Option<usize>,
     /// Seed of the request sequences.
     pub seed: u64,
     /// Simulator time scale (wall = simulated x scale).
@@ -139,6 +142,26 @@ pub struct ExperimentConfig {
 }
 
 impl ExperimentConfig {
+    /// Warm-up requests before a measured run of `kind`.
+    ///
+    /// A run starts from empty caches; without a warm-up, the first request for each shared prefix is a
+    /// compulsory miss under every policy and short runs would measure start-up, not routing. Two
+    /// requests per prefix bring the caches to their steady state (multi-turn conversations and unique
+    /// prompts have no state to build up across sessions).
+    pub fn warmup_for(&self, kind: WorkloadKind) -> usize {
+        self.warmup.unwrap_or(match kind {
+            WorkloadKind::SharedPrefix => 2 * self.shape.shared_prefixes,
+            WorkloadKind::Unique | WorkloadKind::MultiTurn => 0,
+        })
+    }
+
+    /// The warm-up phase and the measured sequence of a run at `concurrency`.
+    pub fn sequences(&self, kind: WorkloadKind, concurrency: usize) -> (Workload, Workload) {
+        let warmup = self.warmup_for(kind);
+        let n = self.requests.for_concurrency(concurrency);
+        Workload::generate(kind, &self.shape, self.seed, warmup + n).split_at_requests(warmup)
+    }
+
     /// Number of runs in the matrix.
     pub fn runs(&self) -> usize {
         self.workloads.len() * self.concurrency.len() * self.policies.len()
@@ -189,11 +212,14 @@ pub enum ExperimentError {
     Cluster(#[from] ClusterError),
 }
 
-/// Runs one workload at one concurrency through one policy, from cold caches.
+/// Runs one workload at one concurrency through one policy, from cold caches: the warm-up phase (not
+/// measured), then the measured sequence.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_one(
     cluster: &Cluster,
     client: &LoadClient,
     oracle: &Arc<Oracle>,
+    warmup: &Workload,
     workload: &Workload,
     policy: Policy,
     concurrency: usize,
@@ -210,6 +236,9 @@ pub async fn run_one(
         ),
     };
     cluster.reset_caches(config.settle).await?;
+    if !warmup.is_empty() {
+        client.run(&route, warmup, concurrency).await;
+    }
     let before = cluster.cache_counters().await.ok();
     let result = client.run(&route, workload, concurrency).await;
     let after = cluster.cache_counters().await.ok();
@@ -244,14 +273,14 @@ pub async fn run_matrix(
     let mut records = Vec::with_capacity(total);
     for &kind in &config.workloads {
         for &concurrency in &config.concurrency {
-            let n = config.requests.for_concurrency(concurrency);
-            let workload = Workload::generate(kind, &config.shape, config.seed, n);
+            let (warmup, workload) = config.sequences(kind, concurrency);
             for &policy in &config.policies {
                 cluster.check_alive()?;
                 let record = run_one(
                     cluster,
                     client,
                     oracle,
+                    &warmup,
                     &workload,
                     policy,
                     concurrency,
@@ -286,7 +315,17 @@ fn estimate_left(records: &[RunRecord], config: &ExperimentConfig, elapsed: Dura
         .iter()
         .flat_map(|_| config.concurrency.iter())
         .map(|&c| config.requests.for_concurrency(c) * config.policies.len())
-        .sum();
+        .sum::<usize>()
+        + config
+            .workloads
+            .iter()
+            .map(|&w| config.warmup_for(w) * config.concurrency.len() * config.policies.len())
+            .sum::<usize>();
+    let sent = sent
+        + records
+            .iter()
+            .map(|r| config.warmup_for(r.workload))
+            .sum::<usize>();
     if sent == 0 {
         return Duration::ZERO;
     }

@@ -80,6 +80,7 @@ fn run_json(r: &RunRecord) -> Value {
         "errors": s.errors,
         "duration_s": s.duration_s,
         "cached_token_share": s.cached_token_share,
+        "mean_prompt_tokens": s.mean_prompt_tokens,
         "cache_hit_share": r.cache_hit_share,
         "per_worker": s.per_worker,
         "wall_s": r.wall_s,
@@ -257,8 +258,16 @@ impl Report<'_> {
             md,
             "All times are simulated seconds (wall-clock / time scale {}). Goodput = requests per simulated \
              minute whose TTFT met the SLO (8 s shared-prefix and unique, 4 s multi-turn). Every policy ran \
-             the same request sequence (seed {}), each run from cold caches.\n",
-            self.config.time_scale, self.config.seed
+             the same request sequence (seed {}). Each run starts from empty caches (`POST \
+             /reset_prefix_cache` on every worker); shared-prefix runs then send {} unmeasured warm-up \
+             requests through the same policy (the first request for each shared prompt is a miss under \
+             any policy), multi-turn {} and unique {}.\n\nWorkload shape: `{}`\n",
+            self.config.time_scale,
+            self.config.seed,
+            self.config.warmup_for(WorkloadKind::SharedPrefix),
+            self.config.warmup_for(WorkloadKind::MultiTurn),
+            self.config.warmup_for(WorkloadKind::Unique),
+            serde_json::to_string(&self.config.shape).unwrap_or_default()
         );
         let _ = writeln!(md, "## Targets (issue 3)\n");
         let _ = writeln!(
@@ -279,7 +288,7 @@ impl Report<'_> {
         let levels = self.levels();
         let policies = self.policies();
         type Column = (&'static str, fn(&RunSummary) -> String);
-        let figures: [Column; 6] = [
+        let figures: [Column; 7] = [
             ("median TTFT (s)", |s| fmt_secs(s.median_ttft_s)),
             ("p90 TTFT (s)", |s| fmt_secs(s.p90_ttft_s)),
             ("median end-to-end latency (s)", |s| {
@@ -290,6 +299,9 @@ impl Report<'_> {
             }),
             ("cached share of prompt tokens", |s| {
                 format!("{:.0}%", 100.0 * s.cached_token_share)
+            }),
+            ("mean prompt tokens", |s| {
+                format!("{:.0}", s.mean_prompt_tokens)
             }),
             ("requests / errors", |s| format!("{} / {}", s.n, s.errors)),
         ];

@@ -71,6 +71,8 @@ pub struct RunSummary {
     pub duration_s: f64,
     /// Cached prompt tokens / prompt tokens, from the usage the workers reported.
     pub cached_token_share: f64,
+    /// Mean prompt tokens of the successful requests (from their usage).
+    pub mean_prompt_tokens: f64,
     /// Requests per worker.
     pub per_worker: BTreeMap<String, usize>,
 }
@@ -142,6 +144,11 @@ pub fn summarize(
             0.0
         } else {
             cached as f64 / prompt as f64
+        },
+        mean_prompt_tokens: if ok.is_empty() {
+            0.0
+        } else {
+            prompt as f64 / ok.len() as f64
         },
         per_worker,
     }

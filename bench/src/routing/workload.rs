@@ -99,14 +99,18 @@ pub struct WorkloadShape {
 }
 
 impl Default for WorkloadShape {
+    /// Sized against the calibrated `l40s-27b-fp8` worker (4,096 blocks of 16 tokens = 65,536 tokens of
+    /// KV cache): the 20 shared prompts of ~7,500 tokens (~150k tokens) do not fit in one worker's cache
+    /// but do fit in three when each prompt lives on one worker, the situation in which routing decides
+    /// between a cache hit and a 2-second prefill. Multi-turn histories grow to ~5-8k tokens.
     fn default() -> Self {
         Self {
-            shared_prefixes: 8,
-            prefix_words: 6000,
+            shared_prefixes: 20,
+            prefix_words: 7000,
             question_words: (20, 60),
             max_tokens: 64,
-            first_turn_words: (1500, 2500),
-            followup_words: (60, 160),
+            first_turn_words: (3000, 5000),
+            followup_words: (100, 300),
             turns: (4, 8),
             turn_max_tokens: 96,
         }
@@ -198,6 +202,22 @@ impl Workload {
     /// Whether there is no request at all.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Splits off the first sessions holding at least `requests` requests (a warm-up phase) from the
+    /// rest.
+    pub fn split_at_requests(mut self, requests: usize) -> (Workload, Workload) {
+        let mut taken = 0;
+        let mut cut = 0;
+        while cut < self.sessions.len() && taken < requests {
+            taken += self.sessions[cut].requests.len();
+            cut += 1;
+        }
+        let rest = Workload {
+            kind: self.kind,
+            sessions: self.sessions.split_off(cut),
+        };
+        (self, rest)
     }
 
     /// All requests in session order.

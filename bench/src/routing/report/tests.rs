@@ -37,6 +37,7 @@ fn config() -> ExperimentConfig {
         concurrency: vec![1, 8],
         policies: Policy::ALL.to_vec(),
         requests: RequestCount::Fixed(10),
+        warmup: None,
         seed: 1,
         time_scale: 0.05,
         shape: WorkloadShape::default(),

@@ -55,6 +55,7 @@ fn summary_converts_to_simulated_time_and_counts_goodput_within_the_slo() {
     assert!((s.throughput_rpm - 4.0).abs() < 1e-9);
     assert!((s.slo_met_share - 0.75).abs() < 1e-9);
     assert!((s.cached_token_share - 0.25).abs() < 1e-9);
+    assert!((s.mean_prompt_tokens - 100.0).abs() < 1e-9);
     assert_eq!(s.per_worker.get("http://w1"), Some(&4));
     assert_eq!(s.per_worker.get("http://w2"), Some(&1));
 }

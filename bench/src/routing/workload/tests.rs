@@ -117,3 +117,22 @@ fn workload_names_round_trip() {
     }
     assert!("shared".parse::<WorkloadKind>().is_err());
 }
+
+#[test]
+fn a_warm_up_phase_splits_off_whole_sessions() {
+    let w = Workload::generate(WorkloadKind::SharedPrefix, &small_shape(), 1, 30);
+    let all: Vec<_> = w.requests().cloned().collect();
+    let (warm, rest) = w.split_at_requests(10);
+    assert_eq!(warm.len(), 10);
+    assert_eq!(rest.len(), 20);
+    assert_eq!(rest.requests().next(), Some(&all[10]));
+    let mt = Workload::generate(WorkloadKind::MultiTurn, &small_shape(), 1, 30);
+    let (warm, rest) = mt.split_at_requests(5);
+    assert!(warm.len() >= 5);
+    assert_eq!(warm.len() + rest.len(), 30);
+    assert!(rest.sessions.iter().all(|s| s.requests[0].turn == 0));
+    let (none, all) =
+        Workload::generate(WorkloadKind::Unique, &small_shape(), 1, 4).split_at_requests(0);
+    assert!(none.is_empty());
+    assert_eq!(all.len(), 4);
+}
