@@ -80,8 +80,8 @@ pub struct Condition {
     pub status: ConditionStatus,
     /// Machine-readable CamelCase reason.
     pub reason: String,
-    /// Human-readable explanation.
-    #[serde(default)]
+    /// Human-readable explanation (required, as in `metav1.Condition`; an empty-string default
+    /// is rejected by 1.20 apiservers).
     pub message: String,
     /// RFC 3339 time of the last status change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
