@@ -1,0 +1,300 @@
+//! `extproc-latency`: the decision latency the gateway's ext_proc inference handler adds to a request
+//! routed by Envoy.
+//!
+//! Starts `vllm-sim` workers and the real `kinference-gateway` with `--extproc-listen` (binaries from
+//! `--bin-dir`, `$KINFERENCE_BIN_DIR` or `target/debug`), then plays Envoy: one `Process` stream per
+//! request, `request_headers` then one buffered `request_body`, and the stream closed. It reports, over
+//! `--calls` requests (after a warm-up):
+//! - `headers`: the round trip of the headers message (the gRPC hop alone, no decision);
+//! - `decision`: the round trip of the body message (parse, tokenize, estimate, pick, reply);
+//! - `added`: decision minus the headers round trip of the same request, i.e. the picking itself;
+//! - `stream`: the whole exchange including opening the stream.
+//!
+//! ```sh
+//! cargo build -p kinference-bench --bin vllm-sim --bin extproc-latency && cargo build -p kinference-gateway
+//! target/debug/extproc-latency --calls 3000
+//! ```
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as PResp;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+#[derive(Debug, Parser)]
+#[command(about = "Decision latency of the ext_proc inference handler (p50/p99 over many calls)")]
+struct Args {
+    /// Directory with `kinference-gateway` and `vllm-sim`.
+    #[arg(long, env = "KINFERENCE_BIN_DIR", default_value = "target/debug")]
+    bin_dir: PathBuf,
+    /// Tokenizer directory (the gateway tokenizes locally, as in production).
+    #[arg(
+        long,
+        env = "KINFERENCE_TOKENIZER_DIR",
+        default_value = ".assets/qwen2"
+    )]
+    tokenizer_dir: PathBuf,
+    /// Number of `vllm-sim` workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// Measured requests.
+    #[arg(long, default_value_t = 3000)]
+    calls: usize,
+    /// Unmeasured requests first.
+    #[arg(long, default_value_t = 200)]
+    warmup: usize,
+    /// Words of the shared system prompt (about 1.3 tokens each).
+    #[arg(long, default_value_t = 400)]
+    prompt_words: usize,
+    /// Distinct system prompts (prefix families) the requests cycle through.
+    #[arg(long, default_value_t = 16)]
+    families: usize,
+}
+
+/// Kills the child on drop.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<ChildGuard> {
+    if !bin.exists() {
+        bail!(
+            "{} not found: build it (cargo build -p kinference-bench --bin vllm-sim; cargo build -p kinference-gateway)",
+            bin.display()
+        );
+    }
+    let child = Command::new(bin)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    Ok(ChildGuard(child))
+}
+
+async fn wait_tcp(port: u16) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        if Instant::now() > deadline {
+            bail!("port {port} not up");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+fn header(key: &str, value: &str) -> HeaderValue {
+    HeaderValue {
+        key: key.into(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    }
+}
+
+fn body_for(i: usize, args: &Args) -> Vec<u8> {
+    let family = i % args.families.max(1);
+    let system: Vec<String> = (0..args.prompt_words)
+        .map(|w| format!("f{family}w{}", (w * 7919) % 1013))
+        .collect();
+    serde_json::json!({
+        "model": "qwen2-sim",
+        "max_tokens": 16,
+        "messages": [
+            {"role": "system", "content": system.join(" ")},
+            {"role": "user", "content": format!("question number {i}")}
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+struct Sample {
+    headers: Duration,
+    decision: Duration,
+    stream: Duration,
+}
+
+async fn one(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    body: Vec<u8>,
+) -> anyhow::Result<Sample> {
+    let start = Instant::now();
+    let (tx, rx) = mpsc::channel(4);
+    let mut responses = client.process(ReceiverStream::new(rx)).await?.into_inner();
+    let t = Instant::now();
+    tx.send(ProcessingRequest {
+        request: Some(PReq::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":method", "POST"),
+                    header(":path", "/v1/chat/completions"),
+                    header("content-type", "application/json"),
+                ],
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await?;
+    let r = responses.message().await?.context("no headers answer")?;
+    let headers = t.elapsed();
+    if !matches!(r.response, Some(PResp::RequestHeaders(_))) {
+        bail!("unexpected headers answer {r:?}");
+    }
+    let t = Instant::now();
+    tx.send(ProcessingRequest {
+        request: Some(PReq::RequestBody(HttpBody {
+            body,
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await?;
+    let r = responses.message().await?.context("no body answer")?;
+    let decision = t.elapsed();
+    if r.dynamic_metadata.is_none() {
+        bail!("not routed: {r:?}");
+    }
+    drop(tx);
+    let stream = start.elapsed();
+    Ok(Sample {
+        headers,
+        decision,
+        stream,
+    })
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+fn line(name: &str, mut v: Vec<f64>) {
+    v.sort_by(f64::total_cmp);
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    println!(
+        "{name:<9} p50 {:>8.3} ms  p90 {:>8.3} ms  p99 {:>8.3} ms  max {:>8.3} ms  mean {:>8.3} ms",
+        pct(&v, 0.50),
+        pct(&v, 0.90),
+        pct(&v, 0.99),
+        pct(&v, 1.0),
+        mean
+    );
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let tokenizer = std::fs::canonicalize(&args.tokenizer_dir)
+        .with_context(|| format!("tokenizer dir {}", args.tokenizer_dir.display()))?;
+    let mut guards = Vec::new();
+    let mut worker_lines = String::new();
+    for _ in 0..args.workers {
+        let port = free_port()?;
+        guards.push(spawn(
+            &args.bin_dir.join("vllm-sim"),
+            &[
+                "--host".into(),
+                "127.0.0.1".into(),
+                "--port".into(),
+                port.to_string(),
+                "--model".into(),
+                "qwen2-sim".into(),
+                "--preset".into(),
+                "fast".into(),
+                "--tokenizer-dir".into(),
+                tokenizer.display().to_string(),
+            ],
+        )?);
+        wait_tcp(port).await?;
+        worker_lines.push_str(&format!(
+            "  - {{url: \"http://127.0.0.1:{port}\", model: qwen2-sim}}\n"
+        ));
+    }
+    let dir =
+        std::env::temp_dir().join(format!("kinference-extproc-latency-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let config = dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: qwen2-sim\n    tokenizer_dir: {}\nworkers:\n{worker_lines}routing: kinference\n",
+            tokenizer.display()
+        ),
+    )?;
+    let (api, admin, xp) = (free_port()?, free_port()?, free_port()?);
+    guards.push(spawn(
+        &args.bin_dir.join("kinference-gateway"),
+        &[
+            format!("--listen=127.0.0.1:{api}"),
+            format!("--admin-listen=127.0.0.1:{admin}"),
+            format!("--extproc-listen=127.0.0.1:{xp}"),
+            format!("--config={}", config.display()),
+        ],
+    )?);
+    wait_tcp(xp).await?;
+    let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{xp}")).await?;
+
+    for i in 0..args.warmup {
+        one(&mut client, body_for(i, &args)).await?;
+    }
+    let mut samples = Vec::with_capacity(args.calls);
+    let started = Instant::now();
+    for i in 0..args.calls {
+        samples.push(one(&mut client, body_for(args.warmup + i, &args)).await?);
+    }
+    let wall = started.elapsed();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "extproc-latency: {} calls ({} warm-up), {} workers, {} prefix families of ~{} words, bin dir {}",
+        args.calls,
+        args.warmup,
+        args.workers,
+        args.families,
+        args.prompt_words,
+        args.bin_dir.display()
+    );
+    line("headers", samples.iter().map(|s| ms(s.headers)).collect());
+    line("decision", samples.iter().map(|s| ms(s.decision)).collect());
+    line(
+        "added",
+        samples
+            .iter()
+            .map(|s| ms(s.decision) - ms(s.headers))
+            .collect(),
+    );
+    line("stream", samples.iter().map(|s| ms(s.stream)).collect());
+    println!(
+        "throughput {:.0} decisions/s (one stream at a time)",
+        args.calls as f64 / wall.as_secs_f64()
+    );
+    drop(guards);
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}
