@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kinference_crds::Complexity;
-use kinference_gateway::policy::classify::{classify_request, tags::TAGS_HEADER};
+use kinference_gateway::policy::classify::{request_facts, tags::TAGS_HEADER};
 use kinference_gateway::policy::engine::{
     Backend, Decision, Outcome, PoolStates, RequestFacts, evaluate,
 };
@@ -152,37 +152,25 @@ struct RequestSpec {
 
 impl RequestSpec {
     fn facts(&self) -> Result<RequestFacts, String> {
-        let model = self
-            .body
-            .get("model")
-            .and_then(|m| m.as_str())
-            .ok_or("request body has no \"model\"")?
-            .to_string();
         let header = self
             .headers
             .iter()
             .find(|(k, _)| k.eq_ignore_ascii_case(TAGS_HEADER))
             .map(|(_, v)| v.as_str());
-        let c = classify_request(&self.body, header);
-        let mut tags = c.tags;
-        tags.extend(self.tags.iter().map(|t| t.to_ascii_lowercase()));
-        let (text, _) = kinference_gateway::policy::classify::request_text(&self.body);
-        Ok(RequestFacts {
-            tenant: self.tenant.clone(),
-            model,
-            tags,
-            complexity: Some(self.complexity.unwrap_or(c.complexity.level)),
-            // Roughly four characters per token; enough for cost ordering.
-            prompt_tokens: Some(
-                self.prompt_tokens
-                    .unwrap_or((text.len() as u64).div_ceil(4)),
-            ),
-            max_output_tokens: self
-                .body
-                .get("max_tokens")
-                .or_else(|| self.body.get("max_completion_tokens"))
-                .and_then(|v| v.as_u64()),
-        })
+        let (mut facts, _) = request_facts(
+            &self.body,
+            self.tenant.as_deref(),
+            header,
+            self.prompt_tokens,
+        )
+        .ok_or("request body has no \"model\"")?;
+        facts
+            .tags
+            .extend(self.tags.iter().map(|t| t.to_ascii_lowercase()));
+        if let Some(c) = self.complexity {
+            facts.complexity = Some(c);
+        }
+        Ok(facts)
     }
 }
 

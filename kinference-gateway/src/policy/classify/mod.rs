@@ -13,7 +13,7 @@ use std::collections::BTreeSet;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::engine::PII_TAG;
+use super::engine::{PII_TAG, RequestFacts};
 
 #[cfg(test)]
 mod tests;
@@ -46,6 +46,35 @@ pub fn classify_request(body: &Value, tags_header: Option<&str>) -> Classificati
         pii,
         complexity: complexity::assess(&text, turns),
     }
+}
+
+/// The engine's facts for a request body: what the gateway pipeline calls before
+/// [`super::engine::evaluate`]. `tenant` is the authenticated tenant, `tags_header` the
+/// `x-kinference-tags` value, `prompt_tokens` the router's count when it has one (else about four
+/// characters per token). `None` when the body has no `model`.
+pub fn request_facts(
+    body: &Value,
+    tenant: Option<&str>,
+    tags_header: Option<&str>,
+    prompt_tokens: Option<u64>,
+) -> Option<(RequestFacts, Classification)> {
+    let model = body.get("model")?.as_str()?.to_string();
+    let classification = classify_request(body, tags_header);
+    let prompt_tokens =
+        prompt_tokens.or_else(|| Some((request_text(body).0.len() as u64).div_ceil(4)));
+    let max_output_tokens = body
+        .get("max_tokens")
+        .or_else(|| body.get("max_completion_tokens"))
+        .and_then(Value::as_u64);
+    let facts = RequestFacts {
+        tenant: tenant.map(str::to_string),
+        model,
+        tags: classification.tags.clone(),
+        complexity: Some(classification.complexity.level),
+        prompt_tokens,
+        max_output_tokens,
+    };
+    Some((facts, classification))
 }
 
 /// All prompt text of a request, one part per line, and its number of turns. Covers OpenAI chat

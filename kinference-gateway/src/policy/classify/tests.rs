@@ -59,3 +59,17 @@ fn images_are_skipped_and_turns_counted() {
     assert!(!text.contains("base64"));
     assert!(classify_request(&body, None).pii.is_empty());
 }
+
+#[test]
+fn request_facts_carry_model_tenant_tags_and_token_counts() {
+    let body = json!({"model": "qwen-large", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "card 4111 1111 1111 1111"}]});
+    let (facts, c) = super::request_facts(&body, Some("acme"), Some("batch"), None).expect("facts");
+    assert_eq!(facts.model, "qwen-large");
+    assert_eq!(facts.tenant.as_deref(), Some("acme"));
+    assert!(facts.tags.contains("pii:payment_card") && facts.tags.contains("batch"));
+    assert_eq!(facts.max_output_tokens, Some(64));
+    assert_eq!(facts.prompt_tokens, Some(6));
+    assert_eq!(c.pii.len(), 1);
+    assert!(super::request_facts(&json!({"messages": []}), None, None, None).is_none());
+}
