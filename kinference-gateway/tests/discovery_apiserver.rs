@@ -2,7 +2,9 @@
 //! `KINFERENCE_TEST_APISERVER=1` (it starts etcd and kube-apiserver, about 5 s; `build.sh` must have
 //! built them once). The test plays the kubelet: it creates Node and Pod objects, patches pod status
 //! (Running, Ready, pod IP), relabels and deletes pods, and publishes agent EndpointSlices; the router's
-//! worker set and the discovered agents must follow within seconds.
+//! worker set and the discovered agents must follow within seconds. A second test runs the real
+//! gateway binary with the chart's `kubernetes:` block and a kubeconfig: requests reach a `vllm-sim`
+//! worker only while its pod is ready.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -324,4 +326,165 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
     .await;
     drop(discovery);
     drop(server);
+}
+
+/// Kills the child on drop.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+/// POSTs a chat request; the status and the worker that served it.
+async fn chat(api: u16) -> (u16, Option<String>) {
+    use http_body_util::{BodyExt, Full};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let body = json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hello"}]})
+    .to_string();
+    let req = hyper::Request::post(format!("http://127.0.0.1:{api}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body)))
+        .expect("request");
+    match client.request(req).await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let worker = resp
+                .headers()
+                .get("x-kinference-worker")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let _ = resp.into_body().collect().await;
+            (status, worker)
+        }
+        Err(_) => (0, None),
+    }
+}
+
+async fn eventually_async<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "not within 20 s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("{what}: {:?}", start.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_binary_routes_to_discovered_pods() {
+    let Some(server) = start_apiserver("gw-binary") else {
+        return;
+    };
+    let bin_dir = std::env::var_os("KINFERENCE_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+                .parent()
+                .expect("bin dir")
+                .to_path_buf()
+        });
+    let sim = bin_dir.join("vllm-sim");
+    if !sim.exists() {
+        eprintln!("SKIPPED: {} not built", sim.display());
+        return;
+    }
+    let tokenizer = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
+    let client = client(&server).await;
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": NS}}))
+            .expect("namespace"),
+        )
+        .await
+        .expect("create namespace");
+    create_node(&client, "gpu-a").await;
+
+    let port = free_port();
+    let _worker = ChildGuard(
+        Command::new(&sim)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
+            .arg(&tokenizer)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("vllm-sim"),
+    );
+    // The chart's gateway.yaml: no static workers, a kubernetes block.
+    let config = server.dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: {MODEL}\n    tokenizer_dir: {}\nworkers: []\nagents: []\nrouting: kinference\n\
+             kubernetes:\n  namespaces: [{NS}]\n  all_namespaces: false\n  worker_selector: {{kinference.ai/worker: \"true\"}}\n",
+            tokenizer.display()
+        ),
+    )
+    .expect("config");
+    let (api, admin) = (free_port(), free_port());
+    let _gateway = ChildGuard(
+        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+            .arg(format!("--listen=127.0.0.1:{api}"))
+            .arg(format!("--admin-listen=127.0.0.1:{admin}"))
+            .arg("--config")
+            .arg(&config)
+            .env("KUBECONFIG", &server.kubeconfig)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("gateway"),
+    );
+    eventually_async("gateway up, no worker yet", || async {
+        let (status, _) = chat(api).await;
+        status != 0 && status != 200
+    })
+    .await;
+
+    // The pod's IP is loopback so the gateway can reach the simulator behind it.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    pods.create(&PostParams::default(), &worker_pod("w1", "gpu-a", port))
+        .await
+        .expect("create w1");
+    set_status(&pods, "w1", "127.0.0.1", true).await;
+    let url = format!("http://127.0.0.1:{port}");
+    eventually_async("ready pod serves requests", || async {
+        chat(api).await == (200, Some(url.clone()))
+    })
+    .await;
+    set_status(&pods, "w1", "127.0.0.1", false).await;
+    eventually_async("unready pod no longer routed", || async {
+        chat(api).await.0 == 503
+    })
+    .await;
+    set_status(&pods, "w1", "127.0.0.1", true).await;
+    eventually_async("ready again", || async { chat(api).await.0 == 200 }).await;
+    pods.delete("w1", &DeleteParams::default().grace_period(0))
+        .await
+        .expect("delete w1");
+    eventually_async("deleted pod no longer routed", || async {
+        chat(api).await.0 == 503
+    })
+    .await;
 }
