@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use minijinja::{Environment, ErrorKind, context};
 use serde_json::Value;
 
+mod fast;
 #[cfg(test)]
 mod tests;
 
@@ -63,6 +64,8 @@ pub struct ModelTokenizer {
     has_chat_template: bool,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// Hand-written pre-tokenization for Qwen2-style pipelines (see `fast`); `None` for others.
+    fast: Option<fast::FastPath>,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -106,12 +109,18 @@ impl ModelTokenizer {
             }
         };
         let template = chat_template_of(&config);
-        Self::new(
+        // The raw pipeline description decides whether the fast path applies; unparsable here means no.
+        let fast = serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .and_then(|json| fast::FastPath::detect(&json, &tokenizer));
+        let mut tok = Self::new(
             tokenizer,
             template,
             special_token(&config, "bos_token"),
             special_token(&config, "eos_token"),
-        )
+        )?;
+        tok.fast = fast;
+        Ok(tok)
     }
 
     /// Builds a tokenizer from parts (a chat template in Jinja source, if the model has one).
@@ -141,6 +150,7 @@ impl ModelTokenizer {
             has_chat_template,
             bos_token,
             eos_token,
+            fast: None,
         })
     }
 
@@ -170,7 +180,13 @@ impl ModelTokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
-        // `encode_fast` skips the offset bookkeeping we never use: a large share of the encode time.
+        // The fast path's pipeline has a ByteLevel post-processor, which adds no special tokens.
+        if let Some(f) = &self.fast {
+            return f
+                .encode(&self.tokenizer, text)
+                .map_err(|e| TokenizeError::Encode(e.to_string()));
+        }
+        // `encode_fast` skips the offset bookkeeping we never use.
         let enc = self
             .tokenizer
             .encode_fast(text, add_special_tokens)
@@ -225,6 +241,19 @@ impl ModelTokenizer {
     pub fn encode_chat(&self, messages: &Value) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages, true)?;
         self.encode_text(&text, false)
+    }
+
+    /// Encodes with the full `tokenizers` pipeline, bypassing the fast path (reference for tests).
+    pub fn encode_text_reference(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self
+            .tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map_err(|e| TokenizeError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Decodes token ids to text (special tokens skipped, as vLLM's default `skip_special_tokens`).

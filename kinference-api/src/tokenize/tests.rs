@@ -127,7 +127,11 @@ fn long_chat_prompt_encodes_quickly() {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         text.push_str(words[(x >> 33) as usize % words.len()]);
-        text.push_str(if (x >> 40).is_multiple_of(11) { ". " } else { " " });
+        text.push_str(if (x >> 40).is_multiple_of(11) {
+            ". "
+        } else {
+            " "
+        });
     }
     let msgs =
         json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]);
@@ -147,4 +151,102 @@ fn long_chat_prompt_encodes_quickly() {
         per.as_millis() < bound,
         "{n} tokens took {per:?} per encode_chat"
     );
+}
+
+#[test]
+#[ignore = "profiling aid: cargo test --release -- --ignored profile_encode --nocapture"]
+fn profile_encode() {
+    let words = [
+        "router", "cache", "token", "prefix", "worker", "latency", "the", "of",
+    ];
+    let mut text = String::new();
+    let mut x: u64 = 7;
+    while text.len() < 40_000 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        text.push_str(words[(x >> 33) as usize % words.len()]);
+        text.push(' ');
+    }
+    let tok = qwen2();
+    let msgs = json!([{"role": "user", "content": text}]);
+    let t = Instant::now();
+    let rendered = tok.render_chat(&msgs, true).expect("render");
+    println!("render {:?}", t.elapsed());
+    for _ in 0..3 {
+        let t = Instant::now();
+        let n = tok.encode_text(&rendered, false).expect("enc").len();
+        println!("encode_fast {n} tokens {:?}", t.elapsed());
+    }
+    let t = Instant::now();
+    let n = tok
+        .tokenizer()
+        .encode(rendered.as_str(), false)
+        .expect("enc")
+        .len();
+    println!("encode {n} {:?}", t.elapsed());
+    let t = Instant::now();
+    let pre = tok.tokenizer().get_pre_tokenizer().expect("pre");
+    use tokenizers::PreTokenizer;
+    let mut pts = tokenizers::PreTokenizedString::from(rendered.as_str());
+    pre.pre_tokenize(&mut pts).expect("pre");
+    println!("pre_tokenize only {:?}", t.elapsed());
+    let t = Instant::now();
+    let _ = tok.tokenizer().get_normalizer().map(|n| {
+        use tokenizers::Normalizer;
+        let mut s = tokenizers::NormalizedString::from(rendered.as_str());
+        n.normalize(&mut s).expect("norm");
+    });
+    println!("normalize only {:?}", t.elapsed());
+}
+
+#[test]
+fn fast_path_equals_the_full_pipeline() {
+    let tok = qwen2();
+    assert!(
+        tok.fast.is_some(),
+        "Qwen2's pipeline must take the fast path"
+    );
+    let mut cases: Vec<String> = [
+        "Hello world, this is a test.",
+        "it's they're we've I'm you'll he'd IT'S 'x ''s",
+        "a  b   c    d\n\ne\r\n f \t\tg \n  \n  h",
+        "trailing spaces   ",
+        "   leading",
+        "x = foo(bar[1], 23456) + 7.5e-3; // done!!\n\n\n",
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "tags <think>\nhmm\n</think> and <tool_call>{\"a\": 1}</tool_call> <|unknown|>",
+        "naïve café — ünïcödé mixed with ascii 😀 text",
+        "\u{b}\u{c}vertical\u{b} tabs\u{7f} del _under_score__",
+        "",
+        " ",
+        "\n",
+        "'",
+        "' s",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    // Random ASCII soup over the characters the scanner distinguishes.
+    let alphabet: Vec<char> = "aZ9 '\n\r\t.,!_-<|>sSlLdD".chars().collect();
+    let mut x: u64 = 99;
+    for _ in 0..300 {
+        let mut s = String::new();
+        for _ in 0..40 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            s.push(alphabet[(x >> 33) as usize % alphabet.len()]);
+        }
+        cases.push(s);
+    }
+    for text in &cases {
+        for special in [false, true] {
+            assert_eq!(
+                tok.encode_text(text, special).expect("fast"),
+                tok.encode_text_reference(text, special).expect("reference"),
+                "{text:?}"
+            );
+        }
+    }
 }
