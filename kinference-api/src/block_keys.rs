@@ -26,7 +26,9 @@ const STACK_TOKENS: usize = 256;
 impl KeyHasher {
     /// The hasher for a served model name.
     pub fn for_model(model: &str) -> Self {
-        Self { seed: xxh3_64(model.as_bytes()) }
+        Self {
+            seed: xxh3_64(model.as_bytes()),
+        }
     }
 
     /// The key of one block, given its parent's key (`None` for the first block of a sequence).
@@ -46,7 +48,12 @@ impl KeyHasher {
 
     /// Keys of every *full* block of `tokens`, in order, chained from `parent`.
     /// A trailing partial block has no key (vLLM caches only full blocks).
-    pub fn keys(&self, parent: Option<BlockKey>, tokens: &[u32], block_size: usize) -> Vec<BlockKey> {
+    pub fn keys(
+        &self,
+        parent: Option<BlockKey>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<BlockKey> {
         let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
         self.extend_keys(parent, tokens, block_size, &mut out);
         out
