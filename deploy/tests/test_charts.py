@@ -224,7 +224,7 @@ def test_crd_chart_copies_equal_the_generated_crds() -> None:
     if not generated:
         pytest.skip("crds/*.yaml are not generated yet (cargo xtask gen-crds)")
     copies = sorted((CRD_CHART / "crds").glob("*.yaml"))
-    fix = "run: cp crds/*.yaml deploy/charts/kinference-crds/crds/"
+    fix = "run: cargo xtask gen-crds"
     assert [p.name for p in copies] == [p.name for p in generated], fix
     for gen, cop in zip(generated, copies):
         assert cop.read_bytes() == gen.read_bytes(), f"{cop} differs from {gen}; {fix}"

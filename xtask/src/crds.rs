@@ -1,5 +1,6 @@
 //! `cargo xtask gen-crds`: writes the CRD YAML generated from `kinference-crds` into `crds/`
-//! (one file per CRD); `--check` only compares and fails when a committed file is stale.
+//! (one file per CRD) and into the `kinference-crds` Helm chart, which ships the same files;
+//! `--check` only compares and fails when a committed file is stale.
 
 use std::path::PathBuf;
 
@@ -12,25 +13,32 @@ pub struct GenArgs {
     pub check: bool,
 }
 
-fn crds_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../crds")
+/// Every folder that holds the generated CRDs, relative to the repository root.
+const CRD_DIRS: &[&str] = &["crds", "deploy/charts/kinference-crds/crds"];
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 pub fn generate(args: GenArgs) -> anyhow::Result<()> {
-    let dir = crds_dir();
+    let root = repo_root();
     let mut stale = Vec::new();
     for (file, crd) in kinference_crds::all_crds() {
-        let path = dir.join(file);
         let yaml = kinference_crds::render_yaml(&crd).context("rendering CRD YAML")?;
-        let current = std::fs::read_to_string(&path).unwrap_or_default();
-        if current == yaml {
-            continue;
-        }
-        if args.check {
-            stale.push(file);
-        } else {
-            std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?;
-            println!("wrote crds/{file}");
+        for dir in CRD_DIRS {
+            let shown = format!("{dir}/{file}");
+            let path = root.join(&shown);
+            let current = std::fs::read_to_string(&path).unwrap_or_default();
+            if current == yaml {
+                continue;
+            }
+            if args.check {
+                stale.push(shown);
+            } else {
+                std::fs::write(&path, &yaml)
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {shown}");
+            }
         }
     }
     if !stale.is_empty() {
