@@ -1,9 +1,11 @@
-//! Wires the agent together: discovery -> per-worker subscriber and scraper tasks -> registry ->
-//! broadcaster -> gRPC; plus the `/metrics` endpoint. `main` only parses flags and calls [`run`].
+//! Wires the agent together: discovery -> per-worker subscriber, scraper and kernel watch -> registry ->
+//! broadcaster -> gRPC; the node signals (eBPF, NVML) -> registry; plus the metrics port (`/metrics`,
+//! `/healthz`, `/readyz`). `main` only parses flags and calls [`run`].
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -19,7 +21,9 @@ use crate::config::{Args, WorkersFile};
 use crate::discovery::{self, WorkerChange};
 use crate::grpc::{Broadcaster, NodeAgentService};
 use crate::metrics::AgentMetrics;
+use crate::node::ebpf::EbpfOptions;
 use crate::registry::Registry;
+use crate::signals::{self, NodeSignals};
 use crate::{scrape, subscriber};
 
 /// Why the agent could not start.
@@ -34,6 +38,8 @@ pub enum StartError {
     },
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    #[error("starting the node signals (eBPF, NVML): {0}")]
+    Signals(#[from] tokio::task::JoinError),
 }
 
 /// Runs the agent until `shutdown` is cancelled.
@@ -41,19 +47,17 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
     // Fail fast on a bad file at start; later edits that do not parse are only logged.
     WorkersFile::load(&args.workers)?;
 
-    let metrics = AgentMetrics::default();
-    let mut prom = prometheus_client::registry::Registry::default();
-    metrics.register(&mut prom);
-    let prom = Arc::new(prom);
-
-    let registry = Arc::new(Registry::default());
-    let node = args.node_name();
-    let broadcaster = Broadcaster::new(
-        registry.clone(),
-        metrics.clone(),
-        node.clone(),
-        args.watcher_queue,
-    );
+    // eBPF and NVML load meanwhile (parsing the kernel's BTF takes a moment): both log once what works and
+    // why the rest does not, and never fail the agent.
+    let mut ebpf_options = EbpfOptions::from_env();
+    ebpf_options.poll_interval = args.kernel_poll();
+    ebpf_options.idle_gap = args.kernel_idle_gap();
+    let starting = tokio::task::spawn_blocking(move || {
+        let signals = NodeSignals::start(ebpf_options);
+        // A first GPU sample, so the first snapshot already carries the node state (or why it is missing).
+        let state = signals.gpu.sample(&[]).to_proto();
+        (signals, state)
+    });
 
     let grpc_listener = TcpListener::bind(args.grpc_listen)
         .await
@@ -67,10 +71,53 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
             addr: args.metrics_listen,
             source,
         })?;
+
+    let (signals, node_state) = starting.await?;
+    let signals = Arc::new(signals);
+
+    let metrics = AgentMetrics::default();
+    let mut prom = prometheus_client::registry::Registry::default();
+    metrics.register(&mut prom);
+    signals.register_metrics(&mut prom);
+    let prom = Arc::new(prom);
+
+    let registry = Arc::new(Registry::default());
+    registry.set_node_state(node_state);
+    let node = args.node_name();
+    let broadcaster = Broadcaster::new(
+        registry.clone(),
+        metrics.clone(),
+        node.clone(),
+        args.watcher_queue,
+    );
+
     tracing::info!(grpc = %args.grpc_listen, metrics = %args.metrics_listen, node, "kinference-agent listening");
 
-    tokio::spawn(serve_metrics(metrics_listener, prom, shutdown.clone()));
+    let ready = Arc::new(AtomicBool::new(false));
+    let health = Health {
+        ready: Arc::clone(&ready),
+        registry: Arc::clone(&registry),
+        signals: Arc::clone(&signals),
+    };
+    tokio::spawn(serve_metrics(
+        metrics_listener,
+        prom,
+        health,
+        shutdown.clone(),
+    ));
     tokio::spawn(broadcaster.clone().run(args.coalesce(), shutdown.clone()));
+    tokio::spawn(signals::run_kernel(
+        Arc::clone(&signals.kernel),
+        Arc::clone(&registry),
+        args.kernel_poll(),
+        shutdown.clone(),
+    ));
+    tokio::spawn(signals::run_gpu(
+        Arc::clone(&signals.gpu),
+        Arc::clone(&registry),
+        args.gpu_interval(),
+        shutdown.clone(),
+    ));
 
     let changes = discovery::watch_file(
         args.workers.clone(),
@@ -82,11 +129,14 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
         changes,
         registry.clone(),
         metrics.clone(),
+        Arc::clone(&signals),
         args.clone(),
         shutdown.clone(),
     ));
 
     let service = NodeAgentServer::new(NodeAgentService::new(broadcaster));
+    // Listening, signals started, discovery running: gateways may connect.
+    ready.store(true, Ordering::Release);
     tonic::transport::Server::builder()
         .add_service(service)
         .serve_with_incoming_shutdown(
@@ -102,6 +152,7 @@ async fn supervise(
     mut changes: tokio::sync::mpsc::Receiver<WorkerChange>,
     registry: Arc<Registry>,
     metrics: AgentMetrics,
+    signals: Arc<NodeSignals>,
     args: Args,
     shutdown: CancellationToken,
 ) {
@@ -129,22 +180,49 @@ async fn supervise(
                     args.scrape_interval(),
                     cancel.clone(),
                 ));
+                signals.watch(&spec.url);
                 tasks.insert(spec.url, cancel);
             }
             WorkerChange::Remove(url) => {
                 if let Some(cancel) = tasks.remove(&url) {
                     cancel.cancel();
                 }
+                signals.unwatch(&url);
                 registry.remove(&url);
             }
         }
     }
 }
 
-/// Serves `/metrics` (Prometheus text) and `/healthz`.
+/// What `/readyz` reports.
+#[derive(Clone)]
+struct Health {
+    /// Set once the gRPC server is about to serve.
+    ready: Arc<AtomicBool>,
+    registry: Arc<Registry>,
+    signals: Arc<NodeSignals>,
+}
+
+impl Health {
+    /// `/readyz`: 200 once gateways can watch, with the worker count and each node signal's state (eBPF or
+    /// NVML being unavailable does not make the agent unready: it serves summaries without them).
+    fn readyz(&self) -> (u16, String) {
+        if !self.ready.load(Ordering::Acquire) {
+            return (503, "starting\n".to_string());
+        }
+        let workers = self.registry.list().len();
+        (
+            200,
+            format!("ready\nworkers: {workers}\n{}", self.signals.describe()),
+        )
+    }
+}
+
+/// Serves `/metrics` (Prometheus text), `/healthz` (the process answers) and `/readyz` (gateways can watch).
 async fn serve_metrics(
     listener: TcpListener,
     prom: Arc<prometheus_client::registry::Registry>,
+    health: Health,
     shutdown: CancellationToken,
 ) {
     loop {
@@ -159,9 +237,11 @@ async fn serve_metrics(
             },
         };
         let prom = prom.clone();
+        let health = health.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {
                 let prom = prom.clone();
+                let health = health.clone();
                 async move {
                     let (status, ctype, body) = match req.uri().path() {
                         "/metrics" => {
@@ -176,6 +256,10 @@ async fn serve_metrics(
                             }
                         }
                         "/healthz" => (200, "text/plain", "ok\n".to_string()),
+                        "/readyz" => {
+                            let (status, body) = health.readyz();
+                            (status, "text/plain", body)
+                        }
                         _ => (404, "text/plain", "not found\n".to_string()),
                     };
                     Response::builder()

@@ -58,6 +58,20 @@ pub struct Args {
     /// How often the workers file is checked for changes, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     pub workers_poll_ms: u64,
+
+    /// How often the eBPF maps are read and the kernel's per-worker figures copied into the summaries, in
+    /// milliseconds (a gateway hears of a new request within about this long).
+    #[arg(long, default_value_t = 25)]
+    pub kernel_poll_ms: u64,
+
+    /// A streamed response without a send for this long counts as finished in the kernel's in-flight count
+    /// (HTTP/1.1 keeps connections open; the next request or a close also ends it), in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    pub kernel_idle_gap_ms: u64,
+
+    /// How often the GPUs are sampled through NVML, in milliseconds.
+    #[arg(long, default_value_t = 5000)]
+    pub gpu_interval_ms: u64,
 }
 
 impl Args {
@@ -66,6 +80,15 @@ impl Args {
     }
     pub fn coalesce(&self) -> Duration {
         Duration::from_millis(self.coalesce_ms)
+    }
+    pub fn kernel_poll(&self) -> Duration {
+        Duration::from_millis(self.kernel_poll_ms.max(5))
+    }
+    pub fn kernel_idle_gap(&self) -> Duration {
+        Duration::from_millis(self.kernel_idle_gap_ms.max(1))
+    }
+    pub fn gpu_interval(&self) -> Duration {
+        Duration::from_millis(self.gpu_interval_ms.max(100))
     }
     /// The node name: `--node`, else the host name, else `"local"`.
     pub fn node_name(&self) -> String {

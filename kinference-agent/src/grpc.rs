@@ -5,11 +5,14 @@
 //! bounded queue without waiting. A new watcher, or one whose queue was full (a slow gateway), gets a
 //! fresh `Snapshot` built in the same pass instead: ingestion never waits for a gateway, and a gateway
 //! that falls behind is made current again by one message. Keys travel as packed `fixed64`.
+//!
+//! A worker's load (scraped figures and the kernel's view of its port) is sent when it changes and at
+//! least every second; the node's GPU state is in every snapshot and in the next delta after it changes.
 
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use kinference_api::summary::node_agent_server::NodeAgent;
@@ -23,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::metrics::AgentMetrics;
-use crate::registry::{Load, Registry};
+use crate::registry::{KernelFigures, Load, Registry};
 
 /// Load figures are resent at least this often, so `metrics_age_ms` and `event_lag_ms` stay meaningful.
 const LOAD_REFRESH: Duration = Duration::from_secs(1);
@@ -44,6 +47,8 @@ pub struct Broadcaster {
     epoch: u64,
     queue: usize,
     watchers: Mutex<Vec<Arc<Watcher>>>,
+    /// Version of the node state the in-sync watchers have (see [`Registry::node_state`]).
+    node_version: AtomicU64,
 }
 
 /// What the broadcaster last told gateways about a worker.
@@ -59,6 +64,7 @@ struct LoadSent {
     waiting: u32,
     kv_usage: f32,
     ok: bool,
+    kernel: Option<KernelFigures>,
     at: Instant,
 }
 
@@ -80,6 +86,7 @@ impl Broadcaster {
             epoch,
             queue: queue.max(2),
             watchers: Mutex::new(Vec::new()),
+            node_version: AtomicU64::new(0),
         })
     }
 
@@ -122,12 +129,16 @@ impl Broadcaster {
             .any(|w| w.needs_snapshot.load(Ordering::Relaxed) && w.tx.capacity() > 0);
         let now = Instant::now();
         let slots = self.registry.list();
+        let (node_version, node_state) = self.registry.node_state();
         let mut delta = pb::Delta::default();
+        if self.node_version.swap(node_version, Ordering::Relaxed) != node_version {
+            delta.node_state = node_state.clone();
+        }
         let mut snapshot = need_snapshot.then(|| pb::Snapshot {
             node: self.node.clone(),
             epoch: self.epoch,
             workers: Vec::with_capacity(slots.len()),
-            node_state: None,
+            node_state,
         });
         let mut key_changes = 0u64;
 
@@ -148,6 +159,7 @@ impl Broadcaster {
                 waiting: wire_load.waiting,
                 kv_usage: wire_load.kv_usage,
                 ok: wire_load.metrics_ok,
+                kernel: load.kernel,
                 at: now,
             };
             if let (Some(snap), Some(keys)) = (snapshot.as_mut(), keys) {
@@ -198,8 +210,14 @@ impl Broadcaster {
                         send = true;
                     }
                     let load_changed = a.load.is_none_or(|p| {
-                        (p.running, p.waiting, p.kv_usage, p.ok)
-                            != (sent.running, sent.waiting, sent.kv_usage, sent.ok)
+                        (p.running, p.waiting, p.kv_usage, p.ok, p.kernel)
+                            != (
+                                sent.running,
+                                sent.waiting,
+                                sent.kv_usage,
+                                sent.ok,
+                                sent.kernel,
+                            )
                             || now.duration_since(p.at) >= LOAD_REFRESH
                     });
                     if load_changed {
@@ -235,9 +253,10 @@ impl Broadcaster {
             });
         }
 
-        let delta = (!delta.workers.is_empty()).then_some(pb::Summary {
-            kind: Some(Kind::Delta(delta)),
-        });
+        let delta =
+            (!delta.workers.is_empty() || delta.node_state.is_some()).then_some(pb::Summary {
+                kind: Some(Kind::Delta(delta)),
+            });
         let snapshot = snapshot.map(|s| pb::Summary {
             kind: Some(Kind::Snapshot(s)),
         });
@@ -284,6 +303,7 @@ fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
     let now_unix = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
+    let kernel = load.kernel.unwrap_or_default();
     pb::WorkerLoad {
         running: load.running,
         waiting: load.waiting,
@@ -295,7 +315,12 @@ fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
         event_lag_ms: load.last_event_ts.map_or(0, |ts| {
             ((now_unix - ts).max(0.0) * 1000.0).min(u32::MAX as f64) as u32
         }),
-        ..Default::default()
+        kernel_ok: load.kernel.is_some(),
+        kernel_in_flight: kernel.in_flight,
+        kernel_waiting: kernel.waiting,
+        accept_backlog: kernel.accept_backlog,
+        accept_backlog_max: kernel.accept_backlog_max,
+        kernel_ttfb_p50_us: kernel.ttfb_p50_us,
     }
 }
 

@@ -8,7 +8,8 @@
 //! - [`subscriber`]: a worker's ZMQ event stream with sequence tracking and replay.
 //! - [`scrape`]: a worker's vLLM `/metrics` (load, block size).
 //! - [`registry`]: every local worker's state, shared by the above and [`grpc`], the summary stream.
-//! - [`metrics`]: the agent's own Prometheus metrics; [`app`]: wiring; [`node`]: GPU and kernel signals.
+//! - [`node`]: GPU (NVML) and kernel (eBPF) monitors; [`signals`]: feeds them into the registry.
+//! - [`metrics`]: the agent's own Prometheus metrics; [`app`]: wiring.
 #![forbid(unsafe_code)]
 
 pub mod app;
@@ -20,5 +21,6 @@ pub mod metrics;
 pub mod node;
 pub mod registry;
 pub mod scrape;
+pub mod signals;
 pub mod subscriber;
 pub mod worker_state;

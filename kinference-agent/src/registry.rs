@@ -1,14 +1,16 @@
 //! The agent's view of its local workers, shared by ingestion, scraping and the summary stream.
 //!
 //! Each worker has a [`WorkerSlot`]: its spec, its block-key state and its load. Ingestion and scraping
-//! write one slot each (one task per worker, so the per-slot locks are uncontended); the summary
-//! broadcaster reads all of them once per coalescing window.
+//! write one slot each (one task per worker, so the per-slot locks are uncontended), the node signals
+//! ([`crate::signals`]) write the kernel figures and the node's GPU state; the summary broadcaster reads
+//! all of them once per coalescing window.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
+use kinference_api::summary::NodeState;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::Notify;
 
@@ -29,6 +31,23 @@ pub struct Load {
     pub block_size: Option<u32>,
     /// Publisher timestamp (Unix seconds) of the newest batch applied.
     pub last_event_ts: Option<f64>,
+    /// The kernel's view of the worker's port (eBPF); `None` when eBPF is off or does not watch it.
+    pub kernel: Option<KernelFigures>,
+}
+
+/// The kernel-level figures of one worker port, as the summary carries them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelFigures {
+    /// Requests received and not finished, from every client.
+    pub in_flight: u32,
+    /// Of which no response byte has been sent yet.
+    pub waiting: u32,
+    /// The listener's accept queue (the peak since the previous read).
+    pub accept_backlog: u32,
+    /// The listener's accept queue limit.
+    pub accept_backlog_max: u32,
+    /// Recent median time from a request's first byte in to its first response byte out (0: none).
+    pub ttfb_p50_us: u32,
 }
 
 /// One local worker.
@@ -51,12 +70,14 @@ impl WorkerSlot {
     }
 }
 
-/// Every local worker, by url.
+/// Every local worker, by url, and the node's GPU state.
 #[derive(Default)]
 pub struct Registry {
     workers: RwLock<BTreeMap<String, Arc<WorkerSlot>>>,
     changed: Notify,
     generations: AtomicU64,
+    /// The node's GPU state and a version that changes with it (0: never set).
+    node: Mutex<(u64, Option<NodeState>)>,
 }
 
 impl Registry {
@@ -85,6 +106,29 @@ impl Registry {
     /// Every worker, ordered by url.
     pub fn list(&self) -> Vec<Arc<WorkerSlot>> {
         self.workers.read().values().cloned().collect()
+    }
+
+    /// Records the node's GPU state; wakes the broadcaster and returns true when it differs from the last.
+    pub fn set_node_state(&self, state: NodeState) -> bool {
+        let changed = {
+            let mut node = self.node.lock();
+            if node.1.as_ref() == Some(&state) {
+                false
+            } else {
+                node.0 += 1;
+                node.1 = Some(state);
+                true
+            }
+        };
+        if changed {
+            self.notify();
+        }
+        changed
+    }
+
+    /// The node's GPU state with its version (0 and `None` before the first sample).
+    pub fn node_state(&self) -> (u64, Option<NodeState>) {
+        self.node.lock().clone()
     }
 
     /// Wakes the summary broadcaster: something changed.

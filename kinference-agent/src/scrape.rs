@@ -145,10 +145,13 @@ pub enum ScrapeError {
 /// An HTTP client for scrapes (plain HTTP: workers are scraped over the node's loopback or pod network).
 pub type HttpClient = Client<HttpConnector, Empty<Bytes>>;
 
-/// A client suited to scraping.
+/// A client suited to scraping: one connection per scrape, closed after it. A kept-alive scrape
+/// connection would look like one more request in flight on the worker's port to the kernel-level view
+/// (eBPF ends a response only at the next request, at close, or after an idle gap longer than the scrape
+/// interval), biasing every worker's `kernel_in_flight` by one.
 pub fn client() -> HttpClient {
     Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(0)
         .build_http()
 }
 

@@ -117,6 +117,19 @@ pub struct ClusterConfig {
     pub ready_timeout: Duration,
 }
 
+/// Optional extras of a cluster, for benchmarks that need more than [`ClusterConfig`] says
+/// ([`Cluster::start_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions {
+    /// Environment of the agent process (e.g. `KINFERENCE_DISABLE_EBPF=1`).
+    pub agent_env: Vec<(String, String)>,
+    /// Extra agent flags (e.g. `--kernel-poll-ms 25`).
+    pub agent_args: Vec<String>,
+    /// Gateway replicas per routing mode (0 or 1: one). Replica `r > 1` of mode `m` is named `m#r`
+    /// ([`Cluster::gateway`]); all replicas of a mode share the workers and the agent.
+    pub gateway_replicas: usize,
+}
+
 /// Default directory of the binaries: `KINFERENCE_BIN_DIR`, else the directory of the running executable.
 pub fn default_bin_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("KINFERENCE_BIN_DIR") {
@@ -171,6 +184,16 @@ impl ChildGuard {
         args: &[String],
         log: PathBuf,
     ) -> Result<Self, ClusterError> {
+        Self::spawn_env(name, program, args, &[], log)
+    }
+
+    fn spawn_env(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+    ) -> Result<Self, ClusterError> {
         let out = File::create(&log).map_err(io(format!("creating {}", log.display())))?;
         let err = out.try_clone().map_err(io("duplicating a log handle"))?;
         let mut command = Command::new(program);
@@ -183,6 +206,7 @@ impl ChildGuard {
         if std::env::var_os("RUST_LOG").is_none() {
             command.env("RUST_LOG", "warn");
         }
+        command.envs(env.iter().map(|(k, v)| (k, v)));
         let child = command
             .spawn()
             .map_err(io(format!("starting {}", program.display())))?;
@@ -265,6 +289,15 @@ impl CacheCounters {
 impl Cluster {
     /// Starts the agent, the workers and the gateways and waits until all are ready.
     pub async fn start(config: &ClusterConfig, http: HttpClient) -> Result<Self, ClusterError> {
+        Self::start_with(config, http, &ClusterOptions::default()).await
+    }
+
+    /// [`Cluster::start`] with extra options.
+    pub async fn start_with(
+        config: &ClusterConfig,
+        http: HttpClient,
+        options: &ClusterOptions,
+    ) -> Result<Self, ClusterError> {
         let bin = |name: &str| -> Result<PathBuf, ClusterError> {
             let path = config.bin_dir.join(name);
             if path.is_file() {
@@ -292,7 +325,22 @@ impl Cluster {
             .map_err(io(format!("creating {}", config.work_dir.display())))?;
 
         let n = config.workers;
-        let ports = free_ports(3 * n + 2 + 2 * config.gateway_modes.len())?;
+        let replicas = options.gateway_replicas.max(1);
+        let gateway_names: Vec<(String, String)> = config
+            .gateway_modes
+            .iter()
+            .flat_map(|mode| {
+                (1..=replicas).map(move |r| {
+                    let name = if r == 1 {
+                        mode.clone()
+                    } else {
+                        format!("{mode}#{r}")
+                    };
+                    (mode.clone(), name)
+                })
+            })
+            .collect();
+        let ports = free_ports(3 * n + 2 + 2 * gateway_names.len())?;
         let (worker_ports, rest) = ports.split_at(3 * n);
         let (agent_ports, gateway_ports) = rest.split_at(2);
         let workers: Vec<WorkerPorts> = worker_ports
@@ -322,19 +370,22 @@ impl Cluster {
         // The agent first: it binds the SUB sockets the workers connect to.
         let agent_yaml = config.work_dir.join("agent-workers.yaml");
         write_yaml(&agent_yaml, &agent_workers_yaml(&workers))?;
-        let agent = ChildGuard::spawn(
+        let mut agent_args: Vec<String> = vec![
+            "--grpc-listen".into(),
+            agent_grpc.clone(),
+            "--metrics-listen".into(),
+            agent_metrics.clone(),
+            "--workers".into(),
+            agent_yaml.display().to_string(),
+            "--node".into(),
+            "bench-node".into(),
+        ];
+        agent_args.extend(options.agent_args.iter().cloned());
+        let agent = ChildGuard::spawn_env(
             "kinference-agent",
             &agent_bin,
-            &[
-                "--grpc-listen".into(),
-                agent_grpc.clone(),
-                "--metrics-listen".into(),
-                agent_metrics.clone(),
-                "--workers".into(),
-                agent_yaml.display().to_string(),
-                "--node".into(),
-                "bench-node".into(),
-            ],
+            &agent_args,
+            &options.agent_env,
             config.work_dir.join("agent.log"),
         )?;
         cluster.children.push(agent);
@@ -376,15 +427,16 @@ impl Cluster {
         }
 
         let gateway_yaml_base = gateway_yaml(&worker_urls, &tokenizer_dir, &agent_grpc);
-        for (mode, ports) in config.gateway_modes.iter().zip(gateway_ports.chunks(2)) {
+        for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
+            let file = name.replace('#', "-");
             let mut yaml = gateway_yaml_base.clone();
             yaml["routing"] = json!(mode);
-            let path = config.work_dir.join(format!("gateway-{mode}.yaml"));
+            let path = config.work_dir.join(format!("gateway-{file}.yaml"));
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
             let admin = format!("127.0.0.1:{}", ports[1]);
             let child = ChildGuard::spawn(
-                &format!("kinference-gateway ({mode})"),
+                &format!("kinference-gateway ({name})"),
                 &gateway_bin,
                 &[
                     "--listen".into(),
@@ -394,11 +446,11 @@ impl Cluster {
                     "--config".into(),
                     path.display().to_string(),
                 ],
-                config.work_dir.join(format!("gateway-{mode}.log")),
+                config.work_dir.join(format!("gateway-{file}.log")),
             )?;
             cluster.children.push(child);
             cluster.gateways.insert(
-                mode.clone(),
+                name.clone(),
                 GatewayEndpoint {
                     mode: mode.clone(),
                     url: format!("http://{listen}"),
@@ -453,9 +505,14 @@ impl Cluster {
         &self.workers
     }
 
-    /// The gateway running `mode`.
+    /// The gateway running `mode` (replica `r > 1`: `mode#r`, see [`ClusterOptions::gateway_replicas`]).
     pub fn gateway(&self, mode: &str) -> Option<&GatewayEndpoint> {
         self.gateways.get(mode)
+    }
+
+    /// Every gateway, by name.
+    pub fn gateways(&self) -> impl Iterator<Item = &GatewayEndpoint> {
+        self.gateways.values()
     }
 
     /// The agent's metrics URL.

@@ -190,3 +190,86 @@ fn summary_bandwidth_per_block_event_is_under_ten_bytes() {
     );
     assert!(per_event <= 10.0, "{per_event:.2} bytes per block event");
 }
+
+#[test]
+fn kernel_figures_travel_in_the_load_and_a_change_is_sent_at_once() {
+    let (registry, b) = setup(16);
+    let w1 = registry.upsert(spec("http://w1"), 1000);
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g1".into());
+    b.tick(&mut announced);
+    let Some(Kind::Snapshot(s)) = recv_now(&mut rx) else {
+        panic!("a snapshot first")
+    };
+    let load = s.workers[0].load.expect("load");
+    assert!(!load.kernel_ok, "no kernel view yet: kernel_ok is false");
+
+    let figures = KernelFigures {
+        in_flight: 3,
+        waiting: 2,
+        accept_backlog: 1,
+        accept_backlog_max: 4096,
+        ttfb_p50_us: 2500,
+    };
+    w1.load.lock().kernel = Some(figures);
+    b.tick(&mut announced);
+    let Some(Kind::Delta(d)) = recv_now(&mut rx) else {
+        panic!("a delta for the new kernel figures")
+    };
+    let load = d.workers[0].load.expect("load in the delta");
+    assert!(load.kernel_ok);
+    assert_eq!(
+        (
+            load.kernel_in_flight,
+            load.kernel_waiting,
+            load.accept_backlog,
+            load.accept_backlog_max,
+            load.kernel_ttfb_p50_us
+        ),
+        (3, 2, 1, 4096, 2500)
+    );
+
+    // Unchanged figures are not resent before the refresh interval.
+    b.tick(&mut announced);
+    assert!(recv_now(&mut rx).is_none());
+}
+
+#[test]
+fn node_state_is_in_snapshots_and_in_the_delta_after_a_change() {
+    let (registry, b) = setup(16);
+    registry.upsert(spec("http://w1"), 1000);
+    let state = |util: u32| pb::NodeState {
+        gpus: vec![pb::GpuState {
+            index: 0,
+            name: "H200".into(),
+            utilization_pct: util,
+            memory_used_bytes: 1 << 30,
+            memory_total_bytes: 141 << 30,
+            worker_ids: vec!["http://w1".into()],
+        }],
+        gpu_unavailable_reason: String::new(),
+    };
+    assert!(registry.set_node_state(state(10)));
+    assert!(
+        !registry.set_node_state(state(10)),
+        "an equal state is no change"
+    );
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g1".into());
+    b.tick(&mut announced);
+    let Some(Kind::Snapshot(s)) = recv_now(&mut rx) else {
+        panic!("a snapshot first")
+    };
+    assert_eq!(s.node_state, Some(state(10)));
+
+    b.tick(&mut announced);
+    assert!(recv_now(&mut rx).is_none(), "nothing changed");
+
+    registry.set_node_state(state(55));
+    b.tick(&mut announced);
+    let Some(Kind::Delta(d)) = recv_now(&mut rx) else {
+        panic!("a delta for the new GPU state")
+    };
+    assert!(d.workers.is_empty());
+    assert_eq!(d.node_state, Some(state(55)));
+}

@@ -235,12 +235,21 @@ pub struct Agent {
     child: Child,
     pub grpc: String,
     pub metrics_url: String,
+    /// `http://127.0.0.1:<metrics port>` (also serves `/healthz` and `/readyz`).
+    pub metrics_base: String,
     dir: std::path::PathBuf,
+    log: std::path::PathBuf,
 }
 
 impl Agent {
     /// Starts the agent with one worker entry, on the given gRPC port.
     pub async fn start(worker_yaml: &str, grpc_port: u16) -> Self {
+        Self::start_with(worker_yaml, grpc_port, &[]).await
+    }
+
+    /// The same with extra environment variables (e.g. `KINFERENCE_DISABLE_EBPF`). Its log goes to a file
+    /// ([`Agent::log`]), or to the test's stderr when `AGENT_LOG` is set.
+    pub async fn start_with(worker_yaml: &str, grpc_port: u16, env: &[(&str, &str)]) -> Self {
         let dir = std::env::temp_dir().join(format!(
             "kinference-agent-test-{}-{}",
             std::process::id(),
@@ -249,6 +258,15 @@ impl Agent {
         std::fs::create_dir_all(&dir).expect("tmp dir");
         let workers = dir.join("workers.yaml");
         std::fs::write(&workers, worker_yaml).expect("write workers file");
+        let log = dir.join("agent.log");
+        // tracing writes to stdout; panics and early errors go to stderr.
+        let (stdout, stderr) = if std::env::var_os("AGENT_LOG").is_some() {
+            (Stdio::inherit(), Stdio::inherit())
+        } else {
+            let file = std::fs::File::create(&log).expect("log file");
+            let copy = file.try_clone().expect("log file handle");
+            (Stdio::from(file), Stdio::from(copy))
+        };
         let metrics_port = free_port();
         let child = Command::new(env!("CARGO_BIN_EXE_kinference-agent"))
             .args(["--grpc-listen", &format!("127.0.0.1:{grpc_port}")])
@@ -257,19 +275,20 @@ impl Agent {
             .arg(&workers)
             .args(["--node", "test-node"])
             .env("RUST_LOG", "info,kinference_agent=debug")
-            .stdout(Stdio::null())
-            .stderr(if std::env::var_os("AGENT_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
+            // Plain text in the log file, so tests can search it.
+            .env("NO_COLOR", "1")
+            .envs(env.iter().copied())
+            .stdout(stdout)
+            .stderr(stderr)
             .spawn()
             .expect("agent binary starts");
         let agent = Self {
             child,
             grpc: format!("http://127.0.0.1:{grpc_port}"),
             metrics_url: format!("http://127.0.0.1:{metrics_port}/metrics"),
+            metrics_base: format!("http://127.0.0.1:{metrics_port}"),
             dir,
+            log,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(("127.0.0.1", grpc_port))
@@ -283,6 +302,11 @@ impl Agent {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         agent
+    }
+
+    /// What the agent logged so far (empty when it logs to the test's stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Scrapes the agent's own `/metrics` and returns one sample's value (summed over labels).

@@ -15,6 +15,7 @@ use rand::Rng;
 use tonic::transport::Endpoint;
 
 use super::Shared;
+use super::estimate::KernelQueue;
 use super::kv_index::WorkerId;
 use super::metrics::AgentLabels;
 use super::workers::Load;
@@ -202,10 +203,14 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
         waiting: l.waiting,
         kv_usage: l.kv_usage,
         metrics_ok: l.metrics_ok,
-        kernel_in_flight: l.kernel_ok.then_some(l.kernel_in_flight),
+        kernel: l.kernel_ok.then_some(KernelQueue {
+            in_flight: l.kernel_in_flight,
+            waiting: l.kernel_waiting.min(l.kernel_in_flight),
+        }),
         measured: now
             .checked_sub(Duration::from_millis(u64::from(l.metrics_age_ms)))
             .unwrap_or(now),
+        received: now,
     }
 }
 

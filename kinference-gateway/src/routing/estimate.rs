@@ -12,6 +12,34 @@
 //! and settles at 0.1, and both are clamped to sane bounds. Requests with a large `work` teach the
 //! per-token rate; small ones teach the overhead.
 //!
+//! ## The queue ahead: whose requests, from which signal ([`queue`])
+//!
+//! A gateway's in-flight ledger is exact and current, but only for its own requests; with several gateway
+//! replicas (or clients that reach a worker another way) most of a worker's queue can be invisible to it.
+//! The node agent adds two views that count *every* client's requests, this gateway's included:
+//! - the **kernel view** (eBPF on the worker's port, sent within ~25 ms of a change): requests in flight,
+//!   and of those the ones with no response byte yet (`waiting`);
+//! - the **engine view** (the worker's own `vllm:num_requests_running` / `_waiting`, scraped every 250 ms).
+//!
+//! Because both include this gateway's own requests, they are never added to the ledger. The rule:
+//! 1. total in flight = `max(ledger, view)`, so *others* = `total - ledger` (a view older than the ledger
+//!    that has not seen our newest request yet cannot make others negative);
+//! 2. the others still waiting for their first token: at least what a view shows beyond our own waiting
+//!    ones (`max(kernel.waiting, engine.waiting) - ledger.awaiting_first_token`), and at least the others'
+//!    share at the waiting fraction our own requests on that worker have (the replicas send alike traffic;
+//!    a streaming response sends its headers before the first token, so the kernel's `waiting` alone
+//!    undercounts them), capped at the others;
+//! 3. queued prefill = our own pending uncached tokens (exact) + others waiting x our average uncached
+//!    tokens per request; `running` (decode interference) = the total.
+//!
+//! The kernel view is preferred when it is live and fresh (younger than `kernel_max_age`: the agent resends
+//! unchanged figures every second); else the engine view when its scrape is fresh; else the ledger alone.
+//! A candidate estimated without the kernel view says why in the decision's explanation (`kernel=no_agent`,
+//! `kernel=ebpf_off`, `kernel=stale`), counts in `kinference_routing_kernel_view_missing_total{reason}`
+//! and is logged (at most once a minute per reason).
+//!
+//! ## The choice
+//!
 //! Choice: the minimum estimate among workers that pass the load guard. Near-ties (within 3% + 1 ms)
 //! go to the one holding most of the prompt (less prefill for the cluster), and what is still equal is
 //! drawn at random so cache misses do not all land on the same replica. The load guard (as in
@@ -40,6 +68,11 @@ pub struct EstimatorConfig {
     pub guard_abs: usize,
     /// Load guard, relative part.
     pub guard_rel: f64,
+    /// Kernel figures older than this are not used (the agent resends unchanged figures every second).
+    pub kernel_max_age: std::time::Duration,
+    /// Waiting fraction assumed for other clients' requests when neither this gateway's ledger nor the
+    /// engine view shows one.
+    pub default_waiting_fraction: f64,
 }
 
 impl Default for EstimatorConfig {
@@ -53,6 +86,8 @@ impl Default for EstimatorConfig {
             tie_abs_s: 0.001,
             guard_abs: 16,
             guard_rel: 1.0,
+            kernel_max_age: std::time::Duration::from_millis(2500),
+            default_waiting_fraction: 0.5,
         }
     }
 }
@@ -106,6 +141,29 @@ impl Rates {
     }
 }
 
+/// Samples of its own a worker needs before its rates outweigh the fleet's.
+const FLEET_SHRINK_SAMPLES: f64 = 8.0;
+
+/// A worker's rates shrunk toward the fleet's rates (learned from every worker's observations).
+///
+/// Without it, the first worker to be observed learns its real speed while the others keep the
+/// static prior; when the prior is pessimistic the learned worker looks many times faster than its
+/// identical peers and every request piles onto it (seen in the routing benchmark: one worker took
+/// every request, evicted its own cache and halved the hit rate). Borrowing the fleet's rates until
+/// a worker has samples of its own keeps peers comparable while still letting a genuinely slower or
+/// faster worker stand out.
+pub fn blended(own: &Rates, fleet: &Rates) -> Rates {
+    if fleet.samples == 0 {
+        return own.clone();
+    }
+    let w = own.samples as f64 / (own.samples as f64 + FLEET_SHRINK_SAMPLES);
+    Rates {
+        s_per_token: w * own.s_per_token + (1.0 - w) * fleet.s_per_token,
+        overhead_s: w * own.overhead_s + (1.0 - w) * fleet.overhead_s,
+        samples: own.samples,
+    }
+}
+
 /// What the estimate needs to know about one candidate.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Inputs {
@@ -140,6 +198,145 @@ pub fn estimate(rates: &Rates, inputs: &Inputs, cfg: &EstimatorConfig) -> Estima
         queue_s: ahead * rates.s_per_token,
         ttft_s: rates.overhead_s + work * rates.s_per_token,
     }
+}
+
+/// This gateway's own requests on one worker (its in-flight ledger): exact and current.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Ledger {
+    /// Requests this gateway has in flight there.
+    pub in_flight: usize,
+    /// Of which the first token has not arrived yet.
+    pub awaiting_first_token: usize,
+    /// Their uncached prompt tokens (the prefill still ahead of them).
+    pub pending_prefill_tokens: f64,
+    /// Average uncached prompt tokens per request routed there (sizes other clients' requests).
+    pub avg_uncached: f64,
+}
+
+/// The agent's kernel-level view of the worker's port: every client's requests, this gateway's included.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelQueue {
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Of which no response byte has been sent yet.
+    pub waiting: u32,
+}
+
+/// The worker's own counters as the agent scraped them: every client's requests, at scrape time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineQueue {
+    /// `vllm:num_requests_running` (prefilling or decoding).
+    pub running: u32,
+    /// `vllm:num_requests_waiting` (not scheduled yet).
+    pub waiting: u32,
+}
+
+/// Which view sized the other clients' share of a worker's queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueueSignal {
+    /// The agent's kernel view (eBPF).
+    Kernel,
+    /// The worker's scraped counters.
+    Engine,
+    /// Only this gateway's ledger: other clients are invisible.
+    Ledger,
+}
+
+impl QueueSignal {
+    /// The label used in explanations.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueSignal::Kernel => "kernel",
+            QueueSignal::Engine => "engine",
+            QueueSignal::Ledger => "ledger",
+        }
+    }
+}
+
+/// Why a worker's kernel view was not used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelMissing {
+    /// No live agent reports the worker.
+    NoAgent,
+    /// The agent reports the worker without a kernel view (eBPF off, not loaded, or not watching the port).
+    EbpfOff,
+    /// The figures are older than `kernel_max_age`.
+    Stale,
+}
+
+impl KernelMissing {
+    /// The metric and explanation label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KernelMissing::NoAgent => "no_agent",
+            KernelMissing::EbpfOff => "ebpf_off",
+            KernelMissing::Stale => "stale",
+        }
+    }
+}
+
+/// A worker's queue as the estimate uses it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Queue {
+    /// Prefill tokens ahead of a new request ([`Inputs::queue_tokens`]).
+    pub queue_tokens: f64,
+    /// Requests in flight, every client's ([`Inputs::running`]).
+    pub running: usize,
+    /// Of which other clients' (not in this gateway's ledger).
+    pub others: usize,
+    /// Of those, the ones counted as still waiting for their first token.
+    pub others_waiting: usize,
+}
+
+/// Combines the ledger with the best available view of the other clients (see the module docs): the
+/// kernel view when given, else the engine view, else the ledger alone.
+pub fn queue(
+    ledger: &Ledger,
+    kernel: Option<KernelQueue>,
+    engine: Option<EngineQueue>,
+    cfg: &EstimatorConfig,
+) -> (Queue, QueueSignal) {
+    let (total, view_waiting, signal) = match (kernel, engine) {
+        (Some(k), _) => (
+            k.in_flight as usize,
+            k.waiting as usize,
+            QueueSignal::Kernel,
+        ),
+        (None, Some(e)) => (
+            (e.running + e.waiting) as usize,
+            e.waiting as usize,
+            QueueSignal::Engine,
+        ),
+        (None, None) => (0, 0, QueueSignal::Ledger),
+    };
+    let total = total.max(ledger.in_flight);
+    let others = total - ledger.in_flight;
+    let fraction = if ledger.in_flight > 0 {
+        ledger.awaiting_first_token.min(ledger.in_flight) as f64 / ledger.in_flight as f64
+    } else {
+        match engine {
+            Some(e) if e.running + e.waiting > 0 => {
+                f64::from(e.waiting) / f64::from(e.running + e.waiting)
+            }
+            _ => cfg.default_waiting_fraction.clamp(0.0, 1.0),
+        }
+    };
+    // The engine's waiting queue is a lower bound even when the kernel view sized the total.
+    let engine_waiting = engine.map_or(0, |e| e.waiting as usize);
+    let shown = view_waiting
+        .max(engine_waiting)
+        .saturating_sub(ledger.awaiting_first_token);
+    let others_waiting = shown
+        .max((others as f64 * fraction).round() as usize)
+        .min(others);
+    let queue = Queue {
+        queue_tokens: ledger.pending_prefill_tokens.max(0.0)
+            + others_waiting as f64 * ledger.avg_uncached.max(0.0),
+        running: total,
+        others,
+        others_waiting,
+    };
+    (queue, signal)
 }
 
 /// A candidate as the choice sees it.

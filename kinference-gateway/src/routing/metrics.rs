@@ -32,6 +32,13 @@ pub struct WorkerLabels {
     pub worker: String,
 }
 
+/// Labels of an estimate made without a worker's kernel view.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KernelMissingLabels {
+    /// `no_agent`, `ebpf_off` or `stale` (see `estimate::KernelMissing`).
+    pub reason: String,
+}
+
 /// Labels of a tokenization.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TokenizeLabels {
@@ -70,6 +77,8 @@ pub struct Metrics {
     pub worker_tokens_per_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     /// Learned fixed overhead per worker, seconds.
     pub worker_overhead_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    /// Candidate estimates made without the worker's kernel view, by reason.
+    pub kernel_view_missing: Family<KernelMissingLabels, Counter>,
 }
 
 impl Metrics {
@@ -140,6 +149,11 @@ impl Metrics {
             "worker_overhead_seconds",
             "Learned fixed overhead per worker",
             self.worker_overhead_s.clone(),
+        );
+        r.register(
+            "kernel_view_missing",
+            "Candidate TTFT estimates made without the worker's kernel-level queue view (eBPF), by reason",
+            self.kernel_view_missing.clone(),
         );
     }
 }

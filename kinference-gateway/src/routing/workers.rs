@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::estimate::Rates;
+use super::estimate::{KernelQueue, Rates};
 use super::kv_index::{MAX_WORKERS, WorkerId};
 
 /// Load figures from the worker's agent.
@@ -21,10 +21,12 @@ pub struct Load {
     pub kv_usage: f32,
     /// Whether the scrape behind `running`/`waiting` succeeded.
     pub metrics_ok: bool,
-    /// Requests in flight on the worker's port, all clients (eBPF), when available.
-    pub kernel_in_flight: Option<u32>,
-    /// When the figures were measured (receive time minus their age at send).
+    /// The kernel's view of the worker's port, all clients (eBPF), when the agent has one.
+    pub kernel: Option<KernelQueue>,
+    /// When the scraped figures were measured (receive time minus their age at send).
     pub measured: Instant,
+    /// When the figures arrived (the kernel figures are at most one agent poll old when sent).
+    pub received: Instant,
 }
 
 impl Load {
@@ -39,6 +41,8 @@ impl Load {
 pub struct WorkerState {
     /// Requests this gateway has in flight there.
     pub in_flight: usize,
+    /// Of which (estimate-routed ones) the first token has not arrived yet.
+    pub awaiting_first_token: usize,
     /// Uncached prompt tokens of this gateway's requests there still waiting for a first token.
     pub pending_prefill_tokens: f64,
     /// Learned rates.
@@ -124,6 +128,7 @@ impl WorkerTable {
             configured,
             state: Mutex::new(WorkerState {
                 in_flight: 0,
+                awaiting_first_token: 0,
                 pending_prefill_tokens: 0.0,
                 rates: rates.clone(),
                 avg_uncached: 512.0,

@@ -181,3 +181,276 @@ fn near_ties_prefer_the_cache_then_spread() {
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::CacheHit)));
 }
+
+fn ledger(in_flight: usize, awaiting: usize, pending: f64) -> Ledger {
+    Ledger {
+        in_flight,
+        awaiting_first_token: awaiting,
+        pending_prefill_tokens: pending,
+        avg_uncached: 500.0,
+    }
+}
+
+fn kernel(in_flight: u32, waiting: u32) -> Option<KernelQueue> {
+    Some(KernelQueue { in_flight, waiting })
+}
+
+#[test]
+fn the_kernel_view_adds_only_other_clients_requests() {
+    let cfg = cfg();
+    // We have 2 in flight there (1 before its first token, 1,000 tokens pending); the kernel sees 5.
+    let (q, signal) = queue(&ledger(2, 1, 1_000.0), kernel(5, 0), None, &cfg);
+    assert_eq!(signal, QueueSignal::Kernel);
+    assert_eq!(q.running, 5, "the total, not 2 + 5");
+    assert_eq!(q.others, 3);
+    // Others wait at our own fraction (1/2): 1.5 -> 2 requests of our average 500 uncached tokens.
+    assert_eq!(q.others_waiting, 2);
+    assert!((q.queue_tokens - 2_000.0).abs() < 1e-9, "{q:?}");
+
+    // The kernel sees only our own requests: nothing is added to the ledger.
+    let (q, _) = queue(&ledger(2, 1, 1_000.0), kernel(2, 1), None, &cfg);
+    assert_eq!((q.running, q.others, q.others_waiting), (2, 0, 0));
+    assert!((q.queue_tokens - 1_000.0).abs() < 1e-9);
+
+    // A kernel view older than our newest request shows less than the ledger: never negative others.
+    let (q, _) = queue(&ledger(4, 4, 3_000.0), kernel(1, 1), None, &cfg);
+    assert_eq!((q.running, q.others, q.others_waiting), (4, 0, 0));
+    assert!((q.queue_tokens - 3_000.0).abs() < 1e-9);
+}
+
+#[test]
+fn requests_the_kernel_shows_waiting_beyond_ours_count_as_queued() {
+    let cfg = cfg();
+    // Non-streaming traffic: the kernel knows which requests have no response yet. Ours are all past
+    // their first token (fraction 0), yet 4 others are waiting.
+    let (q, _) = queue(&ledger(1, 0, 0.0), kernel(6, 4), None, &cfg);
+    assert_eq!((q.running, q.others, q.others_waiting), (6, 5, 4));
+    assert!((q.queue_tokens - 2_000.0).abs() < 1e-9);
+    // The waiting count can never exceed the others.
+    let (q, _) = queue(&ledger(0, 0, 0.0), kernel(2, 9), None, &cfg);
+    assert_eq!((q.others, q.others_waiting), (2, 2));
+}
+
+#[test]
+fn without_a_kernel_view_the_engine_counters_then_the_ledger_are_used() {
+    let cfg = cfg();
+    let engine = Some(EngineQueue {
+        running: 3,
+        waiting: 2,
+    });
+    // No request of ours there: the waiting fraction is the engine's (2 of 5).
+    let (q, signal) = queue(&ledger(0, 0, 0.0), None, engine, &cfg);
+    assert_eq!(signal, QueueSignal::Engine);
+    assert_eq!((q.running, q.others, q.others_waiting), (5, 5, 2));
+    // The kernel view wins over the engine counters when both are there.
+    let (q, signal) = queue(&ledger(0, 0, 0.0), kernel(1, 0), engine, &cfg);
+    assert_eq!(signal, QueueSignal::Kernel);
+    assert_eq!(q.running, 1);
+    // Nothing but the ledger: other clients are invisible.
+    let (q, signal) = queue(&ledger(3, 2, 900.0), None, None, &cfg);
+    assert_eq!(signal, QueueSignal::Ledger);
+    assert_eq!((q.running, q.others), (3, 0));
+    assert!((q.queue_tokens - 900.0).abs() < 1e-9);
+}
+
+mod replicas {
+    //! Two gateway replicas share two workers; the agent's kernel view carries one's load to the other.
+
+    use std::time::Duration;
+
+    use kinference_api::summary::{self as pb, Summary, summary};
+
+    use super::super::super::{
+        ModelConfig, Router, RoutingConfig, RoutingMode, RoutingTuning, WorkerConfig,
+    };
+
+    const W0: &str = "http://w0";
+    const W1: &str = "http://w1";
+
+    fn router(tuning: RoutingTuning) -> Router {
+        let config = RoutingConfig {
+            workers: [W0, W1]
+                .iter()
+                .map(|url| WorkerConfig {
+                    url: url.to_string(),
+                    model: "m".into(),
+                })
+                .collect(),
+            models: vec![ModelConfig {
+                name: "m".into(),
+                tokenizer_dir: None,
+            }],
+            agents: vec!["http://127.0.0.1:1".into()],
+            mode: RoutingMode::Kinference,
+        };
+        Router::with_tuning(
+            config,
+            RoutingTuning {
+                connect_agents: false,
+                ..tuning
+            },
+        )
+        .expect("router")
+    }
+
+    /// The agent's snapshot: both workers idle by their scraped counters (the last scrape predates the
+    /// burst), `w0` with `in_flight` requests in the kernel view when `kernel_ok`.
+    fn snapshot(in_flight: u32, kernel_ok: bool) -> Summary {
+        let load = |k: u32| pb::WorkerLoad {
+            metrics_ok: true,
+            kernel_ok,
+            kernel_in_flight: k,
+            ..Default::default()
+        };
+        let worker = |url: &str, k: u32| pb::WorkerState {
+            worker_id: url.into(),
+            model: "m".into(),
+            block_size: 16,
+            keys: vec![],
+            load: Some(load(k)),
+        };
+        Summary {
+            kind: Some(summary::Kind::Snapshot(pb::Snapshot {
+                node: "n1".into(),
+                epoch: 1,
+                workers: vec![worker(W0, in_flight), worker(W1, 0)],
+                node_state: None,
+            })),
+        }
+    }
+
+    fn tokens() -> Vec<u32> {
+        (0..2_000).collect()
+    }
+
+    /// Field `name` of candidate `url` in a decision's explanation.
+    fn field<'a>(explain: &'a str, url: &str, name: &str) -> &'a str {
+        let candidate = explain
+            .split("; ")
+            .find(|c| c.trim_start_matches('*').starts_with(&format!("{url} ")))
+            .unwrap_or_else(|| panic!("{url} in {explain}"));
+        candidate
+            .split(' ')
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("{name} in {candidate}"))
+    }
+
+    #[tokio::test]
+    async fn a_replica_sees_the_other_replicas_load_through_the_kernel_view() {
+        // Replica B has just sent 6 requests to w0; replica A's ledger is empty.
+        let a = router(RoutingTuning::default());
+        a.apply_agent_summary(0, snapshot(6, true));
+        for _ in 0..3 {
+            let d = a.pick_tokens("m", &tokens(), true).expect("decision");
+            let explain = d.explain.clone().expect("explain");
+            assert_eq!(d.worker, W1, "{explain}");
+            assert_eq!(field(&explain, W0, "others"), "6", "{explain}");
+            assert_eq!(field(&explain, W0, "kernel"), "live", "{explain}");
+            assert_eq!(field(&explain, W0, "signal"), "kernel", "{explain}");
+            let busy: f64 = field(&explain, W0, "est_s").parse().expect("est_s");
+            let idle: f64 = field(&explain, W1, "est_s").parse().expect("est_s");
+            assert!(busy > idle, "{explain}");
+            // The ticket is released here: A's own ledger stays empty, only the kernel view tells.
+        }
+
+        // The same without a kernel view: A cannot tell the workers apart and spreads at random.
+        let a = router(RoutingTuning::default());
+        a.apply_agent_summary(0, snapshot(6, false));
+        let d = a.pick_tokens("m", &tokens(), true).expect("decision");
+        let explain = d.explain.clone().expect("explain");
+        assert_eq!(field(&explain, W0, "others"), "0", "{explain}");
+        assert_eq!(field(&explain, W0, "kernel"), "ebpf_off", "{explain}");
+        assert_eq!(d.reason, "tie_spread", "{explain}");
+    }
+
+    #[tokio::test]
+    async fn a_missing_or_stale_kernel_view_is_counted_by_reason() {
+        let metric = |router: &Router, reason: &str| {
+            let mut registry = prometheus_client::registry::Registry::default();
+            router.register_metrics(&mut registry);
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+            let series =
+                format!("kinference_routing_kernel_view_missing_total{{reason=\"{reason}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&series)?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+
+        let off = router(RoutingTuning::default());
+        off.apply_agent_summary(0, snapshot(0, false));
+        let _ = off.pick_tokens("m", &tokens(), false).expect("decision");
+        assert_eq!(metric(&off, "ebpf_off"), 2.0, "both candidates, once each");
+
+        let mut tuning = RoutingTuning::default();
+        tuning.estimator.kernel_max_age = Duration::from_millis(20);
+        let stale = router(tuning);
+        stale.apply_agent_summary(0, snapshot(6, true));
+        std::thread::sleep(Duration::from_millis(40));
+        let d = stale.pick_tokens("m", &tokens(), true).expect("decision");
+        let explain = d.explain.clone().expect("explain");
+        assert_eq!(field(&explain, W0, "kernel"), "stale", "{explain}");
+        assert_eq!(
+            field(&explain, W0, "others"),
+            "0",
+            "stale kernel figures are not used: {explain}"
+        );
+        assert_eq!(metric(&stale, "stale"), 2.0);
+
+        let live = router(RoutingTuning::default());
+        live.apply_agent_summary(0, snapshot(6, true));
+        let _ = live.pick_tokens("m", &tokens(), false).expect("decision");
+        assert_eq!(metric(&live, "ebpf_off") + metric(&live, "stale"), 0.0);
+    }
+
+    #[tokio::test]
+    async fn awaiting_first_token_follows_the_tickets() {
+        let a = router(RoutingTuning::default());
+        a.apply_agent_summary(0, snapshot(0, true));
+        let mut first = a.pick_tokens("m", &tokens(), false).expect("decision");
+        let second = a.pick_tokens("m", &tokens(), false).expect("decision");
+        let awaiting = |r: &Router| -> usize {
+            r.shared
+                .workers
+                .read()
+                .all()
+                .iter()
+                .map(|w| w.state.lock().awaiting_first_token)
+                .sum()
+        };
+        assert_eq!(awaiting(&a), 2);
+        first.ticket.first_token();
+        assert_eq!(awaiting(&a), 1);
+        first.ticket.finish(true, 16, None);
+        assert_eq!(
+            awaiting(&a),
+            1,
+            "finishing after the first token changes nothing"
+        );
+        drop(second);
+        assert_eq!(awaiting(&a), 0, "a dropped ticket releases its count");
+    }
+}
+
+#[test]
+fn a_worker_without_samples_borrows_the_fleet_rates() {
+    let cfg = EstimatorConfig::default();
+    let mut fleet = Rates::prior(&cfg);
+    // The fleet learned that prefill is ten times faster than the prior assumed.
+    for _ in 0..50 {
+        fleet.observe(0.02 + 8_000.0 * fleet.s_per_token / 10.0, 8_000.0, &cfg);
+    }
+    let unseen = Rates::prior(&cfg);
+    let b = blended(&unseen, &fleet);
+    assert_eq!(
+        b.s_per_token, fleet.s_per_token,
+        "no own samples: the fleet's rate"
+    );
+
+    // A worker with many samples of its own keeps (mostly) its own rate.
+    let mut own = Rates::prior(&cfg);
+    own.s_per_token = fleet.s_per_token * 4.0;
+    own.samples = 1_000;
+    let b = blended(&own, &fleet);
+    assert!((b.s_per_token / own.s_per_token) > 0.97);
+}
