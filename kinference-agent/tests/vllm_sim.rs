@@ -1,0 +1,165 @@
+//! The agent against the simulator (`vllm-sim`, a vLLM stand-in with real tokenization, prefix cache and
+//! KV events): after a completion, the watcher's keys for the worker are exactly the simulator's cached
+//! blocks, and include every full block of the prompt as the gateway would key it.
+//!
+//! Needs `target/debug/vllm-sim` (`cargo build -p kinference-bench --bin vllm-sim`; `KINFERENCE_BIN_DIR`
+//! overrides the folder; skipped with a message when it is not built) and the Qwen2 tokenizer
+//! (`cargo xtask setup`; `KINFERENCE_TOKENIZER_DIR` overrides).
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kinference_api::KeyHasher;
+use support::*;
+
+struct Sim(Child);
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sim_binary() -> PathBuf {
+    let dir = std::env::var_os("KINFERENCE_BIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug"));
+    dir.join("vllm-sim")
+}
+
+async fn http_post(url: &str, body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let rest = url.strip_prefix("http://").expect("http url");
+    let (host, path) = rest.split_once('/').expect("path");
+    let mut s = tokio::net::TcpStream::connect(host).await.expect("connect");
+    let req = format!(
+        "POST /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}
+
+fn json_body(resp: &str) -> serde_json::Value {
+    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {resp}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_follows_the_simulators_cache_exactly() {
+    let bin = sim_binary();
+    if !bin.is_file() {
+        eprintln!(
+            "SKIPPED: {} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
+            bin.display()
+        );
+        return;
+    }
+    let tokenizer = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
+    assert!(
+        tokenizer.join("tokenizer.json").exists(),
+        "tokenizer missing at {}: run `cargo xtask setup`",
+        tokenizer.display()
+    );
+
+    let (events, replay) = (
+        format!("tcp://127.0.0.1:{}", free_port()),
+        format!("tcp://127.0.0.1:{}", free_port()),
+    );
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    // The simulator connects its PUB (no `*` in the endpoint), as vLLM does: the agent binds.
+    let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
+    let _sim = Sim(Command::new(&bin)
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--model",
+            MODEL,
+        ])
+        .arg("--tokenizer-dir")
+        .arg(&tokenizer)
+        .args([
+            "--block-size",
+            "16",
+            "--kv-events-endpoint",
+            &events,
+            "--kv-replay-endpoint",
+            &replay,
+        ])
+        .args(["--kv-topic", "kv@w1@qwen2-sim"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("vllm-sim starts"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !http_get(&format!("{url}/health"))
+        .await
+        .starts_with("HTTP/1.1 200")
+    {
+        assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut watch = Watch::connect(&agent.grpc).await;
+
+    let prompt = "You are a careful assistant. ".repeat(20) + "What is the capital of France?";
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 8}).to_string();
+    let resp = http_post(&format!("{url}/v1/completions"), &body).await;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+
+    let tokens = json_body(
+        &http_post(
+            &format!("{url}/tokenize"),
+            &serde_json::json!({"model": MODEL, "prompt": prompt}).to_string(),
+        )
+        .await,
+    );
+    let tokens: Vec<u32> = tokens["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("id") as u32)
+        .collect();
+    let prompt_keys = KeyHasher::for_model(MODEL).keys(None, &tokens, 16);
+    assert!(prompt_keys.len() >= 5);
+
+    // Wait until the agent's view has as many keys as the simulator has cached blocks.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let state = json_body(&http_get(&format!("{url}/sim/state")).await);
+        let cached = state["block_hashes"]
+            .as_array()
+            .expect("block_hashes")
+            .len();
+        let view = watch.view.get(&url).cloned().unwrap_or_default();
+        if cached > 0 && view.len() == cached && prompt_keys.iter().all(|k| view.contains(k)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agent view {} keys (prompt keys held: {}/{}), simulator {} blocks",
+            view.len(),
+            prompt_keys.iter().filter(|k| view.contains(k)).count(),
+            prompt_keys.len(),
+            cached
+        );
+        watch.step(Duration::from_millis(200)).await;
+    }
+    assert_eq!(watch.block_size.get(&url), Some(&16));
+    assert_eq!(
+        agent
+            .metric("kinference_agent_kv_decode_errors_total")
+            .await,
+        0.0
+    );
+}
