@@ -9,15 +9,18 @@
 //! - [`lint`]: offline checks for `kinfctl lint` (shadowed rules, unknown references, conflicts,
 //!   PII rules that could fail open).
 //!
-//! The gateway's pipeline calls, per request: [`classify::classify_request`] -> build
-//! [`engine::RequestFacts`] -> [`engine::PoolStates`] from the router -> [`engine::evaluate`]
-//! on the current [`model::PolicySet`] (from [`source::PolicyWatcher`]).
+//! - [`stage`]: the gateway pipeline's policy stage: per request [`classify::request_facts`] ->
+//!   [`engine::PoolStates`] from the router's estimates (and [`worker_load`]) -> [`engine::evaluate`]
+//!   on the current [`model::PolicySet`] (from [`source::PolicyWatcher`]) -> an ordered plan of
+//!   pools and providers ([`crate::providers`]).
 
 pub mod classify;
 pub mod engine;
 pub mod lint;
 pub mod model;
 pub mod source;
+pub mod stage;
+pub mod worker_load;
 
 pub use engine::{Decision, Outcome, PoolSnapshot, PoolStates, RequestFacts, evaluate};
 pub use model::PolicySet;

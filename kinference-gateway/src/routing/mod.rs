@@ -22,6 +22,7 @@ pub mod baseline;
 pub mod estimate;
 pub mod kv_index;
 pub mod metrics;
+pub mod pools;
 pub mod speculative;
 pub mod tokenize;
 pub mod workers;
@@ -40,9 +41,11 @@ use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
 use agents::AgentState;
-use estimate::{EstimatorConfig, Inputs, Rates, Scored};
+use estimate::{
+    EngineQueue, EstimatorConfig, Inputs, KernelMissing, Ledger, QueueSignal, Rates, Scored,
+};
 use kv_index::{KvIndex, WorkerId};
-use metrics::{DecisionLabels, WorkerLabels};
+use metrics::{DecisionLabels, KernelMissingLabels, WorkerLabels};
 use speculative::Speculative;
 use tokenize::{Source, Tokenizers};
 use workers::{Worker, WorkerTable};
@@ -276,6 +279,8 @@ struct Shared {
     mode: RoutingMode,
     tuning: RoutingTuning,
     prior_rates: Rates,
+    /// Rates learned from every worker's observations; workers with few samples borrow them.
+    fleet_rates: Mutex<Rates>,
     workers: RwLock<WorkerTable>,
     index: RwLock<KvIndex>,
     spec: Mutex<Speculative>,
@@ -284,6 +289,8 @@ struct Shared {
     metrics: metrics::Metrics,
     round_robin: AtomicUsize,
     last_degraded_log: Mutex<Option<Instant>>,
+    /// When a missing kernel view was last logged.
+    last_kernel_log: Mutex<Option<Instant>>,
     gateway_id: String,
 }
 
@@ -306,6 +313,41 @@ impl Shared {
             .iter()
             .map(|a| a.lock().fresh(now, self.tuning.stale_after))
             .collect()
+    }
+
+    /// Counts the candidates estimated without their kernel view; logs it at most once a minute (a missing
+    /// agent is already logged as a degraded decision).
+    fn note_kernel_missing(&self, missing: &[(KernelMissing, &str)]) {
+        // One label lookup per reason, not per candidate: this runs on every decision.
+        for reason in [
+            KernelMissing::NoAgent,
+            KernelMissing::EbpfOff,
+            KernelMissing::Stale,
+        ] {
+            let n = missing.iter().filter(|(w, _)| *w == reason).count() as u64;
+            if n > 0 {
+                self.metrics
+                    .kernel_view_missing
+                    .get_or_create(&KernelMissingLabels {
+                        reason: reason.as_str().to_string(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        let Some(&(why, worker)) = missing.iter().find(|(w, _)| *w != KernelMissing::NoAgent)
+        else {
+            return;
+        };
+        let mut last = self.last_kernel_log.lock();
+        let now = Instant::now();
+        if last.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(60)) {
+            *last = Some(now);
+            tracing::warn!(
+                reason = why.as_str(),
+                worker,
+                "no kernel-level queue view: other gateways' requests on this worker are seen only through its scraped counters"
+            );
+        }
     }
 
     /// Logs a degraded decision at most every 10 s.
@@ -357,6 +399,12 @@ struct Candidate {
     load: usize,
     rates: Rates,
     run: usize,
+    /// The other clients' share of `running` and how many of them count as waiting.
+    others: (usize, usize),
+    /// Which view sized the other clients' share.
+    signal: QueueSignal,
+    /// Why the kernel view was not used, when it was not.
+    kernel_missing: Option<KernelMissing>,
 }
 
 impl Router {
@@ -387,6 +435,7 @@ impl Router {
         .map_err(|(model, error)| BuildError::Tokenizer { model, error })?;
         let shared = Arc::new(Shared {
             mode: config.mode,
+            fleet_rates: Mutex::new(prior_rates.clone()),
             prior_rates,
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
@@ -400,6 +449,7 @@ impl Router {
             metrics: metrics::Metrics::default(),
             round_robin: AtomicUsize::new(0),
             last_degraded_log: Mutex::new(None),
+            last_kernel_log: Mutex::new(None),
             gateway_id: format!("kinference-gateway-{}", std::process::id()),
             tuning,
         });
@@ -548,7 +598,7 @@ impl Router {
             reason,
             explain,
             prompt_tokens: None,
-            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None),
+            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None, false),
         }
     }
 
@@ -576,6 +626,7 @@ impl Router {
         let tuning = &shared.tuning;
         let now = Instant::now();
         let fresh = shared.fresh_agents(now);
+        let fleet = shared.fleet_rates.lock().clone();
         let mut cands: Vec<Candidate> = workers
             .iter()
             .map(|w| {
@@ -583,31 +634,57 @@ impl Router {
                 let live = st
                     .agent
                     .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                let load = st
-                    .load
-                    .filter(|l| live && l.metrics_fresh(now, tuning.load_max_age));
-                let mut queue_tokens = st.pending_prefill_tokens;
-                let mut running = st.in_flight;
-                if let Some(l) = load {
-                    // The agent sees every gateway replica's requests; prefer it when it shows more.
-                    queue_tokens = queue_tokens.max(f64::from(l.waiting) * st.avg_uncached);
-                    running = running.max((l.running + l.waiting) as usize);
-                }
-                if let Some(k) = st.load.filter(|_| live).and_then(|l| l.kernel_in_flight) {
-                    running = running.max(k as usize);
-                }
+                // Everything the agent said about the worker; its two views of every client's requests.
+                let load = st.load.filter(|_| live);
+                let engine = load
+                    .filter(|l| l.metrics_fresh(now, tuning.load_max_age))
+                    .map(|l| EngineQueue {
+                        running: l.running,
+                        waiting: l.waiting,
+                    });
+                let kernel = match load {
+                    None => Err(KernelMissing::NoAgent),
+                    Some(l) => match l.kernel {
+                        None => Err(KernelMissing::EbpfOff),
+                        Some(_)
+                            if now.saturating_duration_since(l.received)
+                                > tuning.estimator.kernel_max_age =>
+                        {
+                            Err(KernelMissing::Stale)
+                        }
+                        Some(k) => Ok(k),
+                    },
+                };
+                let ledger = Ledger {
+                    in_flight: st.in_flight,
+                    awaiting_first_token: st.awaiting_first_token,
+                    pending_prefill_tokens: st.pending_prefill_tokens,
+                    avg_uncached: st.avg_uncached,
+                };
+                let (queue, signal) =
+                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
                 Candidate {
                     worker: Arc::clone(w),
                     block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
                     live,
-                    queue_tokens,
-                    running,
-                    load: running,
-                    rates: st.rates.clone(),
+                    queue_tokens: queue.queue_tokens,
+                    running: queue.running,
+                    load: queue.running,
+                    others: (queue.others, queue.others_waiting),
+                    signal,
+                    kernel_missing: kernel.err(),
+                    rates: estimate::blended(&st.rates, &fleet),
                     run: 0,
                 }
             })
             .collect();
+        let missing: Vec<(KernelMissing, &str)> = cands
+            .iter()
+            .filter_map(|c| Some((c.kernel_missing?, c.worker.url.as_str())))
+            .collect();
+        if !missing.is_empty() {
+            shared.note_kernel_missing(&missing);
+        }
 
         // Keys per block size in use, then every candidate's cached run in one pass per size.
         let hasher = KeyHasher::for_model(model);
@@ -694,6 +771,7 @@ impl Router {
         {
             let mut st = chosen.worker.state.lock();
             st.in_flight += 1;
+            st.awaiting_first_token += 1;
             st.pending_prefill_tokens += uncached;
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
         }
@@ -720,7 +798,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} agent={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} agent={} kernel={} signal={} others={} others_waiting={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -729,6 +807,10 @@ impl Router {
                     e.queue_s,
                     e.ttft_s,
                     if c.live { "live" } else { "none" },
+                    c.kernel_missing.map_or("live", KernelMissing::as_str),
+                    c.signal.as_str(),
+                    c.others.0,
+                    c.others.1,
                 );
             }
             s
@@ -743,6 +825,7 @@ impl Router {
                 Arc::clone(&chosen.worker),
                 uncached,
                 Some(est.work),
+                true,
             ),
         }
     }
@@ -826,6 +909,8 @@ pub struct InFlight {
     pending_tokens: f64,
     /// The estimate's work in tokens, to learn from the observed TTFT.
     work: Option<f64>,
+    /// Counted in the worker's `awaiting_first_token` until the first token (estimate-routed requests).
+    awaiting: bool,
     first_token: Option<Instant>,
     done: bool,
 }
@@ -846,6 +931,7 @@ impl InFlight {
         worker: Arc<Worker>,
         pending_tokens: f64,
         work: Option<f64>,
+        awaiting: bool,
     ) -> Self {
         Self {
             shared,
@@ -853,6 +939,7 @@ impl InFlight {
             started: Instant::now(),
             pending_tokens,
             work,
+            awaiting,
             first_token: None,
             done: false,
         }
@@ -869,8 +956,15 @@ impl InFlight {
         let mut st = self.worker.state.lock();
         st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
         self.pending_tokens = 0.0;
+        if std::mem::take(&mut self.awaiting) {
+            st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
+        }
         if let Some(work) = self.work {
             st.rates.observe(ttft, work, &self.shared.tuning.estimator);
+            self.shared
+                .fleet_rates
+                .lock()
+                .observe(ttft, work, &self.shared.tuning.estimator);
             let labels = WorkerLabels {
                 worker: self.worker.url.clone(),
             };
@@ -902,6 +996,9 @@ impl InFlight {
         st.in_flight = st.in_flight.saturating_sub(1);
         st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
         self.pending_tokens = 0.0;
+        if std::mem::take(&mut self.awaiting) {
+            st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
+        }
     }
 }
 

@@ -1,0 +1,605 @@
+//! The policy stage of the gateway's request pipeline: classify the request, read the pools' state
+//! from the router, evaluate the current policy set, and hand the pipeline an ordered [`Plan`] of
+//! pools (with their workers) and providers, or a rejection.
+//!
+//! Local mode: pools map to workers through their static `endpoints`, and the router's worker table
+//! follows the pools on every reload ([`PolicyStage::spawn_sync`]). A pool without endpoints (a
+//! selector, in a cluster) stands for every worker serving its model.
+//!
+//! Pool state per pool, for this request: `available` (a healthy worker), the best worker's estimated
+//! TTFT and cached prompt tokens (the router's estimate, as [`crate::routing::Router::pick`] would
+//! compute it), queue depth (sum of `waiting`) and KV-cache usage (mean) from a live agent, else from the
+//! gateway's own scrape of the workers' `/metrics` ([`super::worker_load`]). A pool with no healthy
+//! worker reports itself saturated (queue depth at its maximum, KV cache full), so "burst while the local
+//! pools are saturated" also covers "while they are down".
+//!
+//! Fail closed: a plan for a local-only request (PII, `requireLocal`) never holds a remote target, checked
+//! here again after the engine.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kinference_crds::Locality;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+
+use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates};
+use super::model::PolicySet;
+use super::source::{PolicyWatcher, SourceError};
+use super::worker_load::WorkerLoad;
+use crate::errors::GatewayError;
+use crate::providers::{ProviderClient, Providers};
+use crate::routing::pools::WorkerEstimate;
+use crate::routing::{ModelConfig, Prompt, RouteRequest, Router, WorkerConfig};
+
+#[cfg(test)]
+mod tests;
+
+/// Knobs of the stage (from `gateway.yaml` and the flags).
+#[derive(Debug, Clone)]
+pub struct StageSettings {
+    /// The policy directory (local mode).
+    pub dir: PathBuf,
+    /// How often the directory is checked for changes.
+    pub reload_interval: Duration,
+    /// How often the pools' workers' `/metrics` are scraped (queue depth, KV-cache usage).
+    pub load_interval: Duration,
+    /// Connect timeout towards providers.
+    pub connect_timeout: Duration,
+}
+
+/// The request as the stage sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct StageRequest<'a> {
+    /// The client's JSON body (OpenAI or Anthropic shape): all message text is classified.
+    pub body: &'a Value,
+    /// The `model` the client asked for (name, alias or class).
+    pub model: &'a str,
+    /// The prompt, for the router's estimates.
+    pub prompt: Prompt<'a>,
+    /// The authenticated tenant, if any.
+    pub tenant: Option<&'a str>,
+    /// The `x-kinference-tags` header.
+    pub tags_header: Option<&'a str>,
+    /// Build the explanation for `x-kinference-decision`.
+    pub debug: bool,
+}
+
+/// Where the request may go, most preferred first.
+#[derive(Debug)]
+pub struct Plan {
+    /// Candidates in order; the pipeline tries the next one when a target cannot take the request.
+    pub targets: Vec<PlanTarget>,
+    /// The request goes to providers because local pools are saturated.
+    pub burst: bool,
+    /// Only local backends may serve it (the plan holds no provider).
+    pub local_only: bool,
+    /// `policy/rule` that decided, or `default`.
+    pub rule: String,
+    /// Keeps the policy set of this request alive until it ends (reloads never change a request's plan).
+    pub set: Arc<PolicySet>,
+}
+
+/// One candidate of a plan.
+#[derive(Debug)]
+pub enum PlanTarget {
+    /// A pool: `model` is the served name to send; `workers` the pool's worker URLs (`None`: every
+    /// worker serving `model`).
+    Pool {
+        /// Pool name.
+        pool: String,
+        /// Served model name.
+        model: String,
+        /// Worker base URLs.
+        workers: Option<Vec<String>>,
+    },
+    /// A provider, with its model name.
+    Provider {
+        /// The provider's client.
+        client: Arc<ProviderClient>,
+        /// The provider's model name.
+        model: String,
+    },
+}
+
+impl PlanTarget {
+    /// `pool/<name>` or `provider/<name>`.
+    pub fn label(&self) -> String {
+        match self {
+            PlanTarget::Pool { pool, .. } => format!("pool/{pool}"),
+            PlanTarget::Provider { client, .. } => client.label(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    policy: String,
+    rule: String,
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RejectLabels {
+    policy: String,
+    rule: String,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BackendLabels {
+    backend: String,
+    burst: &'static str,
+}
+
+/// The stage's metrics.
+#[derive(Clone, Debug, Default)]
+struct StageMetrics {
+    decisions: Family<DecisionLabels, Counter>,
+    rejects: Family<RejectLabels, Counter>,
+    served: Family<BackendLabels, Counter>,
+}
+
+/// The policy stage: the watched policy set, provider clients, pool load.
+pub struct PolicyStage {
+    watcher: PolicyWatcher,
+    providers: Providers,
+    load: WorkerLoad,
+    metrics: StageMetrics,
+}
+
+impl std::fmt::Debug for PolicyStage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyStage")
+            .field("policies", &self.watcher.current().policies.len())
+            .field("providers", &self.providers)
+            .finish()
+    }
+}
+
+impl PolicyStage {
+    /// Loads the directory and starts watching it and scraping the pools' workers (needs a tokio
+    /// runtime). Fails only when the directory cannot be read.
+    pub fn start(settings: &StageSettings) -> Result<Arc<Self>, SourceError> {
+        let watcher = PolicyWatcher::start(settings.dir.clone(), settings.reload_interval)?;
+        let load = WorkerLoad::start(watcher.subscribe(), settings.load_interval);
+        Ok(Arc::new(PolicyStage {
+            watcher,
+            providers: Providers::new(settings.connect_timeout),
+            load,
+            metrics: StageMetrics::default(),
+        }))
+    }
+
+    /// The current policy set.
+    pub fn current(&self) -> Arc<PolicySet> {
+        self.watcher.current()
+    }
+
+    /// Workers and models the pools of the current set add to the router's configuration (local
+    /// mode): every static endpoint with its pool's first model's served name, and each model's
+    /// tokenizer directory.
+    pub fn routing_additions(&self) -> (Vec<WorkerConfig>, Vec<ModelConfig>) {
+        let set = self.current();
+        (pool_workers(&set), pool_models(&set))
+    }
+
+    /// Keeps the router's workers in line with the pools' endpoints on every reload: new endpoints are
+    /// added, removed ones stop being candidates (workers from `gateway.yaml` stay).
+    pub fn spawn_sync(&self, router: Arc<Router>) -> tokio::task::JoinHandle<()> {
+        let mut rx = self.watcher.subscribe();
+        tokio::spawn(async move {
+            let mut known: BTreeSet<String> = pool_workers(&rx.borrow())
+                .into_iter()
+                .map(|w| w.url)
+                .collect();
+            while rx.changed().await.is_ok() {
+                let workers = pool_workers(&rx.borrow_and_update());
+                let now: BTreeSet<String> = workers.iter().map(|w| w.url.clone()).collect();
+                for w in &workers {
+                    if !router.upsert_worker(&w.url, &w.model) {
+                        tracing::warn!(worker = %w.url, "router worker table full; pool endpoint not added");
+                    }
+                }
+                for gone in known.difference(&now) {
+                    router.remove_worker(gone);
+                }
+                known = now;
+            }
+        })
+    }
+
+    /// Registers `kinference_gateway_policy_*`.
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        let sub = registry.sub_registry_with_prefix("kinference_gateway");
+        sub.register(
+            "policy_decisions",
+            "Policy decisions by deciding policy and rule (empty: the default route) and outcome (route, burst, reject)",
+            self.metrics.decisions.clone(),
+        );
+        sub.register(
+            "policy_rejects",
+            "Requests refused by the policy stage, by policy, rule and code",
+            self.metrics.rejects.clone(),
+        );
+        sub.register(
+            "policy_backend_requests",
+            "Requests sent on by the policy stage, by backend (pool/NAME, provider/NAME) and whether it was a burst",
+            self.metrics.served.clone(),
+        );
+    }
+
+    /// Counts a request sent to `target` (after fallbacks).
+    pub fn count_sent(&self, target: &PlanTarget, burst: bool) {
+        self.metrics
+            .served
+            .get_or_create(&BackendLabels {
+                backend: target.label(),
+                burst: if burst { "true" } else { "false" },
+            })
+            .inc();
+    }
+
+    /// Decides where `req` may go. A rejection comes back as the error to answer with, and the
+    /// explanation (debug) in `explain` either way.
+    pub async fn decide(
+        &self,
+        router: &Router,
+        req: StageRequest<'_>,
+        explain_out: &mut Option<String>,
+    ) -> Result<Plan, GatewayError> {
+        let (facts, _classification) =
+            super::classify::request_facts(req.body, req.tenant, req.tags_header, None)
+                .ok_or_else(|| GatewayError::invalid("model", "`model` must be a string"))?;
+        let set = self.current();
+        let states = self.pool_states(&set, router, req).await;
+        let decision = engine::evaluate(&set, &facts, &states);
+        let (policy, rule) = decision.rule().map_or((String::new(), String::new()), |r| {
+            (r.policy.clone(), r.rule.clone())
+        });
+        let rule_name = if policy.is_empty() {
+            "default".to_string()
+        } else {
+            format!("{policy}/{rule}")
+        };
+        *explain_out = req.debug.then(|| explain_line(&decision, &states));
+        match decision.outcome {
+            Outcome::Reject(r) => {
+                self.count(policy.clone(), rule.clone(), "reject");
+                self.metrics
+                    .rejects
+                    .get_or_create(&RejectLabels {
+                        policy,
+                        rule,
+                        code: r.code,
+                    })
+                    .inc();
+                tracing::info!(model = req.model, rule = %rule_name, code = r.code, status = r.status,
+                    "request refused by policy");
+                Err(GatewayError::PolicyRejected {
+                    status: http::StatusCode::from_u16(r.status)
+                        .unwrap_or(http::StatusCode::FORBIDDEN),
+                    code: r.code,
+                    message: r.message,
+                })
+            }
+            Outcome::Route(route) => {
+                self.count(policy, rule, if route.burst { "burst" } else { "route" });
+                // The engine's own PII guard already makes these local-only; checked again here.
+                let local_only =
+                    decision.local_only.is_some() || facts.tags.contains(engine::PII_TAG);
+                let mut targets = Vec::with_capacity(route.targets.len());
+                for t in &route.targets {
+                    match &t.backend {
+                        Backend::Pool(pool) => {
+                            // Defence in depth: the engine already drops remote pools when local-only.
+                            if local_only && t.locality != Locality::Local {
+                                continue;
+                            }
+                            targets.push(PlanTarget::Pool {
+                                pool: pool.clone(),
+                                model: t.model.clone(),
+                                workers: set.pools.get(pool).and_then(|p| {
+                                    (!p.spec.endpoints.is_empty()).then(|| {
+                                        p.spec
+                                            .endpoints
+                                            .iter()
+                                            .map(|e| e.url.trim_end_matches('/').to_string())
+                                            .collect()
+                                    })
+                                }),
+                            });
+                        }
+                        Backend::Provider(name) => {
+                            // Fail closed: a local-only request never reaches a provider.
+                            if local_only {
+                                continue;
+                            }
+                            let Some(p) = set.providers.get(name) else {
+                                continue;
+                            };
+                            targets.push(PlanTarget::Provider {
+                                client: self.providers.client(name, &p.spec),
+                                model: t.model.clone(),
+                            });
+                        }
+                    }
+                }
+                Ok(Plan {
+                    targets,
+                    burst: route.burst,
+                    local_only,
+                    rule: rule_name,
+                    set,
+                })
+            }
+        }
+    }
+
+    fn count(&self, policy: String, rule: String, outcome: &'static str) {
+        self.metrics
+            .decisions
+            .get_or_create(&DecisionLabels {
+                policy,
+                rule,
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Every pool's state for this request.
+    async fn pool_states(
+        &self,
+        set: &PolicySet,
+        router: &Router,
+        req: StageRequest<'_>,
+    ) -> PoolStates {
+        let requested = set.resolve(req.model);
+        let wanted = set.candidate_models(&requested);
+        // Each pool is estimated with the model it would serve this request with.
+        let served_by_pool: Vec<(&String, String, Vec<String>)> = set
+            .pools
+            .iter()
+            .filter_map(|(name, pool)| {
+                let model = pool
+                    .spec
+                    .models
+                    .iter()
+                    .find(|m| wanted.contains(m))
+                    .or_else(|| pool.spec.models.first())?;
+                let served = set
+                    .models
+                    .get(model)
+                    .map_or(model.as_str(), |m| m.spec.served_name.as_str())
+                    .to_string();
+                let endpoints = pool
+                    .spec
+                    .endpoints
+                    .iter()
+                    .map(|e| e.url.trim_end_matches('/').to_string())
+                    .collect();
+                Some((name, served, endpoints))
+            })
+            .collect();
+        // One estimate per served model (each has its own tokenizer and workers).
+        let mut by_model: HashMap<&str, Vec<WorkerEstimate>> = HashMap::new();
+        for (_, served, _) in &served_by_pool {
+            if by_model.contains_key(served.as_str()) {
+                continue;
+            }
+            let estimates = router
+                .estimate_workers(RouteRequest {
+                    model: served,
+                    prompt: req.prompt,
+                    debug: false,
+                })
+                .await
+                .unwrap_or_default();
+            by_model.insert(served.as_str(), estimates);
+        }
+        let mut pools = BTreeMap::new();
+        for (name, served, endpoints) in &served_by_pool {
+            let workers: Vec<&WorkerEstimate> = by_model
+                .get(served.as_str())
+                .into_iter()
+                .flatten()
+                .filter(|e| endpoints.is_empty() || endpoints.contains(&e.worker))
+                .collect();
+            pools.insert((*name).clone(), self.snapshot(&workers));
+        }
+        PoolStates { pools }
+    }
+
+    fn snapshot(&self, workers: &[&WorkerEstimate]) -> PoolSnapshot {
+        if workers.is_empty() {
+            return PoolSnapshot {
+                available: false,
+                queue_depth: Some(u32::MAX),
+                kv_cache_usage: Some(1.0),
+                estimated_ttft_ms: None,
+                cached_tokens: None,
+            };
+        }
+        let best = workers
+            .iter()
+            .filter(|w| w.ttft_s.is_some())
+            .min_by(|a, b| a.ttft_s.unwrap_or(0.0).total_cmp(&b.ttft_s.unwrap_or(0.0)));
+        let mut queue = None::<u32>;
+        let mut kv_sum = 0.0;
+        let mut kv_n = 0usize;
+        for w in workers {
+            let scraped = self.load.get(&w.worker);
+            let waiting = w.waiting.or(scraped.map(|s| s.waiting));
+            if let Some(q) = waiting {
+                queue = Some(queue.unwrap_or(0).saturating_add(q));
+            }
+            if let Some(kv) = w
+                .kv_usage
+                .map(f64::from)
+                .or(scraped.and_then(|s| s.kv_usage))
+            {
+                kv_sum += kv;
+                kv_n += 1;
+            }
+        }
+        PoolSnapshot {
+            available: true,
+            queue_depth: queue,
+            kv_cache_usage: (kv_n > 0).then_some(kv_sum / kv_n as f64),
+            estimated_ttft_ms: best.and_then(|b| b.ttft_s).map(|s| s * 1000.0),
+            cached_tokens: best.map(|b| b.cached_tokens as u64),
+        }
+    }
+}
+
+/// Static pool endpoints as router workers (the pool's first model's served name).
+fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
+    let mut out: Vec<WorkerConfig> = Vec::new();
+    for pool in set.pools.values() {
+        let Some(model) = pool.spec.models.first() else {
+            continue;
+        };
+        let served = set
+            .models
+            .get(model)
+            .map_or(model.clone(), |m| m.spec.served_name.clone());
+        for e in &pool.spec.endpoints {
+            let url = e.url.trim_end_matches('/').to_string();
+            if !out.iter().any(|w| w.url == url) {
+                out.push(WorkerConfig {
+                    url,
+                    model: served.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Served models with a tokenizer directory (`spec.tokenizer.dir`).
+fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
+    set.models
+        .values()
+        .map(|m| ModelConfig {
+            name: m.spec.served_name.clone(),
+            tokenizer_dir: m
+                .spec
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.dir.as_ref())
+                .map(PathBuf::from),
+        })
+        .collect()
+}
+
+/// One line: the deciding rule, the targets, and every pool's figures.
+fn explain_line(decision: &engine::Decision, states: &PoolStates) -> String {
+    let mut s = String::new();
+    match &decision.outcome {
+        Outcome::Route(plan) => {
+            let by = plan
+                .rule
+                .as_ref()
+                .map_or("default".to_string(), |r| r.to_string());
+            let _ = write!(
+                s,
+                "policy={by} outcome={} targets=[",
+                if plan.burst { "burst" } else { "route" }
+            );
+            for (i, t) in plan.targets.iter().enumerate() {
+                if i > 0 {
+                    s.push_str(", ");
+                }
+                let _ = write!(s, "{} model={}", t.backend, t.model);
+                if let Some(ms) = t.estimated_ttft_ms {
+                    let _ = write!(s, " ttft={ms:.0}ms");
+                }
+                if let Some(c) = t.estimated_cost {
+                    let _ = write!(s, " cost={c:.6}");
+                }
+            }
+            let _ = write!(s, "] selection={}", plan.selection);
+        }
+        Outcome::Reject(r) => {
+            let by = r
+                .rule
+                .as_ref()
+                .map_or("engine".to_string(), |r| r.to_string());
+            let _ = write!(
+                s,
+                "policy={by} outcome=reject status={} code={}",
+                r.status, r.code
+            );
+        }
+    }
+    if let Some(l) = &decision.local_only {
+        let _ = write!(s, "; local_only={}", l.reason);
+    }
+    s.push_str("; pools:");
+    for (name, p) in &states.pools {
+        let _ = write!(s, " {name}(");
+        if !p.available {
+            s.push_str("unavailable)");
+            continue;
+        }
+        let _ = write!(
+            s,
+            "queue={} kv={} ttft={} cached={})",
+            p.queue_depth.map_or("?".into(), |q| q.to_string()),
+            p.kv_cache_usage.map_or("?".into(), |k| format!("{k:.2}")),
+            p.estimated_ttft_ms
+                .map_or("?".into(), |t| format!("{t:.0}ms")),
+            p.cached_tokens.map_or("?".into(), |c| c.to_string()),
+        );
+    }
+    header_safe(&s)
+}
+
+/// Visible ASCII only (header values), one line.
+pub fn header_safe(text: &str) -> String {
+    text.chars()
+        .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
+        .collect()
+}
+
+/// Starts the stage when `config` names a policy directory. Returns the configuration to build the
+/// router from: `config` plus the pools' static endpoints (as workers) and their models (with
+/// tokenizer directories); without a policy directory, `config` unchanged and no stage.
+pub fn from_config(
+    config: crate::config::GatewayConfig,
+    http: &crate::config::HttpSettings,
+) -> Result<(crate::config::GatewayConfig, Option<Arc<PolicyStage>>), SourceError> {
+    let Some(dir) = config.policy_dir.clone() else {
+        return Ok((config, None));
+    };
+    let settings = StageSettings {
+        dir,
+        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
+        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
+        connect_timeout: http.connect_timeout(),
+    };
+    let stage = PolicyStage::start(&settings)?;
+    let mut config = config;
+    let (workers, models) = stage.routing_additions();
+    for m in models {
+        if !config.models.iter().any(|c| c.name == m.name) {
+            config.models.push(m);
+        }
+    }
+    for w in workers {
+        if !config
+            .workers
+            .iter()
+            .any(|c| c.url.trim_end_matches('/') == w.url)
+        {
+            config.workers.push(w);
+        }
+    }
+    Ok((config, Some(stage)))
+}

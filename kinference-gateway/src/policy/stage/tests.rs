@@ -1,0 +1,254 @@
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::*;
+use crate::routing::{RoutingConfig, RoutingMode};
+
+fn tokenizer_dir() -> PathBuf {
+    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")));
+    assert!(
+        dir.join("tokenizer.json").exists(),
+        "no tokenizer at {}: run `cargo xtask setup`",
+        dir.display()
+    );
+    dir
+}
+
+/// A private directory under the system temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kinference-stage-{tag}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A pool `local` (workers w0 and w1) serving `small` and `big` on two pools, a provider, and a
+/// burst rule that holds whenever the local pools are saturated (an unavailable pool counts).
+fn write_policies(dir: &Path) {
+    let tok = tokenizer_dir();
+    let text = format!(
+        r#"apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {{name: small}}
+spec:
+  servedName: small-served
+  classes: [general]
+  tokenizer: {{dir: "{tok}"}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePool
+metadata: {{name: local}}
+spec:
+  models: [small]
+  gpuClass: sim
+  locality: Local
+  endpoints: [{{url: "http://w0"}}, {{url: "http://w1/"}}]
+  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.2}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceProvider
+metadata: {{name: cloud}}
+spec:
+  baseUrl: http://127.0.0.1:1/v1
+  apiStyle: OpenAI
+  credentials: {{env: KINFERENCE_STAGE_TEST_KEY}}
+  models: [{{name: cloud-model, substitutes: [small]}}]
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {{name: burst}}
+spec:
+  priority: 10
+  rules:
+    - name: saturated
+      action:
+        burst:
+          providers: [cloud]
+          when: {{queueDepthAbove: 3}}
+"#,
+        tok = tok.display()
+    );
+    std::fs::write(dir.join("policies.yaml"), text).unwrap();
+}
+
+async fn stage_and_router(dir: &Path) -> (Arc<PolicyStage>, Router) {
+    let config = crate::config::GatewayConfig {
+        policy_dir: Some(dir.to_path_buf()),
+        ..Default::default()
+    };
+    let (config, stage) = from_config(config, &crate::config::HttpSettings::default()).unwrap();
+    let stage = stage.unwrap();
+    assert_eq!(
+        config
+            .workers
+            .iter()
+            .map(|w| (w.url.as_str(), w.model.as_str()))
+            .collect::<Vec<_>>(),
+        [("http://w0", "small-served"), ("http://w1", "small-served")]
+    );
+    let router = Router::new(RoutingConfig {
+        workers: config.workers.clone(),
+        models: config.models.clone(),
+        agents: vec![],
+        mode: RoutingMode::Kinference,
+    })
+    .unwrap();
+    (stage, router)
+}
+
+fn chat(text: &str) -> serde_json::Value {
+    json!({"model": "small", "messages": [{"role": "user", "content": text}]})
+}
+
+async fn decide(
+    stage: &PolicyStage,
+    router: &Router,
+    body: &serde_json::Value,
+) -> (Result<Plan, GatewayError>, Option<String>) {
+    let messages = body["messages"].clone();
+    let req = StageRequest {
+        body,
+        model: body["model"].as_str().unwrap(),
+        prompt: Prompt::Chat(&messages),
+        tenant: None,
+        tags_header: None,
+        debug: true,
+    };
+    let mut explain = None;
+    let plan = stage.decide(router, req, &mut explain).await;
+    (plan, explain)
+}
+
+#[tokio::test]
+async fn healthy_idle_pool_routes_locally_with_the_served_name() {
+    let dir = TempDir::new("idle");
+    write_policies(&dir.0);
+    let (stage, router) = stage_and_router(&dir.0).await;
+    let (plan, explain) = decide(&stage, &router, &chat("Hello there")).await;
+    let plan = plan.unwrap();
+    assert!(!plan.burst);
+    assert_eq!(plan.rule, "default");
+    match &plan.targets[..] {
+        [
+            PlanTarget::Pool {
+                pool,
+                model,
+                workers,
+            },
+        ] => {
+            assert_eq!(pool, "local");
+            assert_eq!(model, "small-served");
+            assert_eq!(
+                workers.as_deref(),
+                Some(&["http://w0".to_string(), "http://w1".to_string()][..])
+            );
+        }
+        other => panic!("unexpected targets {other:?}"),
+    }
+    let explain = explain.unwrap();
+    assert!(explain.contains("outcome=route"), "{explain}");
+    assert!(explain.contains("local(queue=?"), "{explain}");
+}
+
+#[tokio::test]
+async fn down_pool_bursts_but_personal_data_is_refused_and_never_planned_remote() {
+    let dir = TempDir::new("down");
+    write_policies(&dir.0);
+    let (stage, router) = stage_and_router(&dir.0).await;
+    router.set_healthy("http://w0", false);
+    router.set_healthy("http://w1", false);
+
+    let (plan, explain) = decide(&stage, &router, &chat("Summarize the weekly report")).await;
+    let plan = plan.unwrap();
+    assert!(plan.burst);
+    assert_eq!(plan.rule, "burst/saturated");
+    assert!(
+        matches!(&plan.targets[0], PlanTarget::Provider { model, .. } if model == "cloud-model")
+    );
+    assert!(explain.unwrap().contains("local(unavailable)"));
+
+    let pii = chat("Please write to jane.doe@example.com about the invoice");
+    let (plan, explain) = decide(&stage, &router, &pii).await;
+    match plan {
+        Err(GatewayError::PolicyRejected {
+            status,
+            code,
+            message,
+        }) => {
+            assert_eq!(status, http::StatusCode::SERVICE_UNAVAILABLE);
+            assert_eq!(code, "local_processing_required");
+            assert!(message.contains("personal data"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(explain.unwrap().contains("outcome=reject"));
+
+    // With the pool back, the PII request stays local even though a burst rule exists.
+    router.set_healthy("http://w0", true);
+    let (plan, _) = decide(&stage, &router, &pii).await;
+    let plan = plan.unwrap();
+    assert!(plan.local_only);
+    assert!(
+        plan.targets
+            .iter()
+            .all(|t| matches!(t, PlanTarget::Pool { .. }))
+    );
+}
+
+#[test]
+fn a_pool_without_workers_reports_saturated() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let dir = TempDir::new("snap");
+    write_policies(&dir.0);
+    rt.block_on(async {
+        let stage = PolicyStage::start(&StageSettings {
+            dir: dir.0.clone(),
+            reload_interval: Duration::from_secs(60),
+            load_interval: Duration::from_secs(60),
+            connect_timeout: Duration::from_secs(1),
+        })
+        .unwrap();
+        let snap = stage.snapshot(&[]);
+        assert!(!snap.available);
+        assert_eq!(snap.queue_depth, Some(u32::MAX));
+        let est = WorkerEstimate {
+            worker: "http://w0".into(),
+            ttft_s: Some(0.25),
+            cached_tokens: 32,
+            in_flight: 1,
+            waiting: Some(4),
+            kv_usage: Some(0.5),
+        };
+        let snap = stage.snapshot(&[&est]);
+        assert!(snap.available);
+        assert_eq!(snap.queue_depth, Some(4));
+        assert_eq!(snap.estimated_ttft_ms, Some(250.0));
+        assert_eq!(snap.cached_tokens, Some(32));
+        assert_eq!(snap.kv_cache_usage, Some(0.5));
+    });
+}
+
+#[test]
+fn header_values_are_visible_ascii() {
+    assert_eq!(header_safe("a\nb – c"), "a?b ? c");
+}

@@ -1,0 +1,300 @@
+//! PII fail-closed against the real `kinference-gateway` binary, with an in-test stand-in provider
+//! (an OpenAI-compatible HTTP server on loopback that counts every request it receives).
+//!
+//! The only local pool points at a port where nothing listens, and a burst policy sends requests to the
+//! provider while the local pools are saturated (a pool without a healthy worker counts as saturated).
+//! A request without personal data reaches the provider; requests with personal data (OpenAI chat and
+//! completions, Anthropic messages; streamed or not) are refused with `local_processing_required` in
+//! the client's protocol, and the provider's count does not move.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{Value, json};
+
+const MODEL: &str = "qwen2-sim";
+const KEY_ENV: &str = "KINFERENCE_TEST_STANDIN_KEY";
+const KEY: &str = "sk-fail-closed-test";
+
+/// Kills the gateway on drop (also when a test panics).
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Removes the temporary directory on drop.
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// An OpenAI-compatible stand-in: counts requests, checks the key, answers one fixed completion.
+async fn standin(count: Arc<AtomicUsize>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let count = Arc::clone(&count);
+                    async move {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        let authorized = req
+                            .headers()
+                            .get("authorization")
+                            .is_some_and(|v| v.as_bytes() == format!("Bearer {KEY}").as_bytes());
+                        let body = if authorized {
+                            json!({"id": "chatcmpl-standin", "object": "chat.completion", "created": 0,
+                                "model": "standin-model",
+                                "choices": [{"index": 0, "message": {"role": "assistant", "content": "from the provider"},
+                                             "finish_reason": "stop"}],
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+                        } else {
+                            json!({"error": {"message": "bad key"}})
+                        };
+                        let mut response =
+                            hyper::Response::new(Full::new(Bytes::from(body.to_string())));
+                        if !authorized {
+                            *response.status_mut() = http::StatusCode::UNAUTHORIZED;
+                        }
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+fn tokenizer_dir() -> PathBuf {
+    std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")))
+}
+
+fn write_config(dir: &std::path::Path, provider: SocketAddr) -> PathBuf {
+    let dead = free_port();
+    let policies = dir.join("policies");
+    std::fs::create_dir_all(&policies).unwrap();
+    let tok = tokenizer_dir();
+    std::fs::write(
+        policies.join("all.yaml"),
+        format!(
+            r#"apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {{name: {MODEL}}}
+spec:
+  servedName: {MODEL}
+  tokenizer: {{dir: "{tok}"}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePool
+metadata: {{name: local}}
+spec:
+  models: [{MODEL}]
+  gpuClass: sim
+  locality: Local
+  endpoints: [{{url: "http://127.0.0.1:{dead}"}}]
+  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceProvider
+metadata: {{name: standin}}
+spec:
+  baseUrl: http://{provider}/v1
+  apiStyle: OpenAI
+  credentials: {{env: {KEY_ENV}}}
+  models: [{{name: standin-model, substitutes: [{MODEL}]}}]
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {{name: cloud-burst}}
+spec:
+  priority: 20
+  rules:
+    - name: saturated
+      action:
+        burst:
+          providers: [standin]
+          when: {{queueDepthAbove: 0}}
+"#,
+            tok = tok.display()
+        ),
+    )
+    .unwrap();
+    let config = dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "routing: kinference\npolicy_dir: {}\npolicy_load_interval_ms: 100\n",
+            policies.display()
+        ),
+    )
+    .unwrap();
+    config
+}
+
+async fn post(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    url: &str,
+    body: &Value,
+) -> (http::StatusCode, Value) {
+    let request = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let response = client.request(request).await.unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes)
+            .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into_owned())),
+    )
+}
+
+#[tokio::test]
+async fn personal_data_is_refused_and_never_reaches_the_provider() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let provider = standin(Arc::clone(&count)).await;
+    let dir = TempDir(std::env::temp_dir().join(format!(
+        "kinference-fail-closed-{}-{:x}",
+        std::process::id(),
+        rand::random::<u64>()
+    )));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let config = write_config(&dir.0, provider);
+    let (port, admin) = (free_port(), free_port());
+    let _gateway = ChildGuard(
+        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .arg("--config")
+            .arg(&config)
+            .env(KEY_ENV, KEY)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start kinference-gateway"),
+    );
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let probe = hyper::Request::get(format!("http://127.0.0.1:{admin}/healthz"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        if client
+            .request(probe)
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let base = format!("http://127.0.0.1:{port}/v1");
+
+    // Without personal data: burst to the provider (the path is live).
+    let (status, body) = post(
+        &client,
+        &format!("{base}/chat/completions"),
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "from the provider"
+    );
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+
+    let pii = "Send the invoice to jane.doe@example.com, card 4111 1111 1111 1111.";
+    let cases = [
+        (
+            "chat/completions",
+            json!({"model": MODEL, "messages": [{"role": "user", "content": pii}]}),
+        ),
+        (
+            "chat/completions",
+            json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": pii}]}),
+        ),
+        ("completions", json!({"model": MODEL, "prompt": pii})),
+        (
+            "completions",
+            json!({"model": MODEL, "prompt": pii, "stream": true}),
+        ),
+        (
+            "messages",
+            json!({"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": pii}]}),
+        ),
+        (
+            "messages",
+            json!({"model": MODEL, "max_tokens": 8, "stream": true, "system": pii,
+                            "messages": [{"role": "user", "content": "Summarize the above."}]}),
+        ),
+    ];
+    for (path, body) in cases {
+        let (status, answer) = post(&client, &format!("{base}/{path}"), &body).await;
+        assert_eq!(status, 503, "{path}: {answer}");
+        if path == "messages" {
+            assert_eq!(answer["type"], "error", "{answer}");
+            assert_eq!(answer["error"]["type"], "overloaded_error", "{answer}");
+            assert!(
+                answer["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("personal data")
+            );
+        } else {
+            assert_eq!(
+                answer["error"]["code"], "local_processing_required",
+                "{answer}"
+            );
+            assert!(
+                answer["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("personal data")
+            );
+        }
+    }
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        1,
+        "a request with personal data reached the provider"
+    );
+}
