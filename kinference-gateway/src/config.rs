@@ -135,12 +135,24 @@ pub struct GatewayConfig {
     /// How a worker is picked.
     #[serde(default)]
     pub routing: RoutingMode,
-    /// Directory of policy YAML files (optional).
+    /// Directory of policy YAML files (optional). With it, every request goes through the policy
+    /// stage, and the pools' static endpoints join `workers`.
     #[serde(default)]
     pub policy_dir: Option<PathBuf>,
+    /// How often the policy directory is checked for changes, in milliseconds (default 1000).
+    #[serde(default)]
+    pub policy_reload_interval_ms: Option<u64>,
+    /// How often the gateway scrapes the policy pools' workers' `/metrics` for queue depth and
+    /// KV-cache usage when no agent reports them, in milliseconds (default 500).
+    #[serde(default)]
+    pub policy_load_interval_ms: Option<u64>,
     /// In-cluster discovery of workers and agents (the Helm chart writes it); see [`crate::discovery`].
     #[serde(default)]
     pub kubernetes: Option<crate::discovery::KubernetesConfig>,
+    /// API keys, rate limits, budgets and the usage store; see [`crate::tenancy`]. Absent: no
+    /// tenants (the gateway is open), usage journaled beside this file.
+    #[serde(default)]
+    pub tenancy: crate::tenancy::TenancyConfig,
 }
 
 /// Errors loading the configuration file.

@@ -95,6 +95,42 @@ pub enum GatewayError {
         /// The worker's error message.
         message: String,
     },
+    /// An inference policy refused the request (or left it no backend, e.g. personal data with no
+    /// local pool available): the policy's status, a machine-readable code and the message.
+    #[error("{message}")]
+    PolicyRejected {
+        /// The policy's status.
+        status: StatusCode,
+        /// `policy_rejected`, `local_processing_required`, `model_not_allowed`, ...
+        code: &'static str,
+        /// For the client.
+        message: String,
+    },
+    /// No API key, or one no tenant has (401).
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A tenant's rate limit is reached (429); `headers` are `Retry-After` and the protocol's
+    /// rate-limit headers.
+    #[error("{message}")]
+    RateLimited {
+        /// For the client (never holds a key).
+        message: String,
+        /// Response headers.
+        headers: Vec<(&'static str, String)>,
+    },
+    /// A tenant's monthly budget is spent (429; OpenAI `insufficient_quota`).
+    #[error("{message}")]
+    BudgetExceeded {
+        /// For the client.
+        message: String,
+        /// Response headers (`Retry-After`: the end of the month).
+        headers: Vec<(&'static str, String)>,
+    },
+    /// The shared rate-limit store is unreachable and the tenant fails closed (503).
+    #[error(
+        "rate limits cannot be checked right now (the shared limit store is unreachable); retry shortly"
+    )]
+    LimitsUnavailable,
 }
 
 impl From<RouteError> for GatewayError {
@@ -129,6 +165,12 @@ impl GatewayError {
             }
             GatewayError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             GatewayError::UpstreamRejected { status, .. } => *status,
+            GatewayError::Unauthenticated(_) => StatusCode::UNAUTHORIZED,
+            GatewayError::RateLimited { .. } | GatewayError::BudgetExceeded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            GatewayError::LimitsUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::PolicyRejected { status, .. } => *status,
         }
     }
 
@@ -145,10 +187,18 @@ impl GatewayError {
             GatewayError::BadUpstream { .. } => "bad_upstream",
             GatewayError::UpstreamTimeout { .. } => "upstream_timeout",
             GatewayError::UpstreamRejected { .. } => "upstream_rejected",
+            GatewayError::Unauthenticated(_) => "unauthenticated",
+            GatewayError::RateLimited { .. } => "rate_limited",
+            GatewayError::BudgetExceeded { .. } => "budget_exceeded",
+            GatewayError::LimitsUnavailable => "limits_unavailable",
+            GatewayError::PolicyRejected { .. } => "policy_rejected",
         }
     }
 
     fn openai_type(&self) -> &'static str {
+        if let GatewayError::BudgetExceeded { .. } = self {
+            return "insufficient_quota";
+        }
         match self.status().as_u16() {
             400 | 413 | 422 => "invalid_request_error",
             404 => "not_found_error",
@@ -169,6 +219,11 @@ impl GatewayError {
             GatewayError::WorkerUnreachable { .. } => Some("worker_unreachable"),
             GatewayError::BadUpstream { .. } => Some("bad_upstream"),
             GatewayError::UpstreamTimeout { .. } => Some("upstream_timeout"),
+            GatewayError::Unauthenticated(_) => Some("invalid_api_key"),
+            GatewayError::RateLimited { .. } => Some("rate_limit_exceeded"),
+            GatewayError::BudgetExceeded { .. } => Some("insufficient_quota"),
+            GatewayError::LimitsUnavailable => Some("limits_unavailable"),
+            GatewayError::PolicyRejected { code, .. } => Some(*code),
             _ => None,
         }
     }
@@ -220,6 +275,15 @@ impl GatewayError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let GatewayError::RateLimited { headers, .. }
+        | GatewayError::BudgetExceeded { headers, .. } = self
+        {
+            for (name, value) in headers {
+                if let Ok(v) = HeaderValue::from_str(value) {
+                    response.headers_mut().insert(*name, v);
+                }
+            }
+        }
         response
     }
 

@@ -20,17 +20,39 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let config = GatewayConfig::load(&args.config)?;
+    // The policy stage (with a policy directory): its pools' endpoints join the router's workers.
+    let (config, policy) = kinference_gateway::policy::stage::from_config(config, &args.http)
+        .context("loading the policy directory")?;
     let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(&config)
         .await
         .context("building the router")?;
     let metrics = Metrics::new();
     metrics.with_registry(|registry| router.register_metrics(registry));
+    if let Some(stage) = &policy {
+        metrics.with_registry(|registry| stage.register_metrics(registry));
+    }
+    let _policy_sync = policy
+        .as_ref()
+        .map(|stage| stage.spawn_sync(Arc::clone(&router)));
+    let tenancy = metrics
+        .with_registry(|registry| {
+            kinference_gateway::tenancy::Tenancy::start(
+                config.tenancy.clone(),
+                &args.config,
+                config.policy_dir.clone(),
+                config.model_names(),
+                registry,
+            )
+        })
+        .context("starting tenancy (API keys, limits, usage journal)")?;
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
         upstream: Upstream::new(&args.http),
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),
+        tenancy: Arc::clone(&tenancy),
+        policy,
     });
 
     let _extproc = kinference_gateway::extproc::spawn(&args.extproc, Arc::clone(&router)).await?;
@@ -65,6 +87,8 @@ async fn main() -> anyhow::Result<()> {
     prober.abort();
     let _ = api_task.await;
     let _ = admin_task.await;
+    // Every usage record of the requests that finished during the graceful stop is on disk.
+    tenancy.flush().await;
     Ok(())
 }
 

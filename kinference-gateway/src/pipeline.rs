@@ -19,6 +19,9 @@ use crate::api::openai::{
 };
 use crate::errors::{GatewayError, Protocol};
 use crate::metrics::{InFlightGuard, RequestLabels, WorkerLabels};
+use crate::policy::stage::{Plan, PlanTarget, StageRequest};
+use crate::providers::relay::{Accounting, ClientShape};
+use crate::providers::{ProviderClient, ProviderError, ProviderRequest};
 use crate::relay::{Relay, RelayMode};
 use crate::routing::{Decision, Prompt, RouteError, RouteRequest};
 use crate::server::{Body, Gateway, full};
@@ -61,6 +64,14 @@ struct Context {
     model: String,
     worker: String,
     in_flight: Option<InFlightGuard>,
+    /// `x-kinference-tags` (policy stage).
+    tags: Option<String>,
+    /// The policy stage's one-line explanation (debug), also sent with refusals.
+    policy_explain: Option<String>,
+    /// Who is calling (the authenticate stage).
+    caller: Option<crate::tenancy::Caller>,
+    /// The tenant's admission (rate limits, budget); settled with the request, exactly once.
+    admission: Option<crate::tenancy::Admission>,
 }
 
 /// A parsed client request.
@@ -99,6 +110,37 @@ impl WorkerRequest {
             OpenAiRequest::Completion(r) => Prompt::Text(r.prompt_text()),
         }
     }
+
+    /// The same request for another served model (a policy chose a pool serving a different one).
+    fn for_model(&self, model: &str) -> Result<WorkerRequest, GatewayError> {
+        let (openai, body) = match &self.openai {
+            OpenAiRequest::Chat(r) => {
+                let mut r = r.clone();
+                r.model = model.to_string();
+                let body = serialize(&r)?;
+                (OpenAiRequest::Chat(r), body)
+            }
+            OpenAiRequest::Completion(r) => {
+                let mut r = r.clone();
+                r.model = model.to_string();
+                let body = serialize(&r)?;
+                (OpenAiRequest::Completion(r), body)
+            }
+        };
+        Ok(WorkerRequest {
+            openai,
+            body,
+            stream: self.stream,
+            client_wants_usage: self.client_wants_usage,
+        })
+    }
+
+    fn provider_request(&self) -> ProviderRequest<'_> {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => ProviderRequest::Chat(r),
+            OpenAiRequest::Completion(r) => ProviderRequest::Completion(r),
+        }
+    }
 }
 
 /// Serves one inference request.
@@ -118,12 +160,41 @@ pub async fn handle(
         model: String::new(),
         worker: String::new(),
         in_flight: Some(gw.metrics.in_flight()),
+        tags: req
+            .headers()
+            .get(crate::policy::classify::tags::TAGS_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        policy_explain: None,
+        caller: None,
+        admission: None,
     };
     match run(&gw, &mut ctx, req).await {
-        Ok(response) => response,
+        Ok(response) => {
+            // Answered without the worker relay (a provider): settled now, without worker usage.
+            if let Some(admission) = ctx.admission.take() {
+                admission.settle(response.status().as_u16(), None);
+            }
+            response
+        }
         Err(error) => {
             account_error(&gw, &ctx, &error);
-            error.into_response(ctx.protocol)
+            if let Some(admission) = ctx.admission.take() {
+                admission.settle(error.status().as_u16(), None);
+            }
+            if let (GatewayError::PolicyRejected { code, .. }, Some(caller)) = (&error, &ctx.caller)
+            {
+                gw.tenancy.policy_decision(caller, code, "reject");
+            }
+            let mut response = error.into_response(ctx.protocol);
+            if let Some(v) = ctx
+                .policy_explain
+                .as_deref()
+                .and_then(|e| HeaderValue::from_str(e).ok())
+            {
+                response.headers_mut().insert("x-kinference-decision", v);
+            }
+            response
         }
     }
 }
@@ -133,17 +204,69 @@ async fn run(
     ctx: &mut Context,
     req: Request<Incoming>,
 ) -> Result<Response<Body>, GatewayError> {
+    authenticate(gw, ctx, req.headers())?;
     let body = read_body(req, gw.settings.body_limit_bytes).await?;
     let request = parse(ctx.endpoint, &body)?;
-    let worker_request = validate_and_translate(request, body)?;
+    let worker_request = validate_and_translate(request, body.clone())?;
     ctx.model = worker_request.model().to_string();
-    let (decision, response) = route_and_forward(gw, ctx, &worker_request).await?;
+    admit(gw, ctx, &worker_request).await?;
+    let (decision, response) = match apply_policies(gw, ctx, &body, &worker_request).await? {
+        None => route_and_forward(gw, ctx, &worker_request, None).await?,
+        Some(plan) => match forward_planned(gw, ctx, &worker_request, &plan).await? {
+            Planned::Worker(decision, response) => (decision, response),
+            Planned::Provider(response) => return Ok(response),
+        },
+    };
     ctx.worker = decision.worker.clone();
+    if let Some(admission) = &mut ctx.admission {
+        admission.routed(&decision.worker, decision.reason, decision.prompt_tokens);
+    }
     if worker_request.stream {
         Ok(stream_back(gw, ctx, &worker_request, decision, response))
     } else {
         reply_whole(gw, ctx, decision, response).await
     }
+}
+
+/// Stage 0 (tenancy): the API key -> the tenant; without a valid one, 401 in the client's protocol.
+fn authenticate(
+    gw: &Gateway,
+    ctx: &mut Context,
+    headers: &http::HeaderMap,
+) -> Result<(), GatewayError> {
+    ctx.caller = Some(gw.tenancy.authenticate(headers)?);
+    Ok(())
+}
+
+/// Stage 3a (tenancy): the tenant's monthly budget and token rate limits, before anything is routed
+/// (429 in the client's protocol, with `Retry-After` and the rate-limit headers).
+async fn admit(
+    gw: &Gateway,
+    ctx: &mut Context,
+    request: &WorkerRequest,
+) -> Result<(), GatewayError> {
+    let Some(caller) = &ctx.caller else {
+        return Ok(());
+    };
+    let (fields, completion) = match &request.openai {
+        OpenAiRequest::Chat(r) => (&r.extra, false),
+        OpenAiRequest::Completion(r) => (&r.extra, true),
+    };
+    let (input, output) = gw.tenancy.demand(request.prompt(), fields, completion);
+    let admission = gw
+        .tenancy
+        .admit(caller, &ctx.model, input, output, ctx.protocol)
+        .await?;
+    ctx.admission = Some(admission);
+    Ok(())
+}
+
+/// The tenant's rate-limit headers for a served response.
+fn tenancy_headers(ctx: &Context) -> http::HeaderMap {
+    ctx.admission
+        .as_ref()
+        .map(|a| a.headers())
+        .unwrap_or_default()
 }
 
 /// Stage 1: the body, bounded by the configured limit (413 beyond it).
@@ -254,12 +377,187 @@ fn serialize<T: serde::Serialize>(request: &T) -> Result<Bytes, GatewayError> {
         .map_err(|e| GatewayError::MalformedJson(e.to_string()))
 }
 
-/// Stages 4 and 5: pick a worker and send the request. A worker that refuses the connection is marked
-/// unhealthy and the request goes once more to another worker (nothing has been streamed yet).
+/// Stage 3b (with a policy directory): classify the request, evaluate the policies against the pools'
+/// state, and get the ordered targets (pools, providers); a refusal ends the request here. `None`: no
+/// policies, any worker serving the model.
+async fn apply_policies(
+    gw: &Gateway,
+    ctx: &mut Context,
+    body: &Bytes,
+    request: &WorkerRequest,
+) -> Result<Option<Plan>, GatewayError> {
+    let Some(stage) = &gw.policy else {
+        return Ok(None);
+    };
+    let json: serde_json::Value = openai::parse_body(body)?;
+    let req = StageRequest {
+        body: &json,
+        model: &ctx.model,
+        prompt: request.prompt(),
+        tenant: ctx
+            .caller
+            .as_ref()
+            .and_then(|c| c.tenant())
+            .map(|t| t.name.as_str()),
+        tags_header: ctx.tags.as_deref(),
+        debug: ctx.debug,
+    };
+    let plan = stage
+        .decide(&gw.router, req, &mut ctx.policy_explain)
+        .await?;
+    Ok(Some(plan))
+}
+
+/// Where a planned request went.
+enum Planned {
+    /// A pool's worker: relayed like any worker answer.
+    Worker(Decision, Response<Incoming>),
+    /// A provider: the response, already in the client's protocol.
+    Provider(Response<Body>),
+}
+
+/// Stages 4 and 5 under a policy plan: the targets in order. A pool without a healthy worker (or whose
+/// workers refuse) and a provider that cannot take or fails the request pass it to the next target;
+/// nothing has reached the client yet. A local-only plan holds no provider (the stage checks it).
+async fn forward_planned(
+    gw: &Gateway,
+    ctx: &mut Context,
+    request: &WorkerRequest,
+    plan: &Plan,
+) -> Result<Planned, GatewayError> {
+    let mut last: Option<GatewayError> = None;
+    for target in &plan.targets {
+        match target {
+            PlanTarget::Pool { model, workers, .. } => {
+                let retargeted;
+                let req = if model == request.model() {
+                    request
+                } else {
+                    retargeted = request.for_model(model)?;
+                    &retargeted
+                };
+                match route_and_forward(gw, ctx, req, workers.as_deref()).await {
+                    Ok((mut decision, response)) => {
+                        if let Some(stage) = &gw.policy {
+                            stage.count_sent(target, plan.burst);
+                        }
+                        if ctx.debug {
+                            decision.explain = Some(format!(
+                                "{}; router: {}",
+                                ctx.policy_explain.as_deref().unwrap_or(""),
+                                decision.explain.as_deref().unwrap_or("")
+                            ));
+                        }
+                        return Ok(Planned::Worker(decision, response));
+                    }
+                    Err(
+                        error @ (GatewayError::NoHealthyWorker(_)
+                        | GatewayError::UnknownModel(_)
+                        | GatewayError::WorkerUnreachable { .. }),
+                    ) => {
+                        tracing::warn!(backend = %target.label(), model = %ctx.model, %error, "policy target unavailable; trying the next");
+                        last = Some(error);
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            PlanTarget::Provider { client, model } => {
+                if plan.local_only {
+                    continue;
+                }
+                match client
+                    .send(request.provider_request(), model, request.stream)
+                    .await
+                {
+                    Ok(response) => {
+                        if let Some(stage) = &gw.policy {
+                            stage.count_sent(target, plan.burst);
+                        }
+                        let response = provider_reply(gw, ctx, request, client, response).await?;
+                        return Ok(Planned::Provider(response));
+                    }
+                    Err(ProviderError::Unusable { provider, reason }) => {
+                        tracing::debug!(%provider, %reason, "provider skipped");
+                    }
+                    Err(ProviderError::Failed(error)) => {
+                        tracing::warn!(backend = %target.label(), model = %ctx.model, %error, "provider failed; trying the next target");
+                        last = Some(error);
+                    }
+                }
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| GatewayError::PolicyRejected {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        code: "no_backend_available",
+        message: format!(
+            "no backend chosen by the policies ({}) could take the request",
+            plan.rule
+        ),
+    }))
+}
+
+/// Stages 6 and 7 for a provider's answer: in the client's protocol, whole or streamed, accounted
+/// under `worker="provider/<name>"`.
+async fn provider_reply(
+    gw: &Gateway,
+    ctx: &mut Context,
+    request: &WorkerRequest,
+    client: &ProviderClient,
+    response: Response<Incoming>,
+) -> Result<Response<Body>, GatewayError> {
+    ctx.worker = client.label();
+    let shape = match ctx.endpoint {
+        Endpoint::Messages => ClientShape::Anthropic {
+            model: ctx.model.clone(),
+        },
+        _ => ClientShape::OpenAi {
+            pass_usage_chunk: request.client_wants_usage,
+        },
+    };
+    let acct = Accounting {
+        metrics: gw.metrics.clone(),
+        labels: WorkerLabels {
+            model: ctx.model.clone(),
+            worker: ctx.worker.clone(),
+        },
+        protocol: ctx.protocol,
+        started: ctx.started,
+        idle_timeout: gw.upstream.idle_timeout(),
+        in_flight: ctx.in_flight.take(),
+    };
+    let label = client.label();
+    let mut response = if request.stream {
+        crate::providers::relay::stream(client.api_style(), &label, response, shape, acct)
+    } else {
+        crate::providers::relay::whole(client.api_style(), &label, response, &shape, acct).await?
+    };
+    let h = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(client.base_url()) {
+        h.insert("x-kinference-worker", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(client.name()) {
+        h.insert("x-kinference-provider", v);
+    }
+    if ctx.debug
+        && let Some(v) = ctx
+            .policy_explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+    {
+        h.insert("x-kinference-decision", v);
+    }
+    Ok(response)
+}
+
+/// Stages 4 and 5: pick a worker (among `pool` when a policy chose one) and send the request. A worker
+/// that refuses the connection is marked unhealthy and the request goes once more to another worker
+/// (nothing has been streamed yet).
 async fn route_and_forward(
     gw: &Gateway,
     ctx: &Context,
     request: &WorkerRequest,
+    pool: Option<&[String]>,
 ) -> Result<(Decision, Response<Incoming>), GatewayError> {
     let mut refused: Option<GatewayError> = None;
     loop {
@@ -268,7 +566,11 @@ async fn route_and_forward(
             prompt: request.prompt(),
             debug: ctx.debug,
         };
-        let decision = match gw.router.pick(route).await {
+        let picked = match pool {
+            Some(workers) => gw.router.pick_among(route, workers).await,
+            None => gw.router.pick(route).await,
+        };
+        let decision = match picked {
             Ok(decision) => decision,
             // The retry found no other worker: the refusal is the more useful answer.
             Err(RouteError::NoHealthyWorker(_)) if refused.is_some() => {
@@ -338,7 +640,8 @@ fn stream_back(
             pass_usage_chunk: request.client_wants_usage,
         },
     };
-    let headers = routed_headers(&decision, ctx.debug);
+    let mut headers = routed_headers(&decision, ctx.debug);
+    headers.extend(tenancy_headers(ctx));
     let relay = Relay::new(
         response.into_body(),
         mode,
@@ -352,7 +655,8 @@ fn stream_back(
         },
         ctx.protocol,
         ctx.in_flight.take(),
-    );
+    )
+    .with_admission(ctx.admission.take());
     let mut response = Response::new(relay.into_body());
     let h = response.headers_mut();
     h.insert(
@@ -393,7 +697,11 @@ async fn reply_whole(
             (body, usage)
         }
     };
-    let headers = routed_headers(&decision, ctx.debug);
+    let mut headers = routed_headers(&decision, ctx.debug);
+    headers.extend(tenancy_headers(ctx));
+    if let Some(admission) = ctx.admission.take() {
+        admission.settle(StatusCode::OK.as_u16(), usage.as_ref());
+    }
     account(gw, ctx, decision, StatusCode::OK, usage);
     let mut response = Response::new(full(body));
     let h = response.headers_mut();

@@ -54,6 +54,8 @@ pub struct Relay {
     ended: bool,
     out: BytesMut,
     _in_flight: Option<InFlightGuard>,
+    /// The tenant's admission, settled with the request (see [`Relay::with_admission`]).
+    admission: Option<crate::tenancy::Admission>,
 }
 
 impl Relay {
@@ -87,12 +89,20 @@ impl Relay {
             ended: false,
             out: BytesMut::with_capacity(512),
             _in_flight: in_flight,
+            admission: None,
         };
         if let RelayMode::Anthropic(translator) = &mut relay.mode {
             let estimate = decision.prompt_tokens.unwrap_or(0) as u64;
             translator.start(&mut relay.out, estimate);
         }
         relay
+    }
+
+    /// Settles `admission` (usage, rate-limit reconciliation, per-tenant metrics) when the stream
+    /// ends, exactly once, like the rest of the accounting.
+    pub fn with_admission(mut self, admission: Option<crate::tenancy::Admission>) -> Self {
+        self.admission = admission;
+        self
     }
 
     /// The relay as a streaming response body.
@@ -189,6 +199,9 @@ impl Relay {
     }
 
     fn observe_text(&mut self) {
+        if let Some(admission) = &mut self.admission {
+            admission.text_chunk();
+        }
         let now = Instant::now();
         match self.last_text {
             None => {
@@ -231,6 +244,9 @@ impl Relay {
         let Some(ticket) = self.ticket.take() else {
             return;
         };
+        if let Some(admission) = self.admission.take() {
+            admission.settle(status, self.usage.as_ref());
+        }
         let usage = self.usage.unwrap_or_default();
         let cached = usage.cached_tokens();
         self.metrics

@@ -45,6 +45,10 @@ pub struct Gateway {
     pub settings: HttpSettings,
     /// Served model names (for `/v1/models`).
     pub models: Vec<String>,
+    /// API keys, rate limits, budgets, usage (`/admin/usage`).
+    pub tenancy: Arc<crate::tenancy::Tenancy>,
+    /// The policy stage, when `gateway.yaml` names a policy directory.
+    pub policy: Option<Arc<crate::policy::stage::PolicyStage>>,
 }
 
 impl Gateway {
@@ -100,6 +104,19 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
                 ),
             );
             response
+        }
+        (&Method::GET, "/admin/usage") => {
+            match gw
+                .tenancy
+                .usage_report(req.uri().query().unwrap_or(""))
+                .await
+            {
+                Ok(report) => json_response(StatusCode::OK, report.to_string()),
+                Err(message) => json_response(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({ "error": message }).to_string(),
+                ),
+            }
         }
         (&Method::GET, "/healthz") => text_response(StatusCode::OK, "ok\n"),
         (&Method::GET, "/readyz") => {

@@ -1,0 +1,255 @@
+//! Per-tenant metrics (`kinference_gateway_tenant_*`), registered in the gateway's registry.
+//!
+//! Cardinality is bounded: the `tenant` label is a configured tenant's name, `anonymous` (open
+//! gateway), `unauthenticated` (401s) or `other` (past [`MAX_TENANT_LABELS`] tenants); the `model`
+//! label is a served model or `other`; `reason`, `limit` and `scope` are fixed sets. Never a key.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Tenants beyond this many (in name order) share the label value `other`.
+pub const MAX_TENANT_LABELS: usize = 500;
+
+/// `{tenant, model}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantModel {
+    /// Tenant label.
+    pub tenant: String,
+    /// Model label.
+    pub model: String,
+}
+
+/// `{tenant, model, status}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantStatus {
+    /// Tenant label.
+    pub tenant: String,
+    /// Model label.
+    pub model: String,
+    /// HTTP status.
+    pub status: u16,
+}
+
+/// `{tenant, model, cache}`: cached or uncached prompt tokens.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantCache {
+    /// Tenant label.
+    pub tenant: String,
+    /// Model label.
+    pub model: String,
+    /// `cached` or `uncached`.
+    pub cache: &'static str,
+}
+
+/// `{tenant, model, pool, provider}`: cost.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantBackend {
+    /// Tenant label.
+    pub tenant: String,
+    /// Model label.
+    pub model: String,
+    /// Pool ("" when none).
+    pub pool: String,
+    /// Provider ("" when none).
+    pub provider: String,
+}
+
+/// `{tenant, reason}`: routing decision reasons.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantReason {
+    /// Tenant label.
+    pub tenant: String,
+    /// Model label.
+    pub model: String,
+    /// The router's reason (`cache_hit`, `least_loaded`, ...).
+    pub reason: String,
+}
+
+/// `{tenant, limit, scope}`: rejections.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLimit {
+    /// Tenant label.
+    pub tenant: String,
+    /// `requests`, `input_tokens`, `output_tokens` or `budget`.
+    pub limit: &'static str,
+    /// `tenant` (tenant-wide) or `model` (tenant + model).
+    pub scope: &'static str,
+}
+
+/// `{tenant, policy, outcome}`: policy matches and rejects (the policy stage reports them).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantPolicy {
+    /// Tenant label.
+    pub tenant: String,
+    /// Policy (and rule) that decided, or `default`.
+    pub policy: String,
+    /// `route`, `reject`, `burst`, ...
+    pub outcome: String,
+}
+
+/// `{reason}`: authentication failures.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AuthFailure {
+    /// `missing` or `unknown`.
+    pub reason: &'static str,
+}
+
+/// `{mode}`: limit store failures.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreFailure {
+    /// `open` (admitted anyway) or `closed` (refused).
+    pub mode: &'static str,
+}
+
+/// `{tenant}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantOnly {
+    /// Tenant label.
+    pub tenant: String,
+}
+
+type Hist = Family<TenantModel, Histogram, fn() -> Histogram>;
+
+fn latency() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+}
+
+fn itl() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 16))
+}
+
+fn token_sizes() -> Histogram {
+    // 1 .. ~131k tokens
+    Histogram::new(exponential_buckets(1.0, 2.0, 18))
+}
+
+/// The per-tenant families.
+#[derive(Debug, Clone)]
+pub struct TenancyMetrics {
+    pub(super) requests: Family<TenantStatus, Counter>,
+    pub(super) input_tokens: Family<TenantCache, Counter>,
+    pub(super) output_tokens: Family<TenantModel, Counter>,
+    pub(super) input_size: Hist,
+    pub(super) output_size: Hist,
+    pub(super) ttft: Hist,
+    pub(super) itl: Hist,
+    pub(super) e2e: Hist,
+    pub(super) cost: Family<TenantBackend, Counter<f64, std::sync::atomic::AtomicU64>>,
+    pub(super) decisions: Family<TenantReason, Counter>,
+    pub(super) rejections: Family<TenantLimit, Counter>,
+    pub(super) policy: Family<TenantPolicy, Counter>,
+    pub(super) auth_failures: Family<AuthFailure, Counter>,
+    pub(super) store_errors: Family<StoreFailure, Counter>,
+    pub(super) spend: Family<TenantOnly, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    pub(super) tenants: Gauge,
+}
+
+impl TenancyMetrics {
+    /// Creates the families and registers them under `kinference_gateway_tenant_*`.
+    pub fn register(registry: &mut Registry) -> Self {
+        let m = TenancyMetrics {
+            requests: Family::default(),
+            input_tokens: Family::default(),
+            output_tokens: Family::default(),
+            input_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
+            output_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
+            ttft: Family::new_with_constructor(latency as fn() -> Histogram),
+            itl: Family::new_with_constructor(itl as fn() -> Histogram),
+            e2e: Family::new_with_constructor(latency as fn() -> Histogram),
+            cost: Family::default(),
+            decisions: Family::default(),
+            rejections: Family::default(),
+            policy: Family::default(),
+            auth_failures: Family::default(),
+            store_errors: Family::default(),
+            spend: Family::default(),
+            tenants: Gauge::default(),
+        };
+        let r = registry.sub_registry_with_prefix("kinference_gateway_tenant");
+        r.register(
+            "requests",
+            "Admitted requests by tenant, model and final status (rejections: rate_limited, auth_failures)",
+            m.requests.clone(),
+        );
+        r.register(
+            "input_tokens",
+            "Prompt tokens by tenant and model, cached (prefix cache) or uncached",
+            m.input_tokens.clone(),
+        );
+        r.register(
+            "output_tokens",
+            "Generated tokens by tenant and model",
+            m.output_tokens.clone(),
+        );
+        r.register(
+            "input_tokens_per_request",
+            "Prompt size in tokens",
+            m.input_size.clone(),
+        );
+        r.register(
+            "output_tokens_per_request",
+            "Generated tokens per request",
+            m.output_size.clone(),
+        );
+        r.register(
+            "time_to_first_token_seconds",
+            "Time from arrival to the first generated token (streams)",
+            m.ttft.clone(),
+        );
+        r.register(
+            "inter_token_latency_seconds",
+            "Time between two streamed chunks carrying text",
+            m.itl.clone(),
+        );
+        r.register(
+            "e2e_request_latency_seconds",
+            "Time from arrival to the end of the response",
+            m.e2e.clone(),
+        );
+        r.register(
+            "cost",
+            "Cost from the configured prices (cached and uncached prompt tokens priced separately)",
+            m.cost.clone(),
+        );
+        r.register(
+            "routing_decisions",
+            "Routing decisions by tenant, model and the router's reason",
+            m.decisions.clone(),
+        );
+        r.register(
+            "rate_limited",
+            "Requests refused by a rate limit or an exhausted budget",
+            m.rejections.clone(),
+        );
+        r.register(
+            "policy_decisions",
+            "Policy matches and rejects by tenant",
+            m.policy.clone(),
+        );
+        r.register(
+            "auth_failures",
+            "Requests refused with 401 (missing or unknown API key)",
+            m.auth_failures.clone(),
+        );
+        r.register(
+            "limit_store_errors",
+            "Admissions that could not reach the shared limit store, by fail mode",
+            m.store_errors.clone(),
+        );
+        r.register(
+            "budget_spent",
+            "Spend this calendar month (UTC) as this replica knows it",
+            m.spend.clone(),
+        );
+        r.register(
+            "configured",
+            "Tenants configured (0: the gateway is open)",
+            m.tenants.clone(),
+        );
+        m
+    }
+}

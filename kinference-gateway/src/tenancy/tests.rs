@@ -1,0 +1,185 @@
+use http::{HeaderMap, HeaderValue};
+
+use super::*;
+
+const TENANTS: &str = r#"
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceTenant
+metadata:
+  name: acme
+spec:
+  apiKeys:
+    - secretRef: {name: acme, key: api-key}
+  limits:
+    requestsPerMinute: 120
+    outputTokensPerMinute: 600
+  budget:
+    monthlyLimit: 0.00002
+    onExceeded: Reject
+"#;
+
+fn with_key(key: &str) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    h.insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
+    );
+    h
+}
+
+fn start(dir: &Path, tenants: bool) -> Arc<Tenancy> {
+    std::fs::create_dir_all(dir).unwrap();
+    if tenants {
+        std::fs::write(dir.join("tenants.yaml"), TENANTS).unwrap();
+        std::fs::create_dir_all(dir.join("secrets/acme")).unwrap();
+        std::fs::write(dir.join("secrets/acme/api-key"), "sk-acme-test-key\n").unwrap();
+    }
+    let mut config = TenancyConfig {
+        tenants_dir: tenants.then(|| dir.join("tenants.yaml")),
+        secrets_dir: Some(dir.join("secrets")),
+        ..TenancyConfig::default()
+    };
+    config.prices.insert(
+        "m".into(),
+        TokenPrices {
+            cached_input_per_million: 0.0,
+            uncached_input_per_million: 1.0,
+            output_per_million: 1.0,
+            currency: None,
+        },
+    );
+    config.tenants.insert(
+        "acme".into(),
+        TenantSettings {
+            burst_seconds: Some(1.0),
+            ..TenantSettings::default()
+        },
+    );
+    let mut registry = Registry::default();
+    Tenancy::start(
+        config,
+        &dir.join("gateway.yaml"),
+        None,
+        vec!["m".into()],
+        &mut registry,
+    )
+    .unwrap()
+}
+
+fn usage(prompt: u64, cached: u64, output: u64) -> Usage {
+    Usage {
+        prompt_tokens: prompt,
+        completion_tokens: output,
+        total_tokens: prompt + output,
+        prompt_tokens_details: Some(crate::api::openai::PromptTokensDetails {
+            cached_tokens: Some(cached),
+        }),
+    }
+}
+
+#[tokio::test]
+async fn without_tenants_the_gateway_is_open() {
+    let dir =
+        std::env::temp_dir().join(format!("kinference-tenancy-open-{}", rand::random::<u64>()));
+    let t = start(&dir, false);
+    assert!(t.is_open());
+    let caller = t.authenticate(&HeaderMap::new()).unwrap();
+    assert_eq!(caller.name(), "anonymous");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn keys_limits_budget_and_usage_end_to_end_in_process() {
+    let dir = std::env::temp_dir().join(format!("kinference-tenancy-{}", rand::random::<u64>()));
+    let t = start(&dir, true);
+    assert!(!t.is_open());
+    let missing = t.authenticate(&HeaderMap::new()).unwrap_err();
+    assert_eq!(missing.status(), http::StatusCode::UNAUTHORIZED);
+    let wrong = t.authenticate(&with_key("sk-wrong")).unwrap_err();
+    assert!(
+        !wrong
+            .body(Protocol::OpenAi)
+            .to_string()
+            .contains("sk-wrong")
+    );
+    assert_eq!(
+        wrong.body(Protocol::OpenAi)["error"]["code"],
+        "invalid_api_key"
+    );
+    assert_eq!(
+        wrong.body(Protocol::Anthropic)["error"]["type"],
+        "authentication_error"
+    );
+    let caller = t.authenticate(&with_key("sk-acme-test-key")).unwrap();
+    assert_eq!(caller.name(), "acme");
+
+    // 120 rpm with a 1 s burst: two requests, then 429 with the headers.
+    let mut a = t
+        .admit(&caller, "m", 10, 5, Protocol::OpenAi)
+        .await
+        .unwrap();
+    assert!(a.headers().contains_key("x-ratelimit-remaining-requests"));
+    a.routed("http://w", "least_loaded", Some(12));
+    a.settle(200, Some(&usage(12, 4, 5)));
+    let b = t
+        .admit(&caller, "m", 10, 5, Protocol::Anthropic)
+        .await
+        .unwrap();
+    drop(b); // an aborted request settles too (nothing billed: it never reached a worker)
+    let limited = t
+        .admit(&caller, "m", 10, 5, Protocol::Anthropic)
+        .await
+        .unwrap_err();
+    let response = limited.into_response(Protocol::Anthropic);
+    assert_eq!(response.status(), http::StatusCode::TOO_MANY_REQUESTS);
+    assert!(response.headers().contains_key("retry-after"));
+    assert!(
+        response
+            .headers()
+            .contains_key("anthropic-ratelimit-requests-remaining")
+    );
+
+    // Half a second later the request bucket has refilled; this request's cost (10 uncached + 10
+    // output tokens at 1 per million) brings the spend past the budget of 0.00002.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let mut c = t
+        .admit(&caller, "m", 10, 10, Protocol::OpenAi)
+        .await
+        .unwrap();
+    c.routed("http://w", "least_loaded", None);
+    c.settle(200, Some(&usage(10, 0, 10)));
+    let spent = t
+        .admit(&caller, "m", 1, 1, Protocol::OpenAi)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        spent.body(Protocol::OpenAi)["error"]["code"],
+        "insufficient_quota"
+    );
+
+    t.flush().await;
+    let report = t.usage_report("tenant=acme").await.unwrap();
+    assert_eq!(report["total"]["requests"], 2);
+    assert_eq!(report["total"]["input_uncached_tokens"], 18);
+    assert_eq!(report["total"]["input_cached_tokens"], 4);
+    assert_eq!(report["total"]["output_tokens"], 15);
+
+    // A restart replays the journal: same figures, budget still spent.
+    drop(t);
+    let t = start(&dir, true);
+    let report = t.usage_report("tenant=acme&from=2000-01-01").await.unwrap();
+    assert_eq!(report["total"]["requests"], 2);
+    assert_eq!(report["total"]["output_tokens"], 15);
+    let caller = t.authenticate(&with_key("sk-acme-test-key")).unwrap();
+    assert!(t.admit(&caller, "m", 1, 1, Protocol::OpenAi).await.is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn helpers() {
+    assert_eq!(go_duration(0.02), "20ms");
+    assert_eq!(go_duration(1.0), "1s");
+    assert_eq!(go_duration(360.0), "6m0s");
+    assert_eq!(percent_decode("a%20b+c%3A"), "a b c:");
+    assert_eq!(percent_decode("%zz%"), "%zz%");
+}
