@@ -551,3 +551,73 @@ async fn kv_events_map_format_connect_mode_and_v026_replay() {
 async fn kv_events_array_format_bind_mode_and_v025_replay() {
     events_round_trip(false, true, true).await;
 }
+
+/// What peer routers (vllm-router, smg, sglang-router) ask a worker besides generation: `/version`, the
+/// `render` routes in vLLM 0.32's `GenerateRequest` shape (one object for chat, a list for completions,
+/// the same token ids as `/tokenize`), and 404 for the routes vLLM does not serve.
+#[test]
+fn render_routes_version_and_peer_probes() {
+    let sim = Sim::start(&[]);
+    let (status, v) = sim.call("GET", "/version", None);
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&v).expect("json");
+    assert_eq!(v["version"], "0.32.0");
+
+    let messages = json!([{"role": "user", "content": "Hi"}]);
+    let (status, chat) = sim.post_json(
+        "/v1/chat/completions/render",
+        json!({"model": "qwen2-sim", "messages": messages, "max_tokens": 7}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert!(chat.is_object(), "chat render is one object: {chat}");
+    assert_eq!(
+        chat["token_ids"],
+        json!([151644, 872, 198, 13048, 151645, 198, 151644, 77091, 198])
+    );
+    assert!(
+        chat["request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-"))
+    );
+    assert_eq!(chat["model"], "qwen2-sim");
+    assert_eq!(chat["sampling_params"]["max_tokens"], 7);
+    assert!(chat["features"].is_null());
+
+    let (status, list) = sim.post_json(
+        "/v1/completions/render",
+        json!({"model": "qwen2-sim", "prompt": "Hello world, this is a test."}),
+    );
+    assert_eq!(status, 200, "{list}");
+    let items = list.as_array().expect("completions render is a list");
+    assert_eq!(items.len(), 1);
+    assert_eq!(
+        items[0]["token_ids"],
+        json!([9707, 1879, 11, 419, 374, 264, 1273, 13])
+    );
+    assert!(
+        items[0]["request_id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("cmpl-"))
+    );
+
+    // Errors keep vLLM's shape: unknown model 404, bad body 400.
+    let (status, e) = sim.post_json(
+        "/v1/chat/completions/render",
+        json!({"model": "nope", "messages": messages}),
+    );
+    assert_eq!(status, 404);
+    assert_eq!(e["error"]["type"], "NotFoundError");
+    let (status, _) = sim.post_json("/v1/completions/render", json!({"model": "qwen2-sim"}));
+    assert_eq!(status, 400);
+
+    // Not served by vLLM 0.32 (without dev mode): routers that probe them must tolerate 404.
+    for path in [
+        "/server_info",
+        "/model_info",
+        "/get_model_info",
+        "/kv_event_sources",
+    ] {
+        let (status, _) = sim.call("GET", path, None);
+        assert_eq!(status, 404, "{path}");
+    }
+}

@@ -1,5 +1,6 @@
 //! The simulator's HTTP server (hyper 1, HTTP/1.1 like vLLM's uvicorn): vLLM's OpenAI-compatible routes,
-//! `/tokenize`, `/metrics`, `/health`, `/version`, `/reset_prefix_cache`, the `render` routes, and the
+//! `/tokenize`, `/metrics`, `/health`, `/version`, `/reset_prefix_cache`, the `render` routes (vLLM 0.32's
+//! `GenerateRequest` shape, which vllm-router's `cache_aware`/`kv_aware` read for token ids), and the
 //! simulator-only `/sim/estimate` and `/sim/state`.
 //!
 //! Each generation request is tokenized here (real tokenizer and chat template), checked against
@@ -221,11 +222,11 @@ async fn route(
         }
         "/v1/completions/render" if post => {
             let r = openai::parse_completion(&read_json(req).await?)?;
-            render(state, &r)
+            render(state, &r, false)
         }
         "/v1/chat/completions/render" if post => {
             let r = openai::parse_chat(&read_json(req).await?)?;
-            render(state, &r)
+            render(state, &r, true)
         }
         "/tokenize" if post => tokenize(state, &read_json(req).await?),
         "/detokenize" if post => detokenize(state, &read_json(req).await?),
@@ -528,26 +529,19 @@ fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError
     Ok(json_response(StatusCode::OK, &json!({"prompt": text})))
 }
 
-/// `render` routes: the prompt as the engine would receive it (rendered text and token ids).
-fn render(state: &AppState, r: &GenRequest) -> Result<Response<Body>, ApiError> {
+/// `render` routes, as vLLM 0.32 answers them (`vllm/entrypoints/serve/disagg`): the request turned into
+/// the `GenerateRequest` of the token-in/token-out API (`/inference/v1/generate`) without running it.
+/// `/v1/chat/completions/render` returns one object; `/v1/completions/render` a list, one per prompt.
+fn render(state: &AppState, r: &GenRequest, chat: bool) -> Result<Response<Body>, ApiError> {
     check_model(state, r)?;
-    let text = match &r.prompt {
-        PromptInput::Text(t) => Some(t.clone()),
-        PromptInput::Tokens(_) => None,
-        PromptInput::Chat {
-            messages,
-            add_generation_prompt,
-            kwargs,
-        } => Some(
-            state
-                .tokenizer
-                .render_chat_with(messages, *add_generation_prompt, kwargs.as_ref())
-                .map_err(tokenize_error)?,
-        ),
-    };
     let ids = prompt_ids(state, &r.prompt)?;
-    Ok(json_response(
-        StatusCode::OK,
-        &json!({"model": state.model, "prompt": text, "prompt_token_ids": ids}),
-    ))
+    let one = openai::generate_request(
+        &request_id(chat),
+        &state.model,
+        &ids,
+        r.max_tokens,
+        r.stream,
+    );
+    let body = if chat { one } else { Value::Array(vec![one]) };
+    Ok(json_response(StatusCode::OK, &body))
 }

@@ -260,3 +260,33 @@ pub fn models_body(model: &str, root: &str, max_model_len: usize, created: u64) 
         }],
     }]})
 }
+
+/// The `GenerateRequest` a `render` route returns (vLLM 0.32, `serve/disagg/protocol.py`): the prompt's
+/// token ids and the sampling parameters the request would run with; `features` is null without
+/// multimodal inputs.
+pub fn generate_request(
+    request_id: &str,
+    model: &str,
+    token_ids: &[u32],
+    max_tokens: Option<usize>,
+    stream: bool,
+) -> Value {
+    json!({
+        "request_id": request_id,
+        "token_ids": token_ids,
+        "features": null,
+        "sampling_params": {
+            "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": null, "stop": [],
+            "stop_token_ids": [], "ignore_eos": false, "max_tokens": max_tokens, "min_tokens": 0,
+            "logprobs": null, "prompt_logprobs": null, "skip_special_tokens": true,
+            "spaces_between_special_tokens": true, "output_kind": 0,
+        },
+        "model": model,
+        "stream": stream,
+        "stream_options": null,
+        "cache_salt": null,
+        "priority": 0,
+        "kv_transfer_params": null,
+    })
+}
