@@ -1,0 +1,59 @@
+"""Builds a tiny randomly initialised Qwen2 model for vLLM, entirely locally (no model hub).
+
+The shape follows shared/docs/vllm-interfaces.md section 4a: 2 layers, hidden size 128, 2 heads of 64,
+Qwen2's vocabulary (151,936 rows), bf16 weights (~40 MB). The tokenizer files are copied unchanged from
+the Qwen2 tokenizer the gateway uses (.assets/qwen2), so vLLM and the gateway render the same chat
+template and produce the same tokens. The weights are random: the answers are noise, but prefill,
+prefix caching, KV events and metrics behave as with any model.
+
+Usage: python make_model.py --tokenizer-dir .assets/qwen2 --out DIR
+"""
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokenizer-dir", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-position-embeddings", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=args.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        torch_dtype="bfloat16",
+    )
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out, safe_serialization=True)
+    GenerationConfig(bos_token_id=151643, eos_token_id=151645).save_pretrained(args.out)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(args.tokenizer_dir / name, args.out / name)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"tiny Qwen2: {params / 1e6:.1f}M parameters -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

