@@ -16,11 +16,12 @@ use std::time::Duration;
 
 use clap::Parser;
 use kinference_bench::routing::client::{HttpClient, LoadClient};
-use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig};
+use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::experiment::{
     self, ExperimentConfig, Policy, RequestCount, RunRecord,
 };
 use kinference_bench::routing::oracle::Oracle;
+use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
 use kinference_bench::routing::report::Report;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 use serde_json::json;
@@ -96,6 +97,24 @@ struct Args {
     /// Wall-clock limit of one request, in seconds.
     #[arg(long, default_value_t = 300)]
     request_timeout_s: u64,
+    /// Also run peer routers in front of the same workers: `all`, or a comma list of packages
+    /// (vllm-router, smg, sglang-router, litellm) or peer policies (vllm-router-kv-aware,
+    /// vllm-router-cache-aware, smg-cache-aware, smg-prefix-hash, sglang-router-cache-aware,
+    /// litellm-least-busy). Each package is pip-installed (pinned) into its own venv under
+    /// --peers-dir on first use. A peer that cannot be installed or started gets "n/a" rows.
+    #[arg(long)]
+    peers: Option<String>,
+    /// Where the peers' venvs are cached (default: KINFERENCE_PEERS_DIR, or
+    /// ~/.cache/kinference-bench/peers).
+    #[arg(long)]
+    peers_dir: Option<PathBuf>,
+    /// How long a peer may take to route its first request, in seconds.
+    #[arg(long, default_value_t = 180)]
+    peer_ready_timeout_s: u64,
+    /// A `router-overhead.json` (from `router-overhead`) whose added-latency and CPU rows are copied into
+    /// routing.json (`overhead`) and routing.md, so that one report holds every figure of each router.
+    #[arg(long)]
+    overhead_json: Option<PathBuf>,
 }
 
 fn repo_root() -> PathBuf {
@@ -175,7 +194,96 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Installs and starts the peers, registering each with the cluster (a route, or why it cannot run).
+async fn start_peers(
+    cluster: &mut Cluster,
+    http: &HttpClient,
+    wanted: &[Policy],
+    args: &Args,
+) -> Vec<RunningPeer> {
+    let cache = args
+        .peers_dir
+        .clone()
+        .unwrap_or_else(peers::default_cache_dir);
+    let metrics = http
+        .get_text(&format!("{}/metrics", cluster.workers()[0]))
+        .await
+        .unwrap_or_default();
+    let block_size = peers::block_size_from_metrics(&metrics).unwrap_or(16);
+    let mut venvs = std::collections::BTreeMap::new();
+    let mut running = Vec::new();
+    for &policy in wanted {
+        let Some((router, _)) = PeerRouter::of(policy) else {
+            continue;
+        };
+        let venv = venvs
+            .entry(router)
+            .or_insert_with(|| {
+                peers::install(router, &cache, &mut |line| {
+                    eprintln!("routing-bench: peer {line}")
+                })
+                .map_err(|e| e.to_string())
+            })
+            .clone();
+        let venv = match venv {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("routing-bench: {policy} cannot run: {e}");
+                cluster.set_peer(policy, Err(format!("install failed: {e}")));
+                continue;
+            }
+        };
+        let ports = match cluster::free_ports(2) {
+            Ok(p) => p,
+            Err(e) => {
+                cluster.set_peer(policy, Err(e.to_string()));
+                continue;
+            }
+        };
+        let ctx = PeerContext {
+            workers: cluster.worker_endpoints().to_vec(),
+            model: cluster::MODEL.to_string(),
+            block_size,
+            port: ports[0],
+            metrics_port: ports[1],
+            work_dir: cluster.work_dir().to_path_buf(),
+        };
+        eprintln!(
+            "routing-bench: starting peer {policy} ({}) on port {}",
+            router.requirement(),
+            ports[0]
+        );
+        match peers::start(
+            policy,
+            &venv,
+            &ctx,
+            http,
+            Duration::from_secs(args.peer_ready_timeout_s),
+        )
+        .await
+        {
+            Ok(peer) => {
+                cluster.set_peer(policy, Ok(peer.route.clone()));
+                running.push(peer);
+            }
+            Err(e) => {
+                eprintln!("routing-bench: {policy} cannot run: {e}");
+                let first = e.to_string().lines().next().unwrap_or_default().to_string();
+                cluster.set_peer(policy, Err(format!("did not start: {first}")));
+            }
+        }
+    }
+    running
+}
+
 async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
+    let wanted_peers = match args.peers.as_deref().map(peers::parse_peers).transpose() {
+        Ok(p) => p.unwrap_or_default(),
+        Err(e) => {
+            eprintln!("routing-bench: --peers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let command = format!(
         "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway\ntarget/release/routing-bench {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
@@ -187,10 +295,12 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
             per_user: args.requests_per_user,
         },
     };
+    let mut policies = args.policies.clone();
+    policies.extend(wanted_peers.iter().filter(|p| !args.policies.contains(p)));
     let config = ExperimentConfig {
         workloads: args.workloads.clone(),
         concurrency: args.concurrency.clone(),
-        policies: args.policies.clone(),
+        policies,
         requests,
         warmup: args.warmup,
         seed: args.seed,
@@ -237,6 +347,18 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "git_commit": git_commit(),
     });
+    let mut setup = setup;
+    if !wanted_peers.is_empty() {
+        setup["peers"] = json!(
+            wanted_peers
+                .iter()
+                .filter_map(|p| Some((p.as_str(), PeerRouter::of(*p)?)))
+                .map(|(p, (router, policy))| json!({
+                    "row": p, "package": router.requirement(), "policy": policy,
+                }))
+                .collect::<Vec<_>>()
+        );
+    }
 
     eprintln!(
         "routing-bench: {} runs ({} workloads x {} concurrency levels x {} policies), time scale {}, logs in {}",
@@ -248,13 +370,20 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         cluster_config.work_dir.display()
     );
     let http = HttpClient::new();
-    let mut cluster = match Cluster::start(&cluster_config, http.clone()).await {
+    // vllm-router's kv_aware connects to each worker's PUB socket, so with it the workers bind and
+    // the agent connects too (both subscribers then see the same events).
+    let options = ClusterOptions {
+        workers_bind_kv_events: wanted_peers.contains(&Policy::VllmRouterKvAware),
+        ..ClusterOptions::default()
+    };
+    let mut cluster = match Cluster::start_with(&cluster_config, http.clone(), &options).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("routing-bench: cannot start the cluster: {e}");
             return ExitCode::FAILURE;
         }
     };
+    let _peers = start_peers(&mut cluster, &http, &wanted_peers, &args).await;
     let oracle = Arc::new(Oracle::new(http.clone(), cluster.workers().to_vec()));
     let client = LoadClient::new(
         http,
@@ -315,6 +444,11 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         eprintln!("routing-bench: {e}");
         return ExitCode::FAILURE;
     }
+    if let Some(path) = &args.overhead_json
+        && let Err(e) = append_overhead(path, &out_dir)
+    {
+        eprintln!("routing-bench: --overhead-json: {e}");
+    }
     eprintln!("\nTargets:");
     for t in report.targets() {
         eprintln!(
@@ -328,6 +462,45 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
     }
     eprintln!("Results in {}", out_dir.display());
     ExitCode::SUCCESS
+}
+
+/// Copies `router-overhead`'s rows into routing.json (`overhead`) and a table at the end of routing.md.
+fn append_overhead(path: &std::path::Path, out_dir: &std::path::Path) -> anyhow::Result<()> {
+    let overhead: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let json_path = out_dir.join("routing.json");
+    let mut results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json_path)?)?;
+    results["overhead"] = overhead.clone();
+    std::fs::write(&json_path, serde_json::to_string_pretty(&results)? + "\n")?;
+    let mut md = std::fs::read_to_string(out_dir.join("routing.md"))?;
+    md.push_str(
+        "\n## Added latency over a direct call and CPU per 1,000 requests (`router-overhead`)\n\n\
+         One simulated worker, trivial prompt, wall-clock ms; CPU = the router's process group \
+         (Kinference: gateway, + agent).\n\n\
+         | router | mode | conc | added p50 (ms) | added p99 (ms) | CPU s / 1k req |\n|---|---|---|---|---|---|\n",
+    );
+    for r in overhead["rows"].as_array().into_iter().flatten() {
+        let cpu = r["cpu_s_per_1k"]
+            .as_f64()
+            .map_or("-".into(), |v| format!("{v:.2}"));
+        let agent = r["agent_cpu_s_per_1k"]
+            .as_f64()
+            .map_or(String::new(), |v| format!(" (+{v:.2})"));
+        md.push_str(&format!(
+            "| {} | {} | {} | {:+.3} | {:+.3} | {cpu}{agent} |\n",
+            r["router"].as_str().unwrap_or_default(),
+            if r["stream"].as_bool().unwrap_or(false) {
+                "stream (TTFB)"
+            } else {
+                "non-stream"
+            },
+            r["concurrency"],
+            r["added_p50_ms"].as_f64().unwrap_or(f64::NAN),
+            r["added_p99_ms"].as_f64().unwrap_or(f64::NAN),
+        ));
+    }
+    std::fs::write(out_dir.join("routing.md"), md)?;
+    Ok(())
 }
 
 fn git_commit() -> Option<String> {

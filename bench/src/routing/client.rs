@@ -185,6 +185,13 @@ impl HttpClient {
 pub enum Route {
     /// A gateway (or a single worker): `POST {base}/v1/chat/completions`.
     Endpoint(String),
+    /// A router that wants an API key (LiteLLM's master key): `Authorization: Bearer {api_key}`.
+    Authorized {
+        /// Base URL.
+        base: String,
+        /// The key.
+        api_key: String,
+    },
     /// The client-side oracle picks a worker per request.
     Oracle(Arc<Oracle>),
 }
@@ -266,7 +273,11 @@ impl LoadClient {
             let response = match route {
                 Route::Endpoint(base) => {
                     let url = format!("{base}/v1/chat/completions");
-                    self.start_stream(&url, &body).await
+                    self.start_stream(&url, &body, None).await
+                }
+                Route::Authorized { base, api_key } => {
+                    let url = format!("{base}/v1/chat/completions");
+                    self.start_stream(&url, &body, Some(api_key)).await
                 }
                 Route::Oracle(oracle) => {
                     // The decision and the admission by the worker happen under one lock, so the next
@@ -277,7 +288,7 @@ impl LoadClient {
                             outcome.worker = Some(choice.worker.clone());
                             outcome.decision = Some(choice.explain);
                             let url = format!("{}/v1/chat/completions", choice.worker);
-                            self.start_stream(&url, &body).await
+                            self.start_stream(&url, &body, None).await
                         }
                         Err(e) => Err(e.to_string()),
                     }
@@ -300,14 +311,18 @@ impl LoadClient {
         &self,
         url: &str,
         body: &Value,
+        api_key: Option<&str>,
     ) -> Result<http::Response<Incoming>, String> {
-        let headers: &[(&str, &str)] = if self.debug {
-            &[(DEBUG_HEADER, "1")]
-        } else {
-            &[]
-        };
+        let bearer = api_key.map(|k| format!("Bearer {k}"));
+        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(2);
+        if self.debug {
+            headers.push((DEBUG_HEADER, "1"));
+        }
+        if let Some(b) = &bearer {
+            headers.push(("authorization", b));
+        }
         self.http
-            .send(Method::POST, url, headers, Bytes::from(body.to_string()))
+            .send(Method::POST, url, &headers, Bytes::from(body.to_string()))
             .await
             .map_err(|e| e.to_string())
     }

@@ -17,7 +17,8 @@ use bytes::Bytes;
 use http::Method;
 use serde_json::json;
 
-use super::client::HttpClient;
+use super::client::{HttpClient, Route};
+use super::experiment::Policy;
 
 #[cfg(test)]
 mod tests;
@@ -128,6 +129,21 @@ pub struct ClusterOptions {
     /// Gateway replicas per routing mode (0 or 1: one). Replica `r > 1` of mode `m` is named `m#r`
     /// ([`Cluster::gateway`]); all replicas of a mode share the workers and the agent.
     pub gateway_replicas: usize,
+    /// Workers **bind** their KV-event PUB sockets (`tcp://*:PORT`, vLLM's bind mode) and the agent
+    /// connects, so that other subscribers (a peer router's `kv_aware`) can connect too. Off: the
+    /// workers connect to SUB sockets the agent binds (the default, node-local deployment).
+    pub workers_bind_kv_events: bool,
+}
+
+/// Where a worker serves and publishes, as a subscriber on loopback connects to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEndpoints {
+    /// HTTP base URL.
+    pub url: String,
+    /// KV-event PUB endpoint (`tcp://127.0.0.1:PORT`).
+    pub kv_events: String,
+    /// Replay ROUTER endpoint (`tcp://127.0.0.1:PORT`).
+    pub kv_replay: String,
 }
 
 /// Default directory of the binaries: `KINFERENCE_BIN_DIR`, else the directory of the running executable.
@@ -170,14 +186,32 @@ pub fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
         .collect()
 }
 
-/// A child process killed when dropped.
-struct ChildGuard {
+/// A child process killed when dropped (with its whole process group when it leads one).
+pub(crate) struct ChildGuard {
     name: String,
     child: Child,
     log: PathBuf,
+    group: bool,
 }
 
 impl ChildGuard {
+    /// Starts `program` as the leader of a new process group, so that dropping the guard also stops
+    /// the helpers it starts (Python launchers, worker processes).
+    pub(crate) fn spawn_group(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+    ) -> Result<Self, ClusterError> {
+        Self::spawn_with(name, program, args, env, log, true)
+    }
+
+    /// The process id (the process group id for [`ChildGuard::spawn_group`]).
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     fn spawn(
         name: &str,
         program: &Path,
@@ -194,6 +228,17 @@ impl ChildGuard {
         env: &[(String, String)],
         log: PathBuf,
     ) -> Result<Self, ClusterError> {
+        Self::spawn_with(name, program, args, env, log, false)
+    }
+
+    fn spawn_with(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: PathBuf,
+        new_group: bool,
+    ) -> Result<Self, ClusterError> {
         let out = File::create(&log).map_err(io(format!("creating {}", log.display())))?;
         let err = out.try_clone().map_err(io("duplicating a log handle"))?;
         let mut command = Command::new(program);
@@ -207,6 +252,10 @@ impl ChildGuard {
             command.env("RUST_LOG", "warn");
         }
         command.envs(env.iter().map(|(k, v)| (k, v)));
+        if new_group {
+            use std::os::unix::process::CommandExt as _;
+            command.process_group(0);
+        }
         let child = command
             .spawn()
             .map_err(io(format!("starting {}", program.display())))?;
@@ -215,16 +264,17 @@ impl ChildGuard {
             name: name.to_string(),
             child,
             log,
+            group: new_group,
         })
     }
 
-    fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(15)..].join("\n")
     }
 
-    fn exited(&mut self) -> Option<ClusterError> {
+    pub(crate) fn exited(&mut self) -> Option<ClusterError> {
         match self.child.try_wait() {
             Ok(Some(status)) => Some(ClusterError::Exited {
                 name: self.name.clone(),
@@ -238,6 +288,14 @@ impl ChildGuard {
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
+        if self.group {
+            // The whole group: `kill -TERM -- -PGID`, then the leader for certain.
+            let _ = Command::new("kill")
+                .args(["-TERM", "--", &format!("-{}", self.child.id())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -252,12 +310,17 @@ pub struct GatewayEndpoint {
     pub url: String,
     /// Admin base URL (`/metrics`, `/readyz`).
     pub admin_url: String,
+    /// Its process id (for CPU accounting).
+    pub pid: u32,
 }
 
 /// A running local cluster; dropping it stops every process.
 pub struct Cluster {
     http: HttpClient,
     workers: Vec<String>,
+    worker_endpoints: Vec<WorkerEndpoints>,
+    /// Peer routers started next to the cluster, or why one could not be.
+    peers: BTreeMap<Policy, Result<Route, String>>,
     gateways: BTreeMap<String, GatewayEndpoint>,
     agent_metrics_url: String,
     work_dir: PathBuf,
@@ -361,6 +424,15 @@ impl Cluster {
         let mut cluster = Self {
             http,
             workers: worker_urls.clone(),
+            worker_endpoints: workers
+                .iter()
+                .map(|w| WorkerEndpoints {
+                    url: format!("http://127.0.0.1:{}", w.http),
+                    kv_events: format!("tcp://127.0.0.1:{}", w.kv_events),
+                    kv_replay: format!("tcp://127.0.0.1:{}", w.kv_replay),
+                })
+                .collect(),
+            peers: BTreeMap::new(),
             gateways: BTreeMap::new(),
             agent_metrics_url: format!("http://{agent_metrics}/metrics"),
             work_dir: config.work_dir.clone(),
@@ -369,7 +441,10 @@ impl Cluster {
 
         // The agent first: it binds the SUB sockets the workers connect to.
         let agent_yaml = config.work_dir.join("agent-workers.yaml");
-        write_yaml(&agent_yaml, &agent_workers_yaml(&workers))?;
+        write_yaml(
+            &agent_yaml,
+            &agent_workers_yaml(&workers, !options.workers_bind_kv_events),
+        )?;
         let mut agent_args: Vec<String> = vec![
             "--grpc-listen".into(),
             agent_grpc.clone(),
@@ -407,7 +482,11 @@ impl Cluster {
                 "--seed",
                 &i.to_string(),
                 "--kv-events-endpoint",
-                &format!("tcp://127.0.0.1:{}", w.kv_events),
+                &if options.workers_bind_kv_events {
+                    format!("tcp://*:{}", w.kv_events)
+                } else {
+                    format!("tcp://127.0.0.1:{}", w.kv_events)
+                },
                 "--kv-replay-endpoint",
                 &format!("tcp://127.0.0.1:{}", w.kv_replay),
                 "--kv-topic",
@@ -448,6 +527,7 @@ impl Cluster {
                 ],
                 config.work_dir.join(format!("gateway-{file}.log")),
             )?;
+            let pid = child.pid();
             cluster.children.push(child);
             cluster.gateways.insert(
                 name.clone(),
@@ -455,6 +535,7 @@ impl Cluster {
                     mode: mode.clone(),
                     url: format!("http://{listen}"),
                     admin_url: format!("http://{admin}"),
+                    pid,
                 },
             );
         }
@@ -505,6 +586,21 @@ impl Cluster {
         &self.workers
     }
 
+    /// Each worker's HTTP, KV-event and replay endpoints.
+    pub fn worker_endpoints(&self) -> &[WorkerEndpoints] {
+        &self.worker_endpoints
+    }
+
+    /// Registers a peer router for `policy`: where to send its requests, or why it cannot run.
+    pub fn set_peer(&mut self, policy: Policy, route: Result<Route, String>) {
+        self.peers.insert(policy, route);
+    }
+
+    /// The peer router registered for `policy`.
+    pub fn peer(&self, policy: Policy) -> Option<&Result<Route, String>> {
+        self.peers.get(&policy)
+    }
+
     /// The gateway running `mode` (replica `r > 1`: `mode#r`, see [`ClusterOptions::gateway_replicas`]).
     pub fn gateway(&self, mode: &str) -> Option<&GatewayEndpoint> {
         self.gateways.get(mode)
@@ -513,6 +609,11 @@ impl Cluster {
     /// Every gateway, by name.
     pub fn gateways(&self) -> impl Iterator<Item = &GatewayEndpoint> {
         self.gateways.values()
+    }
+
+    /// The agent's process id (the first child).
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.children.first().map(ChildGuard::pid)
     }
 
     /// The agent's metrics URL.
@@ -596,13 +697,13 @@ struct WorkerPorts {
     kv_replay: u16,
 }
 
-fn agent_workers_yaml(workers: &[WorkerPorts]) -> serde_json::Value {
+fn agent_workers_yaml(workers: &[WorkerPorts], agent_binds: bool) -> serde_json::Value {
     json!({
         "workers": workers.iter().map(|w| json!({
             "url": format!("http://127.0.0.1:{}", w.http),
             "model": MODEL,
             "kv_events_endpoint": format!("tcp://127.0.0.1:{}", w.kv_events),
-            "kv_events_bind": true,
+            "kv_events_bind": agent_binds,
             "kv_replay_endpoint": format!("tcp://127.0.0.1:{}", w.kv_replay),
         })).collect::<Vec<_>>()
     })

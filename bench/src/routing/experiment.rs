@@ -29,6 +29,18 @@ pub enum Policy {
     LeastOutstanding,
     /// Approximate prefix affinity: a hash of the prompt's leading characters.
     PrefixHash,
+    /// Peer: vLLM's router (`vllm-router`), `kv_aware`, fed the workers' KV events and replay.
+    VllmRouterKvAware,
+    /// Peer: vLLM's router, `cache_aware` (approximate radix tree of rendered prompts).
+    VllmRouterCacheAware,
+    /// Peer: SGLang's model gateway (`smg`), `cache_aware`.
+    SmgCacheAware,
+    /// Peer: SGLang's model gateway, `prefix_hash`.
+    SmgPrefixHash,
+    /// Peer: SGLang's older router (`sglang-router`), `cache_aware`.
+    SglangRouterCacheAware,
+    /// Peer: the LiteLLM proxy, `least-busy`.
+    LitellmLeastBusy,
     /// Kinference: lowest estimated TTFT from the KV-cache view and queues.
     Kinference,
     /// Client-side oracle with the simulator's exact view (the limit).
@@ -46,6 +58,16 @@ impl Policy {
         Self::Oracle,
     ];
 
+    /// The peer routers (`routing-bench --peers`), in report order.
+    pub const PEERS: [Policy; 6] = [
+        Self::VllmRouterKvAware,
+        Self::VllmRouterCacheAware,
+        Self::SmgCacheAware,
+        Self::SmgPrefixHash,
+        Self::SglangRouterCacheAware,
+        Self::LitellmLeastBusy,
+    ];
+
     /// The name on the command line, in the results and in the gateway's `routing:` setting.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -53,17 +75,29 @@ impl Policy {
             Self::RoundRobin => "round-robin",
             Self::LeastOutstanding => "least-outstanding",
             Self::PrefixHash => "prefix-hash",
+            Self::VllmRouterKvAware => "vllm-router-kv-aware",
+            Self::VllmRouterCacheAware => "vllm-router-cache-aware",
+            Self::SmgCacheAware => "smg-cache-aware",
+            Self::SmgPrefixHash => "smg-prefix-hash",
+            Self::SglangRouterCacheAware => "sglang-router-cache-aware",
+            Self::LitellmLeastBusy => "litellm-least-busy",
             Self::Kinference => "kinference",
             Self::Oracle => "oracle",
         }
     }
 
-    /// The gateway routing mode that implements it (`None` for the client-side oracle).
+    /// The gateway routing mode that implements it (`None` for the client-side oracle and the peers).
     pub fn gateway_mode(self) -> Option<&'static str> {
         match self {
             Self::Oracle => None,
+            peer if peer.is_peer() => None,
             other => Some(other.as_str()),
         }
+    }
+
+    /// Whether it is another project's router ([`Policy::PEERS`]).
+    pub fn is_peer(self) -> bool {
+        Self::PEERS.contains(&self)
     }
 }
 
@@ -76,7 +110,7 @@ impl fmt::Display for Policy {
 /// A policy name that is not one of [`Policy::ALL`].
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown policy {0:?} (expected random, round-robin, least-outstanding, prefix-hash, kinference or oracle)"
+    "unknown policy {0:?} (expected random, round-robin, least-outstanding, prefix-hash, kinference, oracle, or a peer: vllm-router-kv-aware, vllm-router-cache-aware, smg-cache-aware, smg-prefix-hash, sglang-router-cache-aware, litellm-least-busy)"
 )]
 pub struct UnknownPolicy(String);
 
@@ -85,6 +119,7 @@ impl FromStr for Policy {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::ALL
             .into_iter()
+            .chain(Self::PEERS)
             .find(|p| p.as_str() == s)
             .ok_or_else(|| UnknownPolicy(s.to_string()))
     }
@@ -183,6 +218,9 @@ pub struct RunRecord {
     pub cache_hit_share: Option<f64>,
     /// Wall-clock seconds the run took.
     pub wall_s: f64,
+    /// Why the policy could not run this workload (a peer that failed to install or start); the
+    /// summary is then empty.
+    pub unavailable: Option<String>,
     /// Every request's measurements (for decision logs; not in the JSON summary).
     #[serde(skip)]
     pub outcomes: Vec<RequestOutcome>,
@@ -207,6 +245,9 @@ pub enum ExperimentError {
     /// A policy has no gateway in the cluster.
     #[error("no gateway runs routing mode {0}")]
     NoGateway(String),
+    /// A peer policy was asked for but none was registered ([`Cluster::set_peer`]).
+    #[error("peer {0} was not set up")]
+    NoPeer(String),
     /// The cluster failed.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
@@ -226,6 +267,22 @@ pub async fn run_one(
     config: &ExperimentConfig,
 ) -> Result<RunRecord, ExperimentError> {
     let route = match policy.gateway_mode() {
+        None if policy.is_peer() => match cluster.peer(policy) {
+            None => return Err(ExperimentError::NoPeer(policy.to_string())),
+            Some(Err(reason)) => {
+                return Ok(RunRecord {
+                    workload: workload.kind,
+                    policy,
+                    concurrency,
+                    summary: RunSummary::default(),
+                    cache_hit_share: None,
+                    wall_s: 0.0,
+                    unavailable: Some(reason.clone()),
+                    outcomes: Vec::new(),
+                });
+            }
+            Some(Ok(route)) => route.clone(),
+        },
         None => Route::Oracle(Arc::clone(oracle)),
         Some(mode) => Route::Endpoint(
             cluster
@@ -255,6 +312,7 @@ pub async fn run_one(
         summary,
         cache_hit_share: before.zip(after).map(|(b, a)| a.hit_share_since(&b)),
         wall_s: result.wall.as_secs_f64(),
+        unavailable: None,
         outcomes: result.outcomes,
     })
 }

@@ -11,6 +11,7 @@ pub mod client;
 pub mod cluster;
 pub mod experiment;
 pub mod oracle;
+pub mod peers;
 pub mod report;
 pub mod stats;
 pub mod workload;

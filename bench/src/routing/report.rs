@@ -84,6 +84,7 @@ fn run_json(r: &RunRecord) -> Value {
         "cache_hit_share": r.cache_hit_share,
         "per_worker": s.per_worker,
         "wall_s": r.wall_s,
+        "unavailable": r.unavailable,
     })
 }
 
@@ -94,10 +95,20 @@ impl Report<'_> {
         policy: Policy,
         concurrency: usize,
     ) -> Option<&RunSummary> {
+        self.record(workload, policy, concurrency)
+            .filter(|r| r.unavailable.is_none())
+            .map(|r| &r.summary)
+    }
+
+    fn record(
+        &self,
+        workload: WorkloadKind,
+        policy: Policy,
+        concurrency: usize,
+    ) -> Option<&RunRecord> {
         self.records
             .iter()
             .find(|r| r.workload == workload && r.policy == policy && r.concurrency == concurrency)
-            .map(|r| &r.summary)
     }
 
     fn workloads(&self) -> Vec<WorkloadKind> {
@@ -238,7 +249,88 @@ impl Report<'_> {
                 Bound::AtMost(1.10),
             ));
         }
-        targets.into_iter().flatten().collect()
+        let mut targets: Vec<Target> = targets.into_iter().flatten().collect();
+        targets.extend(self.peer_targets());
+        targets
+    }
+
+    fn peers(&self) -> Vec<Policy> {
+        self.policies()
+            .into_iter()
+            .filter(|p| p.is_peer())
+            .collect()
+    }
+
+    /// Issue 6: Kinference against every peer that ran, per workload and concurrency. Shared-prefix and
+    /// multi-turn: the lowest median and p90 TTFT and the highest goodput of all routers; unique:
+    /// median TTFT within 5% of the best router's.
+    fn peer_targets(&self) -> Vec<Target> {
+        let peers = self.peers();
+        if peers.is_empty() {
+            return Vec::new();
+        }
+        type Metric = (&'static str, fn(&RunSummary) -> f64, bool);
+        let metrics: [Metric; 3] = [
+            ("median TTFT", |s| s.median_ttft_s, false),
+            ("p90 TTFT", |s| s.p90_ttft_s, false),
+            ("goodput", |s| s.goodput_rpm, true),
+        ];
+        let mut out = Vec::new();
+        for w in self.workloads() {
+            let unique = w == WorkloadKind::Unique;
+            for (name, metric, higher_better) in metrics {
+                if unique && name != "median TTFT" {
+                    continue;
+                }
+                // Per level: kinference / best peer (for goodput: best peer / kinference), so that
+                // <= 1 always means Kinference is at least as good.
+                let mut worst: Option<(usize, f64, Policy)> = None;
+                let mut detail = Vec::new();
+                for c in self.levels() {
+                    let Some(k) = self.find(w, Policy::Kinference, c) else {
+                        continue;
+                    };
+                    let best = peers
+                        .iter()
+                        .filter_map(|&p| Some((p, metric(self.find(w, p, c)?))))
+                        .filter(|(_, v)| v.is_finite())
+                        .min_by(|a, b| {
+                            if higher_better {
+                                b.1.total_cmp(&a.1)
+                            } else {
+                                a.1.total_cmp(&b.1)
+                            }
+                        });
+                    let Some((peer, v)) = best else { continue };
+                    let ratio = if higher_better {
+                        v / metric(k)
+                    } else {
+                        metric(k) / v
+                    };
+                    detail.push(format!("c={c}: {} vs {peer}", fmt_ratio(ratio)));
+                    if worst.is_none_or(|(_, r, _)| ratio > r || r.is_nan()) {
+                        worst = Some((c, ratio, peer));
+                    }
+                }
+                let Some((_, measured, _)) = worst else {
+                    continue;
+                };
+                let bound = Bound::AtMost(if unique { 1.05 } else { 1.0 });
+                let what = if higher_better {
+                    "best peer / kinference"
+                } else {
+                    "kinference / best peer"
+                };
+                out.push(Target {
+                    name: format!("{w}: {name}, {what} (worst concurrency)"),
+                    measured,
+                    required: bound.to_string(),
+                    met: bound.holds(measured),
+                    detail: detail.join(", "),
+                });
+            }
+        }
+        out
     }
 
     /// The markdown report: command, setup, targets, then per workload one table per figure.
@@ -269,7 +361,15 @@ impl Report<'_> {
             self.config.warmup_for(WorkloadKind::Unique),
             serde_json::to_string(&self.config.shape).unwrap_or_default()
         );
-        let _ = writeln!(md, "## Targets (issue 3)\n");
+        let _ = writeln!(
+            md,
+            "## Targets (issue 3{})\n",
+            if self.peers().is_empty() {
+                ""
+            } else {
+                "; issue 6: against the peer routers"
+            }
+        );
         let _ = writeln!(
             md,
             "| target | measured | required | met | detail |\n|---|---|---|---|---|"
@@ -284,6 +384,21 @@ impl Report<'_> {
                 if t.met { "yes" } else { "**no**" },
                 t.detail
             );
+        }
+        let unavailable: BTreeMap<Policy, &str> = self
+            .records
+            .iter()
+            .filter_map(|r| Some((r.policy, r.unavailable.as_deref()?)))
+            .collect();
+        if !unavailable.is_empty() {
+            let _ = writeln!(
+                md,
+                "\n## Routers that could not run\n\nTheir rows say `n/a`.\n\n| router / policy | why |\n|---|---|"
+            );
+            for (p, why) in &unavailable {
+                let why = why.lines().next().unwrap_or_default().replace('|', "\\|");
+                let _ = writeln!(md, "| {p} | {why} |");
+            }
         }
         let levels = self.levels();
         let policies = self.policies();
@@ -315,7 +430,11 @@ impl Report<'_> {
                 for &p in &policies {
                     let cells: Vec<String> = levels
                         .iter()
-                        .map(|&c| self.find(w, p, c).map(cell).unwrap_or_else(|| "-".into()))
+                        .map(|&c| match self.record(w, p, c) {
+                            Some(r) if r.unavailable.is_some() => "n/a".into(),
+                            Some(r) => cell(&r.summary),
+                            None => "-".into(),
+                        })
                         .collect();
                     let _ = writeln!(md, "| {p} | {} |", cells.join(" | "));
                 }

@@ -43,7 +43,7 @@ fn config_files_follow_the_process_contract() {
         kv_events: 25557,
         kv_replay: 25558,
     }];
-    let agent = agent_workers_yaml(&workers);
+    let agent = agent_workers_yaml(&workers, true);
     assert_eq!(agent["workers"][0]["url"], "http://127.0.0.1:8001");
     assert_eq!(
         agent["workers"][0]["kv_events_endpoint"],

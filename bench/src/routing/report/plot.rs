@@ -26,6 +26,12 @@ fn policy_color(policy: Policy) -> RGBColor {
         Policy::RoundRobin => RGBColor(255, 127, 14),
         Policy::LeastOutstanding => RGBColor(148, 103, 189),
         Policy::PrefixHash => RGBColor(140, 86, 75),
+        Policy::VllmRouterKvAware => RGBColor(23, 190, 207),
+        Policy::VllmRouterCacheAware => RGBColor(158, 218, 229),
+        Policy::SmgCacheAware => RGBColor(188, 189, 34),
+        Policy::SmgPrefixHash => RGBColor(219, 219, 141),
+        Policy::SglangRouterCacheAware => RGBColor(227, 119, 194),
+        Policy::LitellmLeastBusy => RGBColor(127, 127, 127),
         Policy::Kinference => RGBColor(31, 119, 180),
         Policy::Oracle => RGBColor(44, 160, 44),
     }

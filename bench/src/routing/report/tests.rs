@@ -27,6 +27,7 @@ fn record(
         },
         cache_hit_share: Some(0.5),
         wall_s: 1.0,
+        unavailable: None,
         outcomes: vec![],
     }
 }
@@ -184,4 +185,56 @@ fn the_plot_is_an_svg_with_one_panel_per_workload() {
     }
     assert!(svg.contains("kinference") && svg.contains("oracle"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn peers_get_rows_targets_and_n_a_when_they_cannot_run() {
+    use Policy::*;
+    use WorkloadKind::*;
+    let mut records = records();
+    for c in [1, 8] {
+        // Kinference: 0.2 / 0.5 s median, p90 twice that, goodput 20 / 80. One peer faster at c=8.
+        records.push(record(
+            SharedPrefix,
+            SmgPrefixHash,
+            c,
+            if c == 1 { 0.3 } else { 0.4 },
+            if c == 1 { 10.0 } else { 90.0 },
+        ));
+        records.push(record(Unique, SmgPrefixHash, c, 4.3, 10.0));
+        let mut missing = record(SharedPrefix, LitellmLeastBusy, c, 0.0, 0.0);
+        missing.summary = RunSummary::default();
+        missing.unavailable = Some("install failed: no network".into());
+        records.push(missing);
+    }
+    let config = config();
+    let report = Report {
+        command: "routing-bench --peers smg,litellm".into(),
+        setup: json!({}),
+        config: &config,
+        records: &records,
+    };
+    let targets = report.targets();
+    let median = target(
+        &targets,
+        "shared-prefix: median TTFT, kinference / best peer",
+    );
+    // c=8: 0.5 / 0.4 = 1.25 (worst level), not met.
+    assert!((median.measured - 1.25).abs() < 1e-9, "{median:?}");
+    assert!(!median.met);
+    assert!(median.detail.contains("smg-prefix-hash"));
+    let goodput = target(&targets, "shared-prefix: goodput, best peer / kinference");
+    assert!((goodput.measured - 90.0 / 80.0).abs() < 1e-9);
+    // Unique: within 5% (4.4 / 4.3 = 1.023).
+    let unique = target(&targets, "unique: median TTFT, kinference / best peer");
+    assert!(unique.met, "{unique:?}");
+    // The peer that could not run: n/a cells and its reason, not dropped; not counted as best.
+    let md = report.to_markdown();
+    assert!(md.contains("| litellm-least-busy | n/a | n/a |"), "{md}");
+    assert!(md.contains("install failed: no network"));
+    let json = report.to_json();
+    assert_eq!(
+        json["results"]["shared-prefix"]["litellm-least-busy"]["8"]["unavailable"],
+        "install failed: no network"
+    );
 }
