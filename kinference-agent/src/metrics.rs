@@ -46,102 +46,102 @@ impl AgentMetrics {
         r.register(
             "kv_blocks",
             "Distinct block keys held per worker",
-            self.kv_blocks.clone(),
+            kinference_api::metrics::Described(self.kv_blocks.clone()),
         );
         r.register(
             "kv_state_bytes",
             "Approximate memory of a worker's block-key state",
-            self.kv_state_bytes.clone(),
+            kinference_api::metrics::Described(self.kv_state_bytes.clone()),
         );
         r.register(
             "kv_block_events",
             "Block events applied (stored, removed, cleared)",
-            self.kv_block_events.clone(),
+            kinference_api::metrics::Described(self.kv_block_events.clone()),
         );
         r.register(
             "kv_batches",
             "KV event batches applied",
-            self.kv_batches.clone(),
+            kinference_api::metrics::Described(self.kv_batches.clone()),
         );
         r.register(
             "kv_seq_gaps",
             "Sequence gaps seen on a worker's KV event stream",
-            self.kv_seq_gaps.clone(),
+            kinference_api::metrics::Described(self.kv_seq_gaps.clone()),
         );
         r.register(
             "kv_replays",
             "Replays requested from a worker's replay socket",
-            self.kv_replays.clone(),
+            kinference_api::metrics::Described(self.kv_replays.clone()),
         );
         r.register(
             "kv_replay_failures",
             "Replays that failed or timed out",
-            self.kv_replay_failures.clone(),
+            kinference_api::metrics::Described(self.kv_replay_failures.clone()),
         );
         r.register(
             "kv_engine_restarts",
             "Engine restarts detected (sequence went back)",
-            self.kv_engine_restarts.clone(),
+            kinference_api::metrics::Described(self.kv_engine_restarts.clone()),
         );
         r.register(
             "kv_decode_errors",
             "KV event messages that could not be decoded",
-            self.kv_decode_errors.clone(),
+            kinference_api::metrics::Described(self.kv_decode_errors.clone()),
         );
         r.register(
             "kv_unresolved_parents",
             "Stored blocks skipped because their parent block was unknown",
-            self.kv_unresolved_parents.clone(),
+            kinference_api::metrics::Described(self.kv_unresolved_parents.clone()),
         );
         r.register(
             "kv_unknown_removals",
             "Removals of blocks the agent never saw stored",
-            self.kv_unknown_removals.clone(),
+            kinference_api::metrics::Described(self.kv_unknown_removals.clone()),
         );
         r.register(
             "kv_dropped_over_cap",
             "Stored blocks dropped because the worker exceeded the block cap",
-            self.kv_dropped_over_cap.clone(),
+            kinference_api::metrics::Described(self.kv_dropped_over_cap.clone()),
         );
         r.register(
             "kv_event_lag_seconds",
             "Now minus the timestamp of the newest KV event batch applied",
-            self.kv_event_lag_seconds.clone(),
+            kinference_api::metrics::Described(self.kv_event_lag_seconds.clone()),
         );
         r.register(
             "scrape_failures",
             "Failed scrapes of a worker's /metrics",
-            self.scrape_failures.clone(),
+            kinference_api::metrics::Described(self.scrape_failures.clone()),
         );
         r.register(
             "scrape_ok",
             "1 when the worker's last /metrics scrape succeeded",
-            self.scrape_ok.clone(),
+            kinference_api::metrics::Described(self.scrape_ok.clone()),
         );
         r.register(
             "watchers",
             "Gateways currently watching this agent",
-            self.watchers.clone(),
+            kinference_api::metrics::Described(self.watchers.clone()),
         );
         r.register(
             "watcher_resyncs",
             "Snapshots resent to watchers that fell behind",
-            self.watcher_resyncs.clone(),
+            kinference_api::metrics::Described(self.watcher_resyncs.clone()),
         );
         r.register(
             "summary_messages",
             "Summary messages sent to watchers",
-            self.summary_messages.clone(),
+            kinference_api::metrics::Described(self.summary_messages.clone()),
         );
         r.register(
             "summary_bytes",
             "Encoded bytes of summary messages sent to watchers",
-            self.summary_bytes.clone(),
+            kinference_api::metrics::Described(self.summary_bytes.clone()),
         );
         r.register(
             "summary_key_changes",
             "Block keys added or removed in delta messages sent",
-            self.summary_key_changes.clone(),
+            kinference_api::metrics::Described(self.summary_key_changes.clone()),
         );
     }
 }

@@ -103,9 +103,9 @@ async fn agent_follows_the_simulators_cache_exactly() {
         .spawn()
         .expect("vllm-sim starts"));
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !http_get(&format!("{url}/health"))
+    while !try_http_get(&format!("{url}/health"))
         .await
-        .starts_with("HTTP/1.1 200")
+        .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
     {
         assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
         tokio::time::sleep(Duration::from_millis(100)).await;

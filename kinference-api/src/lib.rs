@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod block_keys;
+pub mod metrics;
 
 /// Generated protobuf and tonic code for `kinference.v1` (see `proto/kinference/v1/agent.proto`).
 // The generated oneof module `summary::summary` trips clippy's module_inception in every dependent crate.

@@ -90,52 +90,52 @@ impl Metrics {
         sub.register(
             "requests",
             "Requests by model, worker, status and protocol",
-            metrics.requests.clone(),
+            kinference_api::metrics::Described(metrics.requests.clone()),
         );
         sub.register(
             "time_to_first_token_seconds",
             "Time from request arrival to the first generated token (streams)",
-            metrics.ttft.clone(),
+            kinference_api::metrics::Described(metrics.ttft.clone()),
         );
         sub.register(
             "inter_token_latency_seconds",
             "Time between two streamed chunks carrying text",
-            metrics.itl.clone(),
+            kinference_api::metrics::Described(metrics.itl.clone()),
         );
         sub.register(
             "e2e_request_latency_seconds",
             "Time from request arrival to the end of the response",
-            metrics.e2e.clone(),
+            kinference_api::metrics::Described(metrics.e2e.clone()),
         );
         sub.register(
             "input_tokens",
             "Prompt tokens reported by workers",
-            metrics.input_tokens.clone(),
+            kinference_api::metrics::Described(metrics.input_tokens.clone()),
         );
         sub.register(
             "output_tokens",
             "Generated tokens reported by workers",
-            metrics.output_tokens.clone(),
+            kinference_api::metrics::Described(metrics.output_tokens.clone()),
         );
         sub.register(
             "cached_input_tokens",
             "Prompt tokens served from the worker's prefix cache",
-            metrics.cached_input_tokens.clone(),
+            kinference_api::metrics::Described(metrics.cached_input_tokens.clone()),
         );
         sub.register(
             "requests_in_flight",
             "Requests being served (until the last byte of the response)",
-            metrics.in_flight.clone(),
+            kinference_api::metrics::Described(metrics.in_flight.clone()),
         );
         sub.register(
             "upstream_retries",
             "Requests retried on another worker after a refused connection",
-            metrics.retries.clone(),
+            kinference_api::metrics::Described(metrics.retries.clone()),
         );
         sub.register(
             "worker_healthy",
             "1 when the worker's last health probe or request succeeded",
-            metrics.worker_healthy.clone(),
+            kinference_api::metrics::Described(metrics.worker_healthy.clone()),
         );
         *metrics.registry.lock() = registry;
         metrics

@@ -231,22 +231,22 @@ impl GpuMonitor {
         registry.register(
             "kinference_agent_gpu_available",
             "1 when NVML reports GPUs on this node",
-            m.available.clone(),
+            kinference_api::metrics::Described(m.available.clone()),
         );
         registry.register(
             "kinference_agent_gpu_utilization_ratio",
             "GPU utilisation (0-1)",
-            m.utilization.clone(),
+            kinference_api::metrics::Described(m.utilization.clone()),
         );
         registry.register(
             "kinference_agent_gpu_memory_used_bytes",
             "GPU memory used",
-            m.memory_used.clone(),
+            kinference_api::metrics::Described(m.memory_used.clone()),
         );
         registry.register(
             "kinference_agent_gpu_memory_total_bytes",
             "GPU memory total",
-            m.memory_total.clone(),
+            kinference_api::metrics::Described(m.memory_total.clone()),
         );
     }
 }

@@ -333,20 +333,26 @@ impl Drop for Agent {
 
 /// A minimal HTTP GET over a raw socket (tests only).
 pub async fn http_get(url: &str) -> String {
+    try_http_get(url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+}
+
+/// [`http_get`], or the connection error (a server still starting).
+pub async fn try_http_get(url: &str) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let rest = url.strip_prefix("http://").expect("http url");
     let (host, path) = rest
         .split_once('/')
         .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
-    let mut s = tokio::net::TcpStream::connect(host).await.expect("connect");
+    let mut s = tokio::net::TcpStream::connect(host).await?;
     s.write_all(
         format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
     )
-    .await
-    .expect("write");
+    .await?;
     let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("read");
-    out
+    s.read_to_string(&mut out).await?;
+    Ok(out)
 }
 
 /// A gateway's view of one agent, built only from the summary stream.

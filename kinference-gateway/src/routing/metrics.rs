@@ -88,72 +88,72 @@ impl Metrics {
         r.register(
             "decisions",
             "Routing decisions by mode and reason",
-            self.decisions.clone(),
+            kinference_api::metrics::Described(self.decisions.clone()),
         );
         r.register(
             "predicted_cached_tokens",
             "Prompt tokens the router expected the chosen worker to have cached",
-            self.predicted_cached_tokens.clone(),
+            kinference_api::metrics::Described(self.predicted_cached_tokens.clone()),
         );
         r.register(
             "index_pairs",
             "(block, worker) pairs in the KV index",
-            self.index_pairs.clone(),
+            kinference_api::metrics::Described(self.index_pairs.clone()),
         );
         r.register(
             "index_bytes",
             "Approximate KV index memory in bytes",
-            self.index_bytes.clone(),
+            kinference_api::metrics::Described(self.index_bytes.clone()),
         );
         r.register(
             "index_evictions",
             "Keys dropped by the KV index memory cap",
-            self.index_evictions.clone(),
+            kinference_api::metrics::Described(self.index_evictions.clone()),
         );
         r.register(
             "speculative_keys",
             "Keys held by speculative credits",
-            self.speculative_keys.clone(),
+            kinference_api::metrics::Described(self.speculative_keys.clone()),
         );
         r.register(
             "agent_connected",
             "Whether the agent's summary stream is up",
-            self.agent_connected.clone(),
+            kinference_api::metrics::Described(self.agent_connected.clone()),
         );
         r.register(
             "agent_connects",
             "Summary stream connections per agent",
-            self.agent_connects.clone(),
+            kinference_api::metrics::Described(self.agent_connects.clone()),
         );
         r.register(
             "agent_messages",
             "Summary messages applied per agent",
-            self.agent_messages.clone(),
+            kinference_api::metrics::Described(self.agent_messages.clone()),
         );
         r.register(
             "agent_stale",
             "Times an agent's data was dropped as stale",
-            self.agent_stale.clone(),
+            kinference_api::metrics::Described(self.agent_stale.clone()),
         );
         r.register(
             "tokenize",
             "Prompt tokenizations by model and source",
-            self.tokenize.clone(),
+            kinference_api::metrics::Described(self.tokenize.clone()),
         );
         r.register(
             "worker_tokens_per_second",
             "Learned prefill throughput per worker",
-            self.worker_tokens_per_s.clone(),
+            kinference_api::metrics::Described(self.worker_tokens_per_s.clone()),
         );
         r.register(
             "worker_overhead_seconds",
             "Learned fixed overhead per worker",
-            self.worker_overhead_s.clone(),
+            kinference_api::metrics::Described(self.worker_overhead_s.clone()),
         );
         r.register(
             "kernel_view_missing",
             "Candidate TTFT estimates made without the worker's kernel-level queue view (eBPF), by reason",
-            self.kernel_view_missing.clone(),
+            kinference_api::metrics::Described(self.kernel_view_missing.clone()),
         );
     }
 }

@@ -4,6 +4,7 @@
 //! gateway), `unauthenticated` (401s) or `other` (past [`MAX_TENANT_LABELS`] tenants); the `model`
 //! label is a served model or `other`; `reason`, `limit` and `scope` are fixed sets. Never a key.
 
+use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -173,82 +174,82 @@ impl TenancyMetrics {
         r.register(
             "requests",
             "Admitted requests by tenant, model and final status (rejections: rate_limited, auth_failures)",
-            m.requests.clone(),
+            Described(m.requests.clone()),
         );
         r.register(
             "input_tokens",
             "Prompt tokens by tenant and model, cached (prefix cache) or uncached",
-            m.input_tokens.clone(),
+            Described(m.input_tokens.clone()),
         );
         r.register(
             "output_tokens",
             "Generated tokens by tenant and model",
-            m.output_tokens.clone(),
+            Described(m.output_tokens.clone()),
         );
         r.register(
             "input_tokens_per_request",
             "Prompt size in tokens",
-            m.input_size.clone(),
+            Described(m.input_size.clone()),
         );
         r.register(
             "output_tokens_per_request",
             "Generated tokens per request",
-            m.output_size.clone(),
+            Described(m.output_size.clone()),
         );
         r.register(
             "time_to_first_token_seconds",
             "Time from arrival to the first generated token (streams)",
-            m.ttft.clone(),
+            Described(m.ttft.clone()),
         );
         r.register(
             "inter_token_latency_seconds",
             "Time between two streamed chunks carrying text",
-            m.itl.clone(),
+            Described(m.itl.clone()),
         );
         r.register(
             "e2e_request_latency_seconds",
             "Time from arrival to the end of the response",
-            m.e2e.clone(),
+            Described(m.e2e.clone()),
         );
         r.register(
             "cost",
             "Cost from the configured prices (cached and uncached prompt tokens priced separately)",
-            m.cost.clone(),
+            Described(m.cost.clone()),
         );
         r.register(
             "routing_decisions",
             "Routing decisions by tenant, model and the router's reason",
-            m.decisions.clone(),
+            Described(m.decisions.clone()),
         );
         r.register(
             "rate_limited",
             "Requests refused by a rate limit or an exhausted budget",
-            m.rejections.clone(),
+            Described(m.rejections.clone()),
         );
         r.register(
             "policy_decisions",
             "Policy matches and rejects by tenant",
-            m.policy.clone(),
+            Described(m.policy.clone()),
         );
         r.register(
             "auth_failures",
             "Requests refused with 401 (missing or unknown API key)",
-            m.auth_failures.clone(),
+            Described(m.auth_failures.clone()),
         );
         r.register(
             "limit_store_errors",
             "Admissions that could not reach the shared limit store, by fail mode",
-            m.store_errors.clone(),
+            Described(m.store_errors.clone()),
         );
         r.register(
             "budget_spent",
             "Spend this calendar month (UTC) as this replica knows it",
-            m.spend.clone(),
+            Described(m.spend.clone()),
         );
         r.register(
             "configured",
             "Tenants configured (0: the gateway is open)",
-            m.tenants.clone(),
+            Described(m.tenants.clone()),
         );
         m
     }

@@ -349,8 +349,8 @@ def test_limits_hold_within_5_percent_through_two_replicas_sharing_redis(tmp_pat
         r = requests.post(f"{gws[1].url}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS['strict']}"},
                           json={"model": MODEL, "messages": MSG, "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "limits_unavailable", r.text
-        for gw in gws:
-            assert "limit_store_errors_total" in gw.metrics()
+        # Only the replica that served these saw the store fail.
+        assert "limit_store_errors_total" in gws[1].metrics()
         snapshot_metrics(*gws)
     finally:
         cluster.close()

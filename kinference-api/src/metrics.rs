@@ -1,0 +1,19 @@
+//! Helpers for the Prometheus metrics both the agent and the gateway export.
+
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
+
+/// A metric whose `# HELP` / `# TYPE` lines are exposed before its first sample (prometheus-client
+/// leaves out empty families), so dashboards and alerts can tell "nothing yet" from "no such metric".
+#[derive(Debug)]
+pub struct Described<M>(pub M);
+
+impl<M: EncodeMetric> EncodeMetric for Described<M> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
