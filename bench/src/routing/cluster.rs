@@ -129,9 +129,10 @@ pub struct ClusterOptions {
     /// Gateway replicas per routing mode (0 or 1: one). Replica `r > 1` of mode `m` is named `m#r`
     /// ([`Cluster::gateway`]); all replicas of a mode share the workers and the agent.
     pub gateway_replicas: usize,
-    /// Workers **bind** their KV-event PUB sockets (`tcp://*:PORT`, vLLM's bind mode) and the agent
-    /// connects, so that other subscribers (a peer router's `kv_aware`) can connect too. Off: the
-    /// workers connect to SUB sockets the agent binds (the default, node-local deployment).
+    /// Workers **bind** their KV-event PUB sockets (`tcp://*:PORT`, vLLM's bind mode) with vLLM's
+    /// default empty topic and the agent connects, so that other subscribers (a peer router's
+    /// `kv_aware`) can connect too. Off: the workers connect to SUB sockets the agent binds, with topic
+    /// `kv@wN@MODEL` (the default, node-local deployment).
     pub workers_bind_kv_events: bool,
 }
 
@@ -489,12 +490,15 @@ impl Cluster {
                 },
                 "--kv-replay-endpoint",
                 &format!("tcp://127.0.0.1:{}", w.kv_replay),
-                "--kv-topic",
-                &format!("kv@w{}@{MODEL}", i + 1),
             ]
             .iter()
             .map(|s| s.to_string())
             .collect();
+            // In bind mode, vLLM's default topic (empty): vllm-router's static event sources apply only
+            // messages whose topic equals theirs exactly, and they have no flag to set it.
+            if !options.workers_bind_kv_events {
+                args.extend(["--kv-topic".into(), format!("kv@w{}@{MODEL}", i + 1)]);
+            }
             args.extend(config.worker_args.iter().cloned());
             let child = ChildGuard::spawn(
                 &format!("vllm-sim w{}", i + 1),
