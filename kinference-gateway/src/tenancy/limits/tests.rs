@@ -18,6 +18,15 @@ fn demand(input: f64, output: f64) -> Demand {
     }
 }
 
+/// Tenant `a`'s takes on model `m` with a one-second burst: each bucket holds one second of its rate.
+fn takes_1s_burst(limits: &RateLimits, demand: Demand) -> Vec<Take> {
+    let settings = TenantSettings {
+        burst_seconds: Some(1.0),
+        ..TenantSettings::default()
+    };
+    takes("a", Some(limits), &settings, "m", demand)
+}
+
 #[test]
 fn takes_cover_tenant_wide_and_per_model_limits() {
     let mut settings = TenantSettings::default();
@@ -68,18 +77,8 @@ fn takes_cover_tenant_wide_and_per_model_limits() {
 #[test]
 fn admission_is_all_or_nothing() {
     let buckets = LocalBuckets::default();
-    let settings = TenantSettings {
-        burst_seconds: Some(1.0),
-        ..TenantSettings::default()
-    };
     // 600 rpm (10/s, capacity 10), 600 input tokens per minute (10/s, capacity 10), 6000 output.
-    let t = takes(
-        "a",
-        Some(&limits(600, 600, 6000)),
-        &settings,
-        "m",
-        demand(8.0, 1.0),
-    );
+    let t = takes_1s_burst(&limits(600, 600, 6000), demand(8.0, 1.0));
     assert!(matches!(buckets.admit_at(&t, 0.0), Verdict::Admitted(_)));
     // The input bucket has 2 left: refused, and the request bucket was not debited either.
     match buckets.admit_at(&t, 0.0) {
@@ -107,18 +106,11 @@ fn admission_is_all_or_nothing() {
 fn the_admitted_rate_converges_to_the_limit_under_overload() {
     // 600 requests per minute = 10/s, burst 1 s; clients try every millisecond for 100 s.
     let buckets = LocalBuckets::default();
-    let settings = TenantSettings {
-        burst_seconds: Some(1.0),
-        ..TenantSettings::default()
-    };
-    let t = takes(
-        "a",
-        Some(&RateLimits {
+    let t = takes_1s_burst(
+        &RateLimits {
             requests_per_minute: Some(600),
             ..RateLimits::default()
-        }),
-        &settings,
-        "m",
+        },
         demand(0.0, 0.0),
     );
     let mut admitted = 0u32;
@@ -137,27 +129,23 @@ fn the_admitted_rate_converges_to_the_limit_under_overload() {
 #[test]
 fn reconciliation_refunds_and_charges_debt() {
     let buckets = LocalBuckets::default();
-    let settings = TenantSettings {
-        burst_seconds: Some(1.0),
-        ..TenantSettings::default()
-    };
     let lim = limits(6000, 6000, 600); // output: 10/s, capacity 10
-    let reserve = takes("a", Some(&lim), &settings, "m", demand(0.0, 10.0));
+    let reserve = takes_1s_burst(&lim, demand(0.0, 10.0));
     assert!(matches!(
         buckets.admit_at(&reserve, 0.0),
         Verdict::Admitted(_)
     ));
     // Only 4 of the 10 reserved were generated: 6 come back.
-    let mut refund = takes("a", Some(&lim), &settings, "m", Demand::default());
+    let mut refund = takes_1s_burst(&lim, Demand::default());
     refund[2].amount = -6.0;
     buckets.adjust_at(&refund, 0.0);
-    let next = takes("a", Some(&lim), &settings, "m", demand(0.0, 6.0));
+    let next = takes_1s_burst(&lim, demand(0.0, 6.0));
     assert!(matches!(buckets.admit_at(&next, 0.0), Verdict::Admitted(_)));
     // A stream that ran 20 past its reservation leaves the bucket in debt for 2 s.
-    let mut debt = takes("a", Some(&lim), &settings, "m", Demand::default());
+    let mut debt = takes_1s_burst(&lim, Demand::default());
     debt[2].amount = 20.0;
     buckets.adjust_at(&debt, 0.0);
-    let one = takes("a", Some(&lim), &settings, "m", demand(0.0, 1.0));
+    let one = takes_1s_burst(&lim, demand(0.0, 1.0));
     assert!(matches!(
         buckets.admit_at(&one, 2.0),
         Verdict::Limited { .. }
@@ -168,16 +156,6 @@ fn reconciliation_refunds_and_charges_debt() {
 #[test]
 fn oversized_demands_are_clamped_to_the_capacity() {
     let buckets = LocalBuckets::default();
-    let settings = TenantSettings {
-        burst_seconds: Some(1.0),
-        ..TenantSettings::default()
-    };
-    let t = takes(
-        "a",
-        Some(&limits(60, 60, 60)),
-        &settings,
-        "m",
-        demand(1e6, 0.0),
-    );
+    let t = takes_1s_burst(&limits(60, 60, 60), demand(1e6, 0.0));
     assert!(matches!(buckets.admit_at(&t, 0.0), Verdict::Admitted(_)));
 }
