@@ -123,17 +123,10 @@ impl Relay {
             if self.ended {
                 return None;
             }
-            match tokio::time::timeout(self.idle_timeout, self.body.frame()).await {
-                Err(_) => self.fail(GatewayError::UpstreamTimeout {
-                    worker: self.worker.clone(),
-                    what: "the stream stalled past the idle timeout",
-                }),
+            match next_frame(&mut self.body, self.idle_timeout, &self.worker).await {
+                Err(error) => self.fail(error),
                 Ok(None) => self.upstream_ended(),
-                Ok(Some(Err(e))) => self.fail(GatewayError::BadUpstream {
-                    worker: self.worker.clone(),
-                    detail: format!("the stream broke: {}", error_chain(&e)),
-                }),
-                Ok(Some(Ok(frame))) => {
+                Ok(Some(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         self.parser.feed(data);
                         while let Some(event) = self.parser.next_event() {
@@ -281,7 +274,29 @@ impl Drop for Relay {
     }
 }
 
-fn put_data(out: &mut BytesMut, data: &[u8]) {
+/// Waits at most `idle` for the next frame of `worker`'s stream: `Ok(None)` when the stream ended, the
+/// error to end the client's stream with when it stalled or broke.
+pub(crate) async fn next_frame(
+    body: &mut Incoming,
+    idle: Duration,
+    worker: &str,
+) -> Result<Option<Frame<Bytes>>, GatewayError> {
+    match tokio::time::timeout(idle, body.frame()).await {
+        Err(_) => Err(GatewayError::UpstreamTimeout {
+            worker: worker.to_string(),
+            what: "the stream stalled past the idle timeout",
+        }),
+        Ok(None) => Ok(None),
+        Ok(Some(Err(e))) => Err(GatewayError::BadUpstream {
+            worker: worker.to_string(),
+            detail: format!("the stream broke: {}", error_chain(&e)),
+        }),
+        Ok(Some(Ok(frame))) => Ok(Some(frame)),
+    }
+}
+
+/// Appends `data` to `out` as one SSE `data:` event.
+pub(crate) fn put_data(out: &mut BytesMut, data: &[u8]) {
     out.extend_from_slice(b"data: ");
     out.extend_from_slice(data);
     out.extend_from_slice(b"\n\n");

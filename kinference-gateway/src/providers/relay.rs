@@ -21,6 +21,7 @@ use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
 use crate::errors::{GatewayError, Protocol};
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
+use crate::relay::{next_frame, put_data};
 use crate::server::{Body, full};
 use crate::upstream::error_chain;
 use crate::upstream::sse::SseParser;
@@ -226,17 +227,10 @@ impl ProviderRelay {
             if self.ended {
                 return None;
             }
-            match tokio::time::timeout(self.acct.idle_timeout, self.body.frame()).await {
-                Err(_) => self.fail(GatewayError::UpstreamTimeout {
-                    worker: self.label.clone(),
-                    what: "the stream stalled past the idle timeout",
-                }),
+            match next_frame(&mut self.body, self.acct.idle_timeout, &self.label).await {
+                Err(error) => self.fail(error),
                 Ok(None) => self.upstream_ended(),
-                Ok(Some(Err(e))) => self.fail(GatewayError::BadUpstream {
-                    worker: self.label.clone(),
-                    detail: format!("the stream broke: {}", error_chain(&e)),
-                }),
-                Ok(Some(Ok(frame))) => {
+                Ok(Some(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         self.parser.feed(data);
                         while let Some(event) = self.parser.next_event() {
@@ -324,9 +318,7 @@ impl ProviderRelay {
             None => {
                 let usage_only = chunk.choices.is_empty() && chunk.usage.is_some();
                 if !usage_only || self.pass_usage_chunk {
-                    self.out.extend_from_slice(b"data: ");
-                    self.out.extend_from_slice(data);
-                    self.out.extend_from_slice(b"\n\n");
+                    put_data(&mut self.out, data);
                 }
             }
         }
