@@ -27,6 +27,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kinference_bench::routing::client::latency_that_counts;
 
 /// Measures the gateway's added latency over direct worker access.
 #[derive(Debug, Parser)]
@@ -121,20 +122,7 @@ async fn one(
     if !response.status().is_success() {
         bail!("{url}: status {}", response.status());
     }
-    let mut body = response.into_body();
-    let mut first = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame?;
-        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
-            first = Some(start.elapsed());
-        }
-    }
-    let whole = start.elapsed();
-    Ok(if stream {
-        first.unwrap_or(whole)
-    } else {
-        whole
-    })
+    Ok(latency_that_counts(response.into_body(), start, stream).await?)
 }
 
 /// `requests` requests at `concurrency`; the latencies.

@@ -27,8 +27,7 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Parser;
 use http::Method;
-use http_body_util::BodyExt;
-use kinference_bench::routing::client::{HttpClient, Route};
+use kinference_bench::routing::client::{HttpClient, Route, latency_that_counts};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, process_cpu_seconds};
 use serde_json::{Value, json};
@@ -101,20 +100,7 @@ async fn one(
     if !response.status().is_success() {
         bail!("{url}: status {}", response.status());
     }
-    let mut body = response.into_body();
-    let mut first = None;
-    while let Some(frame) = body.frame().await {
-        let frame = frame?;
-        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
-            first = Some(start.elapsed());
-        }
-    }
-    let whole = start.elapsed();
-    Ok(if stream {
-        first.unwrap_or(whole)
-    } else {
-        whole
-    })
+    Ok(latency_that_counts(response.into_body(), start, stream).await?)
 }
 
 /// `requests` requests at `concurrency`: the latencies and the number of failures.

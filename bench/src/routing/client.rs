@@ -398,6 +398,32 @@ impl LoadClient {
     }
 }
 
+/// Reads `body` to its end and returns the latency since `start` that counts for an overhead
+/// measurement: to the first non-empty body frame when `stream` (to the end when none came), to the
+/// end of the body otherwise.
+pub async fn latency_that_counts<B>(
+    mut body: B,
+    start: Instant,
+    stream: bool,
+) -> Result<Duration, B::Error>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+{
+    let mut first = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame?;
+        if first.is_none() && frame.data_ref().is_some_and(|d| !d.is_empty()) {
+            first = Some(start.elapsed());
+        }
+    }
+    let whole = start.elapsed();
+    Ok(if stream {
+        first.unwrap_or(whole)
+    } else {
+        whole
+    })
+}
+
 /// Whether an OpenAI stream chunk carries generated text (the first chunk only has the role).
 fn has_content(chunk: &Value) -> bool {
     chunk["choices"].as_array().is_some_and(|choices| {

@@ -40,3 +40,37 @@ fn crlf_separated_events_are_parsed() {
         vec![SseEvent::Chunk(serde_json::json!({"a":1})), SseEvent::Done]
     );
 }
+
+#[tokio::test]
+async fn a_stream_counts_to_its_first_non_empty_frame_and_a_whole_answer_to_its_end() {
+    use http_body::Frame;
+    use http_body_util::StreamBody;
+
+    // An empty frame at once, text after 50 ms, the end 400 ms later.
+    fn body() -> impl http_body::Body<Data = Bytes, Error = std::convert::Infallible> + Unpin {
+        let frames = futures::stream::unfold(0, |i| async move {
+            let data = match i {
+                0 => "",
+                1 => "data: hi\n\n",
+                2 => "data: [DONE]\n\n",
+                _ => return None,
+            };
+            match i {
+                1 => tokio::time::sleep(Duration::from_millis(50)).await,
+                2 => tokio::time::sleep(Duration::from_millis(400)).await,
+                _ => {}
+            }
+            Some((Ok(Frame::data(Bytes::from(data))), i + 1))
+        });
+        StreamBody::new(Box::pin(frames))
+    }
+    let start = Instant::now();
+    let first = latency_that_counts(body(), start, true).await.unwrap();
+    assert!(
+        (Duration::from_millis(50)..Duration::from_millis(400)).contains(&first),
+        "{first:?}"
+    );
+    let start = Instant::now();
+    let whole = latency_that_counts(body(), start, false).await.unwrap();
+    assert!(whole >= Duration::from_millis(450), "{whole:?}");
+}
