@@ -42,13 +42,13 @@ use serde::Deserialize;
 
 use agents::AgentState;
 use estimate::{
-    EngineQueue, EstimatorConfig, Inputs, KernelMissing, Ledger, QueueSignal, Rates, Scored,
+    EngineQueue, EstimatorConfig, Inputs, KernelMissing, Ledger, Queue, QueueSignal, Rates, Scored,
 };
 use kv_index::{KvIndex, WorkerId};
 use metrics::{DecisionLabels, KernelMissingLabels, WorkerLabels};
 use speculative::Speculative;
 use tokenize::{Source, Tokenizers};
-use workers::{Worker, WorkerTable};
+use workers::{Load, Worker, WorkerTable};
 
 /// What the router needs from the gateway configuration (gateway-http fills it from `gateway.yaml`).
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -389,22 +389,152 @@ impl Drop for Router {
     }
 }
 
-/// One candidate while a decision is being made.
+/// One candidate while a decision is being made: everything its estimate needs, read once.
 struct Candidate {
     worker: Arc<Worker>,
     block_size: usize,
+    /// A live agent reports the worker.
     live: bool,
-    queue_tokens: f64,
-    running: usize,
-    load: usize,
-    rates: Rates,
-    run: usize,
-    /// The other clients' share of `running` and how many of them count as waiting.
-    others: (usize, usize),
+    /// This gateway's requests in flight there.
+    in_flight: usize,
+    /// The live agent's figures, when its scrape of the worker is fresh.
+    scraped: Option<Load>,
+    /// The queue ahead of a new request (every client's, from the best view).
+    queue: Queue,
     /// Which view sized the other clients' share.
     signal: QueueSignal,
     /// Why the kernel view was not used, when it was not.
     kernel_missing: Option<KernelMissing>,
+    /// The worker's rates, shrunk toward the fleet's.
+    rates: Rates,
+    /// Leading blocks of the prompt the worker holds (index or speculative credit).
+    run: usize,
+}
+
+impl Candidate {
+    /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
+    fn inputs(&self, prompt_tokens: usize) -> Inputs {
+        Inputs {
+            prompt_tokens,
+            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
+            cached_tokens: (self.run * self.block_size).min(prompt_tokens.saturating_sub(1)),
+            queue_tokens: self.queue.queue_tokens,
+            running: self.queue.running,
+        }
+    }
+}
+
+impl Shared {
+    /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
+    /// decision and the policy stage's estimates, so both see the same queue.
+    fn candidates_at(&self, workers: &[Arc<Worker>], now: Instant) -> Vec<Candidate> {
+        let tuning = &self.tuning;
+        let fresh = self.fresh_agents(now);
+        let fleet = self.fleet_rates.lock().clone();
+        workers
+            .iter()
+            .map(|w| {
+                let st = w.state.lock();
+                let live = st
+                    .agent
+                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
+                // Everything the agent said about the worker; its two views of every client's requests.
+                let load = st.load.filter(|_| live);
+                let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
+                let engine = scraped.map(|l| EngineQueue {
+                    running: l.running,
+                    waiting: l.waiting,
+                });
+                let kernel = match load {
+                    None => Err(KernelMissing::NoAgent),
+                    Some(l) => match l.kernel {
+                        None => Err(KernelMissing::EbpfOff),
+                        Some(_)
+                            if now.saturating_duration_since(l.received)
+                                > tuning.estimator.kernel_max_age =>
+                        {
+                            Err(KernelMissing::Stale)
+                        }
+                        Some(k) => Ok(k),
+                    },
+                };
+                let ledger = Ledger {
+                    in_flight: st.in_flight,
+                    awaiting_first_token: st.awaiting_first_token,
+                    pending_prefill_tokens: st.pending_prefill_tokens,
+                    avg_uncached: st.avg_uncached,
+                };
+                let (queue, signal) =
+                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
+                Candidate {
+                    worker: Arc::clone(w),
+                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
+                    live,
+                    in_flight: st.in_flight,
+                    scraped,
+                    queue,
+                    signal,
+                    kernel_missing: kernel.err(),
+                    rates: estimate::blended(&st.rates, &fleet),
+                    run: 0,
+                }
+            })
+            .collect()
+    }
+
+    /// The prompt's block keys per block size in use, and every candidate's cached run (KV index, then
+    /// speculative credit) in one pass per size.
+    fn cached_runs(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        cands: &mut [Candidate],
+        now: Instant,
+    ) -> Vec<(usize, Arc<[BlockKey]>)> {
+        let hasher = KeyHasher::for_model(model);
+        let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        // Hash before taking any lock: it is the most expensive part of a decision.
+        let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
+            .into_iter()
+            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
+            .collect();
+        let mut slot_of = vec![
+            usize::MAX;
+            cands
+                .iter()
+                .map(|c| usize::from(c.worker.id) + 1)
+                .max()
+                .unwrap_or(0)
+        ];
+        for (i, c) in cands.iter().enumerate() {
+            slot_of[usize::from(c.worker.id)] = i;
+        }
+        let index = self.index.read();
+        let spec = self.spec.lock();
+        let mut runs = Vec::new();
+        for (bs, keys) in &keys_by_size {
+            let group: Vec<usize> = (0..cands.len())
+                .filter(|i| cands[*i].block_size == *bs && cands[*i].live)
+                .collect();
+            let ids: Vec<WorkerId> = group.iter().map(|i| cands[*i].worker.id).collect();
+            index.leading_runs_bisect(keys, &ids, &mut runs);
+            for (i, run) in group.iter().zip(runs.iter()) {
+                cands[*i].run = *run;
+            }
+            spec.runs(keys, now, |w, run| {
+                if let Some(c) = slot_of.get(usize::from(w)).and_then(|i| cands.get_mut(*i))
+                    && c.block_size == *bs
+                {
+                    c.run = c.run.max(run);
+                }
+            });
+        }
+        drop(spec);
+        drop(index);
+        keys_by_size
+    }
 }
 
 impl Router {
@@ -471,17 +601,22 @@ impl Router {
 
     /// Picks a worker for `req` and records it in the in-flight ledger.
     pub async fn pick(&self, req: RouteRequest<'_>) -> Result<Decision, RouteError> {
-        let shared = &self.shared;
         let candidates = self.candidates(req.model)?;
+        Ok(self.pick_from(req, &candidates).await)
+    }
+
+    /// [`Router::pick`] among `candidates` (non-empty).
+    async fn pick_from(&self, req: RouteRequest<'_>, candidates: &[Arc<Worker>]) -> Decision {
+        let shared = &self.shared;
         if shared.mode != RoutingMode::Kinference {
             let (i, reason) = baseline::pick(
                 shared.mode,
-                &candidates,
+                candidates,
                 req.prompt,
                 &shared.tuning,
                 &shared.round_robin,
             );
-            return Ok(self.record_simple(&candidates, i, reason, req.debug));
+            return self.record_simple(candidates, i, reason, req.debug);
         }
         // Ask the least busy worker when the gateway has no tokenizer for this model.
         let fallback = candidates
@@ -506,7 +641,7 @@ impl Router {
                         source: source.to_string(),
                     })
                     .inc();
-                Ok(self.decide(req.model, &candidates, &tokens, req.debug))
+                self.decide(req.model, candidates, &tokens, req.debug)
             }
             Err(e) => {
                 shared
@@ -521,12 +656,12 @@ impl Router {
                 shared.log_degraded("degraded_no_tokens", req.model);
                 let (i, _) = baseline::pick(
                     RoutingMode::LeastOutstanding,
-                    &candidates,
+                    candidates,
                     req.prompt,
                     &shared.tuning,
                     &shared.round_robin,
                 );
-                Ok(self.record_simple(&candidates, i, "degraded_no_tokens", req.debug))
+                self.record_simple(candidates, i, "degraded_no_tokens", req.debug)
             }
         }
     }
@@ -625,59 +760,7 @@ impl Router {
         let shared = &self.shared;
         let tuning = &shared.tuning;
         let now = Instant::now();
-        let fresh = shared.fresh_agents(now);
-        let fleet = shared.fleet_rates.lock().clone();
-        let mut cands: Vec<Candidate> = workers
-            .iter()
-            .map(|w| {
-                let st = w.state.lock();
-                let live = st
-                    .agent
-                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                // Everything the agent said about the worker; its two views of every client's requests.
-                let load = st.load.filter(|_| live);
-                let engine = load
-                    .filter(|l| l.metrics_fresh(now, tuning.load_max_age))
-                    .map(|l| EngineQueue {
-                        running: l.running,
-                        waiting: l.waiting,
-                    });
-                let kernel = match load {
-                    None => Err(KernelMissing::NoAgent),
-                    Some(l) => match l.kernel {
-                        None => Err(KernelMissing::EbpfOff),
-                        Some(_)
-                            if now.saturating_duration_since(l.received)
-                                > tuning.estimator.kernel_max_age =>
-                        {
-                            Err(KernelMissing::Stale)
-                        }
-                        Some(k) => Ok(k),
-                    },
-                };
-                let ledger = Ledger {
-                    in_flight: st.in_flight,
-                    awaiting_first_token: st.awaiting_first_token,
-                    pending_prefill_tokens: st.pending_prefill_tokens,
-                    avg_uncached: st.avg_uncached,
-                };
-                let (queue, signal) =
-                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
-                Candidate {
-                    worker: Arc::clone(w),
-                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
-                    live,
-                    queue_tokens: queue.queue_tokens,
-                    running: queue.running,
-                    load: queue.running,
-                    others: (queue.others, queue.others_waiting),
-                    signal,
-                    kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet),
-                    run: 0,
-                }
-            })
-            .collect();
+        let mut cands = shared.candidates_at(workers, now);
         let missing: Vec<(KernelMissing, &str)> = cands
             .iter()
             .filter_map(|c| Some((c.kernel_missing?, c.worker.url.as_str())))
@@ -685,69 +768,19 @@ impl Router {
         if !missing.is_empty() {
             shared.note_kernel_missing(&missing);
         }
-
-        // Keys per block size in use, then every candidate's cached run in one pass per size.
-        let hasher = KeyHasher::for_model(model);
-        let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        // Hash before taking any lock: it is the most expensive part of a decision.
-        let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
-            .into_iter()
-            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
-            .collect();
-        let mut slot_of = vec![
-            usize::MAX;
-            cands
-                .iter()
-                .map(|c| usize::from(c.worker.id) + 1)
-                .max()
-                .unwrap_or(0)
-        ];
-        for (i, c) in cands.iter().enumerate() {
-            slot_of[usize::from(c.worker.id)] = i;
-        }
-        {
-            let index = shared.index.read();
-            let spec = shared.spec.lock();
-            let mut runs = Vec::new();
-            for (bs, keys) in &keys_by_size {
-                let group: Vec<usize> = (0..cands.len())
-                    .filter(|i| cands[*i].block_size == *bs && cands[*i].live)
-                    .collect();
-                let ids: Vec<WorkerId> = group.iter().map(|i| cands[*i].worker.id).collect();
-                index.leading_runs_bisect(keys, &ids, &mut runs);
-                for (i, run) in group.iter().zip(runs.iter()) {
-                    cands[*i].run = *run;
-                }
-                spec.runs(keys, now, |w, run| {
-                    if let Some(c) = slot_of.get(usize::from(w)).and_then(|i| cands.get_mut(*i))
-                        && c.block_size == *bs
-                    {
-                        c.run = c.run.max(run);
-                    }
-                });
-            }
-        }
+        let keys_by_size = shared.cached_runs(model, tokens, &mut cands, now);
 
         let prompt_tokens = tokens.len();
         let est_cfg = &tuning.estimator;
         let mut estimates = Vec::with_capacity(cands.len());
         let mut scored = Vec::with_capacity(cands.len());
         for c in &cands {
-            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
-            let cached = (c.run * c.block_size).min(prompt_tokens.saturating_sub(1));
-            let inputs = Inputs {
-                prompt_tokens,
-                cached_tokens: cached,
-                queue_tokens: c.queue_tokens,
-                running: c.running,
-            };
+            let inputs = c.inputs(prompt_tokens);
             let e = estimate::estimate(&c.rates, &inputs, est_cfg);
             scored.push(Scored {
                 ttft_s: e.ttft_s,
-                load: c.load,
-                cached_tokens: cached,
+                load: inputs.running,
+                cached_tokens: inputs.cached_tokens,
             });
             estimates.push((inputs, e));
         }
@@ -809,8 +842,8 @@ impl Router {
                     if c.live { "live" } else { "none" },
                     c.kernel_missing.map_or("live", KernelMissing::as_str),
                     c.signal.as_str(),
-                    c.others.0,
-                    c.others.1,
+                    c.queue.others,
+                    c.queue.others_waiting,
                 );
             }
             s

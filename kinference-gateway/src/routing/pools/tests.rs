@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use super::super::{ModelConfig, Prompt, RoutingConfig, WorkerConfig};
+use super::super::{ModelConfig, Prompt, RoutingConfig, RoutingMode, WorkerConfig};
 use super::*;
 
 fn tokenizer_dir() -> PathBuf {
