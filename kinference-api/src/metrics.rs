@@ -3,8 +3,12 @@
 use prometheus_client::encoding::{EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
 
+#[cfg(test)]
+mod tests;
+
 /// A metric whose `# HELP` / `# TYPE` lines are exposed before its first sample (prometheus-client
-/// leaves out empty families), so dashboards and alerts can tell "nothing yet" from "no such metric".
+/// leaves out a family that has no samples yet), so dashboards and alerts can tell "nothing yet" from
+/// "no such metric".
 #[derive(Debug)]
 pub struct Described<M>(pub M);
 
@@ -15,5 +19,11 @@ impl<M: EncodeMetric> EncodeMetric for Described<M> {
 
     fn metric_type(&self) -> MetricType {
         self.0.metric_type()
+    }
+
+    // The point of the wrapper: `Family` answers `true` while it has no series, and the registry then
+    // skips its descriptor.
+    fn is_empty(&self) -> bool {
+        false
     }
 }
