@@ -469,24 +469,6 @@ impl KernelMonitor {
         self.shared.views.lock().get(&key).map(|(_, v)| v.clone())
     }
 
-    /// Fills the kernel fields of a summary's `WorkerLoad` for the worker at `worker_url`: `kernel_ok`,
-    /// `kernel_in_flight`, `accept_backlog`, `accept_backlog_max`, `kernel_ttfb_p50_us` (all zero and
-    /// `kernel_ok = false` without a view).
-    pub fn fill_worker_load(
-        &self,
-        worker_url: &str,
-        load: &mut kinference_api::summary::WorkerLoad,
-    ) {
-        let view = self.view(worker_url);
-        load.kernel_ok = view.is_some();
-        let view = view.unwrap_or_default();
-        load.kernel_in_flight = view.in_flight;
-        // The peak since the previous read: a burst that filled the queue between reads still shows.
-        load.accept_backlog = view.accept_backlog.max(view.accept_backlog_peak);
-        load.accept_backlog_max = view.accept_backlog_max;
-        load.kernel_ttfb_p50_us = view.ttfb_p50_us();
-    }
-
     /// Registers the node metrics fed by this monitor: `kinference_agent_ebpf_program_state{program,state}`,
     /// and per `worker`: `kinference_agent_kernel_in_flight`, `kinference_agent_kernel_waiting`,
     /// `kinference_agent_accept_backlog`, `kinference_agent_accept_backlog_max`,

@@ -95,14 +95,6 @@ fn disabled_reports_every_program_and_exports_the_state() {
     assert!(monitor.watch("http://127.0.0.1:8001"));
     assert!(!monitor.watch("not a url"));
     assert_eq!(monitor.view("http://127.0.0.1:8001"), None);
-    let mut load = kinference_api::summary::WorkerLoad {
-        kernel_ok: true,
-        kernel_in_flight: 3,
-        ..Default::default()
-    };
-    monitor.fill_worker_load("http://127.0.0.1:8001", &mut load);
-    assert!(!load.kernel_ok);
-    assert_eq!(load.kernel_in_flight, 0);
 
     let mut registry = Registry::default();
     monitor.register_metrics(&mut registry);
