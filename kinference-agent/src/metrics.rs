@@ -2,6 +2,7 @@
 
 use std::sync::atomic::AtomicU64;
 
+use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -46,102 +47,102 @@ impl AgentMetrics {
         r.register(
             "kv_blocks",
             "Distinct block keys held per worker",
-            kinference_api::metrics::Described(self.kv_blocks.clone()),
+            Described(self.kv_blocks.clone()),
         );
         r.register(
             "kv_state_bytes",
             "Approximate memory of a worker's block-key state",
-            kinference_api::metrics::Described(self.kv_state_bytes.clone()),
+            Described(self.kv_state_bytes.clone()),
         );
         r.register(
             "kv_block_events",
             "Block events applied (stored, removed, cleared)",
-            kinference_api::metrics::Described(self.kv_block_events.clone()),
+            Described(self.kv_block_events.clone()),
         );
         r.register(
             "kv_batches",
             "KV event batches applied",
-            kinference_api::metrics::Described(self.kv_batches.clone()),
+            Described(self.kv_batches.clone()),
         );
         r.register(
             "kv_seq_gaps",
             "Sequence gaps seen on a worker's KV event stream",
-            kinference_api::metrics::Described(self.kv_seq_gaps.clone()),
+            Described(self.kv_seq_gaps.clone()),
         );
         r.register(
             "kv_replays",
             "Replays requested from a worker's replay socket",
-            kinference_api::metrics::Described(self.kv_replays.clone()),
+            Described(self.kv_replays.clone()),
         );
         r.register(
             "kv_replay_failures",
             "Replays that failed or timed out",
-            kinference_api::metrics::Described(self.kv_replay_failures.clone()),
+            Described(self.kv_replay_failures.clone()),
         );
         r.register(
             "kv_engine_restarts",
             "Engine restarts detected (sequence went back)",
-            kinference_api::metrics::Described(self.kv_engine_restarts.clone()),
+            Described(self.kv_engine_restarts.clone()),
         );
         r.register(
             "kv_decode_errors",
             "KV event messages that could not be decoded",
-            kinference_api::metrics::Described(self.kv_decode_errors.clone()),
+            Described(self.kv_decode_errors.clone()),
         );
         r.register(
             "kv_unresolved_parents",
             "Stored blocks skipped because their parent block was unknown",
-            kinference_api::metrics::Described(self.kv_unresolved_parents.clone()),
+            Described(self.kv_unresolved_parents.clone()),
         );
         r.register(
             "kv_unknown_removals",
             "Removals of blocks the agent never saw stored",
-            kinference_api::metrics::Described(self.kv_unknown_removals.clone()),
+            Described(self.kv_unknown_removals.clone()),
         );
         r.register(
             "kv_dropped_over_cap",
             "Stored blocks dropped because the worker exceeded the block cap",
-            kinference_api::metrics::Described(self.kv_dropped_over_cap.clone()),
+            Described(self.kv_dropped_over_cap.clone()),
         );
         r.register(
             "kv_event_lag_seconds",
             "Now minus the timestamp of the newest KV event batch applied",
-            kinference_api::metrics::Described(self.kv_event_lag_seconds.clone()),
+            Described(self.kv_event_lag_seconds.clone()),
         );
         r.register(
             "scrape_failures",
             "Failed scrapes of a worker's /metrics",
-            kinference_api::metrics::Described(self.scrape_failures.clone()),
+            Described(self.scrape_failures.clone()),
         );
         r.register(
             "scrape_ok",
             "1 when the worker's last /metrics scrape succeeded",
-            kinference_api::metrics::Described(self.scrape_ok.clone()),
+            Described(self.scrape_ok.clone()),
         );
         r.register(
             "watchers",
             "Gateways currently watching this agent",
-            kinference_api::metrics::Described(self.watchers.clone()),
+            Described(self.watchers.clone()),
         );
         r.register(
             "watcher_resyncs",
             "Snapshots resent to watchers that fell behind",
-            kinference_api::metrics::Described(self.watcher_resyncs.clone()),
+            Described(self.watcher_resyncs.clone()),
         );
         r.register(
             "summary_messages",
             "Summary messages sent to watchers",
-            kinference_api::metrics::Described(self.summary_messages.clone()),
+            Described(self.summary_messages.clone()),
         );
         r.register(
             "summary_bytes",
             "Encoded bytes of summary messages sent to watchers",
-            kinference_api::metrics::Described(self.summary_bytes.clone()),
+            Described(self.summary_bytes.clone()),
         );
         r.register(
             "summary_key_changes",
             "Block keys added or removed in delta messages sent",
-            kinference_api::metrics::Described(self.summary_key_changes.clone()),
+            Described(self.summary_key_changes.clone()),
         );
     }
 }

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -90,52 +91,52 @@ impl Metrics {
         sub.register(
             "requests",
             "Requests by model, worker, status and protocol",
-            kinference_api::metrics::Described(metrics.requests.clone()),
+            Described(metrics.requests.clone()),
         );
         sub.register(
             "time_to_first_token_seconds",
             "Time from request arrival to the first generated token (streams)",
-            kinference_api::metrics::Described(metrics.ttft.clone()),
+            Described(metrics.ttft.clone()),
         );
         sub.register(
             "inter_token_latency_seconds",
             "Time between two streamed chunks carrying text",
-            kinference_api::metrics::Described(metrics.itl.clone()),
+            Described(metrics.itl.clone()),
         );
         sub.register(
             "e2e_request_latency_seconds",
             "Time from request arrival to the end of the response",
-            kinference_api::metrics::Described(metrics.e2e.clone()),
+            Described(metrics.e2e.clone()),
         );
         sub.register(
             "input_tokens",
             "Prompt tokens reported by workers",
-            kinference_api::metrics::Described(metrics.input_tokens.clone()),
+            Described(metrics.input_tokens.clone()),
         );
         sub.register(
             "output_tokens",
             "Generated tokens reported by workers",
-            kinference_api::metrics::Described(metrics.output_tokens.clone()),
+            Described(metrics.output_tokens.clone()),
         );
         sub.register(
             "cached_input_tokens",
             "Prompt tokens served from the worker's prefix cache",
-            kinference_api::metrics::Described(metrics.cached_input_tokens.clone()),
+            Described(metrics.cached_input_tokens.clone()),
         );
         sub.register(
             "requests_in_flight",
             "Requests being served (until the last byte of the response)",
-            kinference_api::metrics::Described(metrics.in_flight.clone()),
+            Described(metrics.in_flight.clone()),
         );
         sub.register(
             "upstream_retries",
             "Requests retried on another worker after a refused connection",
-            kinference_api::metrics::Described(metrics.retries.clone()),
+            Described(metrics.retries.clone()),
         );
         sub.register(
             "worker_healthy",
             "1 when the worker's last health probe or request succeeded",
-            kinference_api::metrics::Described(metrics.worker_healthy.clone()),
+            Described(metrics.worker_healthy.clone()),
         );
         *metrics.registry.lock() = registry;
         metrics

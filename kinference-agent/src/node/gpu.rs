@@ -10,6 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::path::Path;
 
+use kinference_api::metrics::Described;
 use nvml_wrapper::Nvml;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::family::Family;
@@ -231,22 +232,22 @@ impl GpuMonitor {
         registry.register(
             "kinference_agent_gpu_available",
             "1 when NVML reports GPUs on this node",
-            kinference_api::metrics::Described(m.available.clone()),
+            Described(m.available.clone()),
         );
         registry.register(
             "kinference_agent_gpu_utilization_ratio",
             "GPU utilisation (0-1)",
-            kinference_api::metrics::Described(m.utilization.clone()),
+            Described(m.utilization.clone()),
         );
         registry.register(
             "kinference_agent_gpu_memory_used_bytes",
             "GPU memory used",
-            kinference_api::metrics::Described(m.memory_used.clone()),
+            Described(m.memory_used.clone()),
         );
         registry.register(
             "kinference_agent_gpu_memory_total_bytes",
             "GPU memory total",
-            kinference_api::metrics::Described(m.memory_total.clone()),
+            Described(m.memory_total.clone()),
         );
     }
 }
