@@ -318,6 +318,7 @@ fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
         kernel_ok: load.kernel.is_some(),
         kernel_in_flight: kernel.in_flight,
         kernel_waiting: kernel.waiting,
+        kernel_idle_gap_ms: kernel.idle_gap_ms,
         accept_backlog: kernel.accept_backlog,
         accept_backlog_max: kernel.accept_backlog_max,
         kernel_ttfb_p50_us: kernel.ttfb_p50_us,

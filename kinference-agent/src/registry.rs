@@ -40,6 +40,8 @@ pub struct Load {
 pub struct KernelFigures {
     /// Requests received and not finished, from every client.
     pub in_flight: u32,
+    /// How long a finished response may still count in `in_flight`, in milliseconds.
+    pub idle_gap_ms: u32,
     /// Of which no response byte has been sent yet.
     pub waiting: u32,
     /// The listener's accept queue (the peak since the previous read).

@@ -75,6 +75,7 @@ impl NodeSignals {
 pub fn kernel_figures(view: &KernelView) -> KernelFigures {
     KernelFigures {
         in_flight: view.in_flight,
+        idle_gap_ms: view.idle_gap.as_millis().min(u128::from(u32::MAX)) as u32,
         waiting: view.waiting,
         // The peak since the previous read: a burst that filled the queue between reads still shows.
         accept_backlog: view.accept_backlog.max(view.accept_backlog_peak),

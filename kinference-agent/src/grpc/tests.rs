@@ -206,6 +206,7 @@ fn kernel_figures_travel_in_the_load_and_a_change_is_sent_at_once() {
 
     let figures = KernelFigures {
         in_flight: 3,
+        idle_gap_ms: 500,
         waiting: 2,
         accept_backlog: 1,
         accept_backlog_max: 4096,
@@ -224,9 +225,10 @@ fn kernel_figures_travel_in_the_load_and_a_change_is_sent_at_once() {
             load.kernel_waiting,
             load.accept_backlog,
             load.accept_backlog_max,
-            load.kernel_ttfb_p50_us
+            load.kernel_ttfb_p50_us,
+            load.kernel_idle_gap_ms
         ),
-        (3, 2, 1, 4096, 2500)
+        (3, 2, 1, 4096, 2500, 500)
     );
 
     // Unchanged figures are not resent before the refresh interval.

@@ -210,6 +210,9 @@ const PROGRAMS: [ProgramSpec; 6] = [
 pub struct KernelView {
     /// Requests received and not finished: `waiting` plus responses still being sent.
     pub in_flight: u32,
+    /// How long a response counts in `in_flight` after its last send (the monitor's `idle_gap`): a
+    /// finished response stays counted up to this long unless its connection carries a new request.
+    pub idle_gap: Duration,
     /// Requests received, no response byte sent yet (queued or in prefill).
     pub waiting: u32,
     /// Open connections to the port that the program has seen.
@@ -1057,6 +1060,7 @@ fn poll_once(
         let backlog = backlog.unwrap_or_default();
         let view = KernelView {
             in_flight: waiting + responding,
+            idle_gap: options.idle_gap,
             waiting,
             connections,
             accept_backlog: backlog.current,

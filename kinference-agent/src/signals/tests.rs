@@ -19,6 +19,7 @@ fn spec(url: &str) -> WorkerSpec {
 fn figures_carry_the_backlog_peak_and_the_ttfb_median() {
     let view = KernelView {
         in_flight: 5,
+        idle_gap: Duration::from_millis(250),
         waiting: 2,
         accept_backlog: 1,
         accept_backlog_peak: 7,
@@ -30,6 +31,7 @@ fn figures_carry_the_backlog_peak_and_the_ttfb_median() {
         kernel_figures(&view),
         KernelFigures {
             in_flight: 5,
+            idle_gap_ms: 250,
             waiting: 2,
             accept_backlog: 7,
             accept_backlog_max: 4096,

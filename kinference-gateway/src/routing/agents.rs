@@ -207,6 +207,11 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
             in_flight: l.kernel_in_flight,
             waiting: l.kernel_waiting.min(l.kernel_in_flight),
         }),
+        kernel_linger: Duration::from_millis(match l.kernel_idle_gap_ms {
+            // Agents before the field had a fixed 500 ms idle gap.
+            0 => 500,
+            ms => u64::from(ms),
+        }),
         measured: now
             .checked_sub(Duration::from_millis(u64::from(l.metrics_age_ms)))
             .unwrap_or(now),

@@ -21,14 +21,18 @@
 //!   and of those the ones with no response byte yet (`waiting`);
 //! - the **engine view** (the worker's own `vllm:num_requests_running` / `_waiting`, scraped every 250 ms).
 //!
-//! Because both include this gateway's own requests, they are never added to the ledger. The rule:
-//! 1. total in flight = `max(ledger, view)`, so *others* = `total - ledger` (a view older than the ledger
-//!    that has not seen our newest request yet cannot make others negative);
+//! Because both include this gateway's own requests, they are never added to the ledger. A view is a
+//! little behind, so it is compared with the ledger *as the view saw it* ([`Seen`]): our requests then in
+//! flight (the current ones, minus those started since, plus those finished since) and, for the kernel
+//! view, also our responses that finished within the agent's idle gap before it (HTTP/1.1 keeps the
+//! connection open, so the kernel counts a finished response until the connection's next request, its
+//! close, or that gap; without this every finished request of ours showed as another client's for half a
+//! second). The rule:
+//! 1. *others* = `view total - ours as seen` (never negative); total in flight = `ledger + others`;
 //! 2. the others still waiting for their first token: at least what a view shows beyond our own waiting
-//!    ones (`max(kernel.waiting, engine.waiting) - ledger.awaiting_first_token`), and at least the others'
-//!    share at the waiting fraction our own requests on that worker have (the replicas send alike traffic;
-//!    a streaming response sends its headers before the first token, so the kernel's `waiting` alone
-//!    undercounts them), capped at the others;
+//!    ones as it saw them, and at least the others' share at the waiting fraction our own requests on that
+//!    worker have (the replicas send alike traffic; a streaming response sends its headers before the
+//!    first token, so the kernel's `waiting` alone undercounts them), capped at the others;
 //! 3. queued prefill = our own pending uncached tokens (exact) + others waiting x our average uncached
 //!    tokens per request; `running` (decode interference) = the total.
 //!
@@ -70,6 +74,9 @@ pub struct EstimatorConfig {
     pub guard_rel: f64,
     /// Kernel figures older than this are not used (the agent resends unchanged figures every second).
     pub kernel_max_age: std::time::Duration,
+    /// How far the kernel view runs behind: the agent sends a changed figure within one poll plus its
+    /// coalescing delay, so figures received earlier and not replaced still held this long ago.
+    pub kernel_delay: std::time::Duration,
     /// Waiting fraction assumed for other clients' requests when neither this gateway's ledger nor the
     /// engine view shows one.
     pub default_waiting_fraction: f64,
@@ -87,6 +94,7 @@ impl Default for EstimatorConfig {
             guard_abs: 16,
             guard_rel: 1.0,
             kernel_max_age: std::time::Duration::from_millis(2500),
+            kernel_delay: std::time::Duration::from_millis(50),
             default_waiting_fraction: 0.5,
         }
     }
@@ -231,6 +239,26 @@ pub struct EngineQueue {
     pub waiting: u32,
 }
 
+/// This gateway's own requests on one worker as a view counted them when it was taken (see the module
+/// docs); for a view taken now with nothing lingering, the ledger's own figures.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seen {
+    /// Our requests the view counts as in flight.
+    pub in_flight: usize,
+    /// Of which it counts as waiting for their first token.
+    pub waiting: usize,
+}
+
+impl Seen {
+    /// The ledger itself: a view taken now.
+    pub fn current(ledger: &Ledger) -> Self {
+        Self {
+            in_flight: ledger.in_flight,
+            waiting: ledger.awaiting_first_token,
+        }
+    }
+}
+
 /// Which view sized the other clients' share of a worker's queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QueueSignal {
@@ -289,50 +317,49 @@ pub struct Queue {
 }
 
 /// Combines the ledger with the best available view of the other clients (see the module docs): the
-/// kernel view when given, else the engine view, else the ledger alone.
+/// kernel view when given, else the engine view, else the ledger alone. Each view comes with our own
+/// requests as it saw them.
 pub fn queue(
     ledger: &Ledger,
-    kernel: Option<KernelQueue>,
-    engine: Option<EngineQueue>,
+    kernel: Option<(KernelQueue, Seen)>,
+    engine: Option<(EngineQueue, Seen)>,
     cfg: &EstimatorConfig,
 ) -> (Queue, QueueSignal) {
-    let (total, view_waiting, signal) = match (kernel, engine) {
-        (Some(k), _) => (
-            k.in_flight as usize,
-            k.waiting as usize,
+    let (others, view_waiting, signal) = match (kernel, engine) {
+        (Some((k, ours)), _) => (
+            (k.in_flight as usize).saturating_sub(ours.in_flight),
+            (k.waiting as usize).saturating_sub(ours.waiting),
             QueueSignal::Kernel,
         ),
-        (None, Some(e)) => (
-            (e.running + e.waiting) as usize,
-            e.waiting as usize,
+        (None, Some((e, ours))) => (
+            ((e.running + e.waiting) as usize).saturating_sub(ours.in_flight),
+            (e.waiting as usize).saturating_sub(ours.waiting),
             QueueSignal::Engine,
         ),
         (None, None) => (0, 0, QueueSignal::Ledger),
     };
-    let total = total.max(ledger.in_flight);
-    let others = total - ledger.in_flight;
     let fraction = if ledger.in_flight > 0 {
         ledger.awaiting_first_token.min(ledger.in_flight) as f64 / ledger.in_flight as f64
     } else {
         match engine {
-            Some(e) if e.running + e.waiting > 0 => {
+            Some((e, _)) if e.running + e.waiting > 0 => {
                 f64::from(e.waiting) / f64::from(e.running + e.waiting)
             }
             _ => cfg.default_waiting_fraction.clamp(0.0, 1.0),
         }
     };
     // The engine's waiting queue is a lower bound even when the kernel view sized the total.
-    let engine_waiting = engine.map_or(0, |e| e.waiting as usize);
-    let shown = view_waiting
-        .max(engine_waiting)
-        .saturating_sub(ledger.awaiting_first_token);
+    let engine_waiting = engine.map_or(0, |(e, ours)| {
+        (e.waiting as usize).saturating_sub(ours.waiting)
+    });
+    let shown = view_waiting.max(engine_waiting);
     let others_waiting = shown
         .max((others as f64 * fraction).round() as usize)
         .min(others);
     let queue = Queue {
         queue_tokens: ledger.pending_prefill_tokens.max(0.0)
             + others_waiting as f64 * ledger.avg_uncached.max(0.0),
-        running: total,
+        running: ledger.in_flight + others,
         others,
         others_waiting,
     };

@@ -438,12 +438,20 @@ impl Shared {
                 let live = st
                     .agent
                     .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                // Everything the agent said about the worker; its two views of every client's requests.
+                // Everything the agent said about the worker; its two views of every client's requests,
+                // each with our own requests as that view saw them.
+                let seen = |at: Instant, linger: Duration| {
+                    st.log
+                        .seen(st.in_flight, st.awaiting_first_token, at, linger)
+                };
                 let load = st.load.filter(|_| live);
                 let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
-                let engine = scraped.map(|l| EngineQueue {
-                    running: l.running,
-                    waiting: l.waiting,
+                let engine = scraped.map(|l| {
+                    let e = EngineQueue {
+                        running: l.running,
+                        waiting: l.waiting,
+                    };
+                    (e, seen(l.measured, Duration::ZERO))
                 });
                 let kernel = match load {
                     None => Err(KernelMissing::NoAgent),
@@ -455,7 +463,15 @@ impl Shared {
                         {
                             Err(KernelMissing::Stale)
                         }
-                        Some(k) => Ok(k),
+                        Some(k) => {
+                            // The agent sends a changed figure within `kernel_delay`, so one received
+                            // earlier and not replaced still held then.
+                            let at = l.received.max(
+                                now.checked_sub(tuning.estimator.kernel_delay)
+                                    .unwrap_or(now),
+                            );
+                            Ok((k, seen(at, l.kernel_linger)))
+                        }
                     },
                 };
                 let ledger = Ledger {
@@ -726,14 +742,19 @@ impl Router {
                 .join("; ")
         });
         let worker = Arc::clone(&candidates[i]);
-        worker.state.lock().in_flight += 1;
+        {
+            let mut st = worker.state.lock();
+            st.in_flight += 1;
+            st.awaiting_first_token += 1;
+            st.log.started(Instant::now());
+        }
         self.count(reason, 0);
         Decision {
             worker: worker.url.clone(),
             reason,
             explain,
             prompt_tokens: None,
-            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None, false),
+            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None),
         }
     }
 
@@ -805,6 +826,7 @@ impl Router {
             let mut st = chosen.worker.state.lock();
             st.in_flight += 1;
             st.awaiting_first_token += 1;
+            st.log.started(now);
             st.pending_prefill_tokens += uncached;
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
         }
@@ -858,7 +880,6 @@ impl Router {
                 Arc::clone(&chosen.worker),
                 uncached,
                 Some(est.work),
-                true,
             ),
         }
     }
@@ -942,7 +963,7 @@ pub struct InFlight {
     pending_tokens: f64,
     /// The estimate's work in tokens, to learn from the observed TTFT.
     work: Option<f64>,
-    /// Counted in the worker's `awaiting_first_token` until the first token (estimate-routed requests).
+    /// Counted in the worker's `awaiting_first_token` until the first token (or the end).
     awaiting: bool,
     first_token: Option<Instant>,
     done: bool,
@@ -964,7 +985,6 @@ impl InFlight {
         worker: Arc<Worker>,
         pending_tokens: f64,
         work: Option<f64>,
-        awaiting: bool,
     ) -> Self {
         Self {
             shared,
@@ -972,7 +992,7 @@ impl InFlight {
             started: Instant::now(),
             pending_tokens,
             work,
-            awaiting,
+            awaiting: true,
             first_token: None,
             done: false,
         }
@@ -991,6 +1011,7 @@ impl InFlight {
         self.pending_tokens = 0.0;
         if std::mem::take(&mut self.awaiting) {
             st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
+            st.log.first_token(now);
         }
         if let Some(work) = self.work {
             st.rates.observe(ttft, work, &self.shared.tuning.estimator);
@@ -1025,12 +1046,15 @@ impl InFlight {
             return;
         }
         self.done = true;
+        let now = Instant::now();
         let mut st = self.worker.state.lock();
         st.in_flight = st.in_flight.saturating_sub(1);
+        st.log.ended(now);
         st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
         self.pending_tokens = 0.0;
         if std::mem::take(&mut self.awaiting) {
             st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
+            st.log.first_token(now);
         }
     }
 }

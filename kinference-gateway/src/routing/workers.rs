@@ -1,13 +1,13 @@
 //! The router's worker table: every worker it may route to, with its in-flight ledger, learned rates
 //! and the latest load figures its agent sent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::estimate::{KernelQueue, Rates};
+use super::estimate::{KernelQueue, Rates, Seen};
 use super::kv_index::{MAX_WORKERS, WorkerId};
 
 /// Load figures from the worker's agent.
@@ -23,6 +23,9 @@ pub struct Load {
     pub metrics_ok: bool,
     /// The kernel's view of the worker's port, all clients (eBPF), when the agent has one.
     pub kernel: Option<KernelQueue>,
+    /// How long a finished response may still count in the kernel's in-flight figure (the agent's idle
+    /// gap).
+    pub kernel_linger: Duration,
     /// When the scraped figures were measured (receive time minus their age at send).
     pub measured: Instant,
     /// When the figures arrived (the kernel figures are at most one agent poll old when sent).
@@ -45,6 +48,8 @@ pub struct WorkerState {
     pub awaiting_first_token: usize,
     /// Uncached prompt tokens of this gateway's requests there still waiting for a first token.
     pub pending_prefill_tokens: f64,
+    /// When the ledger's recent requests started, got their first token and ended.
+    pub log: LedgerLog,
     /// Learned rates.
     pub rates: Rates,
     /// EWMA of uncached tokens per request (sizes the agent's `waiting` count in tokens).
@@ -59,6 +64,70 @@ pub struct WorkerState {
     pub gone: bool,
     /// Set by the gateway's health prober; unhealthy workers are not candidates.
     pub healthy: bool,
+}
+
+/// When this gateway's recent requests on one worker started, got their first token and ended, so that a
+/// view taken a moment ago can be compared with the ledger as it was then ([`LedgerLog::seen`]).
+///
+/// Entries older than [`LedgerLog::HORIZON`] are dropped as new ones come, and each list is capped, so
+/// the memory stays bounded at any request rate; each query is a binary search.
+#[derive(Debug, Default)]
+pub struct LedgerLog {
+    starts: VecDeque<Instant>,
+    first_tokens: VecDeque<Instant>,
+    ends: VecDeque<Instant>,
+}
+
+impl LedgerLog {
+    /// How far back the log reaches: beyond the oldest view the estimate uses plus the longest linger.
+    pub const HORIZON: Duration = Duration::from_secs(10);
+    /// Most entries kept per list.
+    pub const CAP: usize = 16 * 1024;
+
+    /// A request started at `at`.
+    pub fn started(&mut self, at: Instant) {
+        Self::push(&mut self.starts, at);
+    }
+
+    /// A request got its first token at `at`.
+    pub fn first_token(&mut self, at: Instant) {
+        Self::push(&mut self.first_tokens, at);
+    }
+
+    /// A request ended at `at`.
+    pub fn ended(&mut self, at: Instant) {
+        Self::push(&mut self.ends, at);
+    }
+
+    fn push(list: &mut VecDeque<Instant>, at: Instant) {
+        while list.len() >= Self::CAP
+            || list
+                .front()
+                .is_some_and(|t| at.saturating_duration_since(*t) > Self::HORIZON)
+        {
+            list.pop_front();
+        }
+        // Callers stamp under the worker's lock, so entries arrive in order; keep them sorted anyway.
+        let i = list.partition_point(|t| *t <= at);
+        list.insert(i, at);
+    }
+
+    fn after(list: &VecDeque<Instant>, t: Instant) -> usize {
+        list.len() - list.partition_point(|x| *x <= t)
+    }
+
+    /// Our requests as a view taken at `at` counted them, given the ledger's current `in_flight` and
+    /// `awaiting` (first token) figures: requests started after `at` were not in it; requests that ended
+    /// after `at - linger` were (a finished response lingers that long in the kernel's count).
+    pub fn seen(&self, in_flight: usize, awaiting: usize, at: Instant, linger: Duration) -> Seen {
+        let started = Self::after(&self.starts, at);
+        let ended = Self::after(&self.ends, at.checked_sub(linger).unwrap_or(at));
+        let first_tokens = Self::after(&self.first_tokens, at);
+        Seen {
+            in_flight: (in_flight + ended).saturating_sub(started),
+            waiting: (awaiting + first_tokens).saturating_sub(started),
+        }
+    }
 }
 
 /// One worker.
@@ -130,6 +199,7 @@ impl WorkerTable {
                 in_flight: 0,
                 awaiting_first_token: 0,
                 pending_prefill_tokens: 0.0,
+                log: LedgerLog::default(),
                 rates: rates.clone(),
                 avg_uncached: 512.0,
                 block_size: None,
@@ -161,3 +231,6 @@ impl WorkerTable {
         self.list.iter().any(|w| w.model == model)
     }
 }
+
+#[cfg(test)]
+mod tests;

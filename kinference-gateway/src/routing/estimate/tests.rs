@@ -195,11 +195,75 @@ fn kernel(in_flight: u32, waiting: u32) -> Option<KernelQueue> {
     Some(KernelQueue { in_flight, waiting })
 }
 
+/// [`queue`] with views taken now, nothing of ours lingering in them.
+fn queue_now(
+    ledger: &Ledger,
+    kernel: Option<KernelQueue>,
+    engine: Option<EngineQueue>,
+    cfg: &EstimatorConfig,
+) -> (Queue, QueueSignal) {
+    let ours = Seen::current(ledger);
+    queue(
+        ledger,
+        kernel.map(|k| (k, ours)),
+        engine.map(|e| (e, ours)),
+        cfg,
+    )
+}
+
+#[test]
+fn our_finished_responses_the_kernel_still_counts_are_not_other_clients() {
+    let cfg = cfg();
+    // One request of ours in flight; the kernel counts 4, three of them our responses that ended within
+    // the agent's idle gap (their connections idle, not yet reused).
+    let ours = Seen {
+        in_flight: 4,
+        waiting: 0,
+    };
+    let (q, _) = queue(
+        &ledger(1, 0, 0.0),
+        Some((
+            KernelQueue {
+                in_flight: 4,
+                waiting: 0,
+            },
+            ours,
+        )),
+        None,
+        &cfg,
+    );
+    assert_eq!((q.running, q.others, q.others_waiting), (1, 0, 0), "{q:?}");
+    assert!(q.queue_tokens.abs() < 1e-9);
+    // Compared with the ledger as it is now, the same view shows three phantom clients, all waiting.
+    let (q, _) = queue_now(&ledger(1, 1, 500.0), kernel(4, 0), None, &cfg);
+    assert_eq!((q.running, q.others), (4, 3));
+
+    // A view older than our two newest requests: they are not in it, so they do not hide others.
+    let ours = Seen {
+        in_flight: 1,
+        waiting: 1,
+    };
+    let (q, _) = queue(
+        &ledger(3, 3, 1_500.0),
+        Some((
+            KernelQueue {
+                in_flight: 3,
+                waiting: 3,
+            },
+            ours,
+        )),
+        None,
+        &cfg,
+    );
+    assert_eq!((q.running, q.others, q.others_waiting), (5, 2, 2), "{q:?}");
+    assert!((q.queue_tokens - 2_500.0).abs() < 1e-9, "{q:?}");
+}
+
 #[test]
 fn the_kernel_view_adds_only_other_clients_requests() {
     let cfg = cfg();
     // We have 2 in flight there (1 before its first token, 1,000 tokens pending); the kernel sees 5.
-    let (q, signal) = queue(&ledger(2, 1, 1_000.0), kernel(5, 0), None, &cfg);
+    let (q, signal) = queue_now(&ledger(2, 1, 1_000.0), kernel(5, 0), None, &cfg);
     assert_eq!(signal, QueueSignal::Kernel);
     assert_eq!(q.running, 5, "the total, not 2 + 5");
     assert_eq!(q.others, 3);
@@ -208,12 +272,12 @@ fn the_kernel_view_adds_only_other_clients_requests() {
     assert!((q.queue_tokens - 2_000.0).abs() < 1e-9, "{q:?}");
 
     // The kernel sees only our own requests: nothing is added to the ledger.
-    let (q, _) = queue(&ledger(2, 1, 1_000.0), kernel(2, 1), None, &cfg);
+    let (q, _) = queue_now(&ledger(2, 1, 1_000.0), kernel(2, 1), None, &cfg);
     assert_eq!((q.running, q.others, q.others_waiting), (2, 0, 0));
     assert!((q.queue_tokens - 1_000.0).abs() < 1e-9);
 
     // A kernel view older than our newest request shows less than the ledger: never negative others.
-    let (q, _) = queue(&ledger(4, 4, 3_000.0), kernel(1, 1), None, &cfg);
+    let (q, _) = queue_now(&ledger(4, 4, 3_000.0), kernel(1, 1), None, &cfg);
     assert_eq!((q.running, q.others, q.others_waiting), (4, 0, 0));
     assert!((q.queue_tokens - 3_000.0).abs() < 1e-9);
 }
@@ -223,11 +287,11 @@ fn requests_the_kernel_shows_waiting_beyond_ours_count_as_queued() {
     let cfg = cfg();
     // Non-streaming traffic: the kernel knows which requests have no response yet. Ours are all past
     // their first token (fraction 0), yet 4 others are waiting.
-    let (q, _) = queue(&ledger(1, 0, 0.0), kernel(6, 4), None, &cfg);
+    let (q, _) = queue_now(&ledger(1, 0, 0.0), kernel(6, 4), None, &cfg);
     assert_eq!((q.running, q.others, q.others_waiting), (6, 5, 4));
     assert!((q.queue_tokens - 2_000.0).abs() < 1e-9);
     // The waiting count can never exceed the others.
-    let (q, _) = queue(&ledger(0, 0, 0.0), kernel(2, 9), None, &cfg);
+    let (q, _) = queue_now(&ledger(0, 0, 0.0), kernel(2, 9), None, &cfg);
     assert_eq!((q.others, q.others_waiting), (2, 2));
 }
 
@@ -239,15 +303,15 @@ fn without_a_kernel_view_the_engine_counters_then_the_ledger_are_used() {
         waiting: 2,
     });
     // No request of ours there: the waiting fraction is the engine's (2 of 5).
-    let (q, signal) = queue(&ledger(0, 0, 0.0), None, engine, &cfg);
+    let (q, signal) = queue_now(&ledger(0, 0, 0.0), None, engine, &cfg);
     assert_eq!(signal, QueueSignal::Engine);
     assert_eq!((q.running, q.others, q.others_waiting), (5, 5, 2));
     // The kernel view wins over the engine counters when both are there.
-    let (q, signal) = queue(&ledger(0, 0, 0.0), kernel(1, 0), engine, &cfg);
+    let (q, signal) = queue_now(&ledger(0, 0, 0.0), kernel(1, 0), engine, &cfg);
     assert_eq!(signal, QueueSignal::Kernel);
     assert_eq!(q.running, 1);
     // Nothing but the ledger: other clients are invisible.
-    let (q, signal) = queue(&ledger(3, 2, 900.0), None, None, &cfg);
+    let (q, signal) = queue_now(&ledger(3, 2, 900.0), None, None, &cfg);
     assert_eq!(signal, QueueSignal::Ledger);
     assert_eq!((q.running, q.others), (3, 0));
     assert!((q.queue_tokens - 900.0).abs() < 1e-9);
@@ -296,10 +360,16 @@ mod replicas {
     /// The agent's snapshot: both workers idle by their scraped counters (the last scrape predates the
     /// burst), `w0` with `in_flight` requests in the kernel view when `kernel_ok`.
     fn snapshot(in_flight: u32, kernel_ok: bool) -> Summary {
+        kernel_snapshot([in_flight, 0], kernel_ok, 0)
+    }
+
+    /// The agent's snapshot with per-worker kernel in-flight counts and the agent's idle gap.
+    fn kernel_snapshot(in_flight: [u32; 2], kernel_ok: bool, idle_gap_ms: u32) -> Summary {
         let load = |k: u32| pb::WorkerLoad {
             metrics_ok: true,
             kernel_ok,
             kernel_in_flight: k,
+            kernel_idle_gap_ms: idle_gap_ms,
             ..Default::default()
         };
         let worker = |url: &str, k: u32| pb::WorkerState {
@@ -313,7 +383,7 @@ mod replicas {
             kind: Some(summary::Kind::Snapshot(pb::Snapshot {
                 node: "n1".into(),
                 epoch: 1,
-                workers: vec![worker(W0, in_flight), worker(W1, 0)],
+                workers: vec![worker(W0, in_flight[0]), worker(W1, in_flight[1])],
                 node_state: None,
             })),
         }
@@ -361,6 +431,51 @@ mod replicas {
         assert_eq!(field(&explain, W0, "others"), "0", "{explain}");
         assert_eq!(field(&explain, W0, "kernel"), "ebpf_off", "{explain}");
         assert_eq!(d.reason, "tie_spread", "{explain}");
+    }
+
+    /// Sends `n` requests through `router` and ends them; returns how many went to each worker.
+    fn finish_requests(router: &Router, n: usize) -> [u32; 2] {
+        let mut per_worker = [0; 2];
+        for _ in 0..n {
+            let d = router.pick_tokens("m", &tokens(), false).expect("decision");
+            per_worker[usize::from(d.worker == W1)] += 1;
+            d.ticket.finish(true, 16, None);
+        }
+        per_worker
+    }
+
+    #[tokio::test]
+    async fn a_gateways_own_finished_responses_lingering_in_the_kernel_view_are_not_others() {
+        // The gateway's requests have ended, but the kernel still counts their responses (their kept-alive
+        // connections have not reached the agent's idle gap): they are this gateway's, not other clients'.
+        let a = router(RoutingTuning::default());
+        a.apply_agent_summary(0, kernel_snapshot([0, 0], true, 0));
+        let ended = finish_requests(&a, 4);
+        a.apply_agent_summary(0, kernel_snapshot(ended, true, 500));
+        let d = a.pick_tokens("m", &tokens(), true).expect("decision");
+        let explain = d.explain.clone().expect("explain");
+        for url in [W0, W1] {
+            assert_eq!(field(&explain, url, "others"), "0", "{explain}");
+            assert_eq!(field(&explain, url, "running"), "0", "{explain}");
+        }
+
+        // Past the idle gap the kernel no longer counts them, so a view that still does shows others.
+        let b = router(RoutingTuning::default());
+        b.apply_agent_summary(0, kernel_snapshot([0, 0], true, 0));
+        let ended = finish_requests(&b, 4);
+        std::thread::sleep(Duration::from_millis(30));
+        b.apply_agent_summary(0, kernel_snapshot(ended, true, 1));
+        let d = b.pick_tokens("m", &tokens(), true).expect("decision");
+        let explain = d.explain.clone().expect("explain");
+        let others: u32 = [W0, W1]
+            .iter()
+            .map(|url| {
+                field(&explain, url, "others")
+                    .parse::<u32>()
+                    .expect("others")
+            })
+            .sum();
+        assert_eq!(others, 4, "{explain}");
     }
 
     #[tokio::test]

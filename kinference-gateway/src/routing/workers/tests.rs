@@ -1,0 +1,64 @@
+use std::time::{Duration, Instant};
+
+use super::*;
+
+#[test]
+fn the_ledger_as_a_view_saw_it() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut log = LedgerLog::default();
+    // Three requests: A 0-40 ms (first token at 20), B 10 ms-, C 60 ms-; now: B and C in flight, C awaiting.
+    log.started(at(0));
+    log.started(at(10));
+    log.first_token(at(20));
+    log.first_token(at(30));
+    log.ended(at(40));
+    log.started(at(60));
+    let (in_flight, awaiting) = (2, 1);
+
+    // A view taken at 50 ms: B in flight, nothing awaiting; A ended 10 ms before it.
+    assert_eq!(
+        log.seen(in_flight, awaiting, at(50), Duration::ZERO),
+        Seen {
+            in_flight: 1,
+            waiting: 0
+        }
+    );
+    // The same view from the kernel, where a response lingers 20 ms after its end: A still counts.
+    assert_eq!(
+        log.seen(in_flight, awaiting, at(50), Duration::from_millis(20)),
+        Seen {
+            in_flight: 2,
+            waiting: 0
+        }
+    );
+    // A view taken at 15 ms: A and B in flight, both awaiting.
+    assert_eq!(
+        log.seen(in_flight, awaiting, at(15), Duration::ZERO),
+        Seen {
+            in_flight: 2,
+            waiting: 2
+        }
+    );
+    // A view taken now is the ledger itself.
+    assert_eq!(
+        log.seen(in_flight, awaiting, at(70), Duration::ZERO),
+        Seen {
+            in_flight: 2,
+            waiting: 1
+        }
+    );
+}
+
+#[test]
+fn the_log_stays_bounded() {
+    let t0 = Instant::now();
+    let mut log = LedgerLog::default();
+    for i in 0..(LedgerLog::CAP as u64 + 100) {
+        log.started(t0 + Duration::from_micros(i));
+    }
+    assert_eq!(log.starts.len(), LedgerLog::CAP);
+    // An entry past the horizon drops everything older than it.
+    log.started(t0 + LedgerLog::HORIZON + Duration::from_secs(1));
+    assert_eq!(log.starts.len(), 1);
+}
