@@ -277,7 +277,7 @@ async fn load_guard_stops_piling_onto_the_cached_worker() {
         snapshot(
             1,
             vec![
-                worker_state("http://w0", keys.clone(), load(30, 0)),
+                worker_state("http://w0", keys.clone(), load(40, 0)),
                 worker_state("http://w1", vec![], load(0, 0)),
                 worker_state("http://w2", vec![], load(0, 0)),
             ],

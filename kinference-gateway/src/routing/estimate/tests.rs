@@ -138,11 +138,11 @@ fn strict_best_wins_with_its_reason() {
 fn load_guard_caps_piling_onto_one_worker() {
     let cfg = cfg();
     let mut rng = StdRng::seed_from_u64(1);
-    // The cached worker looks best but already has 17 more requests than the idle one.
+    // The cached worker looks best but already has 33 more requests than the idle one.
     let scored = vec![
         Scored {
             ttft_s: 0.1,
-            load: 17,
+            load: 33,
             cached_tokens: 5_000,
         },
         Scored {
@@ -152,8 +152,8 @@ fn load_guard_caps_piling_onto_one_worker() {
         },
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::LoadGuard)));
-    // At 16 it is still allowed; relative slack applies once every worker is busy.
-    assert!(within_guard(16, 0, &cfg));
+    // At 32 it is still allowed; relative slack applies once every worker is busy.
+    assert!(within_guard(32, 0, &cfg));
     assert!(within_guard(80, 40, &cfg));
     assert!(!within_guard(81, 40, &cfg));
 }
