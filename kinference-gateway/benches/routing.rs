@@ -1,7 +1,8 @@
 //! Routing micro-benchmarks (issue 3, item 4):
 //! - the routing decision for a 2,000-block prompt over 100 workers, tokenization excluded
 //!   (target p99 < 50 us); criterion reports the mean, and a timed pass prints p50/p99;
-//! - tokenization + block keys of an ~8k-token chat prompt (target < 2 ms);
+//! - tokenization + block keys of an ~8k-token chat prompt (target < 2 ms), never seen (`cold`) and
+//!   with its earlier messages seen before (`warm`: the tokenizer's segment cache);
 //! - KV index memory per (block, worker), measured by a counting allocator (target <= 16 bytes);
 //! - KV index insert rate (what applying agent deltas costs).
 //!
@@ -175,29 +176,62 @@ fn decision(c: &mut Criterion) {
     );
 }
 
-fn chat_8k() -> serde_json::Value {
+/// An ~8k-token chat; `tag` makes every message's text unique (nothing in the segment cache).
+fn chat_8k(tag: u64) -> serde_json::Value {
     let para = "The shipment manifest lists pallets, their weights, destinations and customs codes; \
                 each entry must be checked against the carrier's tariff before dispatch. ";
-    let mut messages = vec![serde_json::json!({"role": "system", "content": para.repeat(120)})];
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": format!("[{tag}] {}", para.repeat(120))}),
+    ];
     for turn in 0..8 {
-        messages.push(serde_json::json!({"role": "user", "content": format!("Turn {turn}: {}", para.repeat(20))}));
-        messages.push(serde_json::json!({"role": "assistant", "content": para.repeat(10)}));
+        messages.push(serde_json::json!({"role": "user", "content": format!("[{tag}] Turn {turn}: {}", para.repeat(20))}));
+        messages.push(serde_json::json!({"role": "assistant", "content": format!("[{tag}] {}", para.repeat(10))}));
     }
     messages.push(serde_json::json!({"role": "user", "content": "Summarize the open issues."}));
     serde_json::Value::Array(messages)
 }
 
+/// Tokenization + keys of an ~8k-token chat: `cold`, a prompt never seen (every message new); `warm`,
+/// the same conversation again with a new last question (its earlier messages come from the
+/// tokenizer's segment cache, as a shared system prompt or a multi-turn history does).
 fn tokenize_keys(c: &mut Criterion) {
     let tok = ModelTokenizer::from_dir(tokenizer_dir()).expect("tokenizer");
-    let messages = chat_8k();
     let hasher = KeyHasher::for_model("m");
-    let n = tok.encode_chat(&messages).expect("encode").len();
+    let n = tok.encode_chat(&chat_8k(0)).expect("encode").len();
     println!("chat prompt: {n} tokens");
-    c.bench_function("tokenize_and_keys_8k_chat", |b| {
-        b.iter(|| {
-            let ids = tok.encode_chat(black_box(&messages)).expect("encode");
-            black_box(hasher.keys(None, &ids, BLOCK));
-        })
+    let mut tag = 1u64;
+    c.bench_function("tokenize_and_keys_8k_chat_cold", |b| {
+        b.iter_batched(
+            || {
+                tag += 1;
+                chat_8k(tag)
+            },
+            |messages| {
+                let ids = tok.encode_chat(black_box(&messages)).expect("encode");
+                black_box(hasher.keys(None, &ids, BLOCK));
+            },
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let mut messages = chat_8k(0);
+    let mut question = 0u64;
+    c.bench_function("tokenize_and_keys_8k_chat_warm", |b| {
+        b.iter_batched(
+            || {
+                question += 1;
+                let last = messages
+                    .as_array_mut()
+                    .and_then(|m| m.last_mut())
+                    .expect("messages");
+                last["content"] = format!("Question {question}: summarize the open issues.").into();
+                messages.clone()
+            },
+            |messages| {
+                let ids = tok.encode_chat(black_box(&messages)).expect("encode");
+                black_box(hasher.keys(None, &ids, BLOCK));
+            },
+            criterion::BatchSize::SmallInput,
+        )
     });
 }
 

@@ -5,20 +5,90 @@
 //! regex below, byte-level, BPE) and ASCII input, NFC is the identity and the regex reduces to a small
 //! hand-written scanner, so only the BPE model (with its word cache) is left. Anything else (another
 //! pipeline, non-ASCII segments) goes through the full tokenizer, and the tests compare both paths.
+//!
+//! Long segments (the text between two added tokens, e.g. one chat message) are cached by content:
+//! system prompts, documents and earlier turns come back in request after request, and a segment's
+//! tokens do not depend on its neighbours (added tokens split the text first, as `AddedVocabulary`
+//! does), so a repeated 7,000-word system prompt costs a hash and a compare instead of its BPE.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
 use tokenizers::{Model, Tokenizer};
+
+/// Segments at least this long (bytes) are cached; shorter ones encode faster than they look up.
+const CACHED_SEGMENT_MIN: usize = 1024;
+/// Segment text plus token bytes the cache keeps; beyond it the least recently used quarter goes.
+const CACHE_MAX_BYTES: usize = 32 << 20;
+
+/// Tokens of recently seen long segments, by content.
+#[derive(Debug, Default)]
+struct SegmentCache {
+    entries: HashMap<u128, CachedSegment>,
+    bytes: usize,
+    clock: u64,
+}
+
+#[derive(Debug)]
+struct CachedSegment {
+    text: Box<str>,
+    ids: Arc<[u32]>,
+    used: u64,
+}
+
+impl SegmentCache {
+    fn get(&mut self, key: u128, text: &str) -> Option<Arc<[u32]>> {
+        self.clock += 1;
+        let e = self.entries.get_mut(&key)?;
+        // The hash only finds the entry; the text decides.
+        if &*e.text != text {
+            return None;
+        }
+        e.used = self.clock;
+        Some(Arc::clone(&e.ids))
+    }
+
+    fn insert(&mut self, key: u128, text: &str, ids: Arc<[u32]>) {
+        self.clock += 1;
+        let size = text.len() + ids.len() * 4;
+        let entry = CachedSegment {
+            text: text.into(),
+            ids,
+            used: self.clock,
+        };
+        if let Some(old) = self.entries.insert(key, entry) {
+            self.bytes -= old.text.len() + old.ids.len() * 4;
+        }
+        self.bytes += size;
+        if self.bytes > CACHE_MAX_BYTES {
+            let mut by_age: Vec<(u64, u128)> =
+                self.entries.iter().map(|(k, e)| (e.used, *k)).collect();
+            by_age.sort_unstable();
+            for (_, k) in by_age {
+                if self.bytes <= CACHE_MAX_BYTES / 4 * 3 {
+                    break;
+                }
+                if let Some(e) = self.entries.remove(&k) {
+                    self.bytes -= e.text.len() + e.ids.len() * 4;
+                }
+            }
+        }
+    }
+}
 
 /// Qwen2's pre-tokenizer pattern, the only one the scanner implements.
 const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The precomputed parts of the fast path.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) struct FastPath {
     /// Added tokens (matched before anything else, as `AddedVocabulary` does), longest first.
     added: Vec<(String, u32)>,
     /// GPT-2 `bytes_to_unicode` for the 128 ASCII bytes.
     byte_char: [char; 128],
+    /// Tokens of recent long segments.
+    cache: Mutex<SegmentCache>,
 }
 
 impl FastPath {
@@ -69,7 +139,23 @@ impl FastPath {
                 c
             };
         }
-        Some(Self { added, byte_char })
+        Some(Self {
+            added,
+            byte_char,
+            cache: Mutex::default(),
+        })
+    }
+
+    /// Whether `seg` is in the segment cache.
+    #[cfg(test)]
+    pub(super) fn is_cached(&self, seg: &str) -> bool {
+        let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entries
+            .get(&key)
+            .is_some_and(|e| &*e.text == seg)
     }
 
     /// Encodes `text` (no special tokens added) like the full pipeline does.
@@ -102,6 +188,36 @@ impl FastPath {
     }
 
     fn encode_segment(
+        &self,
+        tokenizer: &Tokenizer,
+        seg: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), tokenizers::Error> {
+        if seg.len() < CACHED_SEGMENT_MIN {
+            return self.encode_uncached(tokenizer, seg, out);
+        }
+        let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
+        // A poisoned lock only means another encode panicked mid-update; the map itself stays valid.
+        let hit = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key, seg);
+        if let Some(ids) = hit {
+            out.extend_from_slice(&ids);
+            return Ok(());
+        }
+        let start = out.len();
+        self.encode_uncached(tokenizer, seg, out)?;
+        let ids: Arc<[u32]> = out[start..].into();
+        self.cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, seg, ids);
+        Ok(())
+    }
+
+    fn encode_uncached(
         &self,
         tokenizer: &Tokenizer,
         seg: &str,
@@ -221,4 +337,35 @@ fn next_piece(b: &[u8], i: usize) -> usize {
     }
     // 7. `\s+`.
     j
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_segment_cache_stays_within_its_bytes_and_keeps_the_recent_ones() {
+        let mut cache = SegmentCache::default();
+        let text = "x".repeat(64 * 1024);
+        let ids: Arc<[u32]> = vec![7; 16 * 1024].into();
+        let per_entry = text.len() + ids.len() * 4;
+        let n = CACHE_MAX_BYTES / per_entry * 2;
+        for k in 0..n as u128 {
+            cache.insert(k, &text, Arc::clone(&ids));
+            assert!(cache.bytes <= CACHE_MAX_BYTES, "{} bytes", cache.bytes);
+        }
+        let newest = n as u128 - 1;
+        assert!(cache.get(newest, &text).is_some(), "the newest entry stays");
+        assert!(cache.get(0, &text).is_none(), "the oldest went");
+        assert!(
+            cache.get(newest, "y").is_none(),
+            "a hash match with other text is a miss"
+        );
+        let counted: usize = cache
+            .entries
+            .values()
+            .map(|e| e.text.len() + e.ids.len() * 4)
+            .sum();
+        assert_eq!(counted, cache.bytes);
+    }
 }

@@ -250,3 +250,46 @@ fn fast_path_equals_the_full_pipeline() {
         }
     }
 }
+
+#[test]
+fn repeated_long_segments_come_from_the_cache_with_the_same_ids() {
+    let tok = qwen2();
+    let fast = tok
+        .fast
+        .as_ref()
+        .expect("Qwen2's pipeline must take the fast path");
+    // A long system prompt (one segment between added tokens; the text no other test uses) and short
+    // questions around it.
+    let system: String = (0..400)
+        .map(|i| format!("Cache rule {i}: answer politely, cite section {}.\n", i * 7))
+        .collect();
+    let segment = format!("system\n{system}");
+    assert!(!fast.is_cached(&segment));
+    for question in [
+        "Where is my parcel?",
+        "How do I return an item?",
+        "Where is my parcel?",
+    ] {
+        let text = format!(
+            "<|im_start|>{segment}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            tok.encode_text(&text, false).expect("fast"),
+            tok.encode_text_reference(&text, false).expect("reference"),
+        );
+        assert!(fast.is_cached(&segment));
+        assert!(
+            !fast.is_cached(&format!("user\n{question}")),
+            "short segments are not cached"
+        );
+    }
+    // A segment that differs in one byte is its own entry, not a wrong hit.
+    let changed = segment.replacen("Cache rule 399", "Cache rule 398", 1);
+    let text = format!("<|im_start|>{changed}<|im_end|>\n");
+    assert!(!fast.is_cached(&changed));
+    assert_eq!(
+        tok.encode_text(&text, false).expect("fast"),
+        tok.encode_text_reference(&text, false).expect("reference"),
+    );
+    assert!(fast.is_cached(&changed) && fast.is_cached(&segment));
+}
