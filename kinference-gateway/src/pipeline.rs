@@ -213,7 +213,7 @@ async fn run(
     let (decision, response) = match apply_policies(gw, ctx, &body, &worker_request).await? {
         None => route_and_forward(gw, ctx, &worker_request, None).await?,
         Some(plan) => match forward_planned(gw, ctx, &worker_request, &plan).await? {
-            Planned::Worker(decision, response) => (decision, response),
+            Planned::Worker(decision, response) => (*decision, response),
             Planned::Provider(response) => return Ok(response),
         },
     };
@@ -411,7 +411,7 @@ async fn apply_policies(
 /// Where a planned request went.
 enum Planned {
     /// A pool's worker: relayed like any worker answer.
-    Worker(Decision, Response<Incoming>),
+    Worker(Box<Decision>, Response<Incoming>),
     /// A provider: the response, already in the client's protocol.
     Provider(Response<Body>),
 }
@@ -448,7 +448,7 @@ async fn forward_planned(
                                 decision.explain.as_deref().unwrap_or("")
                             ));
                         }
-                        return Ok(Planned::Worker(decision, response));
+                        return Ok(Planned::Worker(Box::new(decision), response));
                     }
                     Err(
                         error @ (GatewayError::NoHealthyWorker(_)

@@ -33,7 +33,8 @@
 //!    ones as it saw them, and at least the others' share at the waiting fraction our own requests on that
 //!    worker have (the replicas send alike traffic; a streaming response sends its headers before the
 //!    first token, so the kernel's `waiting` alone undercounts them), capped at the others;
-//! 3. queued prefill = our own pending uncached tokens (exact) + others waiting x our average uncached
+//! 3. queued prefill = our own backlog (our requests' uncached tokens as a first-come-first-served queue
+//!    the worker drains at its rate, [`super::workers::Backlog`]) + others waiting x our average uncached
 //!    tokens per request; `running` (decode interference) = the total.
 //!
 //! The kernel view is preferred when it is live and fresh (younger than `kernel_max_age`: the agent resends
@@ -44,7 +45,18 @@
 //!
 //! ## The choice
 //!
-//! Choice: the minimum estimate among workers that pass the load guard. Near-ties (within 3% + 1 ms)
+//! Each candidate's cost is its estimated TTFT plus the delay its uncached prefill imposes on other
+//! requests: `cost = ttft + prefill_externality * uncached * seconds_per_token`. A prefill holds the
+//! worker's admissions and stalls its decode steps while it runs (vLLM schedules running prefills
+//! before waiting requests), and sending a prompt cold to a second worker copies a prefix the cluster
+//! already holds, evicting other prefixes there. Greedy per-request TTFT ignores that cost: on the
+//! shared-prefix benchmark an oracle minimising each request's exact TTFT lost to a plain prefix hash,
+//! and Kinference's diversions (holder's estimate 0.41 s against a cold worker's 0.32 s) cost 3-4 s
+//! each. With the default 0.5, leaving a prompt's cached prefix pays only when the holder's queue is
+//! worse than the cold prefill by half a prefill; a prompt cold everywhere (unique traffic) pays the
+//! same everywhere, so the choice is unchanged.
+//!
+//! Choice: the minimum cost among workers that pass the load guard. Near-ties (within 3% + 1 ms)
 //! go to the one holding most of the prompt (less prefill for the cluster), and what is still equal is
 //! drawn at random so cache misses do not all land on the same replica. The load guard (between
 //! AIBrix: least-loaded when max - min running > 16, and SGLang: balance when max - min > 64 and max >
@@ -55,6 +67,8 @@
 //! prefill that stalls the target's queue (routing benchmark, shared prefix at concurrency 32: a slack
 //! of 16 diverted 4 of 96 requests from a holder with 18-19 running to a cold worker, 3.3-4.1 s TTFT
 //! each against an estimated 0.04 s on the holder).
+
+use std::time::Instant;
 
 use rand::Rng;
 
@@ -73,6 +87,9 @@ pub struct EstimatorConfig {
     pub tie_rel: f64,
     /// Near-tie band: absolute part, seconds.
     pub tie_abs_s: f64,
+    /// Seconds of other requests' delay charged per second of uncached prefill a choice adds (see
+    /// "The choice" above); 0 chooses by estimated TTFT alone.
+    pub prefill_externality: f64,
     /// Load guard: a worker may exceed the least loaded one by `max(guard_abs, guard_rel * min)`.
     pub guard_abs: usize,
     /// Load guard, relative part.
@@ -96,6 +113,7 @@ impl Default for EstimatorConfig {
             rate_sample_min_work: 512.0,
             tie_rel: 0.03,
             tie_abs_s: 0.001,
+            prefill_externality: 0.5,
             guard_abs: 32,
             guard_rel: 1.0,
             kernel_max_age: std::time::Duration::from_millis(2500),
@@ -118,6 +136,10 @@ pub struct Rates {
     pub overhead_s: f64,
     /// Samples learned from.
     pub samples: u64,
+    /// Of which taught the per-token rate (the others taught the overhead).
+    pub rate_samples: u64,
+    /// When the latest sample came.
+    pub last_observed: Option<Instant>,
 }
 
 impl Rates {
@@ -128,6 +150,8 @@ impl Rates {
                 .clamp(MIN_S_PER_TOKEN, MAX_S_PER_TOKEN),
             overhead_s: cfg.prior_overhead_s.clamp(0.0, MAX_OVERHEAD_S),
             samples: 0,
+            rate_samples: 0,
+            last_observed: None,
         }
     }
 
@@ -137,13 +161,17 @@ impl Rates {
         if !ttft_s.is_finite() || ttft_s < 0.0 || !work.is_finite() || work < 0.0 {
             return;
         }
-        let alpha = (1.0 / (self.samples as f64 + 2.0)).max(0.1);
+        // Each parameter's step size follows its own sample count.
+        let alpha = |n: u64| (1.0 / (n as f64 + 2.0)).max(0.1);
         if work >= cfg.rate_sample_min_work {
+            let alpha = alpha(self.rate_samples);
             let sample = ((ttft_s - self.overhead_s).max(0.0) / work)
                 .clamp(self.s_per_token / 3.0, self.s_per_token * 3.0);
             self.s_per_token = ((1.0 - alpha) * self.s_per_token + alpha * sample)
                 .clamp(MIN_S_PER_TOKEN, MAX_S_PER_TOKEN);
+            self.rate_samples += 1;
         } else {
+            let alpha = alpha(self.samples - self.rate_samples);
             let floor = self.overhead_s / 3.0;
             let ceil = (self.overhead_s * 3.0).max(self.overhead_s + 0.001);
             let sample = (ttft_s - self.s_per_token * work).clamp(floor, ceil);
@@ -151,11 +179,18 @@ impl Rates {
                 ((1.0 - alpha) * self.overhead_s + alpha * sample).clamp(0.0, MAX_OVERHEAD_S);
         }
         self.samples += 1;
+        self.last_observed = Some(Instant::now());
     }
 }
 
-/// Samples of its own a worker needs before its rates outweigh the fleet's.
-const FLEET_SHRINK_SAMPLES: f64 = 8.0;
+/// Samples of its own a worker needs before its rates outweigh the fleet's. Large on purpose: the
+/// workers of one pool are usually identical, and a rate difference of 10-30% (within the noise of a
+/// few samples) decides where every cold prompt goes; chasing it sent every new prefix to one worker
+/// until its cache overflowed (routing benchmark, shared prefix c=4/c=8 with a weight of 16: 88-90%
+/// of prompt tokens cached against 96% with 64).
+const FLEET_SHRINK_SAMPLES: f64 = 64.0;
+/// A worker's own samples count half after this long without a new one.
+const OWN_RATES_HALF_LIFE_S: f64 = 20.0;
 
 /// A worker's rates shrunk toward the fleet's rates (learned from every worker's observations).
 ///
@@ -165,15 +200,38 @@ const FLEET_SHRINK_SAMPLES: f64 = 8.0;
 /// every request, evicted its own cache and halved the hit rate). Borrowing the fleet's rates until
 /// a worker has samples of its own keeps peers comparable while still letting a genuinely slower or
 /// faster worker stand out.
-pub fn blended(own: &Rates, fleet: &Rates) -> Rates {
+///
+/// A worker's own samples also fade with their age (half-life [`OWN_RATES_HALF_LIFE_S`]): a worker
+/// that once looked slow gets few requests, so without fading it would never get the samples that
+/// correct it (seen in the routing benchmark: one worker that learned a 2x faster rate than its
+/// identical peers took 83 of 96 requests while theirs stayed stale).
+///
+/// The rate and the overhead are blended separately, each by the samples that taught it: counting a
+/// worker's overhead samples toward its never-taught prefill rate kept that rate at the (10x slow)
+/// prior on every worker that cold prompts did not reach, so all cold prompts kept going to the one
+/// that had learned, until its cache overflowed.
+pub fn blended(own: &Rates, fleet: &Rates, now: Instant) -> Rates {
     if fleet.samples == 0 {
         return own.clone();
     }
-    let w = own.samples as f64 / (own.samples as f64 + FLEET_SHRINK_SAMPLES);
+    let age_s = own.last_observed.map_or(f64::INFINITY, |t| {
+        now.saturating_duration_since(t).as_secs_f64()
+    });
+    let fade = 0.5f64.powf(age_s / OWN_RATES_HALF_LIFE_S);
+    // Each parameter by its own samples: a worker that only ever served cached prompts has learned its
+    // overhead, not its prefill rate, and must borrow the fleet's rate however many samples it has.
+    let weight = |n: u64| {
+        let n = n as f64 * fade;
+        n / (n + FLEET_SHRINK_SAMPLES)
+    };
+    let w_rate = weight(own.rate_samples);
+    let w_overhead = weight(own.samples - own.rate_samples);
     Rates {
-        s_per_token: w * own.s_per_token + (1.0 - w) * fleet.s_per_token,
-        overhead_s: w * own.overhead_s + (1.0 - w) * fleet.overhead_s,
+        s_per_token: w_rate * own.s_per_token + (1.0 - w_rate) * fleet.s_per_token,
+        overhead_s: w_overhead * own.overhead_s + (1.0 - w_overhead) * fleet.overhead_s,
         samples: own.samples,
+        rate_samples: own.rate_samples,
+        last_observed: own.last_observed,
     }
 }
 
@@ -199,6 +257,8 @@ pub struct Estimate {
     pub queue_s: f64,
     /// Estimated time to first token, seconds.
     pub ttft_s: f64,
+    /// What the choice minimises: the TTFT plus the delay the request's prefill imposes on others.
+    pub cost_s: f64,
 }
 
 /// Estimates one candidate.
@@ -206,10 +266,12 @@ pub fn estimate(rates: &Rates, inputs: &Inputs, cfg: &EstimatorConfig) -> Estima
     let uncached = inputs.prompt_tokens.saturating_sub(inputs.cached_tokens) as f64;
     let ahead = inputs.queue_tokens.max(0.0) + cfg.running_token_equiv * inputs.running as f64;
     let work = ahead + uncached;
+    let ttft_s = rates.overhead_s + work * rates.s_per_token;
     Estimate {
         work,
         queue_s: ahead * rates.s_per_token,
-        ttft_s: rates.overhead_s + work * rates.s_per_token,
+        ttft_s,
+        cost_s: ttft_s + cfg.prefill_externality.max(0.0) * uncached * rates.s_per_token,
     }
 }
 
@@ -220,7 +282,7 @@ pub struct Ledger {
     pub in_flight: usize,
     /// Of which the first token has not arrived yet.
     pub awaiting_first_token: usize,
-    /// Their uncached prompt tokens (the prefill still ahead of them).
+    /// Their prefill still to do (the backlog's remaining tokens).
     pub pending_prefill_tokens: f64,
     /// Average uncached prompt tokens per request routed there (sizes other clients' requests).
     pub avg_uncached: f64,
@@ -374,8 +436,8 @@ pub fn queue(
 /// A candidate as the choice sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Scored {
-    /// Estimated TTFT, seconds.
-    pub ttft_s: f64,
+    /// What the choice minimises ([`Estimate::cost_s`]), seconds.
+    pub cost_s: f64,
     /// Requests in flight on the worker (the larger of the gateway's ledger and the agent's view).
     pub load: usize,
     /// Cached prompt tokens on the worker.
@@ -423,19 +485,19 @@ pub fn choose(
     let best_any = scored
         .iter()
         .enumerate()
-        .min_by(|a, b| a.1.ttft_s.total_cmp(&b.1.ttft_s))
+        .min_by(|a, b| a.1.cost_s.total_cmp(&b.1.cost_s))
         .map(|(i, _)| i)?;
     let eligible = |s: &Scored| within_guard(s.load, min_load, cfg);
     let best = scored
         .iter()
         .filter(|s| eligible(s))
-        .map(|s| s.ttft_s)
+        .map(|s| s.cost_s)
         .min_by(f64::total_cmp)?;
     let band = best + cfg.tie_rel * best.abs() + cfg.tie_abs_s;
     let ties: Vec<usize> = scored
         .iter()
         .enumerate()
-        .filter(|(_, s)| eligible(s) && s.ttft_s <= band)
+        .filter(|(_, s)| eligible(s) && s.cost_s <= band)
         .map(|(i, _)| i)
         .collect();
     // Among near-equal estimates, the one holding more of the prompt costs the cluster less prefill

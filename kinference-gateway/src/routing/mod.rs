@@ -176,6 +176,9 @@ pub struct RoutingTuning {
     pub speculative_ttl: Duration,
     /// The same without a live agent (the credit is then the only cache signal).
     pub speculative_ttl_no_agent: Duration,
+    /// With a live agent, how long the credit outlives the request's first token (the events of its
+    /// blocks reach the index within about this long).
+    pub speculative_after_first_token: Duration,
     /// A disconnected agent's data is dropped after this long.
     pub stale_after: Duration,
     /// Load figures older than this are ignored.
@@ -199,6 +202,7 @@ impl Default for RoutingTuning {
             default_block_size: 16,
             speculative_ttl: Duration::from_secs(3),
             speculative_ttl_no_agent: Duration::from_secs(120),
+            speculative_after_first_token: Duration::from_millis(250),
             stale_after: Duration::from_secs(10),
             load_max_age: Duration::from_secs(5),
             index_max_pairs: 32 * 1024 * 1024,
@@ -477,7 +481,7 @@ impl Shared {
                 let ledger = Ledger {
                     in_flight: st.in_flight,
                     awaiting_first_token: st.awaiting_first_token,
-                    pending_prefill_tokens: st.pending_prefill_tokens,
+                    pending_prefill_tokens: st.backlog.tokens(now),
                     avg_uncached: st.avg_uncached,
                 };
                 let (queue, signal) =
@@ -491,7 +495,7 @@ impl Shared {
                     queue,
                     signal,
                     kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet),
+                    rates: estimate::blended(&st.rates, &fleet, now),
                     run: 0,
                 }
             })
@@ -754,7 +758,7 @@ impl Router {
             reason,
             explain,
             prompt_tokens: None,
-            ticket: InFlight::new(Arc::clone(shared), worker, 0.0, None),
+            ticket: InFlight::new(Arc::clone(shared), worker, None, None, None),
         }
     }
 
@@ -799,7 +803,7 @@ impl Router {
             let inputs = c.inputs(prompt_tokens);
             let e = estimate::estimate(&c.rates, &inputs, est_cfg);
             scored.push(Scored {
-                ttft_s: e.ttft_s,
+                cost_s: e.cost_s,
                 load: inputs.running,
                 cached_tokens: inputs.cached_tokens,
             });
@@ -822,14 +826,14 @@ impl Router {
         let chosen = &cands[pick];
         let (inputs, est) = estimates[pick];
         let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
-        {
+        let position = {
             let mut st = chosen.worker.state.lock();
             st.in_flight += 1;
             st.awaiting_first_token += 1;
             st.log.started(now);
-            st.pending_prefill_tokens += uncached;
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
-        }
+            st.backlog.push(uncached, now, chosen.rates.s_per_token)
+        };
         if let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == chosen.block_size) {
             let ttl = if chosen.live {
                 tuning.speculative_ttl
@@ -843,6 +847,11 @@ impl Router {
                 .speculative_keys
                 .set(spec.total_keys() as i64);
         }
+        // With a live agent, the credit ends soon after the first token (the events take over).
+        let credit = keys_by_size
+            .iter()
+            .find(|(bs, _)| *bs == chosen.block_size && chosen.live)
+            .map(|(_, keys)| Arc::clone(keys));
         self.count(reason, inputs.cached_tokens);
 
         let explain = debug.then(|| {
@@ -853,7 +862,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} agent={} kernel={} signal={} others={} others_waiting={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -861,6 +870,7 @@ impl Router {
                     inp.running,
                     e.queue_s,
                     e.ttft_s,
+                    e.cost_s,
                     if c.live { "live" } else { "none" },
                     c.kernel_missing.map_or("live", KernelMissing::as_str),
                     c.signal.as_str(),
@@ -878,8 +888,9 @@ impl Router {
             ticket: InFlight::new(
                 Arc::clone(shared),
                 Arc::clone(&chosen.worker),
-                uncached,
+                Some(position),
                 Some(est.work),
+                credit,
             ),
         }
     }
@@ -959,8 +970,10 @@ pub struct InFlight {
     shared: Arc<Shared>,
     worker: Arc<Worker>,
     started: Instant,
-    /// Uncached prompt tokens still counted as pending prefill on the worker.
-    pending_tokens: f64,
+    /// The request's position in the worker's [`workers::Backlog`], until its first token.
+    backlog_position: Option<f64>,
+    /// The speculative credit to end soon after the first token (live agent only).
+    credit: Option<Arc<[BlockKey]>>,
     /// The estimate's work in tokens, to learn from the observed TTFT.
     work: Option<f64>,
     /// Counted in the worker's `awaiting_first_token` until the first token (or the end).
@@ -983,15 +996,17 @@ impl InFlight {
     fn new(
         shared: Arc<Shared>,
         worker: Arc<Worker>,
-        pending_tokens: f64,
+        backlog_position: Option<f64>,
         work: Option<f64>,
+        credit: Option<Arc<[BlockKey]>>,
     ) -> Self {
         Self {
             shared,
             worker,
             started: Instant::now(),
-            pending_tokens,
+            backlog_position,
             work,
+            credit,
             awaiting: true,
             first_token: None,
             done: false,
@@ -1007,8 +1022,9 @@ impl InFlight {
         self.first_token = Some(now);
         let ttft = now.duration_since(self.started).as_secs_f64();
         let mut st = self.worker.state.lock();
-        st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
-        self.pending_tokens = 0.0;
+        if let Some(position) = self.backlog_position.take() {
+            st.backlog.reached(position, now);
+        }
         if std::mem::take(&mut self.awaiting) {
             st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
             st.log.first_token(now);
@@ -1033,6 +1049,17 @@ impl InFlight {
                 .get_or_create(&labels)
                 .set(st.rates.overhead_s);
         }
+        drop(st);
+        self.end_credit(now);
+    }
+
+    /// Ends the speculative credit soon after the prefill (see
+    /// [`RoutingTuning::speculative_after_first_token`]).
+    fn end_credit(&mut self, now: Instant) {
+        if let Some(keys) = self.credit.take() {
+            let by = now + self.shared.tuning.speculative_after_first_token;
+            self.shared.spec.lock().end_by(&keys, self.worker.id, by);
+        }
     }
 
     /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`).
@@ -1050,12 +1077,17 @@ impl InFlight {
         let mut st = self.worker.state.lock();
         st.in_flight = st.in_flight.saturating_sub(1);
         st.log.ended(now);
-        st.pending_prefill_tokens = (st.pending_prefill_tokens - self.pending_tokens).max(0.0);
-        self.pending_tokens = 0.0;
+        // Ended before its first token (failed, aborted, or not streamed): its prefill is over one way
+        // or the other.
+        if let Some(position) = self.backlog_position.take() {
+            st.backlog.reached(position, now);
+        }
         if std::mem::take(&mut self.awaiting) {
             st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
             st.log.first_token(now);
         }
+        drop(st);
+        self.end_credit(now);
     }
 }
 

@@ -3,7 +3,10 @@
 //! Between routing a request and the worker's `BlockStored` events reaching the index there is a gap
 //! (the prefill itself, then event batching). Without credit, a burst of requests sharing a new prefix
 //! would all see "no cache anywhere" and scatter. So the router remembers, per routed request, the
-//! prompt's key chain and the chosen worker for a short TTL; by then the events have confirmed it.
+//! prompt's key chain and the chosen worker for a short TTL; by then the events have confirmed it. With a
+//! live agent the credit also ends shortly after the request's first token (its prefill is done, so its
+//! blocks' events are on their way): a fixed TTL longer than that kept crediting a worker with a prefix
+//! its cache had already evicted, and drew every request of that prefix back to it.
 //!
 //! Because keys are chained, two key sequences share exactly the leading run up to their last equal
 //! key, so a remembered request's overlap with a new prompt is a binary search, not a per-key map
@@ -97,6 +100,20 @@ impl Speculative {
         self.total_keys -= freed;
         if self.total_keys > self.max_keys {
             self.shrink(now);
+        }
+    }
+
+    /// Shortens the credit given to `worker` for exactly `keys` (the same chain [`Speculative::credit`]
+    /// got) to end by `by`: the request's prefill is over, so its blocks' events are on their way.
+    pub fn end_by(&mut self, keys: &Arc<[BlockKey]>, worker: WorkerId, by: Instant) {
+        let Some(list) = keys.first().and_then(|k| self.by_first.get_mut(k)) else {
+            return;
+        };
+        if let Some(e) = list
+            .iter_mut()
+            .find(|e| e.worker == worker && Arc::ptr_eq(&e.keys, keys))
+        {
+            e.expires = e.expires.min(by);
         }
     }
 

@@ -250,6 +250,48 @@ async fn speculative_credit_keeps_a_burst_of_one_prefix_together() {
 }
 
 #[tokio::test]
+async fn with_a_live_agent_the_credit_ends_soon_after_the_first_token() {
+    // The worker's events never confirm the prefix (it was evicted, or never stored): once the request's
+    // prefill is over the credit must not keep drawing the prefix's requests to that worker.
+    let tuning = RoutingTuning {
+        speculative_after_first_token: Duration::from_millis(20),
+        ..RoutingTuning::default()
+    };
+    let router = Router::with_tuning(kconfig(3, &[DEAD_AGENT]), tuning).unwrap();
+    attach_agent(&router);
+    let workers = ["http://w0", "http://w1", "http://w2"]
+        .iter()
+        .map(|w| worker_state(w, vec![], load(0, 0)))
+        .collect();
+    agents::apply(&router.shared, 0, snapshot(1, workers));
+    let system = system_prompt();
+    let prompt = |i: usize| format!("{system}Question {i}?");
+    let mut first = router.pick(text(&prompt(0))).await.unwrap();
+    let credited = |d: &Decision| {
+        let explain = d.explain.as_deref().unwrap();
+        !explain.contains(&format!("{} cached=0 ", first_worker(explain)))
+    };
+    fn first_worker(explain: &str) -> &str {
+        explain.split("; ").find(|c| c.starts_with('*')).unwrap()[1..]
+            .split(' ')
+            .next()
+            .unwrap()
+    }
+    let second = router.pick(text(&prompt(1))).await.unwrap();
+    assert_eq!(second.worker, first.worker, "{:?}", second.explain);
+    assert!(credited(&second), "{:?}", second.explain);
+    first.ticket.first_token();
+    drop(second);
+    tokio::time::sleep(Duration::from_millis(60)).await;
+    let third = router.pick(text(&prompt(2))).await.unwrap();
+    let explain = third.explain.as_deref().unwrap();
+    assert!(
+        explain.split("; ").all(|c| c.contains(" cached=0 ")),
+        "no worker is credited any more: {explain}"
+    );
+}
+
+#[tokio::test]
 async fn misses_spread_over_idle_workers() {
     let router = Router::new(kconfig(4, &[DEAD_AGENT])).unwrap();
     let mut counts = std::collections::HashMap::new();
@@ -399,12 +441,12 @@ async fn first_token_teaches_the_worker_its_rate_and_releases_the_queue() {
         .get("http://w0")
         .cloned()
         .unwrap();
-    assert!(worker.state.lock().pending_prefill_tokens > 500.0);
+    assert!(worker.state.lock().backlog.tokens(Instant::now()) > 500.0);
     tokio::time::sleep(Duration::from_millis(30)).await;
     d.ticket.first_token();
     {
         let st = worker.state.lock();
-        assert_eq!(st.pending_prefill_tokens, 0.0);
+        assert_eq!(st.backlog.tokens(Instant::now()), 0.0);
         assert_eq!(st.rates.samples, 1);
         assert_eq!(st.in_flight, 1);
     }

@@ -46,8 +46,8 @@ pub struct WorkerState {
     pub in_flight: usize,
     /// Of which (estimate-routed ones) the first token has not arrived yet.
     pub awaiting_first_token: usize,
-    /// Uncached prompt tokens of this gateway's requests there still waiting for a first token.
-    pub pending_prefill_tokens: f64,
+    /// The prefill of this gateway's requests there not done yet.
+    pub backlog: Backlog,
     /// When the ledger's recent requests started, got their first token and ended.
     pub log: LedgerLog,
     /// Learned rates.
@@ -64,6 +64,75 @@ pub struct WorkerState {
     pub gone: bool,
     /// Set by the gateway's health prober; unhealthy workers are not candidates.
     pub healthy: bool,
+}
+
+/// This gateway's uncached prompt tokens queued on one worker, as a first-come-first-served queue that
+/// the worker drains at its prefill rate.
+///
+/// vLLM runs a started prefill to its end before it admits the next waiting request (running requests
+/// are scheduled first), so the prefill still ahead of a new request is the queue's *remaining* work,
+/// not the sum of the prompts still waiting for their first token: counting a half-done prefill in full
+/// overstated busy workers' queues, and the rates learned from their faster-than-estimated requests
+/// then made them look faster than their peers. Each request takes a position (the tokens enqueued up to
+/// and including its own); time drains the queue at the rate given with the latest request; a first
+/// token proves everything up to its request's position done.
+#[derive(Debug, Clone, Copy)]
+pub struct Backlog {
+    /// Tokens ever enqueued (the position of the newest request's end).
+    enqueued: f64,
+    /// Tokens known or assumed done.
+    done: f64,
+    /// When `done` was last brought up to date.
+    settled_at: Option<Instant>,
+    /// Seconds per token the queue drains at.
+    s_per_token: f64,
+}
+
+impl Default for Backlog {
+    fn default() -> Self {
+        Self {
+            enqueued: 0.0,
+            done: 0.0,
+            settled_at: None,
+            s_per_token: f64::INFINITY,
+        }
+    }
+}
+
+impl Backlog {
+    /// Tokens still to prefill at `now`.
+    pub fn tokens(&self, now: Instant) -> f64 {
+        (self.enqueued - self.done_at(now)).max(0.0)
+    }
+
+    fn done_at(&self, now: Instant) -> f64 {
+        let drained = self.settled_at.map_or(0.0, |t| {
+            now.saturating_duration_since(t).as_secs_f64() / self.s_per_token
+        });
+        (self.done + drained).min(self.enqueued)
+    }
+
+    fn settle(&mut self, now: Instant) {
+        self.done = self.done_at(now);
+        self.settled_at = Some(now);
+    }
+
+    /// Enqueues a request's `tokens` at `now`, draining at `s_per_token` from now on; returns its
+    /// position.
+    pub fn push(&mut self, tokens: f64, now: Instant, s_per_token: f64) -> f64 {
+        self.settle(now);
+        self.enqueued += tokens.max(0.0);
+        if s_per_token.is_finite() && s_per_token > 0.0 {
+            self.s_per_token = s_per_token;
+        }
+        self.enqueued
+    }
+
+    /// The request at `position` got its first token (or ended): everything up to it is done.
+    pub fn reached(&mut self, position: f64, now: Instant) {
+        self.settle(now);
+        self.done = self.done.max(position.min(self.enqueued));
+    }
 }
 
 /// When this gateway's recent requests on one worker started, got their first token and ended, so that a
@@ -198,7 +267,7 @@ impl WorkerTable {
             state: Mutex::new(WorkerState {
                 in_flight: 0,
                 awaiting_first_token: 0,
-                pending_prefill_tokens: 0.0,
+                backlog: Backlog::default(),
                 log: LedgerLog::default(),
                 rates: rates.clone(),
                 avg_uncached: 512.0,

@@ -44,6 +44,8 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
         s_per_token: 0.001,
         overhead_s: 0.01,
         samples: 0,
+        rate_samples: 0,
+        last_observed: None,
     };
     let cold = estimate(
         &r,
@@ -87,7 +89,7 @@ fn ties_are_spread_at_random() {
     let mut rng = StdRng::seed_from_u64(7);
     let scored = vec![
         Scored {
-            ttft_s: 0.5,
+            cost_s: 0.5,
             load: 0,
             cached_tokens: 0
         };
@@ -108,12 +110,12 @@ fn strict_best_wins_with_its_reason() {
     let mut rng = StdRng::seed_from_u64(1);
     let scored = vec![
         Scored {
-            ttft_s: 1.0,
+            cost_s: 1.0,
             load: 0,
             cached_tokens: 0,
         },
         Scored {
-            ttft_s: 0.1,
+            cost_s: 0.1,
             load: 3,
             cached_tokens: 900,
         },
@@ -121,12 +123,12 @@ fn strict_best_wins_with_its_reason() {
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::CacheHit)));
     let scored = vec![
         Scored {
-            ttft_s: 1.0,
+            cost_s: 1.0,
             load: 5,
             cached_tokens: 0,
         },
         Scored {
-            ttft_s: 0.5,
+            cost_s: 0.5,
             load: 0,
             cached_tokens: 0,
         },
@@ -141,12 +143,12 @@ fn load_guard_caps_piling_onto_one_worker() {
     // The cached worker looks best but already has 33 more requests than the idle one.
     let scored = vec![
         Scored {
-            ttft_s: 0.1,
+            cost_s: 0.1,
             load: 33,
             cached_tokens: 5_000,
         },
         Scored {
-            ttft_s: 2.0,
+            cost_s: 2.0,
             load: 0,
             cached_tokens: 0,
         },
@@ -164,17 +166,17 @@ fn near_ties_prefer_the_cache_then_spread() {
     let mut rng = StdRng::seed_from_u64(3);
     let scored = vec![
         Scored {
-            ttft_s: 1.00,
+            cost_s: 1.00,
             load: 0,
             cached_tokens: 0,
         },
         Scored {
-            ttft_s: 1.01,
+            cost_s: 1.01,
             load: 1,
             cached_tokens: 4_000,
         },
         Scored {
-            ttft_s: 1.00,
+            cost_s: 1.00,
             load: 0,
             cached_tokens: 0,
         },
@@ -555,17 +557,148 @@ fn a_worker_without_samples_borrows_the_fleet_rates() {
     for _ in 0..50 {
         fleet.observe(0.02 + 8_000.0 * fleet.s_per_token / 10.0, 8_000.0, &cfg);
     }
+    let now = std::time::Instant::now();
     let unseen = Rates::prior(&cfg);
-    let b = blended(&unseen, &fleet);
+    let b = blended(&unseen, &fleet, now);
     assert_eq!(
         b.s_per_token, fleet.s_per_token,
         "no own samples: the fleet's rate"
     );
 
-    // A worker with many samples of its own keeps (mostly) its own rate.
+    // A worker with many recent samples of its own keeps (mostly) its own rate.
     let mut own = Rates::prior(&cfg);
     own.s_per_token = fleet.s_per_token * 4.0;
     own.samples = 1_000;
-    let b = blended(&own, &fleet);
-    assert!((b.s_per_token / own.s_per_token) > 0.97);
+    own.rate_samples = 1_000;
+    own.last_observed = Some(now);
+    let b = blended(&own, &fleet, now);
+    assert!((b.s_per_token / own.s_per_token) > 0.95);
+
+    // The same samples, not refreshed for several half-lives (the worker got no traffic since), fade
+    // back toward the fleet's rate, so a worker that once looked slow is tried again.
+    let later = now + std::time::Duration::from_secs(300);
+    let b = blended(&own, &fleet, later);
+    assert!((b.s_per_token / fleet.s_per_token) < 1.01, "{b:?}");
+    let b = blended(&own, &fleet, now + std::time::Duration::from_secs(20));
+    let half_weight = 500.0 / (500.0 + 64.0);
+    let expected = half_weight * own.s_per_token + (1.0 - half_weight) * fleet.s_per_token;
+    assert!((b.s_per_token / expected - 1.0).abs() < 1e-9, "{b:?}");
+
+    // Samples that taught only the overhead (cached prompts, little work) leave the rate to the fleet.
+    let mut cached_only = Rates::prior(&cfg);
+    for _ in 0..200 {
+        cached_only.observe(0.03, 100.0, &cfg);
+    }
+    assert_eq!((cached_only.samples, cached_only.rate_samples), (200, 0));
+    let b = blended(&cached_only, &fleet, std::time::Instant::now());
+    assert_eq!(b.s_per_token, fleet.s_per_token);
+    // ... while its overhead is its own by the weight of its 200 samples.
+    let w = 200.0 / (200.0 + 64.0);
+    let expected = w * cached_only.overhead_s + (1.0 - w) * fleet.overhead_s;
+    assert!((b.overhead_s / expected - 1.0).abs() < 1e-3, "{b:?}");
+}
+
+#[test]
+fn leaving_a_cached_prefix_must_beat_the_holders_queue_by_the_prefill_it_duplicates() {
+    // As on the shared-prefix benchmark: the holder has a cold prompt and some more queued ahead (9,000
+    // tokens); another worker is idle and cold.
+    let rates = Rates {
+        s_per_token: 4e-5,
+        overhead_s: 0.01,
+        samples: 100,
+        rate_samples: 100,
+        last_observed: None,
+    };
+    let holder = Inputs {
+        prompt_tokens: 7_646,
+        cached_tokens: 7_584,
+        queue_tokens: 9_000.0,
+        running: 1,
+    };
+    let cold = Inputs {
+        prompt_tokens: 7_646,
+        cached_tokens: 0,
+        queue_tokens: 0.0,
+        running: 1,
+    };
+    let pick = |cfg: &EstimatorConfig| {
+        let scored: Vec<Scored> = [holder, cold]
+            .iter()
+            .map(|i| Scored {
+                cost_s: estimate(&rates, i, cfg).cost_s,
+                load: i.running,
+                cached_tokens: i.cached_tokens,
+            })
+            .collect();
+        choose(&scored, cfg, &mut StdRng::seed_from_u64(3)).map(|(i, _)| i)
+    };
+    let greedy = EstimatorConfig {
+        prefill_externality: 0.0,
+        ..cfg()
+    };
+    assert_eq!(
+        pick(&greedy),
+        Some(1),
+        "by TTFT alone the cold worker is faster"
+    );
+    assert_eq!(
+        pick(&cfg()),
+        Some(0),
+        "counting the duplicated prefill, the holder"
+    );
+    // The TTFT estimate itself is unchanged by the term.
+    assert_eq!(
+        estimate(&rates, &cold, &cfg()).ttft_s,
+        estimate(&rates, &cold, &greedy).ttft_s
+    );
+
+    // When the holder's queue is worse than the cold prefill by more than half a prefill, it is left.
+    let swamped = Inputs {
+        queue_tokens: 12_000.0,
+        ..holder
+    };
+    let scored: Vec<Scored> = [swamped, cold]
+        .iter()
+        .map(|i| Scored {
+            cost_s: estimate(&rates, i, &cfg()).cost_s,
+            load: i.running,
+            cached_tokens: i.cached_tokens,
+        })
+        .collect();
+    assert_eq!(
+        choose(&scored, &cfg(), &mut StdRng::seed_from_u64(3)).map(|(i, _)| i),
+        Some(1)
+    );
+}
+
+#[test]
+fn a_prompt_cold_everywhere_is_chosen_as_by_ttft() {
+    let rates = Rates::prior(&cfg());
+    let greedy = EstimatorConfig {
+        prefill_externality: 0.0,
+        ..cfg()
+    };
+    for queues in [[0.0, 500.0, 9_000.0], [4_000.0, 100.0, 3_000.0]] {
+        let inputs: Vec<Inputs> = queues
+            .iter()
+            .map(|q| Inputs {
+                prompt_tokens: 3_000,
+                cached_tokens: 0,
+                queue_tokens: *q,
+                running: 2,
+            })
+            .collect();
+        let pick = |cfg: &EstimatorConfig| {
+            let scored: Vec<Scored> = inputs
+                .iter()
+                .map(|i| Scored {
+                    cost_s: estimate(&rates, i, cfg).cost_s,
+                    load: i.running,
+                    cached_tokens: 0,
+                })
+                .collect();
+            choose(&scored, cfg, &mut StdRng::seed_from_u64(5))
+        };
+        assert_eq!(pick(&cfg()), pick(&greedy), "{queues:?}");
+    }
 }

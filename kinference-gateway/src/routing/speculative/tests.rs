@@ -57,3 +57,26 @@ fn next_turn_subsumes_previous_and_cap_holds() {
     spec.forget_worker(2);
     assert!(spec.total_keys() <= 20);
 }
+
+#[test]
+fn end_by_shortens_only_the_given_chain_on_its_worker() {
+    let mut spec = Speculative::new(1_000);
+    let now = Instant::now();
+    let later = now + Duration::from_secs(60);
+    let keys: Arc<[BlockKey]> = chain(&(0..32).collect::<Vec<_>>()).into();
+    let same_keys_elsewhere: Arc<[BlockKey]> = keys.to_vec().into();
+    spec.credit(keys.clone(), 1, now, later);
+    spec.credit(same_keys_elsewhere, 2, now, later);
+    spec.end_by(&keys, 1, now + Duration::from_millis(100));
+    // A later end never extends a credit.
+    spec.end_by(&keys, 1, now + Duration::from_secs(600));
+    let mut seen = Vec::new();
+    spec.runs(&keys, now + Duration::from_millis(200), |w, run| {
+        seen.push((w, run))
+    });
+    assert_eq!(
+        seen,
+        vec![(2, 8)],
+        "worker 1's credit ended, worker 2's stands"
+    );
+}

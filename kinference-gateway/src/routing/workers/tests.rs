@@ -62,3 +62,30 @@ fn the_log_stays_bounded() {
     log.started(t0 + LedgerLog::HORIZON + Duration::from_secs(1));
     assert_eq!(log.starts.len(), 1);
 }
+
+#[test]
+fn the_backlog_drains_first_come_first_served() {
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut b = Backlog::default();
+    assert_eq!(b.tokens(at(0)), 0.0);
+    // 1,000 tokens/s. A 1,000-token prompt, then 400 ms later a 500-token one.
+    let first = b.push(1_000.0, at(0), 1e-3);
+    assert!((b.tokens(at(400)) - 600.0).abs() < 1e-6);
+    let second = b.push(500.0, at(400), 1e-3);
+    assert!((b.tokens(at(400)) - 1_100.0).abs() < 1e-6);
+    // The first prompt's first token came early (the worker is faster than the rate): only the second
+    // one's tokens are left, and they drain from there.
+    b.reached(first, at(500));
+    assert!((b.tokens(at(500)) - 500.0).abs() < 1e-6);
+    assert!((b.tokens(at(700)) - 300.0).abs() < 1e-6);
+    // A late first token never moves the queue backwards, and the queue never goes below empty.
+    b.reached(first, at(800));
+    assert!((b.tokens(at(800)) - 200.0).abs() < 1e-6);
+    assert_eq!(b.tokens(at(5_000)), 0.0);
+    b.reached(second, at(900));
+    assert_eq!(b.tokens(at(900)), 0.0);
+    // An idle spell does not bank capacity: work enqueued after it starts from its full size.
+    b.push(300.0, at(10_000), 1e-3);
+    assert!((b.tokens(at(10_000)) - 300.0).abs() < 1e-6);
+}
