@@ -1021,14 +1021,12 @@ impl InFlight {
         let now = Instant::now();
         self.first_token = Some(now);
         let ttft = now.duration_since(self.started).as_secs_f64();
+        let (position, awaited) = (
+            self.backlog_position.take(),
+            std::mem::take(&mut self.awaiting),
+        );
         let mut st = self.worker.state.lock();
-        if let Some(position) = self.backlog_position.take() {
-            st.backlog.reached(position, now);
-        }
-        if std::mem::take(&mut self.awaiting) {
-            st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
-            st.log.first_token(now);
-        }
+        st.prefill_over(position, awaited, now);
         if let Some(work) = self.work {
             st.rates.observe(ttft, work, &self.shared.tuning.estimator);
             self.shared
@@ -1074,18 +1072,16 @@ impl InFlight {
         }
         self.done = true;
         let now = Instant::now();
+        let (position, awaited) = (
+            self.backlog_position.take(),
+            std::mem::take(&mut self.awaiting),
+        );
         let mut st = self.worker.state.lock();
         st.in_flight = st.in_flight.saturating_sub(1);
         st.log.ended(now);
         // Ended before its first token (failed, aborted, or not streamed): its prefill is over one way
         // or the other.
-        if let Some(position) = self.backlog_position.take() {
-            st.backlog.reached(position, now);
-        }
-        if std::mem::take(&mut self.awaiting) {
-            st.awaiting_first_token = st.awaiting_first_token.saturating_sub(1);
-            st.log.first_token(now);
-        }
+        st.prefill_over(position, awaited, now);
         drop(st);
         self.end_credit(now);
     }

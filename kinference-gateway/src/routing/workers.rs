@@ -199,6 +199,20 @@ impl LedgerLog {
     }
 }
 
+impl WorkerState {
+    /// A request's prefill is over (its first token, or its end without one): everything up to its
+    /// backlog `position` is done and, if it was `awaited`, it no longer awaits its first token.
+    pub fn prefill_over(&mut self, position: Option<f64>, awaited: bool, now: Instant) {
+        if let Some(position) = position {
+            self.backlog.reached(position, now);
+        }
+        if awaited {
+            self.awaiting_first_token = self.awaiting_first_token.saturating_sub(1);
+            self.log.first_token(now);
+        }
+    }
+}
+
 /// One worker.
 #[derive(Debug)]
 pub struct Worker {
