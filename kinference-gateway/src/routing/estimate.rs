@@ -316,16 +316,6 @@ pub struct Seen {
     pub waiting: usize,
 }
 
-impl Seen {
-    /// The ledger itself: a view taken now.
-    pub fn current(ledger: &Ledger) -> Self {
-        Self {
-            in_flight: ledger.in_flight,
-            waiting: ledger.awaiting_first_token,
-        }
-    }
-}
-
 /// Which view sized the other clients' share of a worker's queue.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QueueSignal {

@@ -204,7 +204,10 @@ fn queue_now(
     engine: Option<EngineQueue>,
     cfg: &EstimatorConfig,
 ) -> (Queue, QueueSignal) {
-    let ours = Seen::current(ledger);
+    let ours = Seen {
+        in_flight: ledger.in_flight,
+        waiting: ledger.awaiting_first_token,
+    };
     queue(
         ledger,
         kernel.map(|k| (k, ours)),
