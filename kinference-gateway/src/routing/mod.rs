@@ -834,7 +834,11 @@ impl Router {
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
             st.backlog.push(uncached, now, chosen.rates.s_per_token)
         };
-        if let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == chosen.block_size) {
+        let keys = keys_by_size
+            .iter()
+            .find(|(bs, _)| *bs == chosen.block_size)
+            .map(|(_, keys)| Arc::clone(keys));
+        if let Some(keys) = &keys {
             let ttl = if chosen.live {
                 tuning.speculative_ttl
             } else {
@@ -848,10 +852,7 @@ impl Router {
                 .set(spec.total_keys() as i64);
         }
         // With a live agent, the credit ends soon after the first token (the events take over).
-        let credit = keys_by_size
-            .iter()
-            .find(|(bs, _)| *bs == chosen.block_size && chosen.live)
-            .map(|(_, keys)| Arc::clone(keys));
+        let credit = keys.filter(|_| chosen.live);
         self.count(reason, inputs.cached_tokens);
 
         let explain = debug.then(|| {
