@@ -319,6 +319,7 @@ fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
         kernel_in_flight: kernel.in_flight,
         kernel_waiting: kernel.waiting,
         kernel_idle_gap_ms: kernel.idle_gap_ms,
+        kernel_waits_for_body: kernel.waits_for_body,
         accept_backlog: kernel.accept_backlog,
         accept_backlog_max: kernel.accept_backlog_max,
         kernel_ttfb_p50_us: kernel.ttfb_p50_us,

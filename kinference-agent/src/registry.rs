@@ -44,6 +44,8 @@ pub struct KernelFigures {
     pub idle_gap_ms: u32,
     /// Of which no response byte has been sent yet.
     pub waiting: u32,
+    /// `waiting` lasts until an event-stream response's first body byte, not its headers.
+    pub waits_for_body: bool,
     /// The listener's accept queue (the peak since the previous read).
     pub accept_backlog: u32,
     /// The listener's accept queue limit.

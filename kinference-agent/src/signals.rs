@@ -77,6 +77,7 @@ pub fn kernel_figures(view: &KernelView) -> KernelFigures {
         in_flight: view.in_flight,
         idle_gap_ms: view.idle_gap.as_millis().min(u128::from(u32::MAX)) as u32,
         waiting: view.waiting,
+        waits_for_body: view.waits_for_body,
         // The peak since the previous read: a burst that filled the queue between reads still shows.
         accept_backlog: view.accept_backlog.max(view.accept_backlog_peak),
         accept_backlog_max: view.accept_backlog_max,

@@ -94,10 +94,22 @@ fn serve(stream: TcpStream) {
                 break;
             }
         }
-        let ms: u64 = request_line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.strip_prefix("/sleep/"))
+        let path = request_line.split_whitespace().nth(1).unwrap_or("");
+        if let Some(ms) = path.strip_prefix("/sse/").and_then(|v| v.parse().ok()) {
+            if serve_event_stream(&mut writer, ms).is_err() {
+                return;
+            }
+            continue;
+        }
+        if path == "/empty" {
+            let response = "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+            if writer.write_all(response.as_bytes()).is_err() {
+                return;
+            }
+            continue;
+        }
+        let ms: u64 = path
+            .strip_prefix("/sleep/")
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
         std::thread::sleep(Duration::from_millis(ms));
@@ -108,6 +120,42 @@ fn serve(stream: TcpStream) {
             return;
         }
     }
+}
+
+/// A streaming answer as vLLM sends one: the header block at once, on its own, then the first event after
+/// `ms` (the prefill), a second one, and the chunked body's end.
+fn serve_event_stream(writer: &mut TcpStream, ms: u64) -> std::io::Result<()> {
+    writer.write_all(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n",
+    )?;
+    std::thread::sleep(Duration::from_millis(ms));
+    for event in ["data: {\"n\":1}\n\n", "data: [DONE]\n\n"] {
+        writer.write_all(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes())?;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    writer.write_all(b"0\r\n\r\n")
+}
+
+/// Sends `GET /sse/<ms>` on `stream`; returns the times from the request's first byte to the response's
+/// first byte (its headers) and to its first body byte.
+fn request_event_stream(stream: &mut TcpStream, ms: u64) -> (Duration, Duration) {
+    let req = format!("GET /sse/{ms} HTTP/1.1\r\nHost: test\r\n\r\n");
+    let start = Instant::now();
+    stream.write_all(req.as_bytes()).expect("write");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 256];
+    let (mut headers, mut body) = (None, None);
+    while !got.ends_with(b"0\r\n\r\n") || body.is_none() {
+        let n = stream.read(&mut buf).expect("read");
+        assert!(n > 0, "connection closed mid-response: {got:?}");
+        got.extend_from_slice(&buf[..n]);
+        headers.get_or_insert_with(|| start.elapsed());
+        let end = got.windows(4).position(|w| w == b"\r\n\r\n");
+        if body.is_none() && end.is_some_and(|e| got.len() > e + 4) {
+            body = Some(start.elapsed());
+        }
+    }
+    (headers.expect("headers"), body.expect("body"))
 }
 
 /// Sends one request on `stream` and returns the time from the request's first byte to the response's.
@@ -333,6 +381,84 @@ fn kernel_view_matches_the_clients() {
         text.contains("kinference_agent_kernel_ttfb_seconds_count"),
         "{text}"
     );
+}
+
+/// A streaming response whose header block goes out alone before the first event (as vLLM sends one) counts
+/// as waiting until its first body byte, and its time to first byte is taken there; a response with an
+/// empty body (headers only, not an event stream) ends its wait at once. Where the kernel lacks the
+/// `tcp_sendmsg_locked` tracepoint the agent says so (`waits_for_body` false) and the headers end the wait.
+#[test]
+fn an_event_stream_waits_until_its_first_body_byte() {
+    let Some(monitor) = loaded_monitor() else {
+        return;
+    };
+    let server = SleepServer::start();
+    let worker = format!("http://127.0.0.1:{}", server.port);
+    assert!(monitor.watch(&worker));
+    std::thread::sleep(POLL * 5);
+    let waits_for_body = view(&monitor, &worker).waits_for_body;
+    eprintln!("waits_for_body: {waits_for_body}");
+
+    let delays = [400u64, 800, 1200];
+    let started = Instant::now();
+    let clients: Vec<_> = delays
+        .iter()
+        .map(|&ms| {
+            let port = server.port;
+            std::thread::spawn(move || {
+                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                request_event_stream(&mut stream, ms)
+            })
+        })
+        .collect();
+    // At ~200 ms all three sent their headers and none its first event; at ~1000 ms one is left.
+    std::thread::sleep(Duration::from_millis(140).saturating_sub(started.elapsed()));
+    let early = view(&monitor, &worker);
+    std::thread::sleep(Duration::from_millis(940).saturating_sub(started.elapsed()));
+    let middle = view(&monitor, &worker);
+    let mut client: Vec<(Duration, Duration)> = clients
+        .into_iter()
+        .map(|c| c.join().expect("client"))
+        .collect();
+    client.sort_by_key(|&(_, body)| body);
+    let after = view(&monitor, &worker);
+    eprintln!("early {early:?}\nmiddle {middle:?}\nafter {after:?}\nclients {client:?}");
+    assert_eq!(early.in_flight, 3, "{early:?}");
+    let mut kernel_ttfb = after.ttfb_recent.clone();
+    kernel_ttfb.sort();
+    assert_eq!(kernel_ttfb.len(), 3, "{after:?}");
+    if waits_for_body {
+        assert_eq!(early.waiting, 3, "headers sent, no event yet: {early:?}");
+        assert_eq!(middle.waiting, 1, "two first events sent: {middle:?}");
+        for ((k, (_, body)), ms) in kernel_ttfb.iter().zip(&client).zip(&delays) {
+            assert!(
+                within_tolerance(*k, *body) && *k >= Duration::from_millis(*ms),
+                "kernel {k:?} vs the client's first body byte {body:?} (delay {ms} ms)"
+            );
+        }
+    } else {
+        eprintln!("this kernel's send hook cannot read the send: the headers end the wait");
+        assert_eq!(early.waiting, 0, "{early:?}");
+        for k in &kernel_ttfb {
+            assert!(*k < Duration::from_millis(100), "kernel {k:?}: the headers");
+        }
+    }
+
+    // A headers-only response that is not an event stream (an empty body) is answered at once.
+    let mut stream = TcpStream::connect(("127.0.0.1", server.port)).expect("connect");
+    stream
+        .write_all(b"GET /empty HTTP/1.1\r\nHost: test\r\n\r\n")
+        .expect("write");
+    let mut buf = [0u8; 256];
+    let mut got = Vec::new();
+    while !got.ends_with(b"\r\n\r\n") {
+        let n = stream.read(&mut buf).expect("read");
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let empty = view(&monitor, &worker);
+    assert_eq!(empty.waiting, 0, "an empty body is not awaited: {empty:?}");
+    assert_eq!(empty.responses_total, 4, "{empty:?}");
 }
 
 /// Two workers on the same port at different local addresses (two pods on one node) are measured apart:

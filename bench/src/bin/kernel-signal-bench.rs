@@ -114,6 +114,8 @@ struct Sample {
     observed_s: f64,
     /// The signal the chosen worker's estimate used (`kernel`, `engine`, `ledger`).
     signal: String,
+    /// The whole `x-kinference-decision` value (every candidate's figures), for the samples log.
+    decision: String,
 }
 
 /// The chosen candidate's `field` in an `x-kinference-decision` value (the candidate marked `*`).
@@ -190,6 +192,7 @@ async fn run_load(
             predicted_s,
             observed_s: ttft.as_secs_f64(),
             signal: chosen_field(decision, "signal").unwrap_or("?").to_string(),
+            decision: decision.to_string(),
         });
     }
     (samples, failed)
@@ -257,7 +260,25 @@ async fn error_run(
     let client = LoadClient::new(http, MODEL, true, Duration::from_secs(120));
     let result = run_load(&client, &gateways, requests, args.concurrency, args.warmup).await;
     drop(cluster);
+    write_samples(&config.work_dir.join("samples.jsonl"), &result.0)?;
     Ok(result)
+}
+
+/// One JSON line per counted sample (gateway, predicted and observed seconds, the decision), so a run's
+/// errors can be traced to the figures behind them.
+fn write_samples(path: &Path, samples: &[Sample]) -> anyhow::Result<()> {
+    let mut out = String::new();
+    for s in samples {
+        let line = json!({
+            "gateway": s.gateway,
+            "predicted_s": s.predicted_s,
+            "observed_s": s.observed_s,
+            "decision": s.decision,
+        });
+        out.push_str(&line.to_string());
+        out.push('\n');
+    }
+    std::fs::write(path, out).with_context(|| format!("writing {}", path.display()))
 }
 
 /// Sum of `name` samples whose labels contain `label`.

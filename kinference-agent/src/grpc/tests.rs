@@ -208,6 +208,7 @@ fn kernel_figures_travel_in_the_load_and_a_change_is_sent_at_once() {
         in_flight: 3,
         idle_gap_ms: 500,
         waiting: 2,
+        waits_for_body: true,
         accept_backlog: 1,
         accept_backlog_max: 4096,
         ttfb_p50_us: 2500,
@@ -226,9 +227,10 @@ fn kernel_figures_travel_in_the_load_and_a_change_is_sent_at_once() {
             load.accept_backlog,
             load.accept_backlog_max,
             load.kernel_ttfb_p50_us,
-            load.kernel_idle_gap_ms
+            load.kernel_idle_gap_ms,
+            load.kernel_waits_for_body
         ),
-        (3, 2, 1, 4096, 2500, 500)
+        (3, 2, 1, 4096, 2500, 500, true)
     );
 
     // Unchanged figures are not resent before the refresh interval.

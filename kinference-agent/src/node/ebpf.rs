@@ -7,7 +7,8 @@
 //! `poll_interval` into a [`KernelView`] per watched worker (local address and port), and feeds the node
 //! metrics.
 //!
-//! "In flight" here is: requests whose first byte arrived and whose response has not started (`waiting`),
+//! "In flight" here is: requests whose first byte arrived and whose response has not started (`waiting`; for
+//! an event-stream response, whose first body byte has not gone out, where the send hook can tell),
 //! plus requests whose response is still being sent (a send within `idle_gap`). HTTP/1.1 keeps connections
 //! open after a response, so a response counts as finished at the next request, at close, or after
 //! `idle_gap` without a send.
@@ -215,6 +216,9 @@ pub struct KernelView {
     pub idle_gap: Duration,
     /// Requests received, no response byte sent yet (queued or in prefill).
     pub waiting: u32,
+    /// Whether `waiting` lasts until an event-stream response's first body byte (its first token) rather
+    /// than its header block, which vLLM sends before the prefill. Needs the `tcp_sendmsg_locked` hook.
+    pub waits_for_body: bool,
     /// Open connections to the port that the program has seen.
     pub connections: u32,
     /// The listener's accept queue at the latest observation.
@@ -576,6 +580,8 @@ struct Loaded {
     conns: BpfHashMap<MapData, u64, common::Conn>,
     backlog: BpfHashMap<MapData, common::WatchKey, common::Backlog>,
     events: RingBuf<MapData>,
+    /// The send hook recognises event-stream headers sent alone ([`KernelView::waits_for_body`]).
+    waits_for_body: bool,
 }
 
 /// Errors on the way to a loaded object (become the status reason).
@@ -658,6 +664,28 @@ pub fn resolve_config(btf: &Btf) -> Result<common::Config, BtfError> {
     match accept {
         Ok(()) => cfg.flags |= common::CONFIG_ACCEPT,
         Err(e) => tracing::warn!(error = %e, "eBPF accept hook not configured"),
+    }
+    // The send hook reads the send's buffer through msghdr->msg_iter to recognise an event-stream
+    // response's header block sent alone; without these offsets it keeps the plain first-byte rule.
+    let body = (|| -> Result<(), BtfError> {
+        let iter = |m: &str| btf.member_offset("iov_iter", m);
+        cfg.msghdr_iter = btf.member_offset("msghdr", "msg_iter")?;
+        cfg.iter_type = iter("iter_type")?;
+        cfg.iter_iov_offset = iter("iov_offset")?;
+        cfg.iter_ptr = iter("__iov")?;
+        cfg.iter_count = iter("count")?;
+        cfg.iter_nr_segs = iter("nr_segs")?;
+        cfg.iter_iovec = btf.enum_value("iter_type", "ITER_IOVEC")?;
+        // ITER_UBUF (single-buffer sends) exists from Linux 6.0; before, those are one-segment iovecs.
+        cfg.iter_ubuf = btf.enum_value("iter_type", "ITER_UBUF").unwrap_or(255);
+        Ok(())
+    })();
+    match body {
+        Ok(()) => cfg.flags |= common::CONFIG_BODY,
+        Err(e) => tracing::warn!(
+            error = %e,
+            "eBPF send hook: event-stream headers not recognised (time to first byte counts the headers)"
+        ),
     }
     Ok(cfg)
 }
@@ -829,6 +857,7 @@ fn load_object(
         name: common::EVENTS_MAP,
         source,
     })?;
+    let waits_for_body = attached("tcp_sendmsg_locked") && config.flags & common::CONFIG_BODY != 0;
     let loaded = Loaded {
         _ebpf: ebpf,
         logger,
@@ -836,6 +865,7 @@ fn load_object(
         conns,
         backlog,
         events,
+        waits_for_body,
     };
     Ok((
         EbpfStatus {
@@ -1023,7 +1053,7 @@ fn poll_once(
         let c = counts.entry(key).or_default();
         c.2 += 1;
         match conn.phase {
-            common::PHASE_WAITING => c.0 += 1,
+            common::PHASE_WAITING | common::PHASE_HEADERS => c.0 += 1,
             common::PHASE_RESPONDING if now_ns.saturating_sub(conn.last_send_ns) < gap_ns => {
                 c.1 += 1
             }
@@ -1062,6 +1092,7 @@ fn poll_once(
             in_flight: waiting + responding,
             idle_gap: options.idle_gap,
             waiting,
+            waits_for_body: loaded.waits_for_body,
             connections,
             accept_backlog: backlog.current,
             accept_backlog_max: backlog.max,

@@ -29,6 +29,9 @@ pub const MAX_CONNS: u32 = 65536;
 pub const CONFIG_VALID: u32 = 1;
 /// [`Config::flags`]: the fd-table offsets and syscall numbers for the accept hook are set.
 pub const CONFIG_ACCEPT: u32 = 2;
+/// [`Config::flags`]: the `msghdr` / `iov_iter` offsets are set, so a send can be recognised as an
+/// event-stream response's header block alone (see [`PHASE_HEADERS`]).
+pub const CONFIG_BODY: u32 = 4;
 /// [`Config::magic`]: keeps the global non-zero so it lands in `.rodata`, where the loader patches it.
 pub const CONFIG_MAGIC: u32 = 0x6b69_6e66;
 
@@ -72,6 +75,22 @@ pub struct Config {
     pub nr_accept4: u32,
     /// `struct sock` -> `__sk_common.skc_rcv_saddr` (IPv4 local address, network order).
     pub sock_rcv_saddr: u32,
+    /// `struct msghdr` -> `msg_iter` (a `struct iov_iter`).
+    pub msghdr_iter: u32,
+    /// `struct iov_iter` -> `iter_type` (u8).
+    pub iter_type: u32,
+    /// `struct iov_iter` -> `iov_offset` (size_t).
+    pub iter_iov_offset: u32,
+    /// `struct iov_iter` -> `ubuf` / `__iov` (one union: the user buffer, or the first `struct iovec`).
+    pub iter_ptr: u32,
+    /// `struct iov_iter` -> `count` (size_t: bytes left).
+    pub iter_count: u32,
+    /// `struct iov_iter` -> `nr_segs` (unsigned long).
+    pub iter_nr_segs: u32,
+    /// `enum iter_type` value `ITER_UBUF` (255 where the kernel has none).
+    pub iter_ubuf: u32,
+    /// `enum iter_type` value `ITER_IOVEC`.
+    pub iter_iovec: u32,
 }
 
 impl Config {
@@ -95,6 +114,14 @@ impl Config {
         nr_accept: 0,
         nr_accept4: 0,
         sock_rcv_saddr: 0,
+        msghdr_iter: 0,
+        iter_type: 0,
+        iter_iov_offset: 0,
+        iter_ptr: 0,
+        iter_count: 0,
+        iter_nr_segs: 0,
+        iter_ubuf: 255,
+        iter_iovec: 255,
     };
 }
 
@@ -148,6 +175,13 @@ pub const PHASE_IDLE: u8 = 0;
 pub const PHASE_WAITING: u8 = 1;
 /// [`Conn::phase`]: the response started; the request ends at the next request or at close.
 pub const PHASE_RESPONDING: u8 = 2;
+/// [`Conn::phase`]: an event-stream (SSE) response's header block went out, no body byte yet. vLLM sends a
+/// streaming response's headers before the prefill and its first chunk with the first token, so the request
+/// still counts as waiting and its time to first byte is taken at the first body byte.
+pub const PHASE_HEADERS: u8 = 3;
+
+/// Most bytes of a header block the program reads to recognise an event-stream response.
+pub const HEADER_SCAN_BYTES: usize = 512;
 
 /// One connection to a watched port (value of [`CONNS_MAP`], keyed by the `struct sock` address).
 #[repr(C)]
@@ -163,7 +197,7 @@ pub struct Conn {
     pub last_send_ns: u64,
     /// Local (worker) port.
     pub port: u16,
-    /// [`PHASE_IDLE`], [`PHASE_WAITING`] or [`PHASE_RESPONDING`].
+    /// [`PHASE_IDLE`], [`PHASE_WAITING`], [`PHASE_HEADERS`] or [`PHASE_RESPONDING`].
     pub phase: u8,
     /// 1 once the application accepted it.
     pub accepted: u8,
@@ -171,7 +205,8 @@ pub struct Conn {
     pub addr: u32,
 }
 
-/// [`Event::kind`]: `value_ns` is a request's time from first byte in to first response byte out.
+/// [`Event::kind`]: `value_ns` is a request's time from first byte in to first response byte out (for an
+/// event-stream response where [`CONFIG_BODY`] is set: to its first body byte).
 pub const EVENT_TTFB: u32 = 1;
 /// [`Event::kind`]: `value_ns` is a connection's wait in the accept queue.
 pub const EVENT_ACCEPT_WAIT: u32 = 2;

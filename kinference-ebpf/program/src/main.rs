@@ -7,7 +7,10 @@
 //!   queued (accept backlog).
 //! - `sock_recv_length`: the application reads (first read; also the request start where `sk_data_ready` is
 //!   missing, kernels before 6.6).
-//! - `tcp_sendmsg_locked` (fallback `sock_send_length`): the first response byte out (time to first byte).
+//! - `tcp_sendmsg_locked` (fallback `sock_send_length`): the first response byte out (time to first byte). With
+//!   `tcp_sendmsg_locked` the program also reads the send: an event-stream response's header block sent on its
+//!   own (vLLM sends a streaming response's headers before the prefill) leaves the request waiting, and its
+//!   time to first byte is taken at the first body byte (the first token).
 //! - `sys_exit` for accept/accept4: accept wait, and the listener's backlog after the dequeue.
 //!
 //! Kernel struct fields are read with `bpf_probe_read_kernel` at offsets the loader resolved from the running
@@ -21,15 +24,16 @@ use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use aya_ebpf::{
     Global,
-    helpers::{bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel},
+    helpers::{bpf_get_current_task, bpf_ktime_get_ns, bpf_probe_read_kernel, generated},
     macros::{btf_tracepoint, map},
-    maps::{HashMap, LruHashMap, RingBuf},
+    maps::{HashMap, LruHashMap, PerCpuArray, RingBuf},
     programs::BtfTracePointContext,
 };
 use aya_log_ebpf::warn;
 use kinference_ebpf_common::{
-    Backlog, CONFIG_ACCEPT, CONFIG_VALID, Config, Conn, EVENT_ACCEPT_WAIT, EVENT_TTFB, Event,
-    MAX_CONNS, MAX_PORTS, PHASE_RESPONDING, PHASE_WAITING, PortStats, WatchKey,
+    Backlog, CONFIG_ACCEPT, CONFIG_BODY, CONFIG_VALID, Config, Conn, EVENT_ACCEPT_WAIT, EVENT_TTFB,
+    Event, HEADER_SCAN_BYTES, MAX_CONNS, MAX_PORTS, PHASE_HEADERS, PHASE_RESPONDING, PHASE_WAITING,
+    PortStats, WatchKey,
 };
 
 const AF_INET: u16 = 2;
@@ -58,6 +62,11 @@ static LISTENERS: LruHashMap<u64, WatchKey> = LruHashMap::with_max_entries(MAX_P
 
 #[map(name = "KINF_EVENTS")]
 static EVENTS: RingBuf = RingBuf::with_byte_size(1 << 18, 0);
+
+/// Room for one send's first bytes (a header block), per CPU: too large for the 512-byte stack. The margin
+/// past [`HEADER_SCAN_BYTES`] keeps every masked index in bounds for the verifier.
+#[map(name = "KINF_SCRATCH")]
+static SCRATCH: PerCpuArray<[u8; HEADER_SCAN_BYTES + 16]> = PerCpuArray::with_max_entries(1, 0);
 
 #[inline(always)]
 fn config() -> Option<Config> {
@@ -308,8 +317,82 @@ pub fn kinf_recv(ctx: BtfTracePointContext) -> i32 {
     0
 }
 
+/// Whether the send described by `msg` (a `struct msghdr`) is an event-stream response's header block and
+/// nothing else: at most [`HEADER_SCAN_BYTES`] in one buffer, ending with the blank line that ends the
+/// headers, and naming `event-stream` (the content type of a streaming completion). Any doubt (another
+/// buffer layout, an unreadable buffer) answers false, which keeps the plain first-byte rule.
 #[inline(always)]
-fn on_send(cfg: &Config, sk: u64) {
+fn event_stream_headers_only(cfg: &Config, msg: u64) -> bool {
+    if cfg.flags & CONFIG_BODY == 0 || msg == 0 {
+        return false;
+    }
+    let iter = msg + cfg.msghdr_iter as u64;
+    let (Some(kind), Some(count), Some(offset), Some(ptr)) = (
+        read::<u8>(iter, cfg.iter_type),
+        read::<u64>(iter, cfg.iter_count),
+        read::<u64>(iter, cfg.iter_iov_offset),
+        read::<u64>(iter, cfg.iter_ptr),
+    ) else {
+        return false;
+    };
+    if !(16..HEADER_SCAN_BYTES as u64).contains(&count) {
+        return false;
+    }
+    let start = if kind as u32 == cfg.iter_ubuf {
+        ptr + offset
+    } else if kind as u32 == cfg.iter_iovec {
+        // One segment holding the whole send (a writev of headers and body has several).
+        let (Some(segs), Some(base), Some(len)) = (
+            read::<u64>(iter, cfg.iter_nr_segs),
+            read::<u64>(ptr, 0),
+            read::<u64>(ptr, 8),
+        ) else {
+            return false;
+        };
+        if segs != 1 || len.saturating_sub(offset) != count {
+            return false;
+        }
+        base + offset
+    } else {
+        return false;
+    };
+    let Some(buf) = SCRATCH.get_ptr_mut(0) else {
+        return false;
+    };
+    let n = (count as u32) & (HEADER_SCAN_BYTES as u32 - 1);
+    // SAFETY: `buf` is this CPU's scratch value, at least HEADER_SCAN_BYTES long, and n < HEADER_SCAN_BYTES;
+    // the helper copies from user memory and fails cleanly on a bad address.
+    let copied =
+        unsafe { generated::bpf_probe_read_user((*buf).as_mut_ptr().cast(), n, start as *const _) };
+    if copied != 0 {
+        return false;
+    }
+    // SAFETY: every index below is masked into the buffer.
+    let b = unsafe { &*buf };
+    let at = |i: u32| b[(i & (HEADER_SCAN_BYTES as u32 - 1)) as usize];
+    if at(n - 4) != b'\r' || at(n - 3) != b'\n' || at(n - 2) != b'\r' || at(n - 1) != b'\n' {
+        return false;
+    }
+    const NEEDLE: &[u8; 12] = b"event-stream";
+    let mut i: u32 = 0;
+    while i + 12 <= n && i < HEADER_SCAN_BYTES as u32 {
+        if at(i) == b'e' {
+            let mut j: u32 = 1;
+            while j < 12 && at(i + j) == NEEDLE[j as usize] {
+                j += 1;
+            }
+            if j == 12 {
+                return true;
+            }
+        }
+        i += 1;
+    }
+    false
+}
+
+/// A response send on `sk`; `msg` is the send's `struct msghdr` where the hook has it (else 0).
+#[inline(always)]
+fn on_send(cfg: &Config, sk: u64, msg: u64) {
     let Some((key, stats)) = watched(cfg, sk) else {
         return;
     };
@@ -319,7 +402,12 @@ fn on_send(cfg: &Config, sk: u64) {
     let ts = now();
     // SAFETY: live map entries.
     unsafe {
-        if (*conn).phase == PHASE_WAITING {
+        if (*conn).phase == PHASE_WAITING && event_stream_headers_only(cfg, msg) {
+            (*conn).phase = PHASE_HEADERS;
+            (*conn).last_send_ns = ts;
+            return;
+        }
+        if (*conn).phase == PHASE_WAITING || (*conn).phase == PHASE_HEADERS {
             let start = (*conn).request_start_ns;
             let ttfb = ts.saturating_sub(start);
             let read_delay = if (*conn).first_read_ns >= start {
@@ -340,7 +428,8 @@ fn on_send(cfg: &Config, sk: u64) {
 pub fn kinf_tcp_sendmsg(ctx: BtfTracePointContext) -> i32 {
     let Some(cfg) = config() else { return 0 };
     let sk: u64 = ctx.arg(0);
-    on_send(&cfg, sk);
+    let msg: u64 = ctx.arg(1);
+    on_send(&cfg, sk, msg);
     0
 }
 
@@ -352,7 +441,7 @@ pub fn kinf_send(ctx: BtfTracePointContext) -> i32 {
     if ret <= 0 || sk == 0 {
         return 0;
     }
-    on_send(&cfg, sk);
+    on_send(&cfg, sk, 0);
     0
 }
 

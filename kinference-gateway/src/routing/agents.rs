@@ -206,6 +206,7 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
         kernel: l.kernel_ok.then_some(KernelQueue {
             in_flight: l.kernel_in_flight,
             waiting: l.kernel_waiting.min(l.kernel_in_flight),
+            waits_for_body: l.kernel_waits_for_body,
         }),
         kernel_linger: Duration::from_millis(match l.kernel_idle_gap_ms {
             // Agents before the field had a fixed 500 ms idle gap.

@@ -29,10 +29,12 @@
 //! close, or that gap; without this every finished request of ours showed as another client's for half a
 //! second). The rule:
 //! 1. *others* = `view total - ours as seen` (never negative); total in flight = `ledger + others`;
-//! 2. the others still waiting for their first token: at least what a view shows beyond our own waiting
-//!    ones as it saw them, and at least the others' share at the waiting fraction our own requests on that
-//!    worker have (the replicas send alike traffic; a streaming response sends its headers before the
-//!    first token, so the kernel's `waiting` alone undercounts them), capped at the others;
+//! 2. the others still waiting for their first token: where the agent's kernel counts a streaming
+//!    response as waiting until its first body byte (`waits_for_body`), exactly what the kernel view shows
+//!    beyond our own waiting ones as it saw them (and *others* is at least that). Otherwise a guess: at
+//!    least what a view shows beyond our own, and at least the others' share at the waiting fraction our
+//!    own requests on that worker have (the replicas send alike traffic; a streaming response sends its
+//!    headers before the first token, so such a kernel's `waiting` undercounts them), capped at the others;
 //! 3. queued prefill = our own backlog (our requests' uncached tokens as a first-come-first-served queue
 //!    the worker drains at its rate, [`super::workers::Backlog`]) + others waiting x our average uncached
 //!    tokens per request; `running` (decode interference) = the total.
@@ -295,6 +297,9 @@ pub struct KernelQueue {
     pub in_flight: u32,
     /// Of which no response byte has been sent yet.
     pub waiting: u32,
+    /// `waiting` lasts until a streaming response's first body byte (its first token): it counts exactly
+    /// the requests still queued or in prefill.
+    pub waits_for_body: bool,
 }
 
 /// The worker's own counters as the agent scraped them: every client's requests, at scrape time.
@@ -383,11 +388,16 @@ pub fn queue(
     cfg: &EstimatorConfig,
 ) -> (Queue, QueueSignal) {
     let (others, view_waiting, signal) = match (kernel, engine) {
-        (Some((k, ours)), _) => (
-            (k.in_flight as usize).saturating_sub(ours.in_flight),
-            (k.waiting as usize).saturating_sub(ours.waiting),
-            QueueSignal::Kernel,
-        ),
+        (Some((k, ours)), _) => {
+            let waiting = (k.waiting as usize).saturating_sub(ours.waiting);
+            let others = (k.in_flight as usize).saturating_sub(ours.in_flight);
+            if k.waits_for_body {
+                // The kernel counts exactly who is still before the first token: no guess needed.
+                let others = others.max(waiting);
+                return (queue_of(ledger, others, waiting), QueueSignal::Kernel);
+            }
+            (others, waiting, QueueSignal::Kernel)
+        }
         (None, Some((e, ours))) => (
             ((e.running + e.waiting) as usize).saturating_sub(ours.in_flight),
             (e.waiting as usize).saturating_sub(ours.waiting),
@@ -413,14 +423,19 @@ pub fn queue(
     let others_waiting = shown
         .max((others as f64 * fraction).round() as usize)
         .min(others);
-    let queue = Queue {
+    (queue_of(ledger, others, others_waiting), signal)
+}
+
+/// The queue from the ledger and the other clients' requests (`others`, of which `others_waiting` are
+/// before their first token, each taken as our average uncached prompt).
+fn queue_of(ledger: &Ledger, others: usize, others_waiting: usize) -> Queue {
+    Queue {
         queue_tokens: ledger.pending_prefill_tokens.max(0.0)
             + others_waiting as f64 * ledger.avg_uncached.max(0.0),
         running: ledger.in_flight + others,
         others,
         others_waiting,
-    };
-    (queue, signal)
+    }
 }
 
 /// A candidate as the choice sees it.

@@ -413,21 +413,23 @@ fn stream_response(
             let tx = tx.clone();
             async move { tx.send(Ok(Frame::data(b))).await.is_ok() }
         };
-        if chat {
-            let first = openai::chat_chunk(
-                &id,
-                created,
-                &model,
-                json!({"role": "assistant", "content": ""}),
-                None,
-            );
-            if !send(sse(&first)).await {
-                return;
-            }
-        }
         let (mut n, mut prompt, mut cached) = (0usize, 0usize, 0usize);
         // Dropping `tokens` (on return) tells the engine the client is gone.
         while let Some(t) = tokens.recv().await {
+            // As vLLM does, the role chunk goes out with the first token (the headers went before the
+            // prefill).
+            if chat && n == 0 {
+                let first = openai::chat_chunk(
+                    &id,
+                    created,
+                    &model,
+                    json!({"role": "assistant", "content": ""}),
+                    None,
+                );
+                if !send(sse(&first)).await {
+                    return;
+                }
+            }
             n += 1;
             prompt = t.prompt_tokens;
             cached = t.cached_tokens;

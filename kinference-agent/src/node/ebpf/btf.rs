@@ -1,5 +1,5 @@
 //! A small reader for the kernel's BTF (`/sys/kernel/btf/vmlinux`): just enough to find struct member
-//! offsets (through anonymous unions and nested structs) and whether a BTF tracepoint exists, so the eBPF
+//! offsets (through anonymous unions and nested structs), enum values and whether a BTF tracepoint exists, so the eBPF
 //! program gets the running kernel's layout instead of offsets compiled for one build.
 
 use std::collections::HashMap;
@@ -41,6 +41,7 @@ pub enum BtfError {
     NoMember { strukt: String, member: String },
 }
 
+/// A struct or union member; for an enum, one enumerator (its value in `type_id`).
 #[derive(Debug, Clone)]
 struct Member {
     name: u32,
@@ -142,7 +143,21 @@ impl Btf {
                     }
                     at += vlen * 12;
                 }
-                KIND_ENUM | KIND_FUNC_PROTO => at += vlen * 8,
+                KIND_ENUM => {
+                    for i in 0..vlen {
+                        let e = at + i * 8;
+                        let (Some(name), Some(value)) = (u32_at(e), u32_at(e + 4)) else {
+                            return Err(short);
+                        };
+                        members.push(Member {
+                            name,
+                            type_id: value,
+                            bit_offset: 0,
+                        });
+                    }
+                    at += vlen * 8;
+                }
+                KIND_FUNC_PROTO => at += vlen * 8,
                 KIND_DATASEC | KIND_ENUM64 => at += vlen * 12,
                 _ => {}
             }
@@ -220,6 +235,28 @@ impl Btf {
             }
         }
         None
+    }
+
+    /// Value of `variant` in `enum name` (32-bit enums).
+    pub fn enum_value(&self, name: &str, variant: &str) -> Result<u32, BtfError> {
+        let id = self
+            .by_name
+            .get(name)
+            .and_then(|ids| {
+                ids.iter()
+                    .copied()
+                    .find(|&id| self.types[id as usize].kind == KIND_ENUM)
+            })
+            .ok_or_else(|| BtfError::NoStruct(format!("enum {name}")))?;
+        self.types[id as usize]
+            .members
+            .iter()
+            .find(|m| self.name(m.name) == variant)
+            .map(|m| m.type_id)
+            .ok_or_else(|| BtfError::NoMember {
+                strukt: format!("enum {name}"),
+                member: variant.to_string(),
+            })
     }
 
     /// Byte offset of `path` (members separated by dots, e.g. `__sk_common.skc_num`) in `struct strukt`.

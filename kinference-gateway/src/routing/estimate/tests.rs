@@ -194,7 +194,11 @@ fn ledger(in_flight: usize, awaiting: usize, pending: f64) -> Ledger {
 }
 
 fn kernel(in_flight: u32, waiting: u32) -> Option<KernelQueue> {
-    Some(KernelQueue { in_flight, waiting })
+    Some(KernelQueue {
+        in_flight,
+        waiting,
+        waits_for_body: false,
+    })
 }
 
 /// [`queue`] with views taken now, nothing of ours lingering in them.
@@ -231,6 +235,7 @@ fn our_finished_responses_the_kernel_still_counts_are_not_other_clients() {
             KernelQueue {
                 in_flight: 4,
                 waiting: 0,
+                waits_for_body: false,
             },
             ours,
         )),
@@ -254,6 +259,7 @@ fn our_finished_responses_the_kernel_still_counts_are_not_other_clients() {
             KernelQueue {
                 in_flight: 3,
                 waiting: 3,
+                waits_for_body: false,
             },
             ours,
         )),
@@ -285,6 +291,42 @@ fn the_kernel_view_adds_only_other_clients_requests() {
     let (q, _) = queue_now(&ledger(4, 4, 3_000.0), kernel(1, 1), None, &cfg);
     assert_eq!((q.running, q.others, q.others_waiting), (4, 0, 0));
     assert!((q.queue_tokens - 3_000.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_kernel_that_waits_for_the_first_body_byte_sizes_the_others_prefill_exactly() {
+    let cfg = cfg();
+    let exact = |in_flight, waiting| {
+        Some(KernelQueue {
+            in_flight,
+            waiting,
+            waits_for_body: true,
+        })
+    };
+    // Ours: 2 in flight, 1 before its first token. The kernel sees 5 in flight, 1 waiting (ours): the
+    // three others are all decoding, so none of them adds prefill, whatever our own waiting fraction.
+    let (q, signal) = queue_now(&ledger(2, 1, 1_000.0), exact(5, 1), None, &cfg);
+    assert_eq!(signal, QueueSignal::Kernel);
+    assert_eq!((q.running, q.others, q.others_waiting), (5, 3, 0), "{q:?}");
+    assert!((q.queue_tokens - 1_000.0).abs() < 1e-9, "{q:?}");
+    // The same figures from a kernel that ends `waiting` at the headers: the fraction guess adds 2.
+    let (q, _) = queue_now(&ledger(2, 1, 1_000.0), kernel(5, 1), None, &cfg);
+    assert_eq!(q.others_waiting, 2, "{q:?}");
+
+    // Three others waiting while ours are all decoding: all three queue ahead (fraction 0 would say none).
+    let (q, _) = queue_now(&ledger(2, 0, 0.0), exact(5, 3), None, &cfg);
+    assert_eq!((q.running, q.others, q.others_waiting), (5, 3, 3), "{q:?}");
+    assert!((q.queue_tokens - 1_500.0).abs() < 1e-9, "{q:?}");
+    // A stale engine counter does not override the kernel's exact count.
+    let engine = Some(EngineQueue {
+        running: 1,
+        waiting: 6,
+    });
+    let (q, _) = queue_now(&ledger(2, 0, 0.0), exact(5, 3), engine, &cfg);
+    assert_eq!(q.others_waiting, 3, "{q:?}");
+    // Waiting requests the in-flight figure missed (read a moment apart) still count as others.
+    let (q, _) = queue_now(&ledger(2, 0, 0.0), exact(2, 2), None, &cfg);
+    assert_eq!((q.others, q.others_waiting), (2, 2), "{q:?}");
 }
 
 #[test]

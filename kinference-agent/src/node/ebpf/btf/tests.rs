@@ -1,9 +1,10 @@
 use super::*;
 
 /// Builds a tiny BTF blob: `struct inner { int a; int b; }`, `struct outer { int x; union { struct inner in; }; }`
-/// plus a `btf_trace_demo` typedef.
+/// plus a `btf_trace_demo` typedef and `enum kind { K_ZERO = 0, K_TWO = 2 }`.
 fn sample() -> Vec<u8> {
-    let mut strings = b"\0int\0inner\0a\0b\0outer\0x\0in\0btf_trace_demo\0".to_vec();
+    let mut strings =
+        b"\0int\0inner\0a\0b\0outer\0x\0in\0btf_trace_demo\0kind\0K_ZERO\0K_TWO\0".to_vec();
     let off = |s: &str, strings: &[u8]| {
         let needle = format!("\0{s}\0");
         strings
@@ -12,6 +13,11 @@ fn sample() -> Vec<u8> {
             .map(|p| p as u32 + 1)
             .unwrap_or(0)
     };
+    let (kind, k_zero, k_two) = (
+        off("kind", &strings),
+        off("K_ZERO", &strings),
+        off("K_TWO", &strings),
+    );
     let (int, inner, a, b, outer, x, inn, tp) = (
         off("int", &strings),
         off("inner", &strings),
@@ -38,6 +44,8 @@ fn sample() -> Vec<u8> {
     push(&[outer, (KIND_STRUCT << 24) | 2, 16, x, 1, 0, 0, 3, 64]);
     // 5: typedef btf_trace_demo -> int
     push(&[tp, KIND_TYPEDEF << 24, 1]);
+    // 6: enum kind (size 4) { K_ZERO = 0, K_TWO = 2 }
+    push(&[kind, (KIND_ENUM << 24) | 2, 4, k_zero, 0, k_two, 2]);
     let mut data = Vec::new();
     data.extend_from_slice(&BTF_MAGIC.to_le_bytes());
     data.extend_from_slice(&[1, 0]);
@@ -72,6 +80,13 @@ fn finds_members_through_anonymous_unions() {
     ));
     assert!(btf.has_tracepoint("demo"));
     assert!(!btf.has_tracepoint("other"));
+    assert_eq!(btf.enum_value("kind", "K_TWO").ok(), Some(2));
+    assert_eq!(btf.enum_value("kind", "K_ZERO").ok(), Some(0));
+    assert!(matches!(
+        btf.enum_value("kind", "K_ONE"),
+        Err(BtfError::NoMember { .. })
+    ));
+    assert!(btf.enum_value("outer", "x").is_err());
 }
 
 #[test]
@@ -107,4 +122,14 @@ fn running_kernel_offsets() {
     assert!(btf.member_offset("task_struct", "files").is_ok());
     assert!(btf.member_offset("fdtable", "fd").is_ok());
     assert!(btf.has_tracepoint("inet_sock_set_state"));
+    // What the event-stream header check reads (tcp_sendmsg_locked's msghdr).
+    let iter = btf.member_offset("msghdr", "msg_iter").expect("msg_iter");
+    assert!(iter > 0);
+    let count = btf.member_offset("iov_iter", "count").expect("count");
+    let ptr = btf.member_offset("iov_iter", "__iov").expect("__iov");
+    assert_eq!(count, ptr + 8, "count follows the buffer pointer");
+    if let Ok(ubuf) = btf.member_offset("iov_iter", "ubuf") {
+        assert_eq!(ubuf, ptr, "ubuf and __iov share a union");
+    }
+    assert!(btf.enum_value("iter_type", "ITER_IOVEC").is_ok());
 }
