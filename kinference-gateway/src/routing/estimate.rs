@@ -59,8 +59,9 @@
 //! same everywhere, so the choice is unchanged.
 //!
 //! Choice: the minimum cost among workers that pass the load guard. Near-ties (within 3% + 1 ms)
-//! go to the one holding most of the prompt (less prefill for the cluster), and what is still equal is
-//! drawn at random so cache misses do not all land on the same replica. The load guard (between
+//! go to the one holding most of the prompt (less prefill for the cluster), then to the emptiest cache
+//! (a cold prompt stored there evicts least; within 2% or 64 blocks counts as equal), and what is still
+//! equal is drawn at random so cache misses do not all land on the same replica. The load guard (between
 //! AIBrix: least-loaded when max - min running > 16, and SGLang: balance when max - min > 64 and max >
 //! 1.5 min) excludes workers whose in-flight count exceeds `min + max(32, min)`: estimates can be
 //! wrong, and piling without bound onto one worker is the failure mode users report most. It is kept
@@ -89,6 +90,8 @@ pub struct EstimatorConfig {
     pub tie_rel: f64,
     /// Near-tie band: absolute part, seconds.
     pub tie_abs_s: f64,
+    /// Among near-ties, caches within this many blocks (or 2%) of the emptiest count as equally empty.
+    pub tie_held_blocks: usize,
     /// Seconds of other requests' delay charged per second of uncached prefill a choice adds (see
     /// "The choice" above); 0 chooses by estimated TTFT alone.
     pub prefill_externality: f64,
@@ -115,6 +118,7 @@ impl Default for EstimatorConfig {
             rate_sample_min_work: 512.0,
             tie_rel: 0.03,
             tie_abs_s: 0.001,
+            tie_held_blocks: 64,
             prefill_externality: 0.5,
             guard_abs: 32,
             guard_rel: 1.0,
@@ -447,6 +451,8 @@ pub struct Scored {
     pub load: usize,
     /// Cached prompt tokens on the worker.
     pub cached_tokens: usize,
+    /// Blocks the worker's cache holds (any prompt's), as the index knows them.
+    pub held_blocks: usize,
 }
 
 /// Why the choice went where it did.
@@ -515,6 +521,19 @@ pub fn choose(
     let ties: Vec<usize> = ties
         .into_iter()
         .filter(|i| scored[*i].cached_tokens == most_cached)
+        .collect();
+    // A prompt that goes in cold is best stored where it evicts least: the emptiest cache (near-equal
+    // ones are drawn at random). A random draw let caches fill unevenly, and the fullest one then
+    // evicted prefixes the next requests needed.
+    let emptiest = ties
+        .iter()
+        .map(|i| scored[*i].held_blocks)
+        .min()
+        .unwrap_or(0);
+    let room = emptiest + (emptiest / 50).max(cfg.tie_held_blocks);
+    let ties: Vec<usize> = ties
+        .into_iter()
+        .filter(|i| scored[*i].held_blocks <= room)
         .collect();
     let pick = match ties.len() {
         0 => return None,

@@ -413,6 +413,8 @@ struct Candidate {
     rates: Rates,
     /// Leading blocks of the prompt the worker holds (index or speculative credit).
     run: usize,
+    /// Blocks of any prompt the index believes the worker holds (how full its cache is).
+    held_blocks: usize,
 }
 
 impl Candidate {
@@ -497,6 +499,7 @@ impl Shared {
                     kernel_missing: kernel.err(),
                     rates: estimate::blended(&st.rates, &fleet, now),
                     run: 0,
+                    held_blocks: 0,
                 }
             })
             .collect()
@@ -532,6 +535,9 @@ impl Shared {
             slot_of[usize::from(c.worker.id)] = i;
         }
         let index = self.index.read();
+        for c in cands.iter_mut() {
+            c.held_blocks = index.worker_blocks(c.worker.id);
+        }
         let spec = self.spec.lock();
         let mut runs = Vec::new();
         for (bs, keys) in &keys_by_size {
@@ -806,6 +812,7 @@ impl Router {
                 cost_s: e.cost_s,
                 load: inputs.running,
                 cached_tokens: inputs.cached_tokens,
+                held_blocks: c.held_blocks,
             });
             estimates.push((inputs, e));
         }
@@ -863,7 +870,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={} held_blocks={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -877,6 +884,7 @@ impl Router {
                     c.signal.as_str(),
                     c.queue.others,
                     c.queue.others_waiting,
+                    c.held_blocks,
                 );
             }
             s

@@ -84,6 +84,42 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
 }
 
 #[test]
+fn a_cold_prompt_among_ties_goes_to_the_emptiest_cache() {
+    let cfg = cfg();
+    let mut rng = StdRng::seed_from_u64(11);
+    let worker = |held_blocks| Scored {
+        cost_s: 0.5,
+        load: 0,
+        cached_tokens: 0,
+        held_blocks,
+    };
+    // Caches of 4,000, 1,200 and 3,900 blocks: the prompt is stored where it evicts least.
+    let scored = [worker(4_000), worker(1_200), worker(3_900)];
+    for _ in 0..50 {
+        assert_eq!(choose(&scored, &cfg, &mut rng).map(|(i, _)| i), Some(1));
+    }
+    // Near-equal caches (within 2%) are still drawn at random.
+    let scored = [worker(4_000), worker(3_990), worker(1_000)];
+    let scored = &scored[..2];
+    let mut seen = [0usize; 2];
+    for _ in 0..200 {
+        let (i, why) = choose(scored, &cfg, &mut rng).unwrap();
+        assert_eq!(why, Why::TieSpread);
+        seen[i] += 1;
+    }
+    assert!(seen.iter().all(|&n| n > 50), "{seen:?}");
+    // A cheaper estimate still wins over an emptier cache.
+    let scored = [
+        Scored {
+            cost_s: 0.2,
+            ..worker(4_000)
+        },
+        worker(10),
+    ];
+    assert_eq!(choose(&scored, &cfg, &mut rng).map(|(i, _)| i), Some(0));
+}
+
+#[test]
 fn ties_are_spread_at_random() {
     let cfg = cfg();
     let mut rng = StdRng::seed_from_u64(7);
@@ -91,7 +127,8 @@ fn ties_are_spread_at_random() {
         Scored {
             cost_s: 0.5,
             load: 0,
-            cached_tokens: 0
+            cached_tokens: 0,
+            held_blocks: 0,
         };
         4
     ];
@@ -113,11 +150,13 @@ fn strict_best_wins_with_its_reason() {
             cost_s: 1.0,
             load: 0,
             cached_tokens: 0,
+            held_blocks: 0,
         },
         Scored {
             cost_s: 0.1,
             load: 3,
             cached_tokens: 900,
+            held_blocks: 0,
         },
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::CacheHit)));
@@ -126,11 +165,13 @@ fn strict_best_wins_with_its_reason() {
             cost_s: 1.0,
             load: 5,
             cached_tokens: 0,
+            held_blocks: 0,
         },
         Scored {
             cost_s: 0.5,
             load: 0,
             cached_tokens: 0,
+            held_blocks: 0,
         },
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::LeastLoaded)));
@@ -146,11 +187,13 @@ fn load_guard_caps_piling_onto_one_worker() {
             cost_s: 0.1,
             load: 33,
             cached_tokens: 5_000,
+            held_blocks: 0,
         },
         Scored {
             cost_s: 2.0,
             load: 0,
             cached_tokens: 0,
+            held_blocks: 0,
         },
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::LoadGuard)));
@@ -169,16 +212,19 @@ fn near_ties_prefer_the_cache_then_spread() {
             cost_s: 1.00,
             load: 0,
             cached_tokens: 0,
+            held_blocks: 0,
         },
         Scored {
             cost_s: 1.01,
             load: 1,
             cached_tokens: 4_000,
+            held_blocks: 0,
         },
         Scored {
             cost_s: 1.00,
             load: 0,
             cached_tokens: 0,
+            held_blocks: 0,
         },
     ];
     assert_eq!(choose(&scored, &cfg, &mut rng), Some((1, Why::CacheHit)));
@@ -673,6 +719,7 @@ fn leaving_a_cached_prefix_must_beat_the_holders_queue_by_the_prefill_it_duplica
                 cost_s: estimate(&rates, i, cfg).cost_s,
                 load: i.running,
                 cached_tokens: i.cached_tokens,
+                held_blocks: 0,
             })
             .collect();
         choose(&scored, cfg, &mut StdRng::seed_from_u64(3)).map(|(i, _)| i)
@@ -708,6 +755,7 @@ fn leaving_a_cached_prefix_must_beat_the_holders_queue_by_the_prefill_it_duplica
             cost_s: estimate(&rates, i, &cfg()).cost_s,
             load: i.running,
             cached_tokens: i.cached_tokens,
+            held_blocks: 0,
         })
         .collect();
     assert_eq!(
@@ -740,6 +788,7 @@ fn a_prompt_cold_everywhere_is_chosen_as_by_ttft() {
                     cost_s: estimate(&rates, i, cfg).cost_s,
                     load: i.running,
                     cached_tokens: 0,
+                    held_blocks: 0,
                 })
                 .collect();
             choose(&scored, cfg, &mut StdRng::seed_from_u64(5))
