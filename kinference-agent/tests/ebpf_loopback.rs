@@ -180,6 +180,32 @@ fn request(stream: &mut TcpStream, ms: u64, close: bool) -> Duration {
     ttfb
 }
 
+/// A server the monitor watches (given a few polls to take it up), and its worker URL.
+fn watched_server(monitor: &KernelMonitor) -> (SleepServer, String) {
+    let server = SleepServer::start();
+    let worker = format!("http://127.0.0.1:{}", server.port);
+    assert!(monitor.watch(&worker));
+    std::thread::sleep(POLL * 5);
+    (server, worker)
+}
+
+/// One client thread per delay, each on its own connection to `port`, running `send(stream, delay)`.
+fn spawn_clients<T: Send + 'static>(
+    port: u16,
+    delays: &[u64],
+    send: fn(&mut TcpStream, u64) -> T,
+) -> Vec<std::thread::JoinHandle<T>> {
+    delays
+        .iter()
+        .map(|&ms| {
+            std::thread::spawn(move || {
+                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+                send(&mut stream, ms)
+            })
+        })
+        .collect()
+}
+
 fn view(monitor: &KernelMonitor, worker: &str) -> KernelView {
     std::thread::sleep(POLL * 3);
     monitor.view(worker).unwrap_or_default()
@@ -254,10 +280,7 @@ fn kernel_view_matches_the_clients() {
     };
     assert!(attached("inet_sock_set_state"), "{:?}", status.programs);
 
-    let server = SleepServer::start();
-    let worker = format!("http://127.0.0.1:{}", server.port);
-    assert!(monitor.watch(&worker));
-    std::thread::sleep(POLL * 5);
+    let (server, worker) = watched_server(&monitor);
     let idle = view(&monitor, &worker);
     assert_eq!(idle.in_flight, 0, "{idle:?}");
 
@@ -265,16 +288,7 @@ fn kernel_view_matches_the_clients() {
     // sampling times, for a loaded CI machine).
     let delays: Vec<u64> = (1..=6).map(|i| i * 300).collect();
     let started = Instant::now();
-    let clients: Vec<_> = delays
-        .iter()
-        .map(|&ms| {
-            let port = server.port;
-            std::thread::spawn(move || {
-                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-                request(&mut stream, ms, true)
-            })
-        })
-        .collect();
+    let clients = spawn_clients(server.port, &delays, |stream, ms| request(stream, ms, true));
     // All six are waiting at ~150 ms; three remain at ~1050 ms (300, 600, 900 answered).
     std::thread::sleep(Duration::from_millis(90).saturating_sub(started.elapsed()));
     let early = view(&monitor, &worker);
@@ -392,25 +406,13 @@ fn an_event_stream_waits_until_its_first_body_byte() {
     let Some(monitor) = loaded_monitor() else {
         return;
     };
-    let server = SleepServer::start();
-    let worker = format!("http://127.0.0.1:{}", server.port);
-    assert!(monitor.watch(&worker));
-    std::thread::sleep(POLL * 5);
+    let (server, worker) = watched_server(&monitor);
     let waits_for_body = view(&monitor, &worker).waits_for_body;
     eprintln!("waits_for_body: {waits_for_body}");
 
     let delays = [400u64, 800, 1200];
     let started = Instant::now();
-    let clients: Vec<_> = delays
-        .iter()
-        .map(|&ms| {
-            let port = server.port;
-            std::thread::spawn(move || {
-                let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
-                request_event_stream(&mut stream, ms)
-            })
-        })
-        .collect();
+    let clients = spawn_clients(server.port, &delays, request_event_stream);
     // At ~200 ms all three sent their headers and none its first event; at ~1000 ms one is left.
     std::thread::sleep(Duration::from_millis(140).saturating_sub(started.elapsed()));
     let early = view(&monitor, &worker);

@@ -506,7 +506,8 @@ impl Shared {
     }
 
     /// The prompt's block keys per block size in use, and every candidate's cached run (KV index, then
-    /// speculative credit) in one pass per size.
+    /// speculative credit) in one pass per size; also each candidate's `held_blocks`, read under the same
+    /// index lock.
     fn cached_runs(
         &self,
         model: &str,
