@@ -19,9 +19,10 @@ pub struct KeyHasher {
     seed: u64,
 }
 
-/// Tokens hashed per block are staged in a stack buffer up to this many tokens; larger blocks spill to
-/// the heap. vLLM's block sizes are 16, 32, 64 or 128 in practice.
-const STACK_TOKENS: usize = 256;
+/// [`KeyHasher::block_key`] stages a block of up to this many tokens in a stack buffer; larger blocks
+/// spill to the heap. vLLM's block sizes are 16, 32, 64 or 128 in practice. (The buffer is zeroed on
+/// every call, so it is kept small; [`KeyHasher::extend_keys`] reuses one buffer for a whole prompt.)
+const STACK_TOKENS: usize = 128;
 
 impl KeyHasher {
     /// The hasher for a served model name.
@@ -31,10 +32,15 @@ impl KeyHasher {
         }
     }
 
+    /// The parent of a sequence's first block: a model-specific root, so a root block never equals a
+    /// child.
+    fn root(&self) -> BlockKey {
+        self.seed ^ 0x9e37_79b9_7f4a_7c15
+    }
+
     /// The key of one block, given its parent's key (`None` for the first block of a sequence).
     pub fn block_key(&self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
-        // The first block chains from a model-specific root, so a root block never equals a child.
-        let parent = parent.unwrap_or(self.seed ^ 0x9e37_79b9_7f4a_7c15);
+        let parent = parent.unwrap_or(self.root());
         if tokens.len() <= STACK_TOKENS {
             let mut buf = [0u8; 8 + 4 * STACK_TOKENS];
             let len = encode(parent, tokens, &mut buf);
@@ -70,11 +76,13 @@ impl KeyHasher {
         if block_size == 0 {
             return;
         }
-        let mut parent = parent;
+        // One staging buffer for every block: each block overwrites all of it.
+        let mut buf = vec![0u8; 8 + 4 * block_size];
+        let mut parent = parent.unwrap_or(self.root());
         for block in tokens.chunks_exact(block_size) {
-            let key = self.block_key(parent, block);
-            out.push(key);
-            parent = Some(key);
+            encode(parent, block, &mut buf);
+            parent = xxh3_64_with_seed(&buf, self.seed);
+            out.push(parent);
         }
     }
 }

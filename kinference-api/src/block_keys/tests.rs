@@ -57,3 +57,23 @@ proptest! {
         prop_assert_eq!(all, joined);
     }
 }
+
+/// Keys are a wire-level contract between agents and gateways of different builds: pinned values.
+#[test]
+fn keys_are_stable_across_builds() {
+    let h = KeyHasher::for_model("qwen");
+    let tokens: Vec<u32> = (0..48).map(|i| i * 7919).collect();
+    let expected = [
+        0x211b_61af_9633_aeee,
+        0xcd35_1759_8153_4b1c,
+        0xb379_37ee_931d_b2cd,
+    ];
+    assert_eq!(h.keys(None, &tokens, 16), expected);
+    // One block at a time, as the agent computes them from events, gives the same keys.
+    assert_eq!(h.block_key(None, &tokens[..16]), expected[0]);
+    assert_eq!(h.block_key(Some(expected[1]), &tokens[32..]), expected[2]);
+    // A block larger than the stack buffer takes the other path and still chains the same way.
+    let big: Vec<u32> = (0..600).collect();
+    let two = h.keys(None, &big, 300);
+    assert_eq!(two[1], h.block_key(Some(two[0]), &big[300..]));
+}
