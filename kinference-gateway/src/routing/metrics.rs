@@ -7,6 +7,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 /// Labels of a routing decision.
@@ -48,9 +49,27 @@ pub struct TokenizeLabels {
     pub source: String,
 }
 
+/// Labels of a timed stage of a routing decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// Routing mode.
+    pub mode: String,
+    /// `tokenize` (the prompt's tokens, local or from a worker) or `decide` (block keys, index lookups,
+    /// estimates, the pick).
+    pub stage: String,
+}
+
+/// 10 us to ~0.3 s: a decision takes tens of microseconds, a tokenization up to milliseconds, the
+/// `/tokenize` fallback a round trip.
+fn stage_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.000_01, 2.0, 16))
+}
+
 /// All router metrics; clones share the same values.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Metrics {
+    /// Time spent routing, by stage: what the gateway adds to every request before it is sent on.
+    pub stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     /// Decisions by mode and reason.
     pub decisions: Family<DecisionLabels, Counter>,
     /// Prompt tokens the router expected to be cached on the chosen worker.
@@ -81,10 +100,37 @@ pub struct Metrics {
     pub kernel_view_missing: Family<KernelMissingLabels, Counter>,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            stage_seconds: Family::new_with_constructor(stage_histogram as fn() -> Histogram),
+            decisions: Family::default(),
+            predicted_cached_tokens: Counter::default(),
+            index_pairs: Gauge::default(),
+            index_bytes: Gauge::default(),
+            index_evictions: Counter::default(),
+            speculative_keys: Gauge::default(),
+            agent_connected: Family::default(),
+            agent_connects: Family::default(),
+            agent_messages: Family::default(),
+            agent_stale: Family::default(),
+            tokenize: Family::default(),
+            worker_tokens_per_s: Family::default(),
+            worker_overhead_s: Family::default(),
+            kernel_view_missing: Family::default(),
+        }
+    }
+}
+
 impl Metrics {
     /// Registers every metric under `kinference_routing_*`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("kinference_routing");
+        r.register(
+            "stage_seconds",
+            "Time spent routing a request, by mode and stage (tokenize, decide)",
+            self.stage_seconds.clone(),
+        );
         r.register(
             "decisions",
             "Routing decisions by mode and reason",

@@ -355,6 +355,17 @@ impl Shared {
     }
 
     /// Logs a degraded decision at most every 10 s.
+    /// Records the time since `started` as routing stage `stage` of this gateway's mode.
+    fn time_stage(&self, stage: &str, started: Instant) {
+        self.metrics
+            .stage_seconds
+            .get_or_create(&metrics::StageLabels {
+                mode: self.mode.as_str().to_string(),
+                stage: stage.to_string(),
+            })
+            .observe(started.elapsed().as_secs_f64());
+    }
+
     fn log_degraded(&self, reason: &'static str, model: &str) {
         let mut last = self.last_degraded_log.lock();
         let now = Instant::now();
@@ -636,6 +647,7 @@ impl Router {
     async fn pick_from(&self, req: RouteRequest<'_>, candidates: &[Arc<Worker>]) -> Decision {
         let shared = &self.shared;
         if shared.mode != RoutingMode::Kinference {
+            let started = Instant::now();
             let (i, reason) = baseline::pick(
                 shared.mode,
                 candidates,
@@ -643,18 +655,22 @@ impl Router {
                 &shared.tuning,
                 &shared.round_robin,
             );
-            return self.record_simple(candidates, i, reason, req.debug);
+            let decision = self.record_simple(candidates, i, reason, req.debug);
+            shared.time_stage("decide", started);
+            return decision;
         }
         // Ask the least busy worker when the gateway has no tokenizer for this model.
         let fallback = candidates
             .iter()
             .min_by_key(|w| w.state.lock().in_flight)
             .map(|w| w.url.clone());
-        match shared
+        let started = Instant::now();
+        let tokens = shared
             .tokenizers
             .tokens(req.model, req.prompt, fallback.as_deref())
-            .await
-        {
+            .await;
+        shared.time_stage("tokenize", started);
+        match tokens {
             Ok((tokens, source)) => {
                 let source = match source {
                     Source::Local => "local",
@@ -668,7 +684,10 @@ impl Router {
                         source: source.to_string(),
                     })
                     .inc();
-                self.decide(req.model, candidates, &tokens, req.debug)
+                let started = Instant::now();
+                let decision = self.decide(req.model, candidates, &tokens, req.debug);
+                shared.time_stage("decide", started);
+                decision
             }
             Err(e) => {
                 shared
@@ -967,7 +986,23 @@ impl Router {
 
     /// Registers the router's metrics (decisions by reason, index size, agents, tokenization, rates).
     pub fn register_metrics(&self, registry: &mut Registry) {
-        self.shared.metrics.register(registry);
+        let shared = &self.shared;
+        // This mode's stage timings exist from the start (a histogram family prints nothing until it
+        // has a series, and a dashboard should not show "no data" for a router that has not routed yet).
+        let stages: &[&str] = match shared.mode {
+            RoutingMode::Kinference => &["tokenize", "decide"],
+            _ => &["decide"],
+        };
+        for stage in stages {
+            let _ = shared
+                .metrics
+                .stage_seconds
+                .get_or_create(&metrics::StageLabels {
+                    mode: shared.mode.as_str().to_string(),
+                    stage: stage.to_string(),
+                });
+        }
+        shared.metrics.register(registry);
     }
 }
 

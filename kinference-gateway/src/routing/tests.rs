@@ -495,3 +495,36 @@ async fn baselines_route_by_their_rule() {
     assert_eq!(a.worker, b.worker);
     assert_eq!(a.reason, "prefix_hash");
 }
+
+#[tokio::test]
+async fn routing_time_is_exported_by_mode_and_stage() {
+    fn exposition(router: &Router) -> String {
+        let mut registry = prometheus_client::registry::Registry::default();
+        router.register_metrics(&mut registry);
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &registry).unwrap();
+        out
+    }
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    for i in 0..3 {
+        router.pick(text(&format!("question {i}"))).await.unwrap();
+    }
+    let out = exposition(&router);
+    for stage in ["tokenize", "decide"] {
+        assert!(
+            out.contains(&format!(
+                "kinference_routing_stage_seconds_count{{mode=\"kinference\",stage=\"{stage}\"}} 3"
+            )),
+            "{out}"
+        );
+    }
+    // A baseline has no tokenization stage: it decides only.
+    let baseline = Router::new(config(RoutingMode::Random)).unwrap();
+    baseline.pick(req("hello")).await.unwrap();
+    let out = exposition(&baseline);
+    assert!(
+        out.contains("kinference_routing_stage_seconds_count{mode=\"random\",stage=\"decide\"} 1"),
+        "{out}"
+    );
+    assert!(!out.contains("stage=\"tokenize\""), "{out}");
+}
