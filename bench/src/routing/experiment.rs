@@ -190,10 +190,26 @@ impl ExperimentConfig {
         })
     }
 
+    /// Requests in a measured run of `kind` at `concurrency`.
+    ///
+    /// A multi-turn run scales by whole conversations: a virtual user sends a session's turns one after
+    /// another, so a run of fewer than `concurrency` sessions leaves users idle and measures a lower
+    /// concurrency than it names (96 requests are 16 conversations of 6 turns). With the scaled count it
+    /// holds at least two sessions per user.
+    pub fn requests_for(&self, kind: WorkloadKind, concurrency: usize) -> usize {
+        let n = self.requests.for_concurrency(concurrency);
+        match (kind, self.requests) {
+            (WorkloadKind::MultiTurn, RequestCount::Scaled { .. }) => {
+                n.max(2 * concurrency * self.shape.mean_turns())
+            }
+            _ => n,
+        }
+    }
+
     /// The warm-up phase and the measured sequence of a run at `concurrency`.
     pub fn sequences(&self, kind: WorkloadKind, concurrency: usize) -> (Workload, Workload) {
         let warmup = self.warmup_for(kind);
-        let n = self.requests.for_concurrency(concurrency);
+        let n = self.requests_for(kind, concurrency);
         Workload::generate(kind, &self.shape, self.seed, warmup + n).split_at_requests(warmup)
     }
 
@@ -371,8 +387,8 @@ fn estimate_left(records: &[RunRecord], config: &ExperimentConfig, elapsed: Dura
     let planned: usize = config
         .workloads
         .iter()
-        .flat_map(|_| config.concurrency.iter())
-        .map(|&c| config.requests.for_concurrency(c) * config.policies.len())
+        .flat_map(|&w| config.concurrency.iter().map(move |&c| (w, c)))
+        .map(|(w, c)| config.requests_for(w, c) * config.policies.len())
         .sum::<usize>()
         + config
             .workloads

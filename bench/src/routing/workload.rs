@@ -117,6 +117,13 @@ impl Default for WorkloadShape {
     }
 }
 
+impl WorkloadShape {
+    /// Mean turns of a multi-turn conversation.
+    pub fn mean_turns(&self) -> usize {
+        (self.turns.0 + self.turns.1).div_ceil(2).max(1)
+    }
+}
+
 /// One chat message in OpenAI format.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Message {

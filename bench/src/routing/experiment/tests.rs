@@ -37,3 +37,38 @@ fn scaled_request_counts_grow_with_concurrency_above_a_floor() {
     assert_eq!(count.for_concurrency(32), 128);
     assert_eq!(RequestCount::Fixed(7).for_concurrency(32), 7);
 }
+
+#[test]
+fn multi_turn_runs_hold_two_conversations_per_user() {
+    let config = ExperimentConfig {
+        workloads: vec![WorkloadKind::MultiTurn],
+        concurrency: vec![1, 32],
+        policies: vec![Policy::Random],
+        requests: RequestCount::Scaled {
+            min: 96,
+            per_user: 3,
+        },
+        warmup: None,
+        seed: 1,
+        time_scale: 1.0,
+        shape: WorkloadShape::default(),
+        settle: Duration::ZERO,
+    };
+    // Turns 4-8: six on average, so 32 users need 384 requests for two sessions each.
+    assert_eq!(config.requests_for(WorkloadKind::MultiTurn, 32), 384);
+    assert_eq!(config.requests_for(WorkloadKind::MultiTurn, 1), 96);
+    assert_eq!(config.requests_for(WorkloadKind::SharedPrefix, 32), 96);
+    let (_, measured) = config.sequences(WorkloadKind::MultiTurn, 32);
+    assert_eq!(measured.len(), 384);
+    assert!(
+        measured.sessions.len() >= 2 * 32 - 1,
+        "{} sessions",
+        measured.sessions.len()
+    );
+    // A fixed count is what the user asked for.
+    let fixed = ExperimentConfig {
+        requests: RequestCount::Fixed(24),
+        ..config
+    };
+    assert_eq!(fixed.requests_for(WorkloadKind::MultiTurn, 32), 24);
+}
