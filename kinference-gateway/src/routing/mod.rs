@@ -354,7 +354,6 @@ impl Shared {
         }
     }
 
-    /// Logs a degraded decision at most every 10 s.
     /// Records the time since `started` as routing stage `stage` of this gateway's mode.
     fn time_stage(&self, stage: &str, started: Instant) {
         self.metrics
@@ -366,6 +365,7 @@ impl Shared {
             .observe(started.elapsed().as_secs_f64());
     }
 
+    /// Logs a degraded decision at most every 10 s.
     fn log_degraded(&self, reason: &'static str, model: &str) {
         let mut last = self.last_degraded_log.lock();
         let now = Instant::now();
