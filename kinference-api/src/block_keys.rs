@@ -42,13 +42,9 @@ impl KeyHasher {
     pub fn block_key(&self, parent: Option<BlockKey>, tokens: &[u32]) -> BlockKey {
         let parent = parent.unwrap_or(self.root());
         if tokens.len() <= STACK_TOKENS {
-            let mut buf = [0u8; 8 + 4 * STACK_TOKENS];
-            let len = encode(parent, tokens, &mut buf);
-            xxh3_64_with_seed(&buf[..len], self.seed)
+            self.hash_block(parent, tokens, &mut [0u8; 8 + 4 * STACK_TOKENS])
         } else {
-            let mut buf = vec![0u8; 8 + 4 * tokens.len()];
-            let len = encode(parent, tokens, &mut buf);
-            xxh3_64_with_seed(&buf[..len], self.seed)
+            self.hash_block(parent, tokens, &mut vec![0u8; 8 + 4 * tokens.len()])
         }
     }
 
@@ -80,10 +76,16 @@ impl KeyHasher {
         let mut buf = vec![0u8; 8 + 4 * block_size];
         let mut parent = parent.unwrap_or(self.root());
         for block in tokens.chunks_exact(block_size) {
-            encode(parent, block, &mut buf);
-            parent = xxh3_64_with_seed(&buf, self.seed);
+            parent = self.hash_block(parent, block, &mut buf);
             out.push(parent);
         }
+    }
+
+    /// The key of `tokens` under `parent`, staged in `buf` (at least `8 + 4 x tokens` bytes): the
+    /// parent's and then each token's little-endian bytes, hashed with the model's seed.
+    fn hash_block(&self, parent: BlockKey, tokens: &[u32], buf: &mut [u8]) -> BlockKey {
+        let len = encode(parent, tokens, buf);
+        xxh3_64_with_seed(&buf[..len], self.seed)
     }
 }
 
