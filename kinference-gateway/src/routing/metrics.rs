@@ -122,7 +122,34 @@ impl Default for Metrics {
     }
 }
 
+/// One routing mode's stage histograms, looked up once when the router is built, so a request observes
+/// them without a label lookup; `tokenize` only where the mode tokenizes (the baselines do not). They
+/// exist from the start: a histogram family prints nothing until it has a series.
+#[derive(Clone, Debug)]
+pub struct StageTimers {
+    /// `stage="tokenize"`.
+    pub tokenize: Option<Histogram>,
+    /// `stage="decide"`.
+    pub decide: Histogram,
+}
+
 impl Metrics {
+    /// The stage histograms of routing mode `mode`.
+    pub fn stage_timers(&self, mode: &str, tokenizes: bool) -> StageTimers {
+        let stage = |stage: &str| {
+            self.stage_seconds
+                .get_or_create(&StageLabels {
+                    mode: mode.to_string(),
+                    stage: stage.to_string(),
+                })
+                .clone()
+        };
+        StageTimers {
+            tokenize: tokenizes.then(|| stage("tokenize")),
+            decide: stage("decide"),
+        }
+    }
+
     /// Registers every metric under `kinference_routing_*`.
     pub fn register(&self, registry: &mut Registry) {
         let r = registry.sub_registry_with_prefix("kinference_routing");

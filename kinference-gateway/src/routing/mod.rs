@@ -291,6 +291,8 @@ struct Shared {
     agents: Vec<Mutex<AgentState>>,
     tokenizers: Tokenizers,
     metrics: metrics::Metrics,
+    /// This mode's series of `metrics.stage_seconds`.
+    stages: metrics::StageTimers,
     round_robin: AtomicUsize,
     last_degraded_log: Mutex<Option<Instant>>,
     /// When a missing kernel view was last logged.
@@ -352,17 +354,6 @@ impl Shared {
                 "no kernel-level queue view: other gateways' requests on this worker are seen only through its scraped counters"
             );
         }
-    }
-
-    /// Records the time since `started` as routing stage `stage` of this gateway's mode.
-    fn time_stage(&self, stage: &str, started: Instant) {
-        self.metrics
-            .stage_seconds
-            .get_or_create(&metrics::StageLabels {
-                mode: self.mode.as_str().to_string(),
-                stage: stage.to_string(),
-            })
-            .observe(started.elapsed().as_secs_f64());
     }
 
     /// Logs a degraded decision at most every 10 s.
@@ -601,6 +592,9 @@ impl Router {
                 .map(|m| (m.name.as_str(), m.tokenizer_dir.as_deref())),
         )
         .map_err(|(model, error)| BuildError::Tokenizer { model, error })?;
+        let metrics = metrics::Metrics::default();
+        let stages =
+            metrics.stage_timers(config.mode.as_str(), config.mode == RoutingMode::Kinference);
         let shared = Arc::new(Shared {
             mode: config.mode,
             fleet_rates: Mutex::new(prior_rates.clone()),
@@ -614,7 +608,8 @@ impl Router {
                 .map(|a| Mutex::new(AgentState::new(a)))
                 .collect(),
             tokenizers,
-            metrics: metrics::Metrics::default(),
+            metrics,
+            stages,
             round_robin: AtomicUsize::new(0),
             last_degraded_log: Mutex::new(None),
             last_kernel_log: Mutex::new(None),
@@ -656,7 +651,10 @@ impl Router {
                 &shared.round_robin,
             );
             let decision = self.record_simple(candidates, i, reason, req.debug);
-            shared.time_stage("decide", started);
+            shared
+                .stages
+                .decide
+                .observe(started.elapsed().as_secs_f64());
             return decision;
         }
         // Ask the least busy worker when the gateway has no tokenizer for this model.
@@ -669,7 +667,9 @@ impl Router {
             .tokenizers
             .tokens(req.model, req.prompt, fallback.as_deref())
             .await;
-        shared.time_stage("tokenize", started);
+        if let Some(tokenize) = &shared.stages.tokenize {
+            tokenize.observe(started.elapsed().as_secs_f64());
+        }
         match tokens {
             Ok((tokens, source)) => {
                 let source = match source {
@@ -686,7 +686,10 @@ impl Router {
                     .inc();
                 let started = Instant::now();
                 let decision = self.decide(req.model, candidates, &tokens, req.debug);
-                shared.time_stage("decide", started);
+                shared
+                    .stages
+                    .decide
+                    .observe(started.elapsed().as_secs_f64());
                 decision
             }
             Err(e) => {
@@ -986,23 +989,7 @@ impl Router {
 
     /// Registers the router's metrics (decisions by reason, index size, agents, tokenization, rates).
     pub fn register_metrics(&self, registry: &mut Registry) {
-        let shared = &self.shared;
-        // This mode's stage timings exist from the start (a histogram family prints nothing until it
-        // has a series, and a dashboard should not show "no data" for a router that has not routed yet).
-        let stages: &[&str] = match shared.mode {
-            RoutingMode::Kinference => &["tokenize", "decide"],
-            _ => &["decide"],
-        };
-        for stage in stages {
-            let _ = shared
-                .metrics
-                .stage_seconds
-                .get_or_create(&metrics::StageLabels {
-                    mode: shared.mode.as_str().to_string(),
-                    stage: stage.to_string(),
-                });
-        }
-        shared.metrics.register(registry);
+        self.shared.metrics.register(registry);
     }
 }
 
