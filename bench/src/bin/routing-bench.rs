@@ -345,7 +345,8 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         "requests_per_run": match requests {
             RequestCount::Fixed(n) => format!("{n}"),
             RequestCount::Scaled { min, per_user } => format!(
-                "max({min}, {per_user} x concurrency); multi-turn at least 2 conversations per user"
+                "max({min}, {per_user} x concurrency); multi-turn at least {} conversations per user",
+                ExperimentConfig::MULTI_TURN_SESSIONS_PER_USER
             ),
         },
         "seed": args.seed,

@@ -190,17 +190,20 @@ impl ExperimentConfig {
         })
     }
 
+    /// Conversations per virtual user in a scaled multi-turn run.
+    pub const MULTI_TURN_SESSIONS_PER_USER: usize = 2;
+
     /// Requests in a measured run of `kind` at `concurrency`.
     ///
     /// A multi-turn run scales by whole conversations: a virtual user sends a session's turns one after
     /// another, so a run of fewer than `concurrency` sessions leaves users idle and measures a lower
     /// concurrency than it names (96 requests are 16 conversations of 6 turns). With the scaled count it
-    /// holds at least two sessions per user.
+    /// holds at least [`Self::MULTI_TURN_SESSIONS_PER_USER`] sessions per user.
     pub fn requests_for(&self, kind: WorkloadKind, concurrency: usize) -> usize {
         let n = self.requests.for_concurrency(concurrency);
         match (kind, self.requests) {
             (WorkloadKind::MultiTurn, RequestCount::Scaled { .. }) => {
-                n.max(2 * concurrency * self.shape.mean_turns())
+                n.max(Self::MULTI_TURN_SESSIONS_PER_USER * concurrency * self.shape.mean_turns())
             }
             _ => n,
         }
