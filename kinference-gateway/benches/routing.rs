@@ -169,9 +169,11 @@ fn decision(c: &mut Criterion) {
     samples.sort_unstable();
     let pct = |p: f64| samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)];
     println!(
-        "routing decision (2,000 blocks, 100 workers, 2M index pairs): p50 {:?}  p99 {:?}  max {:?}",
+        "routing decision (2,000 blocks, 100 workers, 2M index pairs): p50 {:?}  p90 {:?}  p99 {:?}  p99.9 {:?}  max {:?}",
         pct(0.50),
+        pct(0.90),
         pct(0.99),
+        pct(0.999),
         samples[samples.len() - 1]
     );
 }

@@ -41,6 +41,22 @@ fn large_blocks_hash_like_small_ones_would_chain() {
 }
 
 proptest! {
+    /// The fixed-size loops (16, 32, 64, 128) and the general one compute the same chain as
+    /// hashing block by block.
+    #[test]
+    fn every_block_size_chains_like_block_key(tokens in prop::collection::vec(any::<u32>(), 0..600), pick in 0usize..7) {
+        let h = KeyHasher::for_model("qwen");
+        let bs = [1, 15, 16, 32, 64, 128, 200][pick];
+        let mut parent = None;
+        let mut chained = Vec::new();
+        for block in tokens.chunks_exact(bs) {
+            let key = h.block_key(parent, block);
+            chained.push(key);
+            parent = Some(key);
+        }
+        prop_assert_eq!(h.keys(None, &tokens, bs), chained);
+    }
+
     /// Keys of a sequence computed in one go equal keys computed block by block from a parent,
     /// which is how the agent sees them (a `BlockStored` event with a `parent_block_hash`).
     #[test]
