@@ -61,9 +61,12 @@ const PROMPT_BLOCKS: usize = 2_000;
 const BLOCK: usize = 16;
 
 fn tokenizer_dir() -> PathBuf {
+    // cargo runs benchmarks in the package's directory; a relative override is meant from the
+    // workspace root, where the command is typed.
+    let root = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
     let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")));
+        .map(|d| root.join(d))
+        .unwrap_or_else(|| root.join(".assets/qwen2"));
     assert!(
         dir.join("tokenizer.json").exists(),
         "no tokenizer at {}: run `cargo xtask setup`",
