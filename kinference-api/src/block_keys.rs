@@ -86,13 +86,8 @@ impl KeyHasher {
             64 => self.extend_fixed::<64>(parent, tokens, out),
             128 => self.extend_fixed::<128>(parent, tokens, out),
             _ => {
-                // One staging buffer for every block: each block overwrites all of it.
                 let mut buf = vec![0u8; 8 + 4 * block_size];
-                let mut parent = parent;
-                for block in tokens.chunks_exact(block_size) {
-                    parent = self.hash_block(parent, block, &mut buf);
-                    out.push(parent);
-                }
+                self.chain(parent, tokens, block_size, &mut buf, out);
             }
         }
     }
@@ -100,14 +95,28 @@ impl KeyHasher {
     /// [`KeyHasher::extend_keys`] for a block size known at compile time (at most `STACK_TOKENS`).
     fn extend_fixed<const N: usize>(
         &self,
-        mut parent: BlockKey,
+        parent: BlockKey,
         tokens: &[u32],
         out: &mut Vec<BlockKey>,
     ) {
         let mut whole = [0u8; 8 + 4 * STACK_TOKENS];
-        let buf = &mut whole[..8 + 4 * N];
         out.reserve(tokens.len() / N);
-        for block in tokens.chunks_exact(N) {
+        self.chain(parent, tokens, N, &mut whole[..8 + 4 * N], out);
+    }
+
+    /// Appends the keys of `tokens`' full blocks chained from `parent`, staging every block in the
+    /// same `buf` (each block overwrites all of it). Always inlined, so a constant `block_size` from
+    /// [`KeyHasher::extend_fixed`] reaches the loop.
+    #[inline(always)]
+    fn chain(
+        &self,
+        mut parent: BlockKey,
+        tokens: &[u32],
+        block_size: usize,
+        buf: &mut [u8],
+        out: &mut Vec<BlockKey>,
+    ) {
+        for block in tokens.chunks_exact(block_size) {
             parent = self.hash_block(parent, block, buf);
             out.push(parent);
         }
