@@ -8,10 +8,12 @@
 //!
 //! The template is compiled once in [`ModelTokenizer::from_dir`]; each request only renders and encodes.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use minijinja::{Environment, ErrorKind, context};
-use serde_json::Value;
+use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde_json::{Map, Value};
 
 mod fast;
 #[cfg(test)]
@@ -243,6 +245,38 @@ impl ModelTokenizer {
         self.encode_text(&text, false)
     }
 
+    /// [`Self::encode_chat`], or `None` when more than `max_new_bytes` of the rendered prompt would
+    /// need a full encode: text seen recently (a shared system prompt, a conversation's earlier turns)
+    /// comes from the segment cache almost for free. A caller encodes what this returns on its own
+    /// thread and hands the rest to a worker thread.
+    pub fn encode_chat_within(
+        &self,
+        messages: &Value,
+        max_new_bytes: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizeError> {
+        let text = self.render_chat(messages, true)?;
+        self.encode_text_within(&text, false, max_new_bytes)
+    }
+
+    /// [`Self::encode_text`] under the same condition as [`Self::encode_chat_within`].
+    pub fn encode_text_within(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_new_bytes: usize,
+    ) -> Result<Option<Vec<u32>>, TokenizeError> {
+        match &self.fast {
+            Some(f) => {
+                let mut budget = max_new_bytes;
+                f.encode_within(&self.tokenizer, text, &mut budget)
+                    .map_err(|e| TokenizeError::Encode(e.to_string()))
+            }
+            // Without the fast path nothing is cached: all of the text is new.
+            None if text.len() > max_new_bytes => Ok(None),
+            None => self.encode_text(text, add_special_tokens).map(Some),
+        }
+    }
+
     /// Encodes with the full `tokenizers` pipeline, bypassing the fast path (reference for tests).
     pub fn encode_text_reference(
         &self,
@@ -294,9 +328,28 @@ fn special_token(config: &Value, key: &str) -> Option<String> {
     }
 }
 
+/// One message as the chat template sees it: its fields as sent, with `content` flattened to text.
+/// Borrowed, so a long system prompt is copied once (into the template's values), not per step.
+struct TemplateMessage<'a> {
+    fields: &'a Map<String, Value>,
+    content: Cow<'a, str>,
+}
+
+impl Serialize for TemplateMessage<'_> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let others = self.fields.iter().filter(|(k, _)| *k != "content");
+        let mut map = serializer.serialize_map(Some(others.clone().count() + 1))?;
+        for (k, v) in others {
+            map.serialize_entry(k, v)?;
+        }
+        map.serialize_entry("content", &self.content)?;
+        map.end()
+    }
+}
+
 /// Checks the OpenAI messages array and flattens content parts to text, as vLLM does for text-only
 /// models (text parts joined with `"\n"`; a null content becomes `""`).
-fn normalize_messages(messages: &Value) -> Result<Vec<Value>, TokenizeError> {
+fn normalize_messages(messages: &Value) -> Result<Vec<TemplateMessage<'_>>, TokenizeError> {
     let list = messages
         .as_array()
         .ok_or_else(|| TokenizeError::InvalidMessages("`messages` must be an array".into()))?;
@@ -308,27 +361,25 @@ fn normalize_messages(messages: &Value) -> Result<Vec<Value>, TokenizeError> {
     list.iter()
         .enumerate()
         .map(|(i, m)| {
-            let obj = m.as_object().ok_or_else(|| {
+            let fields = m.as_object().ok_or_else(|| {
                 TokenizeError::InvalidMessages(format!("messages[{i}] must be an object"))
             })?;
-            if !obj.get("role").is_some_and(Value::is_string) {
+            if !fields.get("role").is_some_and(Value::is_string) {
                 return Err(TokenizeError::InvalidMessages(format!(
                     "messages[{i}].role must be a string"
                 )));
             }
-            let content = match obj.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => flatten_parts(i, parts)?,
+            let content = match fields.get("content") {
+                None | Some(Value::Null) => Cow::Borrowed(""),
+                Some(Value::String(s)) => Cow::Borrowed(s.as_str()),
+                Some(Value::Array(parts)) => Cow::Owned(flatten_parts(i, parts)?),
                 Some(_) => {
                     return Err(TokenizeError::InvalidMessages(format!(
                         "messages[{i}].content must be a string or a list of parts"
                     )));
                 }
             };
-            let mut out = obj.clone();
-            out.insert("content".into(), Value::String(content));
-            Ok(Value::Object(out))
+            Ok(TemplateMessage { fields, content })
         })
         .collect()
 }

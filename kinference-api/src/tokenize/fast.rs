@@ -85,6 +85,8 @@ const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{
 pub(super) struct FastPath {
     /// Added tokens (matched before anything else, as `AddedVocabulary` does), longest first.
     added: Vec<(String, u32)>,
+    /// The added tokens that do not start with '<', which `encode` does not split on.
+    other_added: Vec<String>,
     /// GPT-2 `bytes_to_unicode` for the 128 ASCII bytes.
     byte_char: [char; 128],
     /// Tokens of recent long segments.
@@ -139,8 +141,14 @@ impl FastPath {
                 c
             };
         }
+        let other_added = added
+            .iter()
+            .filter(|(c, _)| !c.starts_with('<'))
+            .map(|(c, _)| c.clone())
+            .collect();
         Some(Self {
             added,
+            other_added,
             byte_char,
             cache: Mutex::default(),
         })
@@ -164,37 +172,69 @@ impl FastPath {
         tokenizer: &Tokenizer,
         text: &str,
     ) -> Result<Vec<u32>, tokenizers::Error> {
-        let mut out = Vec::with_capacity(text.len() / 3);
-        let mut seg_start = 0;
-        let bytes = text.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            if bytes[i] == b'<'
-                && let Some((tok, id)) = self
-                    .added
-                    .iter()
-                    .find(|(c, _)| text[i..].starts_with(c.as_str()))
-            {
-                self.encode_segment(tokenizer, &text[seg_start..i], &mut out)?;
-                out.push(*id);
-                i += tok.len();
-                seg_start = i;
-                continue;
-            }
-            i += 1;
-        }
-        self.encode_segment(tokenizer, &text[seg_start..], &mut out)?;
-        Ok(out)
+        let mut budget = usize::MAX;
+        Ok(self
+            .encode_within(tokenizer, text, &mut budget)?
+            .unwrap_or_default())
     }
 
+    /// Encodes `text` unless more than `budget` bytes of it miss the segment cache (`None` then, after
+    /// at most `budget` bytes of BPE): cached text costs a lookup, new text its BPE, so a caller can
+    /// keep the cheap encodes of repeated prompts on its own thread.
+    pub(super) fn encode_within(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        budget: &mut usize,
+    ) -> Result<Option<Vec<u32>>, tokenizers::Error> {
+        let mut out = Vec::with_capacity(text.len() / 3);
+        let mut seg_start = 0;
+        // Added tokens are matched here where they start with '<' (all of Qwen2's do): jump from one
+        // '<' to the next. A segment holding any other added token goes through the full tokenizer.
+        for i in memchr::memchr_iter(b'<', text.as_bytes()) {
+            if i < seg_start {
+                continue; // inside the added token just matched
+            }
+            if let Some((tok, id)) = self
+                .added
+                .iter()
+                .find(|(c, _)| text[i..].starts_with(c.as_str()))
+            {
+                if !self.encode_segment(tokenizer, &text[seg_start..i], &mut out, budget)? {
+                    return Ok(None);
+                }
+                out.push(*id);
+                seg_start = i + tok.len();
+            }
+        }
+        if !self.encode_segment(tokenizer, &text[seg_start..], &mut out, budget)? {
+            return Ok(None);
+        }
+        Ok(Some(out))
+    }
+
+    /// Appends `seg`'s tokens to `out`, from the cache or by BPE; the BPE is charged to `budget`, and
+    /// a segment that does not fit is not encoded (`false`).
     fn encode_segment(
         &self,
         tokenizer: &Tokenizer,
         seg: &str,
         out: &mut Vec<u32>,
-    ) -> Result<(), tokenizers::Error> {
+        budget: &mut usize,
+    ) -> Result<bool, tokenizers::Error> {
+        let charge = |budget: &mut usize| match budget.checked_sub(seg.len()) {
+            Some(left) => {
+                *budget = left;
+                true
+            }
+            None => false,
+        };
         if seg.len() < CACHED_SEGMENT_MIN {
-            return self.encode_uncached(tokenizer, seg, out);
+            if !charge(budget) {
+                return Ok(false);
+            }
+            self.encode_uncached(tokenizer, seg, out)?;
+            return Ok(true);
         }
         let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
         // A poisoned lock only means another encode panicked mid-update; the map itself stays valid.
@@ -205,7 +245,10 @@ impl FastPath {
             .get(key, seg);
         if let Some(ids) = hit {
             out.extend_from_slice(&ids);
-            return Ok(());
+            return Ok(true);
+        }
+        if !charge(budget) {
+            return Ok(false);
         }
         let start = out.len();
         self.encode_uncached(tokenizer, seg, out)?;
@@ -214,7 +257,7 @@ impl FastPath {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, seg, ids);
-        Ok(())
+        Ok(true)
     }
 
     fn encode_uncached(
@@ -226,8 +269,9 @@ impl FastPath {
         if seg.is_empty() {
             return Ok(());
         }
-        if !seg.is_ascii() || self.added.iter().any(|(c, _)| seg.contains(c.as_str())) {
-            // Non-ASCII needs NFC and Unicode classes; added tokens not starting with '<' are rare.
+        if !seg.is_ascii() || self.other_added.iter().any(|c| seg.contains(c.as_str())) {
+            // Non-ASCII needs NFC and Unicode classes; added tokens not starting with '<' are rare
+            // (`encode` has split off those that do).
             let enc = tokenizer.encode_fast(seg, false)?;
             out.extend_from_slice(enc.get_ids());
             return Ok(());

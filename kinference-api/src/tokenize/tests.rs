@@ -293,3 +293,55 @@ fn repeated_long_segments_come_from_the_cache_with_the_same_ids() {
     );
     assert!(fast.is_cached(&changed) && fast.is_cached(&segment));
 }
+
+#[test]
+fn encode_within_declines_long_new_text_and_takes_cached_text_free() {
+    let tok = qwen2();
+    // A long system prompt no other test uses, then a short question.
+    let system: String = (0..500)
+        .map(|i| format!("Budget rule {i}: keep replies under {} words.\n", i + 20))
+        .collect();
+    let chat = |question: &str| {
+        json!([
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ])
+    };
+    let budget = 4 * 1024;
+    assert!(system.len() > 4 * budget);
+    // New: more new text than the budget, so nothing is encoded (and nothing cached).
+    let first = chat("What is the limit?");
+    assert_eq!(
+        tok.encode_chat_within(&first, budget).expect("encode"),
+        None
+    );
+    assert_eq!(
+        tok.encode_chat_within(&first, budget).expect("encode"),
+        None,
+        "a declined encode must not fill the cache"
+    );
+    // An unbounded encode caches the system prompt; then only the question is new.
+    let full = tok.encode_chat(&first).expect("encode");
+    assert_eq!(
+        tok.encode_chat_within(&first, budget).expect("encode"),
+        Some(full)
+    );
+    let second = chat("And for code blocks?");
+    assert_eq!(
+        tok.encode_chat_within(&second, budget).expect("encode"),
+        Some(tok.encode_chat(&second).expect("encode")),
+    );
+    // With no budget at all, even the question's short segment is declined.
+    assert_eq!(tok.encode_chat_within(&second, 0).expect("encode"), None);
+    // Plain text follows the same rule, and the result equals the full pipeline's.
+    let text = format!("{system}Tell me more.");
+    assert_eq!(
+        tok.encode_text_within(&text, true, budget).expect("encode"),
+        None
+    );
+    assert_eq!(
+        tok.encode_text_within(&text, true, usize::MAX)
+            .expect("encode"),
+        Some(tok.encode_text_reference(&text, true).expect("reference")),
+    );
+}
