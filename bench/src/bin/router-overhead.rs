@@ -30,6 +30,7 @@ use http::Method;
 use kinference_bench::routing::client::{HttpClient, Route, latency_that_counts};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, process_cpu_seconds};
+use kinference_bench::routing::workload::{Workload, WorkloadKind, WorkloadShape};
 use serde_json::{Value, json};
 
 /// Added latency and CPU per request of Kinference and the peer routers.
@@ -51,6 +52,11 @@ struct Args {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 8)]
     max_tokens: u32,
+    /// Words of the system prompt sent with every request: 0 sends only a one-line question; 7000
+    /// sends a prompt of the shared-prefix workload's size (about 7,600 tokens), which every request
+    /// repeats, as a shared system prompt is.
+    #[arg(long, default_value_t = 0)]
+    prompt_words: usize,
     /// The simulator's time scale.
     #[arg(long, default_value_t = 0.01)]
     time_scale: f64,
@@ -156,15 +162,7 @@ async fn measure(
     rows: &mut Vec<Row>,
 ) {
     for stream in [false, true] {
-        let body = Bytes::from(
-            json!({
-                "model": cluster::MODEL,
-                "messages": [{"role": "user", "content": "Say something about latency."}],
-                "max_tokens": args.max_tokens,
-                "stream": stream,
-            })
-            .to_string(),
-        );
+        let body = Bytes::from(request_body(args, stream).to_string());
         for &c in &args.concurrency {
             // Warm-up: connections, the worker's prefix cache, the router's own state.
             round(http, direct, &body, stream, c, c * 4).await;
@@ -234,11 +232,45 @@ async fn measure(
     }
 }
 
-fn markdown(command: &str, rows: &[Row], unavailable: &[(String, String)]) -> String {
+/// The chat request every round sends: a one-line question, after a system prompt of
+/// `--prompt-words` words (the shared-prefix workload's text) when that is not 0.
+fn request_body(args: &Args, stream: bool) -> Value {
+    let question = json!({"role": "user", "content": "Say something about latency."});
+    let messages = if args.prompt_words == 0 {
+        json!([question])
+    } else {
+        let shape = WorkloadShape {
+            shared_prefixes: 1,
+            prefix_words: args.prompt_words,
+            ..WorkloadShape::default()
+        };
+        let workload = Workload::generate(WorkloadKind::SharedPrefix, &shape, 7, 1);
+        let first = workload.requests().next().expect("one request");
+        json!([first.messages[0], question])
+    };
+    json!({
+        "model": cluster::MODEL,
+        "messages": messages,
+        "max_tokens": args.max_tokens,
+        "stream": stream,
+    })
+}
+
+fn markdown(
+    command: &str,
+    prompt_words: usize,
+    rows: &[Row],
+    unavailable: &[(String, String)],
+) -> String {
+    let prompt = if prompt_words == 0 {
+        "a one-line chat prompt".to_string()
+    } else {
+        format!("a chat prompt with a {prompt_words}-word system prompt, the same in every request")
+    };
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "# Router overhead: added latency over a direct call, and CPU per 1,000 requests\n\nCommand:\n\n```\n{command}\n```\n\nOne simulated worker (preset `fast`), a trivial chat prompt; direct and routed rounds alternate. \
+        "# Router overhead: added latency over a direct call, and CPU per 1,000 requests\n\nCommand:\n\n```\n{command}\n```\n\nOne simulated worker (preset `fast`), {prompt}; direct and routed rounds alternate. \
          `added` = routed percentile - direct percentile. CPU = user + system seconds of the router's process group per 1,000 routed requests \
          (Kinference: the gateway; the agent's share is in parentheses). Wall-clock milliseconds.\n"
     );
@@ -432,7 +464,7 @@ async fn main() -> anyhow::Result<()> {
     )?;
     std::fs::write(
         out_dir.join("router-overhead.md"),
-        markdown(&command, &rows, &unavailable),
+        markdown(&command, args.prompt_words, &rows, &unavailable),
     )?;
     eprintln!("Results in {}", out_dir.display());
     Ok(())
