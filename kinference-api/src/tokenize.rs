@@ -245,17 +245,22 @@ impl ModelTokenizer {
         self.encode_text(&text, false)
     }
 
-    /// [`Self::encode_chat`], or `None` when more than `max_new_bytes` of the rendered prompt would
-    /// need a full encode: text seen recently (a shared system prompt, a conversation's earlier turns)
-    /// comes from the segment cache almost for free. A caller encodes what this returns on its own
-    /// thread and hands the rest to a worker thread.
+    /// [`Self::encode_chat`] when at most `max_new_bytes` of the rendered prompt need a full encode:
+    /// text seen recently (a shared system prompt, a conversation's earlier turns) comes from the
+    /// segment cache almost for free. Otherwise the rendered prompt, for a worker thread to finish
+    /// with [`Self::encode_text`] (no special tokens added), without rendering it again.
     pub fn encode_chat_within(
         &self,
         messages: &Value,
         max_new_bytes: usize,
-    ) -> Result<Option<Vec<u32>>, TokenizeError> {
+    ) -> Result<ChatTokens, TokenizeError> {
         let text = self.render_chat(messages, true)?;
-        self.encode_text_within(&text, false, max_new_bytes)
+        Ok(
+            match self.encode_text_within(&text, false, max_new_bytes)? {
+                Some(ids) => ChatTokens::Ids(ids),
+                None => ChatTokens::Rendered(text),
+            },
+        )
     }
 
     /// [`Self::encode_text`] under the same condition as [`Self::encode_chat_within`].
@@ -266,11 +271,9 @@ impl ModelTokenizer {
         max_new_bytes: usize,
     ) -> Result<Option<Vec<u32>>, TokenizeError> {
         match &self.fast {
-            Some(f) => {
-                let mut budget = max_new_bytes;
-                f.encode_within(&self.tokenizer, text, &mut budget)
-                    .map_err(|e| TokenizeError::Encode(e.to_string()))
-            }
+            Some(f) => f
+                .encode_within(&self.tokenizer, text, max_new_bytes)
+                .map_err(|e| TokenizeError::Encode(e.to_string())),
             // Without the fast path nothing is cached: all of the text is new.
             None if text.len() > max_new_bytes => Ok(None),
             None => self.encode_text(text, add_special_tokens).map(Some),
@@ -326,6 +329,15 @@ fn special_token(config: &Value, key: &str) -> Option<String> {
         Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_owned),
         _ => None,
     }
+}
+
+/// What [`ModelTokenizer::encode_chat_within`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ChatTokens {
+    /// The prompt's tokens.
+    Ids(Vec<u32>),
+    /// Too much new text: the rendered prompt, not encoded.
+    Rendered(String),
 }
 
 /// One message as the chat template sees it: its fields as sent, with `content` flattened to text.

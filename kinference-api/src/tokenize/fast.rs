@@ -12,7 +12,7 @@
 //! does), so a repeated 7,000-word system prompt costs a hash and a compare instead of its BPE.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde_json::Value;
 use tokenizers::{Model, Tokenizer};
@@ -75,6 +75,16 @@ impl SegmentCache {
             }
         }
     }
+}
+
+/// One piece of a text split at its added tokens.
+enum Piece<'t> {
+    /// An added token.
+    Added(u32),
+    /// A long segment whose tokens the cache holds.
+    Cached(Arc<[u32]>),
+    /// Text to encode.
+    New(&'t str),
 }
 
 /// Qwen2's pre-tokenizer pattern, the only one the scanner implements.
@@ -154,13 +164,17 @@ impl FastPath {
         })
     }
 
+    /// The segment cache. A poisoned lock only means another encode panicked mid-update; the map
+    /// itself stays valid.
+    fn cache(&self) -> MutexGuard<'_, SegmentCache> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Whether `seg` is in the segment cache.
     #[cfg(test)]
     pub(super) fn is_cached(&self, seg: &str) -> bool {
         let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
-        self.cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        self.cache()
             .entries
             .get(&key)
             .is_some_and(|e| &*e.text == seg)
@@ -172,25 +186,51 @@ impl FastPath {
         tokenizer: &Tokenizer,
         text: &str,
     ) -> Result<Vec<u32>, tokenizers::Error> {
-        let mut budget = usize::MAX;
         Ok(self
-            .encode_within(tokenizer, text, &mut budget)?
+            .encode_within(tokenizer, text, usize::MAX)?
             .unwrap_or_default())
     }
 
-    /// Encodes `text` unless more than `budget` bytes of it miss the segment cache (`None` then, after
-    /// at most `budget` bytes of BPE): cached text costs a lookup, new text its BPE, so a caller can
-    /// keep the cheap encodes of repeated prompts on its own thread.
+    /// Encodes `text` unless more than `max_new_bytes` of it miss the segment cache (`None` then, with
+    /// no BPE done): cached text costs a lookup, new text its BPE, so a caller can keep the cheap
+    /// encodes of repeated prompts on its own thread.
     pub(super) fn encode_within(
         &self,
         tokenizer: &Tokenizer,
         text: &str,
-        budget: &mut usize,
+        max_new_bytes: usize,
     ) -> Result<Option<Vec<u32>>, tokenizers::Error> {
+        // First the pieces and what the cache holds, so that a prompt over budget costs no BPE (a long
+        // new segment that comes twice counts twice here, though the second is then a cache hit).
+        let pieces = self.split(text);
+        let new_bytes: usize = pieces
+            .iter()
+            .map(|p| match p {
+                Piece::New(seg) => seg.len(),
+                Piece::Added(_) | Piece::Cached(_) => 0,
+            })
+            .sum();
+        if new_bytes > max_new_bytes {
+            return Ok(None);
+        }
         let mut out = Vec::with_capacity(text.len() / 3);
+        for piece in pieces {
+            match piece {
+                Piece::Added(id) => out.push(id),
+                Piece::Cached(ids) => out.extend_from_slice(&ids),
+                Piece::New(seg) => self.encode_new(tokenizer, seg, &mut out)?,
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// Splits `text` at added tokens, as `AddedVocabulary` does, and looks the long segments up in
+    /// the cache. Added tokens are matched here where they start with '<' (all of Qwen2's do): jump
+    /// from one '<' to the next. A segment holding any other added token goes through the full
+    /// tokenizer (`encode_uncached`).
+    fn split<'t>(&self, text: &'t str) -> Vec<Piece<'t>> {
+        let mut pieces = Vec::new();
         let mut seg_start = 0;
-        // Added tokens are matched here where they start with '<' (all of Qwen2's do): jump from one
-        // '<' to the next. A segment holding any other added token goes through the full tokenizer.
         for i in memchr::memchr_iter(b'<', text.as_bytes()) {
             if i < seg_start {
                 continue; // inside the added token just matched
@@ -200,64 +240,46 @@ impl FastPath {
                 .iter()
                 .find(|(c, _)| text[i..].starts_with(c.as_str()))
             {
-                if !self.encode_segment(tokenizer, &text[seg_start..i], &mut out, budget)? {
-                    return Ok(None);
-                }
-                out.push(*id);
+                pieces.push(self.segment(&text[seg_start..i]));
+                pieces.push(Piece::Added(*id));
                 seg_start = i + tok.len();
             }
         }
-        if !self.encode_segment(tokenizer, &text[seg_start..], &mut out, budget)? {
-            return Ok(None);
-        }
-        Ok(Some(out))
+        pieces.push(self.segment(&text[seg_start..]));
+        pieces
     }
 
-    /// Appends `seg`'s tokens to `out`, from the cache or by BPE; the BPE is charged to `budget`, and
-    /// a segment that does not fit is not encoded (`false`).
-    fn encode_segment(
+    /// A segment's tokens from the cache, or the segment as new text.
+    fn segment<'t>(&self, seg: &'t str) -> Piece<'t> {
+        if seg.len() < CACHED_SEGMENT_MIN {
+            return Piece::New(seg);
+        }
+        let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
+        let hit = self.cache().get(key, seg);
+        hit.map_or(Piece::New(seg), Piece::Cached)
+    }
+
+    /// Appends a new segment's tokens to `out`, and caches them when the segment is long. The cache
+    /// is asked again first: the same long text may come twice in one prompt (a document pasted
+    /// twice, a repeated reply), and its first occurrence has just been encoded.
+    fn encode_new(
         &self,
         tokenizer: &Tokenizer,
         seg: &str,
         out: &mut Vec<u32>,
-        budget: &mut usize,
-    ) -> Result<bool, tokenizers::Error> {
-        let charge = |budget: &mut usize| match budget.checked_sub(seg.len()) {
-            Some(left) => {
-                *budget = left;
-                true
-            }
-            None => false,
-        };
+    ) -> Result<(), tokenizers::Error> {
         if seg.len() < CACHED_SEGMENT_MIN {
-            if !charge(budget) {
-                return Ok(false);
-            }
-            self.encode_uncached(tokenizer, seg, out)?;
-            return Ok(true);
+            return self.encode_uncached(tokenizer, seg, out);
         }
         let key = xxhash_rust::xxh3::xxh3_128(seg.as_bytes());
-        // A poisoned lock only means another encode panicked mid-update; the map itself stays valid.
-        let hit = self
-            .cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key, seg);
-        if let Some(ids) = hit {
+        if let Some(ids) = self.cache().get(key, seg) {
             out.extend_from_slice(&ids);
-            return Ok(true);
-        }
-        if !charge(budget) {
-            return Ok(false);
+            return Ok(());
         }
         let start = out.len();
         self.encode_uncached(tokenizer, seg, out)?;
-        let ids: Arc<[u32]> = out[start..].into();
-        self.cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, seg, ids);
-        Ok(true)
+        self.cache().insert(key, seg, out[start..].into());
+        Ok(())
     }
 
     fn encode_uncached(

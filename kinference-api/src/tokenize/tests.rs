@@ -309,30 +309,35 @@ fn encode_within_declines_long_new_text_and_takes_cached_text_free() {
     };
     let budget = 4 * 1024;
     assert!(system.len() > 4 * budget);
-    // New: more new text than the budget, so nothing is encoded (and nothing cached).
+    // New: more new text than the budget, so nothing is encoded (and nothing cached); the rendered
+    // prompt comes back for a full encode elsewhere.
     let first = chat("What is the limit?");
+    let rendered = ChatTokens::Rendered(tok.render_chat(&first, true).expect("render"));
     assert_eq!(
         tok.encode_chat_within(&first, budget).expect("encode"),
-        None
+        rendered
     );
     assert_eq!(
         tok.encode_chat_within(&first, budget).expect("encode"),
-        None,
+        rendered,
         "a declined encode must not fill the cache"
     );
     // An unbounded encode caches the system prompt; then only the question is new.
     let full = tok.encode_chat(&first).expect("encode");
     assert_eq!(
         tok.encode_chat_within(&first, budget).expect("encode"),
-        Some(full)
+        ChatTokens::Ids(full)
     );
     let second = chat("And for code blocks?");
     assert_eq!(
         tok.encode_chat_within(&second, budget).expect("encode"),
-        Some(tok.encode_chat(&second).expect("encode")),
+        ChatTokens::Ids(tok.encode_chat(&second).expect("encode")),
     );
     // With no budget at all, even the question's short segment is declined.
-    assert_eq!(tok.encode_chat_within(&second, 0).expect("encode"), None);
+    assert!(matches!(
+        tok.encode_chat_within(&second, 0).expect("encode"),
+        ChatTokens::Rendered(_)
+    ));
     // Plain text follows the same rule, and the result equals the full pipeline's.
     let text = format!("{system}Tell me more.");
     assert_eq!(

@@ -15,7 +15,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_api::tokenize::{ModelTokenizer, TokenizeError};
+use kinference_api::tokenize::{ChatTokens, ModelTokenizer, TokenizeError};
 use serde::Deserialize;
 
 use super::Prompt;
@@ -65,6 +65,8 @@ pub enum Source {
 enum OwnedPrompt {
     Text(String),
     Chat(serde_json::Value),
+    /// A chat prompt already rendered with its template.
+    Rendered(String),
 }
 
 /// Per-model tokenizers plus the HTTP fallback.
@@ -135,19 +137,23 @@ impl Tokenizers {
                 // Serialized size is not known without serializing; count message text roughly.
                 Prompt::Chat(v) => approx_len(v),
             };
-            if len <= INLINE_MAX
-                && let Some(ids) = encode_within(tok, prompt, BLOCKING_THRESHOLD)?
-            {
-                return Ok((ids, Source::Local));
-            }
-            let tok = Arc::clone(tok);
             let owned = match prompt {
-                Prompt::Text(t) => OwnedPrompt::Text(t.to_string()),
-                Prompt::Chat(v) => OwnedPrompt::Chat(v.clone()),
+                Prompt::Text(t) if len > INLINE_MAX => OwnedPrompt::Text(t.to_string()),
+                Prompt::Chat(v) if len > INLINE_MAX => OwnedPrompt::Chat(v.clone()),
+                Prompt::Text(t) => match tok.encode_text_within(t, true, BLOCKING_THRESHOLD)? {
+                    Some(ids) => return Ok((ids, Source::Local)),
+                    None => OwnedPrompt::Text(t.to_string()),
+                },
+                Prompt::Chat(v) => match tok.encode_chat_within(v, BLOCKING_THRESHOLD)? {
+                    ChatTokens::Ids(ids) => return Ok((ids, Source::Local)),
+                    ChatTokens::Rendered(text) => OwnedPrompt::Rendered(text),
+                },
             };
+            let tok = Arc::clone(tok);
             let ids = tokio::task::spawn_blocking(move || match &owned {
                 OwnedPrompt::Text(t) => encode(&tok, Prompt::Text(t)),
                 OwnedPrompt::Chat(v) => encode(&tok, Prompt::Chat(v)),
+                OwnedPrompt::Rendered(t) => tok.encode_text(t, false),
             })
             .await
             .map_err(|e| TokensError::Task(e.to_string()))??;
@@ -221,18 +227,6 @@ fn encode(tok: &ModelTokenizer, prompt: Prompt<'_>) -> Result<Vec<u32>, Tokenize
         // vLLM adds special tokens to completion prompts.
         Prompt::Text(t) => tok.encode_text(t, true),
         Prompt::Chat(m) => tok.encode_chat(m),
-    }
-}
-
-/// [`encode`] if at most `max_new_bytes` of the prompt miss the tokenizer's segment cache.
-fn encode_within(
-    tok: &ModelTokenizer,
-    prompt: Prompt<'_>,
-    max_new_bytes: usize,
-) -> Result<Option<Vec<u32>>, TokenizeError> {
-    match prompt {
-        Prompt::Text(t) => tok.encode_text_within(t, true, max_new_bytes),
-        Prompt::Chat(m) => tok.encode_chat_within(m, max_new_bytes),
     }
 }
 
