@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -795,3 +796,59 @@ def test_every_value_is_documented_in_the_readme() -> None:
     known = set(paths) | {p.rsplit(".", i)[0] for p in paths for i in range(1, p.count(".") + 1)}
     stale = sorted(d for d in documented if "." in d or d in values if d not in known)
     assert not stale, f"README documents values that do not exist: {stale}"
+
+
+# ------------------------------------------------------------------------------- flags and env vs binaries
+
+BIN_DIR = Path(os.environ.get("KINFERENCE_BIN_DIR", REPO / "target" / "debug"))
+# Variables read by something other than the binary's own code, each with its reader.
+READ_ELSEWHERE = {
+    "RUST_LOG": "tracing's EnvFilter (both binaries)",
+    "NVIDIA_VISIBLE_DEVICES": "the NVIDIA container runtime",
+    "NVIDIA_DRIVER_CAPABILITIES": "the NVIDIA container runtime",
+    "EXTRA": "the test's own extraEnv",
+}
+
+
+def help_text(binary: str) -> str:
+    path = BIN_DIR / binary
+    if not path.is_file():
+        pytest.skip(f"{path} is not built (cargo build --workspace --bins; `cargo xtask test` builds it first)")
+    return subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def crate_source(crate: str) -> str:
+    return "\n".join(p.read_text() for p in (REPO / crate / "src").rglob("*.rs") if "tests" not in p.parts)
+
+
+@pytest.mark.parametrize("variant", ["defaults", "all-features", "agent-without-ebpf"])
+@pytest.mark.parametrize(
+    "kind,binary,crate",
+    [("Deployment", "kinference-gateway", "kinference-gateway"), ("DaemonSet", "kinference-agent", "kinference-agent")],
+)
+def test_every_flag_and_variable_is_one_the_binary_reads(variant: str, kind: str, binary: str, crate: str) -> None:
+    """Each arg is a flag of `<binary> --help`; each env var is a flag's `[env: ...]`, read by the crate's
+    code (`std::env::var("NAME")`), used in an arg as `$(NAME)`, or read by a named other program."""
+    values = VARIANTS[variant]
+    found = find(render(values), kind)
+    if not found:
+        pytest.skip(f"no {kind} in {variant}")
+    c = container(found[0])
+    text = help_text(binary)
+    flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", text))
+    helped_env = set(re.findall(r"\[env: ([A-Z0-9_]+)=", text))
+    source = crate_source(crate)
+    extra_args = set(values.get("gateway" if kind == "Deployment" else "agent", {}).get("extraArgs", []))
+    for arg in c.get("args", []):
+        flag = arg.split("=", 1)[0]
+        assert flag in flags, f"{binary} has no flag {flag} (chart arg {arg!r}; user extraArgs {extra_args})"
+    args = " ".join(c.get("args", []))
+    for e in c.get("env", []):
+        name = e["name"]
+        ok = (
+            name in helped_env
+            or f'"{name}"' in source
+            or f"$({name})" in args
+            or name in READ_ELSEWHERE
+        )
+        assert ok, f"{binary} never reads {name} (not in --help, not in its code, not used in an argument)"
