@@ -852,3 +852,20 @@ def test_every_flag_and_variable_is_one_the_binary_reads(variant: str, kind: str
             or name in READ_ELSEWHERE
         )
         assert ok, f"{binary} never reads {name} (not in --help, not in its code, not used in an argument)"
+
+
+def test_network_policies_limit_who_reaches_each_port() -> None:
+    objects = render({})
+    gateway = one(objects, "NetworkPolicy", "kinference-gateway")["spec"]
+    agent = one(objects, "NetworkPolicy", "kinference-agent")["spec"]
+    assert gateway["policyTypes"] == ["Ingress"] and agent["policyTypes"] == ["Ingress"]
+    by_port = {r["ports"][0]["port"]: r.get("from") for r in agent["ingress"]}
+    assert by_port["grpc"] == [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "kinference", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "gateway"}}}]
+    assert by_port["kv-events"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"kinference.ai/worker": "true"}}}]
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert by_port["metrics"] == [monitoring]
+    gw = {r["ports"][0]["port"]: r.get("from") for r in gateway["ingress"]}
+    assert gw == {"http": None, "admin": [monitoring]}
+    assert not find(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
