@@ -504,17 +504,19 @@ def test_vllm_worker_example_matches_the_agent(tmp_path: Path) -> None:
     assert "--enable-prompt-tokens-details" in args
     assert any(a.startswith("--prefix-caching-hash-algo") for a in args)
     kv = json.loads(args[args.index("--kv-events-config") + 1])
-    kv_service = one(render({}), "Service", "kinference-agent-kv")
+    # vLLM binds its publisher in its pod; the annotation tells the agent where to connect (one endpoint per pod).
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["kinference.ai/kv-events-port"] == "5557"
     assert kv == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://{kv_service['metadata']['name']}.{NAMESPACE}.svc:5557",
+        "endpoint": "tcp://*:5557",
         "replay_endpoint": "tcp://*:5558",
         "buffer_steps": 10000,
         "topic": "kv@$(POD_NAME)@qwen2.5-7b",
     }
     assert env_of(c)["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-    assert {p["containerPort"] for p in c["ports"]} >= {8000, 5558}
+    assert {p["containerPort"] for p in c["ports"]} >= {8000, 5557, 5558}
 
 
 # ------------------------------------------------------------------------------- real kube-apiserver
