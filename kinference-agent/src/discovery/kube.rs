@@ -4,9 +4,14 @@
 //!
 //! A pod is a worker while it is Running and Ready with a pod IP and a model (label or annotation
 //! `kinference.ai/model`). Its spec follows the chart's conventions (deploy/examples/vllm-worker.yaml):
-//! URL `http://<pod ip>:<kinference.ai/http-port, default 8000>`, KV events on the agent's own listen
-//! endpoint (vLLM connects to it) with topic `kv@<pod name>@<model>`, replay at
-//! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated.
+//! URL `http://<pod ip>:<kinference.ai/http-port, default 8000>`, topic `kv@<pod name>@<model>`, replay at
+//! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated. KV events:
+//! - with the annotation `kinference.ai/kv-events-port`, the worker's publisher binds that port in its own
+//!   pod (vLLM `"endpoint":"tcp://*:<port>"`) and the agent connects to `tcp://<pod ip>:<port>`: one
+//!   endpoint per worker pod, so any number of workers on a node each reach the agent;
+//! - without it, the agent binds its own listen endpoint for the worker and vLLM connects to it. Only one
+//!   worker per node can use that endpoint (a second bind of the same address fails), so that pod-less
+//!   form is for a node with a single worker; the agent warns when a second such pod appears.
 //!
 //! Configured by the DaemonSet's environment: `KINFERENCE_AGENT_WORKER_SELECTOR` (on when set),
 //! `KINFERENCE_AGENT_NAMESPACES` (comma-separated; empty = all), `KINFERENCE_AGENT_KV_EVENTS_LISTEN`.
@@ -28,6 +33,8 @@ use crate::config::WorkerSpec;
 pub const HTTP_PORT_ANNOTATION: &str = "kinference.ai/http-port";
 /// Annotation with the worker's KV replay port.
 pub const REPLAY_PORT_ANNOTATION: &str = "kinference.ai/kv-replay-port";
+/// Annotation with the port the worker's KV-event publisher binds in its pod (the agent connects to it).
+pub const KV_EVENTS_PORT_ANNOTATION: &str = "kinference.ai/kv-events-port";
 /// Label (or annotation) with the served model.
 pub const MODEL_KEY: &str = "kinference.ai/model";
 /// vLLM's default HTTP port.
@@ -105,16 +112,28 @@ impl KubeSource {
             .and_then(|p| p.trim().parse::<u16>().ok())
             .map(|p| format!("tcp://{host}:{p}"));
         let name = meta.name.as_deref()?;
+        // A worker that binds its own publisher gets its own endpoint; otherwise the agent's shared one.
+        let (kv_events_endpoint, kv_events_bind) =
+            match lookup(meta.annotations.as_ref(), KV_EVENTS_PORT_ANNOTATION) {
+                Some(p) => (
+                    Some(format!("tcp://{host}:{}", p.trim().parse::<u16>().ok()?)),
+                    false,
+                ),
+                None => (self.kv_events_endpoint.clone(), true),
+            };
         Some(WorkerSpec {
             url: format!("http://{host}:{port}"),
             model: model.to_string(),
-            kv_events_endpoint: self.kv_events_endpoint.clone(),
-            kv_events_bind: true,
+            kv_events_endpoint,
+            kv_events_bind,
             kv_replay_endpoint: replay,
             kv_topic: Some(format!("kv@{name}@{model}")),
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 fn lookup<'a>(map: Option<&'a BTreeMap<String, String>>, key: &str) -> Option<&'a str> {
     map?.get(key).map(String::as_str).filter(|v| !v.is_empty())
@@ -221,6 +240,14 @@ pub fn watch_pods(
             }
             let next: BTreeMap<String, WorkerSpec> =
                 pods.values().map(|s| (s.url.clone(), s.clone())).collect();
+            let shared = next.values().filter(|s| s.kv_events_bind).count();
+            if shared > 1 {
+                tracing::warn!(
+                    workers = shared,
+                    node = %source.node,
+                    "several worker pods on this node share the agent's KV-event listen endpoint; only one can bind it. Annotate each pod with {KV_EVENTS_PORT_ANNOTATION} (its publisher binds that port) so each has its own"
+                );
+            }
             for change in diff(&current, &next) {
                 tracing::info!(?change, node = %source.node, "worker pods changed");
                 if tx.send(change).await.is_err() {
