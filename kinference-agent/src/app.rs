@@ -4,17 +4,20 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use kinference_api::summary::node_agent_server::NodeAgentServer;
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Args, WorkersFile};
@@ -103,6 +106,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
         metrics_listener,
         prom,
         health,
+        (args.metrics_max_connections, metrics.clone()),
         shutdown.clone(),
     ));
     tokio::spawn(broadcaster.clone().run(args.coalesce(), shutdown.clone()));
@@ -134,17 +138,153 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
         shutdown.clone(),
     ));
 
-    let service = NodeAgentServer::new(NodeAgentService::new(broadcaster));
+    let service = NodeAgentServer::new(NodeAgentService::new(broadcaster))
+        .max_decoding_message_size(GRPC_MAX_REQUEST_BYTES)
+        .max_encoding_message_size(args.grpc_max_message_bytes);
+    let incoming = limited_incoming(
+        grpc_listener,
+        "grpc",
+        args.grpc_max_connections,
+        metrics.clone(),
+    );
     // Listening, signals started, discovery running: gateways may connect.
     ready.store(true, Ordering::Release);
     tonic::transport::Server::builder()
+        .http2_max_header_list_size(HTTP_MAX_HEADER_BYTES as u32)
+        .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(service)
-        .serve_with_incoming_shutdown(
-            TcpListenerStream::new(grpc_listener),
-            shutdown.cancelled_owned(),
-        )
+        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await?;
     Ok(())
+}
+
+/// Largest gRPC request: a `WatchRequest` is a gateway id.
+const GRPC_MAX_REQUEST_BYTES: usize = 64 << 10;
+/// A gateway needs one Watch stream per connection.
+const GRPC_MAX_STREAMS_PER_CONNECTION: u32 = 16;
+/// Largest request head (HTTP/1 buffer, HTTP/2 header list) on the agent's servers.
+const HTTP_MAX_HEADER_BYTES: usize = 16 << 10;
+/// Time a client has to send a request's headers on the metrics port.
+const HTTP_HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An accepted connection holding one of its listener's slots until it closes.
+struct Limited {
+    io: TcpStream,
+    _slot: Slot,
+}
+
+/// One connection slot of a listener; freed (and the open-connections gauge lowered) on drop.
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
+}
+
+/// Takes a slot for a new connection, or counts and logs the refusal when all are taken.
+fn take_slot(
+    slots: &Arc<Semaphore>,
+    listener: &'static str,
+    metrics: &AgentMetrics,
+) -> Option<Slot> {
+    match slots.clone().try_acquire_owned() {
+        Ok(permit) => {
+            let gauge = metrics.connections(listener);
+            gauge.inc();
+            Some(Slot {
+                _permit: permit,
+                gauge,
+            })
+        }
+        Err(_) => {
+            metrics.reject(
+                listener,
+                "too_many_connections",
+                &"every connection slot is taken",
+            );
+            None
+        }
+    }
+}
+
+/// The gRPC listener's connections, at most `max` open at once (the others are closed on accept).
+fn limited_incoming(
+    listener: TcpListener,
+    name: &'static str,
+    max: usize,
+    metrics: AgentMetrics,
+) -> impl futures::Stream<Item = std::io::Result<Limited>> {
+    let slots = Arc::new(Semaphore::new(max.max(1)));
+    futures::stream::unfold(
+        (listener, slots, metrics),
+        move |(listener, slots, metrics)| async move {
+            loop {
+                match listener.accept().await {
+                    Ok((io, _)) => {
+                        let Some(slot) = take_slot(&slots, name, &metrics) else {
+                            continue;
+                        };
+                        let _ = io.set_nodelay(true);
+                        return Some((Ok(Limited { io, _slot: slot }), (listener, slots, metrics)));
+                    }
+                    Err(error) => {
+                        // Out of descriptors, most likely: back off instead of spinning.
+                        metrics.reject(name, "accept_error", &error);
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        },
+    )
+}
+
+impl tonic::transport::server::Connected for Limited {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+impl tokio::io::AsyncRead for Limited {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Limited {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
 }
 
 /// Starts and stops each worker's subscriber and scraper as discovery reports changes.
@@ -170,6 +310,7 @@ async fn supervise(
                     slot.clone(),
                     registry.clone(),
                     metrics.clone(),
+                    args.zmq_guard(),
                     cancel.clone(),
                 ));
                 tokio::spawn(scrape::run(
@@ -223,19 +364,39 @@ async fn serve_metrics(
     listener: TcpListener,
     prom: Arc<prometheus_client::registry::Registry>,
     health: Health,
+    (max_connections, metrics): (usize, AgentMetrics),
     shutdown: CancellationToken,
 ) {
+    let slots = Arc::new(Semaphore::new(max_connections.max(1)));
+    let mut server = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // Bounded request heads and a deadline to send them; request bodies are never read.
+    server
+        .http1()
+        .timer(TokioTimer::new())
+        .max_buf_size(HTTP_MAX_HEADER_BYTES)
+        .header_read_timeout(HTTP_HEADER_TIMEOUT);
+    server
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(HTTP_MAX_HEADER_BYTES as u32)
+        .max_concurrent_streams(16);
+    let server = Arc::new(server);
     loop {
         let (stream, _) = tokio::select! {
             _ = shutdown.cancelled() => return,
             r = listener.accept() => match r {
                 Ok(s) => s,
                 Err(error) => {
-                    tracing::warn!(%error, "metrics accept failed");
+                    metrics.reject("metrics", "accept_error", &error);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
+        let Some(slot) = take_slot(&slots, "metrics", &metrics) else {
+            continue;
+        };
+        let server = server.clone();
         let prom = prom.clone();
         let health = health.clone();
         tokio::spawn(async move {
@@ -268,9 +429,8 @@ async fn serve_metrics(
                         .body(Full::new(Bytes::from(body)))
                 }
             });
-            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let _ = server.serve_connection(TokioIo::new(stream), service).await;
+            drop(slot);
         });
     }
 }

@@ -7,6 +7,8 @@ use std::time::Duration;
 use clap::Parser;
 use serde::Deserialize;
 
+use crate::zmq_guard::{GuardConfig, Limits};
+
 /// Command-line flags of `kinference-agent`.
 #[derive(Clone, Debug, Parser)]
 #[command(
@@ -72,6 +74,45 @@ pub struct Args {
     /// How often the GPUs are sampled through NVML, in milliseconds.
     #[arg(long, default_value_t = 5000)]
     pub gpu_interval_ms: u64,
+
+    /// Largest ZeroMQ frame a KV-event or replay peer may send, in bytes; a larger one closes that
+    /// connection (counted in `kinference_agent_rejected_total`). A 1M-token prefill's batch is ~5 MiB.
+    #[arg(long, env = "KINFERENCE_AGENT_ZMQ_MAX_FRAME_BYTES", default_value_t = 16 << 20)]
+    pub zmq_max_frame_bytes: u64,
+
+    /// Largest ZeroMQ message (all its frames) a KV-event or replay peer may send, in bytes.
+    #[arg(long, env = "KINFERENCE_AGENT_ZMQ_MAX_MESSAGE_BYTES", default_value_t = 16 << 20)]
+    pub zmq_max_message_bytes: u64,
+
+    /// Established connections per guarded ZeroMQ socket (each worker's KV-event and replay socket).
+    #[arg(long, default_value_t = 64)]
+    pub zmq_max_connections: usize,
+
+    /// Connections still in their ZeroMQ handshake per socket; a new one drops the oldest, so idle
+    /// connections cannot lock a publisher out.
+    #[arg(long, default_value_t = 16)]
+    pub zmq_max_pending: usize,
+
+    /// Time a ZeroMQ peer has to send its greeting and READY, in milliseconds.
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_ZMQ_HANDSHAKE_TIMEOUT_MS",
+        default_value_t = 5000
+    )]
+    pub zmq_handshake_timeout_ms: u64,
+
+    /// Concurrent connections on the gRPC port; more are closed at once (and counted).
+    #[arg(long, default_value_t = 256)]
+    pub grpc_max_connections: usize,
+
+    /// Largest gRPC message the agent sends (a snapshot of every worker's keys), in bytes. Requests are
+    /// bounded at 64 KiB (a `WatchRequest` is a few bytes).
+    #[arg(long, default_value_t = 256 << 20)]
+    pub grpc_max_message_bytes: usize,
+
+    /// Concurrent connections on the metrics port; more are closed at once (and counted).
+    #[arg(long, default_value_t = 64)]
+    pub metrics_max_connections: usize,
 }
 
 impl Args {
@@ -89,6 +130,19 @@ impl Args {
     }
     pub fn gpu_interval(&self) -> Duration {
         Duration::from_millis(self.gpu_interval_ms.max(100))
+    }
+    /// The ZeroMQ guard's limits (see [`crate::zmq_guard`]).
+    pub fn zmq_guard(&self) -> GuardConfig {
+        GuardConfig {
+            limits: Limits {
+                max_frame: self.zmq_max_frame_bytes,
+                max_message: self.zmq_max_message_bytes,
+                ..Limits::default()
+            },
+            max_connections: self.zmq_max_connections.max(1),
+            max_pending: self.zmq_max_pending.max(1),
+            handshake_timeout: Duration::from_millis(self.zmq_handshake_timeout_ms.max(10)),
+        }
     }
     /// The node name: `--node`, else the host name, else `"local"`.
     pub fn node_name(&self) -> String {

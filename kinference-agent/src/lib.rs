@@ -6,6 +6,8 @@
 //! - [`config`]: flags and the local workers file; [`discovery`]: worker add/remove events.
 //! - [`kv_events`]: vLLM event batch decoding; [`worker_state`]: one worker's key set and deltas.
 //! - [`subscriber`]: a worker's ZMQ event stream with sequence tracking and replay.
+//! - [`zmq_guard`]: the ZMTP inspector and relay in front of every ZeroMQ socket (frame, message and
+//!   connection limits at the trust boundary).
 //! - [`scrape`]: a worker's vLLM `/metrics` (load, block size).
 //! - [`registry`]: every local worker's state, shared by the above and [`grpc`], the summary stream.
 //! - [`node`]: GPU (NVML) and kernel (eBPF) monitors; [`signals`]: feeds them into the registry.
@@ -24,3 +26,4 @@ pub mod scrape;
 pub mod signals;
 pub mod subscriber;
 pub mod worker_state;
+pub mod zmq_guard;

@@ -1,6 +1,11 @@
 //! The agent's own Prometheus metrics (node-level, served on `--metrics-listen`).
 
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
 
 use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -13,6 +18,30 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkerLabel {
     pub worker: String,
+}
+
+/// A listener at the trust boundary and why it refused something; both values come from fixed sets.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectLabel {
+    /// `kv_events`, `replay`, `grpc` or `metrics`.
+    pub listener: &'static str,
+    /// A fixed reason (`frame_too_large`, `mechanism`, `handshake_timeout`, `too_many_connections`...).
+    pub reason: &'static str,
+}
+
+/// A guarded listener.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabel {
+    pub listener: &'static str,
+}
+
+/// How often each listener may log a refusal; the others in the window are counted, then summarised.
+const REJECTION_LOG_EVERY: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+struct LogWindow {
+    last: Instant,
+    suppressed: u64,
 }
 
 /// Every metric the agent exports. Cheap to clone (handles to shared atomics).
@@ -38,6 +67,11 @@ pub struct AgentMetrics {
     pub summary_messages: Counter,
     pub summary_bytes: Counter,
     pub summary_key_changes: Counter,
+    /// What the trust boundary refused, by listener and reason (see [`Rejections`]).
+    pub rejected: Family<RejectLabel, Counter>,
+    /// Open connections on each guarded listener (ZeroMQ guards, gRPC, metrics port).
+    pub connections: Family<ListenerLabel, Gauge>,
+    rejection_log: Arc<Mutex<HashMap<&'static str, LogWindow>>>,
 }
 
 impl AgentMetrics {
@@ -140,10 +174,67 @@ impl AgentMetrics {
             Described(self.summary_bytes.clone()),
         );
         r.register(
+            "rejected",
+            "Frames, messages and connections refused at the trust boundary, by listener and reason",
+            Described(self.rejected.clone()),
+        );
+        r.register(
+            "connections",
+            "Open connections per guarded listener",
+            Described(self.connections.clone()),
+        );
+        r.register(
             "summary_key_changes",
             "Block keys added or removed in delta messages sent",
             Described(self.summary_key_changes.clone()),
         );
+    }
+}
+
+impl AgentMetrics {
+    /// Counts one refusal and logs it, at most once per listener every 10 s (a flood of hostile
+    /// connections must not become a flood of log lines); the next line says how many were not logged.
+    pub fn reject(
+        &self,
+        listener: &'static str,
+        reason: &'static str,
+        detail: &dyn std::fmt::Display,
+    ) {
+        self.rejected
+            .get_or_create(&RejectLabel { listener, reason })
+            .inc();
+        let suppressed = {
+            let mut log = self.rejection_log.lock();
+            let now = Instant::now();
+            match log.get_mut(listener) {
+                Some(w) if now.duration_since(w.last) < REJECTION_LOG_EVERY => {
+                    w.suppressed += 1;
+                    return;
+                }
+                Some(w) => {
+                    w.last = now;
+                    std::mem::take(&mut w.suppressed)
+                }
+                None => {
+                    log.insert(
+                        listener,
+                        LogWindow {
+                            last: now,
+                            suppressed: 0,
+                        },
+                    );
+                    0
+                }
+            }
+        };
+        tracing::warn!(listener, reason, %detail, suppressed, "refused at the trust boundary");
+    }
+
+    /// The open-connections gauge of a listener.
+    pub fn connections(&self, listener: &'static str) -> Gauge {
+        self.connections
+            .get_or_create(&ListenerLabel { listener })
+            .clone()
     }
 }
 

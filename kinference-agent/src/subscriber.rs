@@ -19,6 +19,7 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 use crate::kv_events::decode_batch;
 use crate::metrics::{self, AgentMetrics};
 use crate::registry::{Registry, WorkerSlot};
+use crate::zmq_guard::{Guard, GuardConfig, GuardError};
 
 /// vLLM's end-of-replay sequence: -1 as 8 big-endian bytes.
 pub const END_SEQ: [u8; 8] = [0xff; 8];
@@ -32,6 +33,8 @@ const REPLAY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 pub enum SubscribeError {
     #[error("zmq: {0}")]
     Zmq(#[from] zeromq::ZmqError),
+    #[error("guard: {0}")]
+    Guard(#[from] GuardError),
     #[error("replay timed out")]
     ReplayTimeout,
     #[error("malformed replay reply ({0} frames)")]
@@ -321,11 +324,13 @@ impl Ingest {
     }
 }
 
-/// Follows one worker until cancelled. Without a `kv_events_endpoint` there is nothing to follow.
+/// Follows one worker until cancelled. Without a `kv_events_endpoint` there is nothing to follow. Both of
+/// its ZeroMQ sockets sit behind a [`Guard`] with the limits of `guard`.
 pub async fn run(
     slot: Arc<WorkerSlot>,
     registry: Arc<Registry>,
     metrics: AgentMetrics,
+    guard: GuardConfig,
     cancel: CancellationToken,
 ) {
     let Some(endpoint) = slot.spec.kv_events_endpoint.clone() else {
@@ -341,7 +346,16 @@ pub async fn run(
     };
     let mut tracker = SeqTracker::default();
     loop {
-        match session(&mut ingest, &endpoint, &mut tracker, &cancel).await {
+        match session(
+            &mut ingest,
+            &endpoint,
+            &mut tracker,
+            &metrics,
+            guard,
+            &cancel,
+        )
+        .await
+        {
             Ok(()) => return,
             Err(error) => {
                 tracing::warn!(worker = %ingest.url(), endpoint, %error, "KV event subscription failed; retrying")
@@ -358,24 +372,36 @@ async fn session(
     ingest: &mut Ingest,
     endpoint: &str,
     tracker: &mut SeqTracker,
+    metrics: &AgentMetrics,
+    guard: GuardConfig,
     cancel: &CancellationToken,
 ) -> Result<(), SubscribeError> {
     let spec = ingest.slot.spec.clone();
     let mut opts = SocketOptions::default();
     opts.no_connect_timeout();
     let mut sub = SubSocket::with_options(opts);
-    if spec.kv_events_bind {
-        sub.bind(endpoint).await?;
+    // The guards live as long as this session: dropping them closes every relayed connection.
+    let _events_guard = if spec.kv_events_bind {
+        let (g, private) = Guard::bind(endpoint, "kv_events", guard, metrics.clone()).await?;
+        sub.bind_listener(private).await?;
+        g
     } else {
+        let g = Guard::connect(endpoint, "kv_events", guard, metrics.clone())?;
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            r = sub.connect(endpoint) => r?,
+            r = sub.connect(g.endpoint()) => r?,
         }
-    }
+        g
+    };
+    let replay_guard = spec
+        .kv_replay_endpoint
+        .as_deref()
+        .map(|ep| Guard::connect(ep, "replay", guard, metrics.clone()))
+        .transpose()?;
     // vLLM topics are exact names; a ZMQ prefix subscription would also match longer topics.
     sub.subscribe("").await?;
     tracing::info!(worker = %spec.url, endpoint, bind = spec.kv_events_bind, "following KV events");
-    let replay = spec.kv_replay_endpoint.as_deref();
+    let replay = replay_guard.as_ref().map(Guard::endpoint);
     if let Some(ep) = replay {
         // Learn what the worker already holds (agent start, or resubscription after an error).
         let from = tracker.last.map_or(0, |l| l + 1);
