@@ -11,6 +11,7 @@
 //! - [`scrape`]: a worker's vLLM `/metrics` (load, block size).
 //! - [`registry`]: every local worker's state, shared by the above and [`grpc`], the summary stream.
 //! - [`node`]: GPU (NVML) and kernel (eBPF) monitors; [`signals`]: feeds them into the registry.
+//! - [`untrusted`]: every parser of outside bytes behind one entry each, for the fuzz targets.
 //! - [`metrics`]: the agent's own Prometheus metrics; [`app`]: wiring.
 #![forbid(unsafe_code)]
 
@@ -25,5 +26,6 @@ pub mod registry;
 pub mod scrape;
 pub mod signals;
 pub mod subscriber;
+pub mod untrusted;
 pub mod worker_state;
 pub mod zmq_guard;

@@ -39,6 +39,10 @@ pub fn parse(text: &str) -> VllmLoad {
         let Some(sample) = parse_line(line) else {
             continue;
         };
+        // NaN and infinities are valid exposition values but no load figure: they would poison scores.
+        if !sample.value.is_finite() {
+            continue;
+        }
         let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
         match sample.name {
             "vllm:num_requests_running" => add(&mut load.running, sample.value),
@@ -47,12 +51,21 @@ pub fn parse(text: &str) -> VllmLoad {
                 load.kv_usage = Some(load.kv_usage.map_or(sample.value, |u| u.max(sample.value)))
             }
             "vllm:cache_config_info" => {
-                if let Some(bs) = sample.label("block_size").and_then(|v| v.parse().ok()) {
+                // 0 would mean "unknown" downstream; a worker reporting it tells us nothing.
+                if let Some(bs) = sample
+                    .label("block_size")
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&bs: &u32| bs > 0)
+                {
                     load.block_size = Some(bs);
                 }
             }
             _ => {}
         }
+    }
+    // Sums of huge finite values can still overflow.
+    for v in [&mut load.running, &mut load.waiting] {
+        *v = v.filter(|x| x.is_finite());
     }
     load
 }

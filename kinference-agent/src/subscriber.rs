@@ -39,6 +39,8 @@ pub enum SubscribeError {
     ReplayTimeout,
     #[error("malformed replay reply ({0} frames)")]
     BadReply(usize),
+    #[error("malformed live message ({0} frames; want topic, 8-byte sequence, payload)")]
+    BadLive(usize),
 }
 
 /// What to do with a message, given the sequence numbers applied so far.
@@ -119,6 +121,27 @@ pub fn parse_replay_reply(frames: &[Bytes]) -> Result<ReplayReply<'_>, Subscribe
         return Ok(ReplayReply::End);
     }
     Ok(ReplayReply::Batch {
+        seq: u64::from_be_bytes(seq),
+        payload,
+    })
+}
+
+/// One live message from a worker's PUB socket.
+#[derive(Debug, PartialEq, Eq)]
+pub struct LiveMessage<'a> {
+    pub topic: &'a [u8],
+    pub seq: u64,
+    pub payload: &'a [u8],
+}
+
+/// Parses a live message: exactly `[topic, seq (8 bytes BE), payload]`.
+pub fn parse_live_message(frames: &[Bytes]) -> Result<LiveMessage<'_>, SubscribeError> {
+    let [topic, seq, payload] = frames else {
+        return Err(SubscribeError::BadLive(frames.len()));
+    };
+    let seq = <[u8; 8]>::try_from(seq.as_ref()).map_err(|_| SubscribeError::BadLive(3))?;
+    Ok(LiveMessage {
+        topic,
         seq: u64::from_be_bytes(seq),
         payload,
     })
@@ -431,24 +454,23 @@ async fn session(
         };
         errors = 0;
         let frames = msg.into_vec();
-        let [topic, seq, payload] = frames.as_slice() else {
-            ingest.m.decode_errors.inc();
-            tracing::warn!(worker = %spec.url, frames = frames.len(), "KV event message without 3 frames skipped");
-            continue;
+        let live = match parse_live_message(&frames) {
+            Ok(live) => live,
+            Err(error) => {
+                ingest.m.decode_errors.inc();
+                tracing::warn!(worker = %spec.url, %error, "KV event message skipped");
+                continue;
+            }
         };
         if spec
             .kv_topic
             .as_deref()
-            .is_some_and(|t| t.as_bytes() != topic.as_ref())
+            .is_some_and(|t| t.as_bytes() != live.topic)
         {
             continue;
         }
-        let Ok(seq) = <[u8; 8]>::try_from(seq.as_ref()) else {
-            ingest.m.decode_errors.inc();
-            continue;
-        };
         ingest
-            .on_live(u64::from_be_bytes(seq), payload, replay, tracker)
+            .on_live(live.seq, live.payload, replay, tracker)
             .await;
     }
 }

@@ -63,3 +63,12 @@ async fn unreachable_worker_is_an_error_within_the_timeout() {
     .await;
     assert!(r.is_err());
 }
+
+#[test]
+fn non_finite_values_and_a_zero_block_size_are_no_information() {
+    let text = "vllm:num_requests_running{engine=\"0\"} NaN\n\
+                vllm:num_requests_waiting 1e308\nvllm:num_requests_waiting 1e308\n\
+                vllm:kv_cache_usage_perc +Inf\n\
+                vllm:cache_config_info{block_size=\"0\"} 1\n";
+    assert_eq!(parse(text), VllmLoad::default());
+}

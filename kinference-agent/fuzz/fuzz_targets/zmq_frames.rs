@@ -1,0 +1,4 @@
+//! Fuzzes [`kinference_agent::untrusted::zmq_frames`]; its saved corpus is replayed by `tests/fuzz_corpus.rs`.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| kinference_agent::untrusted::zmq_frames(data));
