@@ -5,9 +5,11 @@
 //! - `test`: the whole test suite (Rust and the Python SDK end-to-end tests).
 //! - `build-ebpf`: build the agent's eBPF object.
 //! - `gen-crds`: regenerate the CRD YAML in `crds/` from the Rust types.
+//! - `images`: build the gateway, agent and vllm-sim container images (buildah, no daemon).
 
 mod crds;
 mod ebpf;
+mod images;
 mod setup;
 mod tasks;
 
@@ -32,6 +34,8 @@ enum Task {
     BuildEbpf(ebpf::BuildArgs),
     /// Regenerate (or with --check, verify) the CRD YAML under crds/.
     GenCrds(crds::GenArgs),
+    /// Build the container images (gateway + kinfctl, agent + eBPF, vllm-sim) as archives under target/images.
+    Images(images::ImagesArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,5 +45,6 @@ fn main() -> anyhow::Result<()> {
         Task::Test(args) => tasks::test(args),
         Task::BuildEbpf(args) => ebpf::build(args),
         Task::GenCrds(args) => crds::generate(args),
+        Task::Images(args) => images::build(args),
     }
 }
