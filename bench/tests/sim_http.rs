@@ -3,45 +3,19 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde_json::{Value, json};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-fn tokenizer_dir() -> PathBuf {
-    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "no tokenizer at {}: run `cargo xtask setup`",
-        dir.display()
-    );
-    dir
-}
 
 /// A running simulator, killed on drop (also when a test panics).
 struct Sim {
-    child: Child,
+    _child: ChildGuard,
     port: u16,
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 impl Sim {
@@ -57,7 +31,10 @@ impl Sim {
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn vllm-sim");
-        let sim = Sim { child, port };
+        let sim = Sim {
+            _child: ChildGuard(child),
+            port,
+        };
         let deadline = Instant::now() + Duration::from_secs(90);
         while Instant::now() < deadline {
             if let Ok((200, _)) = sim.try_call("GET", "/health", None) {

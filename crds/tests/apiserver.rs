@@ -1,132 +1,30 @@
 //! The generated CRDs against a real kube-apiserver (v1.20, built by
-//! `tests/kube-apiserver/build.sh`): they apply and become Established, the example policy set is
+//! `deploy/tests/kube-apiserver/build.sh`): they apply and become Established, the example policy set is
 //! accepted, invalid objects are rejected by the server's schema, and the status subresource and
 //! printer columns work.
 //!
 //! Runs only with `KINFERENCE_TEST_APISERVER=1` (it builds the apiserver on first use, minutes);
-//! otherwise it says it was skipped.
+//! otherwise it says it was skipped (and fails under `CI=true`).
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use testkit::Apiserver;
 
-fn scripts() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/kube-apiserver")
-}
-
-/// etcd + kube-apiserver started by `start.sh`; stopped (and its directory removed) on drop.
-struct Apiserver {
-    dir: PathBuf,
-    kubeconfig: String,
-}
-
-impl Drop for Apiserver {
-    fn drop(&mut self) {
-        let pids: Vec<String> = ["apiserver.pid", "etcd.pid"]
-            .iter()
-            .filter_map(|f| std::fs::read_to_string(self.dir.join(f)).ok())
-            .map(|p| p.trim().to_string())
-            .collect();
-        let _ = Command::new("bash")
-            .arg(scripts().join("stop.sh"))
-            .arg(&self.dir)
-            .status();
-        // The apiserver shuts down gracefully for a few seconds: wait for it, then kill what
-        // this test started (by pid) if it is still there.
-        for pid in &pids {
-            let proc_dir = Path::new("/proc").join(pid);
-            // A zombie (state Z) has exited; only its parent can reap it.
-            let alive = || {
-                std::fs::read_to_string(proc_dir.join("stat")).is_ok_and(|st| {
-                    st.rsplit(')')
-                        .next()
-                        .is_some_and(|r| !r.trim_start().starts_with('Z'))
-                })
-            };
-            for _ in 0..100 {
-                if !alive() {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            }
-            if alive() {
-                let _ = Command::new("kill").args(["-9", pid]).status();
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
+fn kubectl(server: &Apiserver, args: &[&str], stdin: Option<&str>) -> Output {
+    use std::io::Write;
+    let mut cmd = Command::new("kubectl");
+    cmd.arg("--kubeconfig")
+        .arg(server.kubeconfig())
+        .args(args)
+        .current_dir(testkit::repo_root());
+    cmd.stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("kubectl");
+    if let Some(mut pipe) = child.stdin.take() {
+        let _ = pipe.write_all(stdin.unwrap_or_default().as_bytes());
     }
-}
-
-fn port_free(port: u16) -> bool {
-    TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-/// A port P with P, P-4064 and P-4063 free (start.sh puts etcd on the latter two).
-fn free_port() -> u16 {
-    let seed = std::process::id() as u16 % 2000;
-    (0..2000u16)
-        .map(|i| 20000 + (seed + i) % 20000)
-        .find(|p| port_free(*p) && port_free(p - 4064) && port_free(p - 4063))
-        .expect("no free port triple")
-}
-
-fn start() -> Apiserver {
-    let build = Command::new("bash")
-        .arg(scripts().join("build.sh"))
-        .output()
-        .expect("build.sh");
-    assert!(
-        build.status.success(),
-        "build.sh failed: {}",
-        String::from_utf8_lossy(&build.stderr)
-    );
-    let dir = std::env::temp_dir().join(format!("kinference-apiserver-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let port = free_port();
-    let out = Command::new("bash")
-        .arg(scripts().join("start.sh"))
-        .arg(&dir)
-        .arg(port.to_string())
-        .output()
-        .expect("start.sh");
-    // Construct the guard first so a failed start still stops what did start.
-    let server = Apiserver {
-        dir,
-        kubeconfig: String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .to_string(),
-    };
-    assert!(
-        out.status.success(),
-        "start.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    server
-}
-
-impl Apiserver {
-    fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
-        use std::io::Write;
-        let mut cmd = Command::new("kubectl");
-        cmd.arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .args(args)
-            .current_dir(repo());
-        cmd.stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        let mut child = cmd.spawn().expect("kubectl");
-        if let Some(mut pipe) = child.stdin.take() {
-            let _ = pipe.write_all(stdin.unwrap_or_default().as_bytes());
-        }
-        child.wait_with_output().expect("kubectl output")
-    }
+    child.wait_with_output().expect("kubectl output")
 }
 
 fn text(o: &Output) -> String {
@@ -171,13 +69,9 @@ const INVALID: &[(&str, &str)] = &[
 
 #[test]
 fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
-    if std::env::var("KINFERENCE_TEST_APISERVER").as_deref() != Ok("1") {
-        eprintln!(
-            "SKIPPED: set KINFERENCE_TEST_APISERVER=1 to run the CRDs against a real kube-apiserver"
-        );
+    let Some(server) = Apiserver::start("crds") else {
         return;
-    }
-    let server = start();
+    };
     let crds: Vec<String> = kinference_crds::all_crds()
         .iter()
         .map(|(f, _)| format!("crds/{f}"))
@@ -186,7 +80,7 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
     for c in &crds {
         args.extend(["-f", c.as_str()]);
     }
-    let o = server.kubectl(&args, None);
+    let o = kubectl(&server, &args, None);
     assert!(o.status.success(), "applying CRDs: {}", text(&o));
     let mut wait = vec!["wait", "--for=condition=Established", "--timeout=60s"];
     let names: Vec<String> = kinference_crds::all_crds()
@@ -194,20 +88,21 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
         .map(|(_, crd)| format!("crd/{}", crd.metadata.name.as_deref().unwrap_or_default()))
         .collect();
     wait.extend(names.iter().map(String::as_str));
-    let o = server.kubectl(&wait, None);
+    let o = kubectl(&server, &wait, None);
     assert!(o.status.success(), "waiting for Established: {}", text(&o));
 
     // Right after Established, discovery may not list the new kinds yet: retry briefly.
-    let mut o = server.kubectl(&["apply", "-f", "deploy/examples/policies/"], None);
+    let mut o = kubectl(&server, &["apply", "-f", "deploy/examples/policies/"], None);
     for _ in 0..20 {
         if o.status.success() {
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(500));
-        o = server.kubectl(&["apply", "-f", "deploy/examples/policies/"], None);
+        o = kubectl(&server, &["apply", "-f", "deploy/examples/policies/"], None);
     }
     assert!(o.status.success(), "applying the examples: {}", text(&o));
-    let o = server.kubectl(
+    let o = kubectl(
+        &server,
         &[
             "get",
             "inferencepolicies,inferencepools,inferencemodels,inferenceproviders,inferencetenants",
@@ -220,7 +115,7 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
 
     for (manifest, phrase) in INVALID {
         let doc = format!("apiVersion: kinference.ai/v1alpha1\n{manifest}");
-        let o = server.kubectl(&["create", "-f", "-"], Some(&doc));
+        let o = kubectl(&server, &["create", "-f", "-"], Some(&doc));
         assert!(!o.status.success(), "accepted an invalid object:\n{doc}");
         assert!(
             text(&o).contains(phrase),
@@ -238,7 +133,8 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
 
     // Status subresource and printer columns.
     let patch = r#"{"status":{"observedGeneration":1,"conditions":[{"type":"Active","status":"True","reason":"Applied","message":"serving"}]}}"#;
-    let o = server.kubectl(
+    let o = kubectl(
+        &server,
         &[
             "patch",
             "inferencepolicy",
@@ -251,7 +147,7 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
         None,
     );
     assert!(o.status.success(), "status patch: {}", text(&o));
-    let o = server.kubectl(&["get", "inferencepolicy", "tenancy"], None);
+    let o = kubectl(&server, &["get", "inferencepolicy", "tenancy"], None);
     let table = text(&o);
     assert!(
         table.contains("PRIORITY") && table.contains("ACTIVE"),

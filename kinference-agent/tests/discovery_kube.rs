@@ -1,12 +1,10 @@
 //! The agent's Kubernetes worker source.
 //!
 //! Offline: which pods are workers and the spec each one gets. Against a real kube-apiserver
-//! (`deploy/tests/kube-apiserver/`, only with `KINFERENCE_TEST_APISERVER=1`): the test plays the
+//! (`deploy/tests/kube-apiserver/`, only with `KINFERENCE_TEST_APISERVER=1`; a failure without it under CI): the test plays the
 //! kubelet on two nodes, and the source of the agent on `gpu-a` must emit exactly the changes of its
 //! own node's pods (ready, unready, relabelled, deleted) within seconds.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
@@ -17,6 +15,7 @@ use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client};
 use serde_json::json;
+use testkit::Apiserver;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -84,68 +83,6 @@ fn pod_specs_follow_the_chart_conventions() {
 // ---------------------------------------------------------------------------------------------
 // Against a real kube-apiserver
 
-struct ApiServer {
-    dir: PathBuf,
-    kubeconfig: PathBuf,
-}
-
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        let _ = Command::new(scripts().join("stop.sh"))
-            .arg(&self.dir)
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn scripts() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tests/kube-apiserver")
-}
-
-fn free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-/// `start.sh` uses PORT, PORT-4064 and PORT-4063.
-fn free_port_triple() -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("port");
-        if p > 20000 && free(p - 4064) && free(p - 4063) {
-            return p;
-        }
-    }
-}
-
-fn start_apiserver() -> Option<ApiServer> {
-    if std::env::var("KINFERENCE_TEST_APISERVER").as_deref() != Ok("1") {
-        eprintln!(
-            "SKIPPED: set KINFERENCE_TEST_APISERVER=1 to run the agent's pod discovery against a real \
-             kube-apiserver (deploy/tests/kube-apiserver/build.sh builds it once)"
-        );
-        return None;
-    }
-    let dir =
-        std::env::temp_dir().join(format!("kinference-agent-discovery-{}", std::process::id()));
-    let out = Command::new(scripts().join("start.sh"))
-        .arg(&dir)
-        .arg(free_port_triple().to_string())
-        .output()
-        .expect("run start.sh");
-    let server = ApiServer {
-        kubeconfig: dir.join("kubeconfig"),
-        dir,
-    };
-    assert!(
-        out.status.success(),
-        "start.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(server)
-}
-
 async fn next(rx: &mut mpsc::Receiver<WorkerChange>, what: &str) -> WorkerChange {
     let start = Instant::now();
     let c = tokio::time::timeout(Duration::from_secs(10), rx.recv())
@@ -164,10 +101,10 @@ async fn quiet(rx: &mut mpsc::Receiver<WorkerChange>, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_follows_its_nodes_worker_pods() {
-    let Some(server) = start_apiserver() else {
+    let Some(server) = Apiserver::start("agent-discovery") else {
         return;
     };
-    let kc = Kubeconfig::read_from(&server.kubeconfig).expect("kubeconfig");
+    let kc = Kubeconfig::read_from(server.kubeconfig()).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .expect("client config");

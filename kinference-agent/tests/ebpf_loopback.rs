@@ -2,8 +2,11 @@
 //! concurrency: in-flight counts and time to first byte must match what the clients see.
 //!
 //! Needs root (CAP_BPF, CAP_PERFMON) and the object (`cargo xtask build-ebpf` before building the agent);
-//! without either the loading part prints why and returns. Tolerance for time to first byte: 20 ms + 10%
+//! without either the loading part prints why and returns (and fails under `CI=true`); a program the
+//! kernel rejects (the verifier) always fails. Tolerance for time to first byte: 20 ms + 10%
 //! of the client's own measurement (observed differences are a few ms).
+
+mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -216,11 +219,15 @@ fn within_tolerance(kernel: Duration, client: Duration) -> bool {
     diff <= Duration::from_millis(20) + client / 10
 }
 
-/// The monitor with the programs loaded, or `None` (with the reason printed) where this machine cannot load
-/// them: not root, or the agent built without the object.
+/// The monitor with the programs loaded, or `None` where this machine cannot load them (not root, the agent
+/// built without the object, no capability): a skip locally, a failure under CI. A program that fails for
+/// its own reasons (a verifier rejection above all) fails the test everywhere.
 fn loaded_monitor() -> Option<KernelMonitor> {
-    if !is_root() {
-        eprintln!("skipping the kernel part: not root (needs CAP_BPF and CAP_PERFMON)");
+    if !testkit::require(
+        is_root(),
+        "eBPF",
+        "not root (the kernel part needs CAP_BPF and CAP_PERFMON)",
+    ) {
         return None;
     }
     let options = EbpfOptions {
@@ -228,10 +235,11 @@ fn loaded_monitor() -> Option<KernelMonitor> {
         idle_gap: IDLE_GAP,
         ..EbpfOptions::from_env()
     };
-    if options.object_path.is_none() && embedded_object().is_none() {
-        eprintln!(
-            "skipping the kernel part: agent built without the eBPF object (run `cargo xtask build-ebpf`)"
-        );
+    if !testkit::require(
+        options.object_path.is_some() || embedded_object().is_some(),
+        "eBPF object",
+        "agent built without it (run `cargo xtask build-ebpf`, then rebuild)",
+    ) {
         return None;
     }
     let monitor = KernelMonitor::start(options);
@@ -244,26 +252,68 @@ fn loaded_monitor() -> Option<KernelMonitor> {
             p.reason.as_deref().unwrap_or("")
         );
     }
+    let outcomes: Vec<(String, String, String)> = status
+        .programs
+        .iter()
+        .map(|p| {
+            (
+                p.program.to_string(),
+                p.state.as_str().to_string(),
+                p.reason.clone().unwrap_or_default(),
+            )
+        })
+        .collect();
     if !status.active {
-        let reason = status.reason.clone().unwrap_or_default();
-        let all_reasons: String = status
-            .programs
-            .iter()
-            .filter_map(|p| p.reason.clone())
-            .collect();
-        if ["not permitted", "EPERM", "Permission denied", "EACCES"]
-            .iter()
-            .any(|m| reason.contains(m) || all_reasons.contains(m))
-        {
-            eprintln!("skipping the kernel part: no capability to load eBPF here: {reason}");
-            return None;
-        }
-        panic!(
-            "eBPF did not load as root: {reason}; programs: {:?}",
-            status.programs
-        );
+        support::ebpf::not_running(&outcomes);
+        return None;
     }
+    // Active, yet a program the kernel could have run may still have been rejected.
+    let broken: Vec<_> = outcomes
+        .iter()
+        .filter(|(_, state, reason)| !support::ebpf::environmental(state, reason))
+        .collect();
+    assert!(broken.is_empty(), "eBPF programs failed: {broken:?}");
     Some(monitor)
+}
+
+#[test]
+fn verifier_rejections_are_never_a_skip() {
+    use support::ebpf::environmental;
+    let rejected = "the BPF_PROG_LOAD syscall returned Permission denied (os error 13). Verifier output: \
+                    R1 invalid mem access 'scalar'";
+    assert!(!environmental("load_failed", rejected));
+    assert!(!environmental(
+        "load_failed",
+        "the BPF_PROG_LOAD syscall returned Permission denied (os error 13). Verifier output: "
+    ));
+    assert!(environmental(
+        "load_failed",
+        "the BPF_PROG_LOAD syscall returned Operation not permitted (os error 1). Verifier output: "
+    ));
+    assert!(environmental(
+        "load_failed",
+        "loading the eBPF object: Operation not permitted (os error 1)"
+    ));
+    assert!(environmental(
+        "not_built",
+        "agent built without the eBPF object"
+    ));
+    assert!(environmental(
+        "unsupported",
+        "kernel has no BTF tracepoint x"
+    ));
+    assert!(environmental(
+        "attach_failed",
+        "Operation not supported (os error 95)"
+    ));
+    assert!(!environmental(
+        "attach_failed",
+        "Invalid argument (os error 22)"
+    ));
+    assert!(!environmental(
+        "load_failed",
+        "map EVENTS missing from the object"
+    ));
 }
 
 #[test]
@@ -475,18 +525,24 @@ fn workers_on_one_port_are_told_apart_by_address() {
         .ok()
         .filter(|ip| ip.is_ipv4() && !ip.is_loopback() && !ip.is_unspecified());
     let Some(local_ip) = local_ip else {
-        eprintln!("skipping: no non-loopback IPv4 address here");
+        testkit::skip("a non-loopback IPv4 address", "this machine has none");
         return;
     };
     let Some(monitor) = loaded_monitor() else {
         return;
     };
     let Ok(pod) = SleepServer::start_on(&format!("{local_ip}:0")) else {
-        eprintln!("skipping: cannot bind {local_ip}");
+        testkit::skip(
+            "a bindable local address",
+            format_args!("cannot bind {local_ip}"),
+        );
         return;
     };
     let Ok(other) = SleepServer::start_on(&format!("127.0.0.1:{}", pod.port)) else {
-        eprintln!("skipping: port {} taken on loopback", pod.port);
+        testkit::skip(
+            "a free loopback port",
+            format_args!("port {} taken on loopback", pod.port),
+        );
         return;
     };
     let pod_url = format!("http://{local_ip}:{}", pod.port);

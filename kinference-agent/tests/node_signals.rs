@@ -5,7 +5,8 @@
 //! `gpu_unavailable_reason`), on `/metrics` (`kinference_agent_ebpf_program_state`,
 //! `kinference_agent_gpu_available 0`), on `/readyz` and in its log. Where eBPF does load (root, kernel BTF,
 //! the object built by `cargo xtask build-ebpf`), a loopback server with slow answers shows its requests in
-//! the summary's kernel figures; the test says why it skips that part otherwise.
+//! the summary's kernel figures; the test says why it skips that part otherwise (a failure under `CI=true`,
+//! and always when a program was rejected, by the verifier or otherwise).
 
 mod support;
 
@@ -238,13 +239,8 @@ async fn with_ebpf_the_kernel_figures_reach_the_summary() {
     if !(attached("tcp_sendmsg_locked") || attached("sock_send_length"))
         || !(attached("sk_data_ready") || attached("sock_recv_length"))
     {
-        let log = agent.log();
-        let reasons: Vec<&str> = log.lines().filter(|l| l.contains("eBPF")).take(8).collect();
-        eprintln!(
-            "SKIPPED: eBPF does not run here (needs root, kernel BTF and `cargo xtask build-ebpf` before the build); the agent said:\n{}",
-            reasons.join("\n")
-        );
         server.abort();
+        support::ebpf::not_running(&program_outcomes(&metrics, &agent.log()));
         return;
     }
 
@@ -294,4 +290,26 @@ async fn with_ebpf_the_kernel_figures_reach_the_summary() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     server.abort();
+}
+
+/// Each eBPF program's `(program, state, reason)`: the state from the agent's
+/// `kinference_agent_ebpf_program_state` gauge, the reason from its log lines about that program.
+fn program_outcomes(metrics: &str, log: &str) -> Vec<(String, String, String)> {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("kinference_agent_ebpf_program_state{") && l.ends_with(" 1"))
+        .filter_map(|l| {
+            let label = |name: &str| {
+                let start = l.find(&format!("{name}=\""))? + name.len() + 2;
+                let len = l[start..].find('"')?;
+                Some(l[start..start + len].to_string())
+            };
+            let program = label("program")?;
+            let reason: Vec<&str> = log
+                .lines()
+                .filter(|line| line.contains("eBPF") && line.contains(&program))
+                .collect();
+            Some((program, label("state")?, reason.join(" | ")))
+        })
+        .collect()
 }

@@ -9,26 +9,14 @@
 mod support;
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kinference_api::KeyHasher;
 use support::*;
 
-struct Sim(Child);
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn sim_binary() -> PathBuf {
-    let dir = std::env::var_os("KINFERENCE_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug"));
-    dir.join("vllm-sim")
+    testkit::bin_dir().join("vllm-sim")
 }
 
 async fn http_post(url: &str, body: &str) -> String {
@@ -54,21 +42,17 @@ fn json_body(resp: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_follows_the_simulators_cache_exactly() {
     let bin = sim_binary();
-    if !bin.is_file() {
-        eprintln!(
-            "SKIPPED: {} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
+    if !testkit::require(
+        bin.is_file(),
+        "vllm-sim",
+        format_args!(
+            "{} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
             bin.display()
-        );
+        ),
+    ) {
         return;
     }
-    let tokenizer = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
-    assert!(
-        tokenizer.join("tokenizer.json").exists(),
-        "tokenizer missing at {}: run `cargo xtask setup`",
-        tokenizer.display()
-    );
+    let tokenizer = testkit::tokenizer_dir();
 
     let (events, replay) = (
         format!("tcp://127.0.0.1:{}", free_port()),
@@ -78,30 +62,32 @@ async fn agent_follows_the_simulators_cache_exactly() {
     let url = format!("http://127.0.0.1:{port}");
     // The simulator connects its PUB (no `*` in the endpoint), as vLLM does: the agent binds.
     let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
-    let _sim = Sim(Command::new(&bin)
-        .args([
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "--model",
-            MODEL,
-        ])
-        .arg("--tokenizer-dir")
-        .arg(&tokenizer)
-        .args([
-            "--block-size",
-            "16",
-            "--kv-events-endpoint",
-            &events,
-            "--kv-replay-endpoint",
-            &replay,
-        ])
-        .args(["--kv-topic", "kv@w1@qwen2-sim"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("vllm-sim starts"));
+    let _sim = testkit::ChildGuard(
+        Command::new(&bin)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--model",
+                MODEL,
+            ])
+            .arg("--tokenizer-dir")
+            .arg(&tokenizer)
+            .args([
+                "--block-size",
+                "16",
+                "--kv-events-endpoint",
+                &events,
+                "--kv-replay-endpoint",
+                &replay,
+            ])
+            .args(["--kv-topic", "kv@w1@qwen2-sim"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("vllm-sim starts"),
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     while !try_http_get(&format!("{url}/health"))
         .await

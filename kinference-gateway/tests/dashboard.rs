@@ -7,27 +7,12 @@
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Kills the child on drop (also when an assertion fails).
-struct Guard(Child);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
-}
+use testkit::{ChildGuard, bin_dir, free_port};
 
 fn get(port: u16, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
@@ -43,7 +28,7 @@ fn get(port: u16, path: &str) -> Option<String> {
     head.starts_with("HTTP/1.1 200").then(|| body.to_string())
 }
 
-fn scrape(child: &mut Guard, port: u16, what: &str) -> String {
+fn scrape(child: &mut ChildGuard, port: u16, what: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(body) = get(port, "/metrics") {
@@ -58,13 +43,6 @@ fn scrape(child: &mut Guard, port: u16, what: &str) -> String {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-}
-
-fn bin_dir() -> PathBuf {
-    std::env::var_os("KINFERENCE_BIN_DIR").map_or_else(
-        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"),
-        PathBuf::from,
-    )
 }
 
 /// Metric names a Prometheus server would store from an exposition: sample names, plus the series
@@ -187,7 +165,7 @@ fn every_dashboard_query_names_an_exported_metric() {
     )
     .unwrap();
     let (api, admin) = (free_port(), free_port());
-    let mut gateway = Guard(
+    let mut gateway = ChildGuard(
         Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
             .args(["--listen", &format!("127.0.0.1:{api}")])
             .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
@@ -208,7 +186,7 @@ fn every_dashboard_query_names_an_exported_metric() {
     let workers = dir.join("agent-workers.yaml");
     std::fs::write(&workers, "workers: []\n").unwrap();
     let (grpc, metrics) = (free_port(), free_port());
-    let mut agent = Guard(
+    let mut agent = ChildGuard(
         Command::new(&agent_bin)
             .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
             .args(["--metrics-listen", &format!("127.0.0.1:{metrics}")])

@@ -1,13 +1,12 @@
 //! In-cluster discovery against a real kube-apiserver (`deploy/tests/kube-apiserver/`), run only with
-//! `KINFERENCE_TEST_APISERVER=1` (it starts etcd and kube-apiserver, about 5 s; `build.sh` must have
-//! built them once). The test plays the kubelet: it creates Node and Pod objects, patches pod status
+//! `KINFERENCE_TEST_APISERVER=1` (a failure without it under `CI=true`; it starts etcd and
+//! kube-apiserver, about 5 s, after `build.sh` has built them once). The test plays the kubelet: it creates Node and Pod objects, patches pod status
 //! (Running, Ready, pod IP), relabels and deletes pods, and publishes agent EndpointSlices; the router's
 //! worker set and the discovered agents must follow within seconds. A second test runs the real
 //! gateway binary with the chart's `kubernetes:` block and a kubeconfig: requests reach a `vllm-sim`
 //! worker only while its pod is ready.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,74 +19,13 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::DynamicObject;
 use kube::{Api, Client};
 use serde_json::json;
+use testkit::{Apiserver, ChildGuard, free_port};
 
 const NS: &str = "inference";
 const MODEL: &str = "qwen2-sim";
 
-/// etcd + kube-apiserver started by `start.sh`, stopped on drop.
-struct ApiServer {
-    dir: PathBuf,
-    kubeconfig: PathBuf,
-}
-
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        let _ = Command::new(scripts().join("stop.sh"))
-            .arg(&self.dir)
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn scripts() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tests/kube-apiserver")
-}
-
-fn free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-/// `start.sh` uses PORT, PORT-4064 and PORT-4063.
-fn free_port_triple() -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("port");
-        if p > 20000 && free(p - 4064) && free(p - 4063) {
-            return p;
-        }
-    }
-}
-
-fn start_apiserver(tag: &str) -> Option<ApiServer> {
-    if std::env::var("KINFERENCE_TEST_APISERVER").as_deref() != Ok("1") {
-        eprintln!(
-            "SKIPPED: set KINFERENCE_TEST_APISERVER=1 to run discovery against a real kube-apiserver \
-             (deploy/tests/kube-apiserver/build.sh builds it once)"
-        );
-        return None;
-    }
-    let dir = std::env::temp_dir().join(format!("kinference-{tag}-{}", std::process::id()));
-    let out = Command::new(scripts().join("start.sh"))
-        .arg(&dir)
-        .arg(free_port_triple().to_string())
-        .output()
-        .expect("run start.sh");
-    let server = ApiServer {
-        kubeconfig: dir.join("kubeconfig"),
-        dir,
-    };
-    assert!(
-        out.status.success(),
-        "start.sh failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(server)
-}
-
-async fn client(server: &ApiServer) -> Client {
-    let kc = Kubeconfig::read_from(&server.kubeconfig).expect("kubeconfig");
+async fn client(server: &Apiserver) -> Client {
+    let kc = Kubeconfig::read_from(server.kubeconfig()).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .expect("client config");
@@ -158,7 +96,7 @@ async fn eventually(what: &str, mut check: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_follows_worker_pods_and_agent_slices() {
-    let Some(server) = start_apiserver("gw-discovery") else {
+    let Some(server) = Apiserver::start("gw-discovery") else {
         return;
     };
     let client = client(&server).await;
@@ -328,23 +266,6 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
     drop(server);
 }
 
-/// Kills the child on drop.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
-}
-
 /// POSTs a chat request; the status and the worker that served it.
 async fn chat(api: u16) -> (u16, Option<String>) {
     use http_body_util::{BodyExt, Full};
@@ -390,25 +311,21 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_binary_routes_to_discovered_pods() {
-    let Some(server) = start_apiserver("gw-binary") else {
+    let Some(server) = Apiserver::start("gw-binary") else {
         return;
     };
-    let bin_dir = std::env::var_os("KINFERENCE_BIN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-                .parent()
-                .expect("bin dir")
-                .to_path_buf()
-        });
-    let sim = bin_dir.join("vllm-sim");
-    if !sim.exists() {
-        eprintln!("SKIPPED: {} not built", sim.display());
+    let sim = testkit::bin_dir().join("vllm-sim");
+    if !testkit::require(
+        sim.exists(),
+        "vllm-sim",
+        format_args!(
+            "{} not built (cargo build -p kinference-bench --bin vllm-sim)",
+            sim.display()
+        ),
+    ) {
         return;
     }
-    let tokenizer = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
+    let tokenizer = testkit::tokenizer_dir();
     let client = client(&server).await;
     Api::<Namespace>::all(client.clone())
         .create(
@@ -433,7 +350,7 @@ async fn gateway_binary_routes_to_discovered_pods() {
             .expect("vllm-sim"),
     );
     // The chart's gateway.yaml: no static workers, a kubernetes block.
-    let config = server.dir.join("gateway.yaml");
+    let config = server.dir().join("gateway.yaml");
     std::fs::write(
         &config,
         format!(
@@ -450,7 +367,7 @@ async fn gateway_binary_routes_to_discovered_pods() {
             .arg(format!("--admin-listen=127.0.0.1:{admin}"))
             .arg("--config")
             .arg(&config)
-            .env("KUBECONFIG", &server.kubeconfig)
+            .env("KUBECONFIG", server.kubeconfig())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .spawn()

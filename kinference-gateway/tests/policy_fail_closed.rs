@@ -10,7 +10,7 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -22,20 +22,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_STANDIN_KEY";
 const KEY: &str = "sk-fail-closed-test";
-
-/// Kills the gateway on drop (also when a test panics).
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Removes the temporary directory on drop.
 struct TempDir(PathBuf);
@@ -44,13 +35,6 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
 }
 
 /// An OpenAI-compatible stand-in: counts requests, checks the key, answers one fixed completion.
@@ -96,12 +80,6 @@ async fn standin(count: Arc<AtomicUsize>) -> SocketAddr {
         }
     });
     addr
-}
-
-fn tokenizer_dir() -> PathBuf {
-    std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")))
 }
 
 fn write_config(dir: &std::path::Path, provider: SocketAddr) -> PathBuf {

@@ -3,7 +3,6 @@
 //! degrades visibly when the agent stays away.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,18 +22,6 @@ use tokio::net::TcpListener;
 use tokio::sync::{broadcast, oneshot};
 use tokio_stream::wrappers::{BroadcastStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
-
-fn tokenizer_dir() -> PathBuf {
-    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")));
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "no tokenizer at {}: run `cargo xtask setup`",
-        dir.display()
-    );
-    dir
-}
 
 /// A node agent that serves a fixed snapshot, then whatever the test broadcasts.
 struct TestAgent {
@@ -154,7 +141,7 @@ fn router(agent: SocketAddr, tuning: RoutingTuning) -> Router {
             .collect(),
         models: vec![ModelConfig {
             name: "m".into(),
-            tokenizer_dir: Some(tokenizer_dir()),
+            tokenizer_dir: Some(testkit::tokenizer_dir()),
         }],
         agents: vec![format!("http://{agent}")],
         mode: RoutingMode::Kinference,
@@ -182,7 +169,7 @@ fn blocks(router: &Router, url: &str) -> usize {
 async fn router_follows_a_real_agent_stream() {
     let system =
         "You are a careful assistant for an airline. Quote the fare rules exactly. ".repeat(40);
-    let tok = ModelTokenizer::from_dir(tokenizer_dir()).unwrap();
+    let tok = ModelTokenizer::from_dir(testkit::tokenizer_dir()).unwrap();
     let keys = KeyHasher::for_model("m").keys(None, &tok.encode_text(&system, true).unwrap(), 16);
     let prompt = format!("{system}Can I change my flight?");
     let req = || RouteRequest {

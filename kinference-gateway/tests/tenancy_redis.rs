@@ -2,10 +2,9 @@
 //! replicas) admitting concurrently from one bucket hold the configured rate within 5%, usage records
 //! apply once however often they are sent, and the budget check sees the shared spend.
 //!
-//! Skips (passing, with the reason on stderr) when `redis-server` is not installed.
+//! Skips (with the reason on stderr) when `redis-server` is not installed; under `CI=true` that fails.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -14,36 +13,30 @@ use kinference_crds::RateLimits;
 use kinference_gateway::tenancy::limits::{self, Demand, TenantSettings, Verdict};
 use kinference_gateway::tenancy::store::{RedisStore, RedisVerdict};
 use kinference_gateway::tenancy::usage::UsageRecord;
+use testkit::{ChildGuard, free_port};
 
 struct RedisServer {
-    child: Child,
+    _child: ChildGuard,
     url: String,
     _dir: std::path::PathBuf,
 }
 
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
+/// A private `redis-server` on a free port; `None` (a failure under CI) when it is not installed. Installed
+/// but not starting is a failure everywhere.
 fn start_redis() -> Option<RedisServer> {
-    let Some(binary) = ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
+    let binary = ["/usr/bin/redis-server", "/usr/local/bin/redis-server"]
         .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-    else {
-        eprintln!(
-            "SKIPPED: redis-server is not installed (apt-get install -y redis-server); the shared-store test needs it"
+        .find(|p| std::path::Path::new(p).exists());
+    let Some(binary) = binary else {
+        testkit::skip(
+            "redis-server",
+            "not installed (apt-get install -y redis-server); the shared-store test needs it",
         );
         return None;
     };
-    let port = TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .ok()?
-        .port();
+    let port = free_port();
     let dir = std::env::temp_dir().join(format!("kinference-redis-{port}"));
-    std::fs::create_dir_all(&dir).ok()?;
+    std::fs::create_dir_all(&dir).expect("redis folder");
     let child = Command::new(binary)
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
@@ -52,9 +45,9 @@ fn start_redis() -> Option<RedisServer> {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .ok()?;
+        .expect("redis-server starts");
     let server = RedisServer {
-        child,
+        _child: ChildGuard(child),
         url: format!("redis://127.0.0.1:{port}"),
         _dir: dir,
     };
@@ -65,8 +58,7 @@ fn start_redis() -> Option<RedisServer> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("SKIPPED: redis-server did not listen within 10 s");
-    None
+    panic!("redis-server did not listen on {port} within 10 s");
 }
 
 fn record(id: &str) -> UsageRecord {

@@ -14,7 +14,8 @@ pub struct DemoArgs {
 
 #[derive(clap::Args)]
 pub struct TestArgs {
-    /// Skip `cargo xtask build-ebpf` (the kernel-level tests then say they were skipped).
+    /// Skip `cargo xtask build-ebpf` (the kernel-level tests then say they were skipped). Refused under
+    /// `CI=true`, where a skipped test is a failed one.
     #[arg(long)]
     pub no_ebpf: bool,
     /// Run only the Rust tests.
@@ -24,6 +25,9 @@ pub struct TestArgs {
     #[arg(long)]
     pub python_only: bool,
 }
+
+/// The pytest plugin (in `testkit/python/`) that turns every skip into a failure under `CI=true`.
+const PYTEST_CI_PLUGIN: &str = "kinference_ci";
 
 /// Python end-to-end test folders, relative to the repository root.
 const PYTHON_TEST_DIRS: &[&str] = &[
@@ -60,6 +64,10 @@ pub fn demo(args: DemoArgs) -> anyhow::Result<()> {
 
 pub fn test(args: TestArgs) -> anyhow::Result<()> {
     let root = repo_root();
+    let ci = testkit::in_ci();
+    if ci && args.no_ebpf {
+        bail!("--no-ebpf under CI=true would skip the eBPF tests; CI must run them");
+    }
     let prepared = setup::run()?;
     let bin_dir = target_dir(&root).join("debug");
     let mut failures = Vec::new();
@@ -68,8 +76,11 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
         if !args.no_ebpf {
             step("building the eBPF object (cargo xtask build-ebpf)");
             // A machine that cannot build eBPF still runs every other test; the eBPF tests then
-            // report that the object is missing and skip that part only.
+            // report that the object is missing and skip that part only. Not in CI: there it fails.
             if let Err(e) = run_checked(cargo(&root).args(["xtask", "build-ebpf"])) {
+                if ci {
+                    bail!("eBPF object not built under CI=true: {e:#}");
+                }
                 eprintln!("warning: eBPF object not built: {e:#}");
             }
         }
@@ -97,9 +108,21 @@ pub fn test(args: TestArgs) -> anyhow::Result<()> {
                 "running the Python end-to-end tests: {}",
                 dirs.join(" ")
             ));
+            let plugins = root.join("testkit/python");
+            let python_path = match std::env::var_os("PYTHONPATH") {
+                Some(old) if !old.is_empty() => {
+                    let mut paths = vec![plugins];
+                    paths.extend(std::env::split_paths(&old));
+                    std::env::join_paths(paths)?
+                }
+                _ => plugins.into_os_string(),
+            };
+            // `-rs` lists every skip with its reason; the plugin fails them under CI=true.
             let status = Command::new(&prepared.python)
-                .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+                .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
+                .args(["-p", PYTEST_CI_PLUGIN])
                 .args(&dirs)
+                .env("PYTHONPATH", python_path)
                 .current_dir(&root)
                 .env("KINFERENCE_TOKENIZER_DIR", &prepared.tokenizer_dir)
                 .env("KINFERENCE_BIN_DIR", &bin_dir)

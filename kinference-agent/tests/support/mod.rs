@@ -2,6 +2,8 @@
 //! agent binary as a child process, and a gateway-side watcher that applies the summary stream.
 #![allow(dead_code)]
 
+pub mod ebpf;
+
 use std::collections::{HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -22,14 +24,7 @@ pub const BS: u32 = 16;
 /// The engine's replay buffer: `(seq, payload)` in publish order.
 type ReplayBuffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
-/// A port that was free a moment ago.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
+pub use testkit::free_port;
 
 /// The replay reply shape of a vLLM version.
 #[derive(Clone, Copy, Debug)]
