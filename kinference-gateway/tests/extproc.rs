@@ -11,8 +11,8 @@
 //!   response's end or by the stream's end (never leaked).
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,7 @@ use hyper_util::rt::TokioExecutor;
 use kinference_gateway::extproc::{self, Settings};
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, WorkerConfig};
 use serde_json::{Value, json};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -41,46 +42,16 @@ const MODEL: &str = "qwen2-sim";
 // ---------------------------------------------------------------------------------------------
 // Harness
 
-/// Kills the child process on drop (also when a test panics).
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
-}
-
-fn tokenizer_dir() -> PathBuf {
-    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../.assets/qwen2"));
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "no tokenizer at {}: run `cargo xtask setup`",
-        dir.display()
-    );
-    dir
-}
-
-/// `vllm-sim` from `$KINFERENCE_BIN_DIR`, else next to this package's binaries.
+/// `vllm-sim` from `$KINFERENCE_BIN_DIR`, else next to this package's binaries; without it the in-test
+/// worker stands in (under `CI=true` that is a failure: the real simulator must run there).
 fn vllm_sim() -> Option<PathBuf> {
-    let dir = std::env::var_os("KINFERENCE_BIN_DIR")
-        .map(PathBuf::from)
-        .or_else(|| {
-            Path::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-                .parent()
-                .map(Path::to_path_buf)
-        })?;
-    let p = dir.join("vllm-sim");
-    p.exists().then_some(p)
+    let p = testkit::bin_dir().join("vllm-sim");
+    testkit::require(
+        p.exists(),
+        "vllm-sim",
+        format_args!("{} not built; an in-test worker stands in", p.display()),
+    )
+    .then_some(p)
 }
 
 async fn wait_http(url: &str, timeout: Duration) {
