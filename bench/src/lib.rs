@@ -2,3 +2,4 @@
 #![forbid(unsafe_code)]
 pub mod routing;
 pub mod sim;
+pub mod stats;

@@ -27,6 +27,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as PResp;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use kinference_bench::stats::percentile;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -187,23 +188,15 @@ async fn one(
     })
 }
 
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
 fn line(name: &str, mut v: Vec<f64>) {
     v.sort_by(f64::total_cmp);
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
     println!(
         "{name:<9} p50 {:>8.3} ms  p90 {:>8.3} ms  p99 {:>8.3} ms  max {:>8.3} ms  mean {:>8.3} ms",
-        pct(&v, 0.50),
-        pct(&v, 0.90),
-        pct(&v, 0.99),
-        pct(&v, 1.0),
+        percentile(&v, 50.0),
+        percentile(&v, 90.0),
+        percentile(&v, 99.0),
+        percentile(&v, 100.0),
         mean
     );
 }

@@ -28,6 +28,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_bench::routing::client::latency_that_counts;
+use kinference_bench::stats::percentile_duration as percentile;
 
 /// Measures the gateway's added latency over direct worker access.
 #[derive(Debug, Parser)]
@@ -152,14 +153,6 @@ async fn round(
         all.extend(task.await??);
     }
     Ok(all)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
 }
 
 fn ms(d: Duration) -> f64 {

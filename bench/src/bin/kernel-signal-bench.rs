@@ -33,6 +33,7 @@ use kinference_bench::routing::client::{HttpClient, LoadClient, Route};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions, MODEL};
 use kinference_bench::routing::stats::RequestOutcome;
 use kinference_bench::routing::workload::{ChatRequest, Workload, WorkloadKind, WorkloadShape};
+use kinference_bench::stats::median;
 use serde_json::json;
 
 /// Measures the TTFT prediction error with and without eBPF signals, and the eBPF overhead.
@@ -127,19 +128,6 @@ fn chosen_field<'a>(decision: &'a str, field: &str) -> Option<&'a str> {
     chosen
         .split(' ')
         .find_map(|kv| kv.strip_prefix(field)?.strip_prefix('='))
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    if n % 2 == 1 {
-        values[n / 2]
-    } else {
-        (values[n / 2 - 1] + values[n / 2]) / 2.0
-    }
 }
 
 /// Sends `requests` through the two gateways alternately with `concurrency` virtual users.
@@ -713,12 +701,5 @@ mod tests {
         assert_eq!(chosen_field(header, "signal"), Some("engine"));
         assert_eq!(chosen_field(header, "queue_s"), Some("0.0100"));
         assert_eq!(chosen_field("no star here est_s=1", "est_s"), None);
-    }
-
-    #[test]
-    fn medians() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
-        assert!(median(&mut []).is_nan());
     }
 }

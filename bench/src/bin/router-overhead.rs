@@ -31,6 +31,7 @@ use kinference_bench::routing::client::{HttpClient, Route, latency_that_counts};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, process_cpu_seconds};
 use kinference_bench::routing::workload::{Workload, WorkloadKind, WorkloadShape};
+use kinference_bench::stats::percentile_ms as percentile;
 use serde_json::{Value, json};
 
 /// Added latency and CPU per request of Kinference and the peer routers.
@@ -139,14 +140,6 @@ async fn round(
         failed += f;
     }
     (all, failed)
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)].as_secs_f64() * 1e3
 }
 
 /// Measures one router against direct calls at every stream mode and level.

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::stats::percentile;
+
 #[cfg(test)]
 mod tests;
 
@@ -75,21 +77,6 @@ pub struct RunSummary {
     pub mean_prompt_tokens: f64,
     /// Requests per worker.
     pub per_worker: BTreeMap<String, usize>,
-}
-
-/// The `p`-th percentile (0..=100) of sorted values with linear interpolation between closest ranks
-/// (numpy's default); `NaN` for no values.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    match sorted.len() {
-        0 => f64::NAN,
-        1 => sorted[0],
-        n => {
-            let rank = (p / 100.0).clamp(0.0, 1.0) * (n - 1) as f64;
-            let lo = rank.floor() as usize;
-            let hi = rank.ceil() as usize;
-            sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
-        }
-    }
 }
 
 fn sorted_secs(values: impl Iterator<Item = Duration>, time_scale: f64) -> Vec<f64> {

@@ -20,19 +20,6 @@ fn failed() -> RequestOutcome {
 }
 
 #[test]
-fn percentile_interpolates_like_numpy() {
-    let v = [1.0, 2.0, 3.0, 4.0];
-    assert_eq!(percentile(&v, 50.0), 2.5);
-    // numpy.percentile([1,2,3,4], 90) == 3.7
-    assert!((percentile(&v, 90.0) - 3.7).abs() < 1e-12);
-    assert_eq!(percentile(&[1.0, 5.0, 9.0], 50.0), 5.0);
-    assert_eq!(percentile(&[7.0], 90.0), 7.0);
-    assert!(percentile(&[], 50.0).is_nan());
-    let ten: Vec<f64> = (1..=10).map(f64::from).collect();
-    assert!((percentile(&ten, 90.0) - 9.1).abs() < 1e-12);
-}
-
-#[test]
 fn summary_converts_to_simulated_time_and_counts_goodput_within_the_slo() {
     // Wall-clock times at time scale 0.1: 100 ms wall = 1 s simulated.
     let outcomes = vec![
