@@ -7,11 +7,15 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::policy::source::SourceError;
+use crate::policy::stage::{PolicyStage, StageSettings};
 use crate::routing::{ModelConfig, RoutingConfig, RoutingMode, WorkerConfig};
 
 /// Command-line flags of `kinference-gateway`.
@@ -46,79 +50,7 @@ pub struct Args {
     pub extproc: crate::extproc::ExtProcArgs,
 }
 
-/// Limits and timeouts of the HTTP path (client side and upstream side).
-#[derive(Debug, Clone, clap::Args)]
-pub struct HttpSettings {
-    /// Largest accepted request body in bytes; larger bodies get 413.
-    #[arg(long, env = "KINFERENCE_BODY_LIMIT_BYTES", default_value_t = 4 * 1024 * 1024)]
-    pub body_limit_bytes: usize,
-
-    /// Timeout for opening a TCP connection to a worker, in milliseconds. A worker that does not
-    /// accept within it is treated like one that refuses (marked unhealthy, request retried once).
-    #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
-    pub connect_timeout_ms: u64,
-
-    /// Timeout for the worker's response headers, in milliseconds. For a non-streaming request vLLM
-    /// sends headers only when generation is complete, so this bounds the whole generation; 504 after it.
-    #[arg(
-        long,
-        env = "KINFERENCE_FIRST_BYTE_TIMEOUT_MS",
-        default_value_t = 600_000
-    )]
-    pub first_byte_timeout_ms: u64,
-
-    /// Longest silence allowed between two body chunks from a worker, in milliseconds; a stream that
-    /// stalls longer ends with an error event.
-    #[arg(long, env = "KINFERENCE_IDLE_TIMEOUT_MS", default_value_t = 120_000)]
-    pub idle_timeout_ms: u64,
-
-    /// Interval between two `/health` probes of each worker, in milliseconds.
-    #[arg(long, env = "KINFERENCE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
-    pub health_interval_ms: u64,
-
-    /// Timeout of one `/health` probe, in milliseconds.
-    #[arg(long, env = "KINFERENCE_HEALTH_TIMEOUT_MS", default_value_t = 1_000)]
-    pub health_timeout_ms: u64,
-
-    /// Idle pooled connections kept per worker (connection reuse keeps the added latency low).
-    #[arg(long, env = "KINFERENCE_POOL_MAX_IDLE_PER_HOST", default_value_t = 256)]
-    pub pool_max_idle_per_host: usize,
-}
-
-impl HttpSettings {
-    /// Connect timeout as a [`Duration`].
-    pub fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.connect_timeout_ms)
-    }
-    /// First-byte (response header) timeout as a [`Duration`].
-    pub fn first_byte_timeout(&self) -> Duration {
-        Duration::from_millis(self.first_byte_timeout_ms)
-    }
-    /// Idle timeout between body chunks as a [`Duration`].
-    pub fn idle_timeout(&self) -> Duration {
-        Duration::from_millis(self.idle_timeout_ms)
-    }
-    /// Health probe interval as a [`Duration`].
-    pub fn health_interval(&self) -> Duration {
-        Duration::from_millis(self.health_interval_ms)
-    }
-    /// Health probe timeout as a [`Duration`].
-    pub fn health_timeout(&self) -> Duration {
-        Duration::from_millis(self.health_timeout_ms)
-    }
-}
-
-impl Default for HttpSettings {
-    fn default() -> Self {
-        // Same values as the clap defaults: parse an empty command line.
-        #[derive(Parser)]
-        struct Only {
-            #[command(flatten)]
-            http: HttpSettings,
-        }
-        Only::parse_from(["kinference-gateway"]).http
-    }
-}
+pub use crate::upstream::HttpSettings;
 
 /// The `gateway.yaml` file (local mode).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -254,3 +186,39 @@ impl GatewayConfig {
 
 #[cfg(test)]
 mod tests;
+
+/// Starts the policy stage when `config` names a policy directory. Returns the configuration to
+/// build the router from: `config` plus the pools' static endpoints (as workers) and their models
+/// (with tokenizer directories); without a policy directory, `config` unchanged and no stage.
+pub fn with_policy_stage(
+    config: GatewayConfig,
+    http: &HttpSettings,
+) -> Result<(GatewayConfig, Option<Arc<PolicyStage>>), SourceError> {
+    let Some(dir) = config.policy_dir.clone() else {
+        return Ok((config, None));
+    };
+    let settings = StageSettings {
+        dir,
+        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
+        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
+        connect_timeout: http.connect_timeout(),
+    };
+    let stage = PolicyStage::start(&settings)?;
+    let mut config = config;
+    let (workers, models) = stage.routing_additions();
+    for m in models {
+        if !config.models.iter().any(|c| c.name == m.name) {
+            config.models.push(m);
+        }
+    }
+    for w in workers {
+        if !config
+            .workers
+            .iter()
+            .any(|c| c.url.trim_end_matches('/') == w.url)
+        {
+            config.workers.push(w);
+        }
+    }
+    Ok((config, Some(stage)))
+}

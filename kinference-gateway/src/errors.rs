@@ -267,9 +267,9 @@ impl GatewayError {
     }
 
     /// A complete HTTP error response in the client's protocol.
-    pub fn into_response(&self, protocol: Protocol) -> http::Response<crate::server::Body> {
+    pub fn into_response(&self, protocol: Protocol) -> http::Response<crate::body::Body> {
         let body = Bytes::from(self.body(protocol).to_string());
-        let mut response = http::Response::new(crate::server::full(body));
+        let mut response = http::Response::new(crate::body::full(body));
         *response.status_mut() = self.status();
         response.headers_mut().insert(
             header::CONTENT_TYPE,

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use crate::server::Gateway;
+use crate::gateway::Gateway;
 
 /// Probes every worker every `health_interval`, forever. Call [`probe_all`] once before serving so
 /// that `/readyz` and routing reflect reality from the first request on.

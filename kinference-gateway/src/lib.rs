@@ -1,21 +1,25 @@
 //! The Kinference gateway: an OpenAI- and Anthropic-compatible HTTP endpoint in front of vLLM workers.
 //!
-//! A request's path is in [`pipeline`]; the client protocols in [`api`]; the worker side in
-//! [`upstream`] (pooled client, SSE parsing) and [`relay`] (streaming back); worker selection in
-//! [`routing`]; errors, mapped once to the client's protocol, in [`errors`].
+//! A request's path is in [`pipeline`] (one [`pipeline::exchange::Exchange`] through named stages,
+//! settled once by [`pipeline::settle::Settlement`]); the client protocols in [`api`]; the backends in
+//! [`backend`] (workers through [`upstream`], providers through [`providers`], one relay back);
+//! worker selection in [`routing`]; errors, mapped once to the client's protocol, in [`errors`].
+//! No module imports one that imports it back (`tests/module_layers.rs` keeps it so).
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod backend;
+pub mod body;
 pub mod config;
 pub mod discovery;
 pub mod errors;
 pub mod extproc;
+pub mod gateway;
 pub mod health;
 pub mod metrics;
 pub mod pipeline;
 pub mod policy;
 pub mod providers;
-pub mod relay;
 pub mod routing;
 pub mod server;
 pub mod tenancy;

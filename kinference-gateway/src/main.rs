@@ -21,11 +21,14 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = GatewayConfig::load(&args.config)?;
     // The policy stage (with a policy directory): its pools' endpoints join the router's workers.
-    let (config, policy) = kinference_gateway::policy::stage::from_config(config, &args.http)
+    let (config, policy) = kinference_gateway::config::with_policy_stage(config, &args.http)
         .context("loading the policy directory")?;
-    let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(&config)
-        .await
-        .context("building the router")?;
+    let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(
+        config.routing_config(),
+        config.kubernetes.as_ref(),
+    )
+    .await
+    .context("building the router")?;
     let metrics = Metrics::new();
     metrics.with_registry(|registry| router.register_metrics(registry));
     if let Some(stage) = &policy {
@@ -55,7 +58,7 @@ async fn main() -> anyhow::Result<()> {
         policy,
     });
 
-    let _extproc = kinference_gateway::extproc::spawn(&args.extproc, Arc::clone(&router)).await?;
+    let _extproc = kinference_gateway::extproc::spawn(&args.extproc, &gw).await?;
     let api = server::bind(args.listen).await?;
     let admin = server::bind(args.admin_listen).await?;
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),

@@ -8,8 +8,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -17,52 +15,11 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
 use crate::api::openai;
-use crate::config::HttpSettings;
 use crate::errors::{GatewayError, Protocol};
-use crate::metrics::Metrics;
 use crate::pipeline::{self, Endpoint};
-use crate::routing::Router;
-use crate::upstream::Upstream;
 
-/// Response body of every route: whole or streamed, never failing (stream errors become events).
-pub type Body = UnsyncBoxBody<Bytes, Infallible>;
-
-/// A complete body.
-pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).boxed_unsync()
-}
-
-/// What every request handler shares.
-#[derive(Debug)]
-pub struct Gateway {
-    /// Picks workers.
-    pub router: Arc<Router>,
-    /// Talks to workers.
-    pub upstream: Upstream,
-    /// Prometheus metrics.
-    pub metrics: Metrics,
-    /// Limits and timeouts.
-    pub settings: HttpSettings,
-    /// Served model names (for `/v1/models`).
-    pub models: Vec<String>,
-    /// API keys, rate limits, budgets, usage (`/admin/usage`).
-    pub tenancy: Arc<crate::tenancy::Tenancy>,
-    /// The policy stage, when `gateway.yaml` names a policy directory.
-    pub policy: Option<Arc<crate::policy::stage::PolicyStage>>,
-}
-
-impl Gateway {
-    /// Records a worker's health with the router (which then skips it or not) and in the metrics.
-    pub fn set_health(&self, worker: &str, healthy: bool) {
-        self.router.set_healthy(worker, healthy);
-        self.metrics.worker_health(worker, healthy);
-    }
-
-    /// Ready when at least one worker is healthy.
-    pub fn ready(&self) -> bool {
-        self.router.workers().iter().any(|w| w.healthy)
-    }
-}
+pub use crate::body::{Body, full};
+pub use crate::gateway::Gateway;
 
 /// Routes one client request.
 async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {

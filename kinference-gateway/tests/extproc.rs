@@ -30,7 +30,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_gateway::extproc::{self, Settings};
+use kinference_gateway::policy::stage::{PolicyStage, StageSettings};
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, WorkerConfig};
+use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
 use serde_json::{Value, json};
 use testkit::{ChildGuard, free_port, tokenizer_dir};
 use tokio::sync::mpsc;
@@ -153,16 +155,21 @@ fn header(key: &str, value: &str) -> HeaderValue {
 }
 
 fn request_headers(path: &str) -> ProcessingRequest {
+    request_headers_with(path, &[])
+}
+
+/// Request headers with `extra` ones (an API key, policy tags).
+fn request_headers_with(path: &str, extra: &[(&str, &str)]) -> ProcessingRequest {
+    let mut headers = vec![
+        header(":method", "POST"),
+        header(":path", path),
+        header(":authority", "inference.example"),
+        header("content-type", "application/json"),
+    ];
+    headers.extend(extra.iter().map(|(k, v)| header(k, v)));
     ProcessingRequest {
         request: Some(PReq::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":method", "POST"),
-                    header(":path", path),
-                    header(":authority", "inference.example"),
-                    header("content-type", "application/json"),
-                ],
-            }),
+            headers: Some(HeaderMap { headers }),
             end_of_stream: false,
             ..Default::default()
         })),
@@ -269,6 +276,21 @@ fn outcome(answer: ProcessingResponse) -> Outcome {
 async fn ask(client: &mut ExternalProcessorClient<Channel>, path: &str, body: &[u8]) -> Outcome {
     let mut s = Stream::open(client).await;
     decide_on(&mut s, path, body).await
+}
+
+/// Like [`decide_on`], with `extra` request headers.
+async fn decide_with(
+    stream: &mut Stream,
+    path: &str,
+    extra: &[(&str, &str)],
+    body: &[u8],
+) -> Outcome {
+    let first = stream.send(request_headers_with(path, extra)).await;
+    assert!(
+        matches!(first.response, Some(PResp::RequestHeaders(_))),
+        "headers are acknowledged: {first:?}"
+    );
+    outcome(stream.send(request_body(body, true)).await)
 }
 
 async fn connect(addr: SocketAddr) -> ExternalProcessorClient<Channel> {
@@ -420,6 +442,21 @@ struct Handler {
 }
 
 async fn in_process(workers: usize, settings: Settings) -> Handler {
+    in_process_with(workers, settings, |_| Governance::default()).await
+}
+
+/// The gateway's governance for an in-process handler.
+#[derive(Default)]
+struct Governance {
+    tenancy: Option<Arc<Tenancy>>,
+    policy: Option<Arc<PolicyStage>>,
+}
+
+async fn in_process_with(
+    workers: usize,
+    settings: Settings,
+    governance: impl FnOnce(&[String]) -> Governance,
+) -> Handler {
     let worker_urls: Vec<String> = (0..workers)
         .map(|_| format!("http://127.0.0.1:{}", free_port()))
         .collect();
@@ -444,9 +481,11 @@ async fn in_process(workers: usize, settings: Settings) -> Handler {
         .await
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let r = Arc::clone(&router);
+    let gov = governance(&worker_urls);
+    let handler = extproc::Handler::new(Arc::clone(&router), settings)
+        .with_governance(gov.tenancy, gov.policy);
     let server = tokio::spawn(async move {
-        let _ = extproc::serve(listener, r, settings, std::future::pending()).await;
+        let _ = extproc::serve_handler(listener, handler, std::future::pending()).await;
     });
     let client = connect(addr).await;
     Handler {
@@ -642,4 +681,295 @@ async fn sheds_with_429_when_every_worker_is_at_the_limit() {
         ask(&mut h.client, "/v1/chat/completions", &chat_body("three")).await,
         Outcome::Routed { .. }
     ));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Governance: the HTTP pipeline's stages (API key, tenant limits, policies) through ext_proc
+
+const ACME_KEY: &str = "sk-acme-extproc-0123456789abcdef";
+
+/// A scratch directory removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kinference-extproc-{tag}-{}-{:x}",
+            std::process::id(),
+            rand_suffix()
+        ));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        Self(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Tenant `acme` (one request per minute) with its key in a mounted-secret layout.
+fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
+    let tenants = dir.join("tenants.yaml");
+    std::fs::write(
+        &tenants,
+        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: acme}\nspec:\n  apiKeys:\n    - secretRef: {name: acme, key: api-key}\n  limits:\n    requestsPerMinute: 1\n",
+    )
+    .expect("tenants");
+    let secrets = dir.join("secrets");
+    std::fs::create_dir_all(secrets.join("acme")).expect("secrets");
+    std::fs::write(secrets.join("acme/api-key"), ACME_KEY).expect("key");
+    let config = TenancyConfig {
+        tenants_dir: Some(tenants),
+        secrets_dir: Some(secrets),
+        usage_journal: Some(dir.join("usage.jsonl")),
+        ..TenancyConfig::default()
+    };
+    let mut registry = prometheus_client::registry::Registry::default();
+    Tenancy::start(
+        config,
+        &dir.join("gateway.yaml"),
+        None,
+        vec![MODEL.into()],
+        &mut registry,
+    )
+    .expect("tenancy")
+}
+
+fn response_end(usage: &str) -> [ProcessingRequest; 2] {
+    [
+        ProcessingRequest {
+            request: Some(PReq::ResponseHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![
+                        header(":status", "200"),
+                        header("content-type", "application/json"),
+                    ],
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+        ProcessingRequest {
+            request: Some(PReq::ResponseBody(HttpBody {
+                body: format!("{{\"choices\":[],\"usage\":{usage}}}").into_bytes(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        },
+    ]
+}
+
+#[tokio::test]
+async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
+    let scratch = Scratch::new("tenancy");
+    let tenancy = tenancy(&scratch.0);
+    let t = Arc::clone(&tenancy);
+    let mut h = in_process_with(1, Settings::default(), move |_| Governance {
+        tenancy: Some(t),
+        policy: None,
+    })
+    .await;
+    let body = chat_body("tenant");
+    let path = "/v1/chat/completions";
+
+    // No key, a wrong key: 401 in the client's protocol, nothing routed.
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(&mut s, path, &[], &body).await {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 401, "{body}");
+            assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+        }
+        other => panic!("expected 401, got {other:?}"),
+    }
+    let mut s = Stream::open(&mut h.client).await;
+    let anthropic = json!({"model": MODEL, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    match decide_with(
+        &mut s,
+        "/v1/messages",
+        &[("x-api-key", "sk-wrong")],
+        anthropic.as_bytes(),
+    )
+    .await
+    {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 401, "{body}");
+            assert_eq!(body["type"], "error");
+            assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+        }
+        other => panic!("expected 401, got {other:?}"),
+    }
+    assert_eq!(in_flight(&h.router), 0, "refusals hold no ticket");
+
+    // The key: routed; the response's end settles the tenant's usage.
+    let bearer = format!("Bearer {ACME_KEY}");
+    let auth = [("authorization", bearer.as_str())];
+    let mut s = Stream::open(&mut h.client).await;
+    assert!(matches!(
+        decide_with(&mut s, path, &auth, &body).await,
+        Outcome::Routed { .. }
+    ));
+    for msg in response_end(r#"{"prompt_tokens":700,"completion_tokens":2,"total_tokens":702}"#) {
+        s.send(msg).await;
+    }
+    until_in_flight(&h.router, 0).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let report = loop {
+        let report = tenancy.usage_report("tenant=acme").await.expect("report");
+        if report["total"]["requests"] == 1 || Instant::now() > deadline {
+            break report;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(report["total"]["requests"], 1, "{report}");
+    assert_eq!(report["total"]["output_tokens"], 2, "{report}");
+
+    // One request per minute: the next one is refused with 429 and Retry-After.
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(&mut s, path, &auth, &body).await {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 429, "{body}");
+            assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+        }
+        other => panic!("expected 429, got {other:?}"),
+    }
+    assert_eq!(in_flight(&h.router), 0);
+}
+
+#[tokio::test]
+async fn policies_run_before_the_pick_and_personal_data_stays_on_workers() {
+    let scratch = Scratch::new("policy");
+    let policy_dir = scratch.0.join("policies");
+    std::fs::create_dir_all(&policy_dir).expect("policy dir");
+    let tokenizer = tokenizer_dir();
+    let mut h = in_process_with(2, Settings::default(), |workers| {
+        let endpoints: Vec<String> = workers
+            .iter()
+            .map(|u| format!("{{url: \"{u}\"}}"))
+            .collect();
+        let files = format!(
+            "apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {{name: {MODEL}}}
+spec:
+  servedName: {MODEL}
+  classes: [general]
+  tokenizer: {{dir: \"{tok}\"}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePool
+metadata: {{name: local}}
+spec:
+  models: [{MODEL}]
+  gpuClass: sim
+  locality: Local
+  endpoints: [{endpoints}]
+  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceProvider
+metadata: {{name: cloud}}
+spec:
+  baseUrl: http://127.0.0.1:9/v1
+  apiStyle: OpenAI
+  credentials: {{env: KINFERENCE_EXTPROC_TEST_NO_KEY}}
+  models:
+    - name: cloud-model
+      substitutes: [{MODEL}]
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {{name: gate}}
+spec:
+  priority: 0
+  rules:
+    - name: blocked
+      match: {{tags: [blocked]}}
+      action:
+        reject: {{status: 403, message: blocked by policy}}
+    - name: pii-stays-local
+      match: {{tags: [pii]}}
+      action:
+        requireLocal: {{message: personal data must not leave our infrastructure}}
+    - name: always-burst
+      action:
+        burst:
+          providers: [cloud]
+          when: {{queueDepthAbove: 0}}
+",
+            tok = tokenizer.display(),
+            endpoints = endpoints.join(", "),
+        );
+        std::fs::write(policy_dir.join("all.yaml"), files).expect("policies");
+        let stage = PolicyStage::start(&StageSettings {
+            dir: policy_dir.clone(),
+            reload_interval: Duration::from_secs(60),
+            load_interval: Duration::from_secs(60),
+            connect_timeout: Duration::from_millis(200),
+        })
+        .expect("policy stage");
+        Governance {
+            tenancy: None,
+            policy: Some(stage),
+        }
+    })
+    .await;
+    let path = "/v1/chat/completions";
+
+    // A policy refusal is the local reply.
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(
+        &mut s,
+        path,
+        &[("x-kinference-tags", "blocked")],
+        &chat_body("b"),
+    )
+    .await
+    {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 403, "{body}");
+            assert!(
+                body["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("blocked by policy")),
+                "{body}"
+            );
+        }
+        other => panic!("expected 403, got {other:?}"),
+    }
+
+    // Personal data: a local worker, never the provider (Envoy can only reach workers anyway, and the
+    // plan holds no provider).
+    let pii = json!({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "Please email jane.doe@example.com the contract draft."}]})
+    .to_string();
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(&mut s, path, &[], pii.as_bytes()).await {
+        Outcome::Routed {
+            endpoint: ep,
+            worker,
+        } => {
+            assert!(h.worker_urls.contains(&worker), "{worker}");
+            assert_eq!(ep, endpoint(&worker));
+        }
+        other => panic!("expected a worker, got {other:?}"),
+    }
+    // A burst plan: the provider is passed over, the pool's worker takes it.
+    let mut s2 = Stream::open(&mut h.client).await;
+    assert!(matches!(
+        decide_with(&mut s2, path, &[], &chat_body("burst")).await,
+        Outcome::Routed { .. }
+    ));
+    drop((s, s2));
+    until_in_flight(&h.router, 0).await;
 }

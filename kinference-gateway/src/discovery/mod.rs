@@ -31,8 +31,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::GatewayConfig;
-use crate::routing::{BuildError, Router};
+use crate::routing::{BuildError, Router, RoutingConfig};
 use pods::{PodWorker, pod_key, worker_of};
 
 /// How long the gateway waits at start for the first list of agents.
@@ -220,13 +219,15 @@ impl Discovery {
     }
 }
 
-/// Builds the gateway's router and, when `gateway.yaml` has a `kubernetes:` block, starts discovery
-/// feeding it: the agents found at start join the configured ones, workers follow the pods.
+/// Builds the gateway's router from `routing` and, with `kubernetes` (the `kubernetes:` block of
+/// `gateway.yaml`), starts discovery feeding it: the agents found at start join the configured ones,
+/// workers follow the pods.
 pub async fn router_with_discovery(
-    config: &GatewayConfig,
+    routing: RoutingConfig,
+    kubernetes: Option<&KubernetesConfig>,
 ) -> Result<(Arc<Router>, Option<Discovery>), DiscoveryError> {
-    let mut routing = config.routing_config();
-    let Some(kube_config) = config.kubernetes.as_ref() else {
+    let mut routing = routing;
+    let Some(kube_config) = kubernetes else {
         return Ok((Arc::new(Router::new(routing)?), None));
     };
     let client = Client::try_default().await?;

@@ -86,7 +86,7 @@ kubernetes:
   agent_namespace: kinference
   agent_grpc_port: 7070
 "#;
-    let config = GatewayConfig::from_yaml(yaml).expect("config");
+    let config = crate::config::GatewayConfig::from_yaml(yaml).expect("config");
     let k = config.kubernetes.expect("kubernetes block");
     assert_eq!(k.namespaces, vec!["inference"]);
     assert_eq!(k.label_selector(), "kinference.ai/worker=true,tier=gpu");

@@ -1,15 +1,18 @@
 //! The inference request inside an ext_proc body: which API it speaks (from `:path`, else from the
 //! JSON's shape) and what the router needs from it (model, prompt).
 //!
-//! Parsing and validation reuse the HTTP gateway's own wire types ([`crate::api`]), so a body the
-//! gateway would refuse with 400 is refused here with the same message, and a body it accepts is
+//! Parsing and validation are the HTTP pipeline's own parse stage, so a body the gateway would refuse
+//! with 400 is refused here with the same message, and a body it accepts is
 //! routed on exactly the same prompt (Anthropic requests are translated to OpenAI messages first).
 
 use serde_json::Value;
 
-use crate::api::anthropic::MessagesRequest;
-use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest};
+use bytes::Bytes;
+
+use crate::api::openai;
 use crate::errors::{GatewayError, Protocol};
+use crate::pipeline::Endpoint;
+use crate::pipeline::exchange::{self, OpenAiRequest};
 use crate::routing::Prompt;
 
 /// Which inference API a request uses.
@@ -32,6 +35,15 @@ impl Api {
             "/v1/completions" => Some(Api::Completions),
             "/v1/messages" => Some(Api::Messages),
             _ => None,
+        }
+    }
+
+    /// The gateway endpoint of the same API.
+    pub fn endpoint(self) -> Endpoint {
+        match self {
+            Api::Chat => Endpoint::ChatCompletions,
+            Api::Completions => Endpoint::Completions,
+            Api::Messages => Endpoint::Messages,
         }
     }
 
@@ -74,43 +86,37 @@ impl OwnedPrompt {
     }
 }
 
-/// Parses a request body. `api` comes from `:path`; when the path is not an inference path (an
-/// HTTPRoute may rewrite it), the body's shape decides: `messages` is OpenAI chat, `prompt` a
-/// completion (Anthropic is recognised by its path only).
+/// The API of a request: `api` from `:path`; when the path is not an inference path (an HTTPRoute
+/// may rewrite it), the body's shape decides: `messages` is OpenAI chat, `prompt` a completion
+/// (Anthropic is recognised by its path only).
+pub fn detect(api: Option<Api>, body: &[u8]) -> Result<Api, GatewayError> {
+    if let Some(api) = api {
+        return Ok(api);
+    }
+    let value: Value = openai::parse_body(body)?;
+    if value.get("messages").is_some() {
+        Ok(Api::Chat)
+    } else if value.get("prompt").is_some() {
+        Ok(Api::Completions)
+    } else {
+        Err(GatewayError::invalid(
+            "messages",
+            "the body has neither `messages` nor `prompt`",
+        ))
+    }
+}
+
+/// Parses a request body with the HTTP pipeline's own parse stage ([`exchange::parse`]).
 pub fn parse(api: Option<Api>, body: &[u8]) -> Result<Parsed, GatewayError> {
-    let api = match api {
-        Some(api) => api,
-        None => {
-            let value: Value = openai::parse_body(body)?;
-            if value.get("messages").is_some() {
-                Api::Chat
-            } else if value.get("prompt").is_some() {
-                Api::Completions
-            } else {
-                return Err(GatewayError::invalid(
-                    "messages",
-                    "the body has neither `messages` nor `prompt`",
-                ));
-            }
-        }
+    let api = detect(api, body)?;
+    let request = exchange::parse(api.endpoint(), Bytes::copy_from_slice(body))?;
+    let prompt = match &request.openai {
+        OpenAiRequest::Chat(r) => OwnedPrompt::Chat(r.messages.clone()),
+        OpenAiRequest::Completion(r) => OwnedPrompt::Text(r.prompt_text().to_string()),
     };
-    let (model, prompt) = match api {
-        Api::Chat => {
-            let r: ChatCompletionRequest = openai::parse_body(body)?;
-            r.validate()?;
-            (r.model, OwnedPrompt::Chat(r.messages))
-        }
-        Api::Completions => {
-            let r: CompletionRequest = openai::parse_body(body)?;
-            r.validate()?;
-            let text = r.prompt_text().to_string();
-            (r.model, OwnedPrompt::Text(text))
-        }
-        Api::Messages => {
-            let r: MessagesRequest = openai::parse_body(body)?;
-            let chat = r.to_chat_request()?;
-            (chat.model, OwnedPrompt::Chat(chat.messages))
-        }
-    };
-    Ok(Parsed { api, model, prompt })
+    Ok(Parsed {
+        api,
+        model: request.model().to_string(),
+        prompt,
+    })
 }

@@ -5,18 +5,25 @@
 //!
 //! Per HTTP request Envoy opens one bidirectional stream and sends the request headers, then the body
 //! (configure `request_body_mode: BUFFERED`; `STREAMED` chunks are accumulated until `end_of_stream`).
-//! The handler parses the OpenAI / Anthropic body with the HTTP gateway's own types, calls the same
-//! [`Router::pick`], and answers the last body chunk with the header `x-gateway-destination-endpoint:
-//! ip:port` (route cache cleared) and the dynamic metadata `envoy.lb { x-gateway-destination-endpoint }`
-//! that Envoy's original-destination cluster reads. Refusals are local replies with a JSON error body
-//! in the client's protocol: 400 malformed body, 404 unknown model, 413 body too large, 503 no ready
-//! worker, 429 shed (every worker of the model at the in-flight limit).
+//! The handler runs the HTTP pipeline's own stages up to the plan ([`crate::pipeline`]): the body is
+//! parsed with the gateway's types, the API key authenticated (401), the tenant's budget and token
+//! limits admitted (429), the policies evaluated (a refusal, or local pools only: personal data never
+//! gets a provider as target). It then picks a worker with the same [`Router`] and answers the last
+//! body chunk with the header `x-gateway-destination-endpoint: ip:port` (route cache cleared) and the
+//! dynamic metadata `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination
+//! cluster reads. Envoy forwards to workers only: a plan's providers are passed over, and so are pools
+//! serving another model name than the one in the body (Envoy forwards the body unchanged). Refusals
+//! are local replies with a JSON error body in the client's protocol: 400 malformed body, 401 no or a
+//! wrong API key, 403 refused by a policy, 404 unknown model, 413 body too large, 429 tenant limits or
+//! shed (every worker of the model at the in-flight limit), 503 no ready worker.
 //!
-//! The decision's [`InFlight`](crate::routing::InFlight) ticket lives as long as the stream. With
+//! The decision's [`InFlight`](crate::routing::InFlight) ticket and the tenant's admission live as long
+//! as the stream. With
 //! `response_header_mode: SEND` and `response_body_mode: STREAMED` (the endpoint picker's setting) the
 //! handler also sees the response: the first event of an SSE stream is reported as the first token,
-//! and the end of the body finishes the ticket with the `usage` it carries. Without the response phase
-//! the ticket is released when Envoy closes the stream.
+//! and the end of the body finishes the ticket and settles the tenant's usage with the `usage` it
+//! carries. Without the response phase both are released when Envoy closes the stream (the request is
+//! then recorded as abandoned, with the gateway's own figures).
 //!
 //! [`session`] is one stream's state; [`body`] the request parsing; [`reply`] the messages sent back.
 
@@ -37,8 +44,12 @@ use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::errors::{GatewayError, Protocol};
+use crate::gateway::Gateway;
+use crate::pipeline::exchange::{self, Request as Parsed};
+use crate::pipeline::govern::{self, PlanInput};
+use crate::policy::stage::{PlanTarget, PolicyStage};
 use crate::routing::{Decision, RouteRequest, Router};
-use body::Parsed;
+use crate::tenancy::{Admission, Tenancy};
 use session::Session;
 
 /// Command-line flags of the inference handler (flattened into the gateway's flags).
@@ -151,6 +162,20 @@ pub struct Routed {
     pub decision: Decision,
     /// `host:port` of the worker.
     pub endpoint: String,
+    /// The tenant's admission (settled when the response ends).
+    pub admission: Option<Admission>,
+}
+
+/// What a request through ext_proc tells about itself besides its body.
+#[derive(Debug, Default, Clone)]
+pub struct Head {
+    /// The API, from `:path`.
+    pub api: Option<body::Api>,
+    /// `x-kinference-debug: 1`.
+    pub debug: bool,
+    /// The headers governance reads: the API key (`authorization`, `x-api-key`) and
+    /// `x-kinference-tags`.
+    pub headers: http::HeaderMap,
 }
 
 /// The `host:port` of a worker base URL (`http://10.0.0.7:8000` -> `10.0.0.7:8000`).
@@ -164,41 +189,152 @@ pub fn endpoint_of(worker_url: &str) -> Option<String> {
     Some(format!("{host}:{port}"))
 }
 
-/// What every stream shares: the router and the settings.
+/// What every stream shares: the router, the governance (tenancy, policies) and the settings.
 #[derive(Debug, Clone)]
 pub struct Handler {
     router: Arc<Router>,
+    tenancy: Option<Arc<Tenancy>>,
+    policy: Option<Arc<PolicyStage>>,
     settings: Settings,
 }
 
 impl Handler {
-    /// A handler over the gateway's router.
+    /// A handler over the gateway's router alone: open (no API keys, no limits), no policies.
     pub fn new(router: Arc<Router>, settings: Settings) -> Self {
-        Self { router, settings }
+        Self {
+            router,
+            tenancy: None,
+            policy: None,
+            settings,
+        }
     }
 
-    /// Admission, then the router's pick: the same decision the HTTP gateway makes for this request.
-    pub async fn decide(&self, req: &Parsed, debug: bool) -> Result<Routed, Refusal> {
-        self.admit(&req.model)?;
-        // Policies plug in here once the HTTP pipeline applies them: evaluate the request against the
-        // policy set (reject -> Refusal, route constraints -> candidate filter) before picking, with the
-        // same function the pipeline calls, so both front ends keep deciding identically.
+    /// A handler with the gateway's governance: its tenants (API keys, limits, usage) and policies.
+    pub fn governed(gw: &Gateway, settings: Settings) -> Self {
+        Self {
+            router: Arc::clone(&gw.router),
+            tenancy: Some(Arc::clone(&gw.tenancy)),
+            policy: gw.policy.clone(),
+            settings,
+        }
+    }
+
+    /// With `tenancy` and `policy` (tests build them without a whole gateway).
+    pub fn with_governance(
+        mut self,
+        tenancy: Option<Arc<Tenancy>>,
+        policy: Option<Arc<PolicyStage>>,
+    ) -> Self {
+        self.tenancy = tenancy;
+        self.policy = policy;
+        self
+    }
+
+    /// The HTTP pipeline's stages up to the plan (parse, authenticate, admit, plan), then the
+    /// router's pick: the same decision the HTTP gateway makes for this request.
+    pub async fn decide(&self, head: &Head, body: bytes::Bytes) -> Result<Routed, Refusal> {
+        // As over HTTP: the caller before the body, so an unknown one learns nothing about it.
+        let caller = match &self.tenancy {
+            Some(t) => Some(t.authenticate(&head.headers).map_err(Refusal::Gateway)?),
+            None => None,
+        };
+        let api = body::detect(head.api, &body).map_err(Refusal::Gateway)?;
+        let protocol = api.protocol();
+        let request = exchange::parse(api.endpoint(), body).map_err(Refusal::Gateway)?;
+        self.admit(request.model())?;
+        let admission = match (&self.tenancy, &caller) {
+            (Some(t), Some(c)) => Some(
+                govern::admit(t, c, &request, protocol)
+                    .await
+                    .map_err(Refusal::Gateway)?,
+            ),
+            _ => None,
+        };
         let decision = self
-            .router
-            .pick(RouteRequest {
-                model: &req.model,
-                prompt: req.prompt.as_prompt(),
-                debug,
-            })
+            .pick(head, &request, caller.as_ref(), admission.as_ref())
             .await
-            .map_err(|e| Refusal::Gateway(e.into()))?;
+            .map_err(Refusal::Gateway)?;
         let endpoint = endpoint_of(&decision.worker).ok_or_else(|| {
             Refusal::Gateway(GatewayError::BadUpstream {
                 worker: decision.worker.clone(),
                 detail: "worker URL has no host".into(),
             })
         })?;
-        Ok(Routed { decision, endpoint })
+        let mut admission = admission;
+        if let Some(a) = &mut admission {
+            a.routed(&decision.worker, decision.reason, decision.prompt_tokens);
+        }
+        Ok(Routed {
+            decision,
+            endpoint,
+            admission,
+        })
+    }
+
+    /// The plan (with policies: its pools in order, providers passed over) and the router's pick.
+    async fn pick(
+        &self,
+        head: &Head,
+        request: &Parsed,
+        caller: Option<&crate::tenancy::Caller>,
+        admission: Option<&Admission>,
+    ) -> Result<Decision, GatewayError> {
+        let route = |model| RouteRequest {
+            model,
+            prompt: request.prompt(),
+            debug: head.debug,
+        };
+        let Some(stage) = &self.policy else {
+            return Ok(self.router.pick(route(request.model())).await?);
+        };
+        let input = PlanInput {
+            caller,
+            tags: head
+                .headers
+                .get(crate::policy::classify::tags::TAGS_HEADER)
+                .and_then(|v| v.to_str().ok()),
+            debug: head.debug,
+            local_only: admission.is_some_and(Admission::local_only),
+        };
+        let mut explain = None;
+        let plan = govern::plan(
+            stage,
+            &self.router,
+            self.tenancy.as_deref(),
+            request,
+            input,
+            &mut explain,
+        )
+        .await?;
+        let mut last = None;
+        for target in &plan.targets {
+            let PlanTarget::Pool { model, workers, .. } = target else {
+                continue; // Envoy forwards to workers only.
+            };
+            if model != request.model() {
+                tracing::debug!(backend = %target.label(), %model, "ext_proc cannot rename the model; pool passed over");
+                continue;
+            }
+            let picked = match workers {
+                Some(w) => self.router.pick_among(route(model), w).await,
+                None => self.router.pick(route(model)).await,
+            };
+            match picked {
+                Ok(decision) => {
+                    stage.count_sent(target, plan.burst);
+                    return Ok(decision);
+                }
+                Err(error) => last = Some(GatewayError::from(error)),
+            }
+        }
+        Err(last.unwrap_or_else(|| GatewayError::PolicyRejected {
+            status: http::StatusCode::SERVICE_UNAVAILABLE,
+            code: "no_backend_available",
+            message: format!(
+                "no worker chosen by the policies ({}) can be reached through Envoy",
+                plan.rule
+            ),
+        }))
     }
 
     /// Sheds when every ready worker of `model` is at the in-flight limit (the router would still
@@ -233,8 +369,13 @@ pub struct ExtProcService {
 impl ExtProcService {
     /// A service over the gateway's router.
     pub fn new(router: Arc<Router>, settings: Settings) -> Self {
+        Self::with_handler(Handler::new(router, settings))
+    }
+
+    /// A service over `handler`.
+    pub fn with_handler(handler: Handler) -> Self {
         Self {
-            handler: Arc::new(Handler::new(router, settings)),
+            handler: Arc::new(handler),
         }
     }
 
@@ -279,33 +420,43 @@ impl ExternalProcessor for ExtProcService {
     }
 }
 
-/// Serves the handler on `listener` until `shutdown` resolves.
+/// Serves an open handler over `router` on `listener` until `shutdown` resolves.
 pub async fn serve(
     listener: TcpListener,
     router: Arc<Router>,
     settings: Settings,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
+    serve_handler(listener, Handler::new(router, settings), shutdown).await
+}
+
+/// Serves `handler` on `listener` until `shutdown` resolves.
+pub async fn serve_handler(
+    listener: TcpListener,
+    handler: Handler,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
-        .add_service(ExtProcService::new(router, settings).into_server())
+        .add_service(ExtProcService::with_handler(handler).into_server())
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
         .await
 }
 
-/// Starts the handler when `--extproc-listen` is given (what `main` calls); runs until the process ends.
+/// Starts the handler when `--extproc-listen` is given (what `main` calls), with the gateway's
+/// governance; runs until the process ends.
 pub async fn spawn(
     args: &ExtProcArgs,
-    router: Arc<Router>,
+    gw: &Gateway,
 ) -> std::io::Result<Option<tokio::task::JoinHandle<()>>> {
     let Some(addr) = args.extproc_listen else {
         return Ok(None);
     };
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(listen = %listener.local_addr()?, "ext_proc inference handler listening");
-    let settings = Settings::from(args);
+    let handler = Handler::governed(gw, Settings::from(args));
     Ok(Some(tokio::spawn(async move {
-        if let Err(error) = serve(listener, router, settings, std::future::pending()).await {
+        if let Err(error) = serve_handler(listener, handler, std::future::pending()).await {
             tracing::error!(%error, "ext_proc inference handler stopped");
         }
     })))

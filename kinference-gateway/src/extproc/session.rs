@@ -4,8 +4,9 @@
 //! (Envoy's `BUFFERED` mode sends one chunk; `STREAMED` sends several, each acknowledged), then the
 //! decision. Response phase (when Envoy is configured to send it): the status, the first body chunk
 //! of a server-sent-event stream (the first token: it feeds the router's learned rates), and the end
-//! of the body with its `usage`, which finishes the router's in-flight ticket. Whatever happens, the
-//! ticket is dropped with the session, so an aborted request never leaks an in-flight count.
+//! of the body with its `usage`, which finishes the router's in-flight ticket and settles the tenant's
+//! admission (usage, cost, token limits). Whatever happens, both are dropped with the session, so an
+//! aborted request never leaks an in-flight count and is recorded once.
 
 use bytes::BytesMut;
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
@@ -14,11 +15,15 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, ProcessingRequest, ProcessingResponse, processing_response,
 };
 
-use super::body::{self, Api};
-use super::{Handler, Refusal, reply};
+use super::body::Api;
+use super::{Handler, Head, Refusal, reply};
 use crate::api::openai::{Usage, UsageOnly};
 use crate::errors::{GatewayError, Protocol};
 use crate::routing::InFlight;
+use crate::tenancy::Admission;
+
+/// The request headers governance reads (the API key, the policy tags).
+const GOVERNANCE_HEADERS: [&str; 3] = ["authorization", "x-api-key", "x-kinference-tags"];
 
 /// The most response-body bytes kept to find `usage` at the end (the tail of a stream suffices).
 const USAGE_TAIL_BYTES: usize = 64 * 1024;
@@ -26,11 +31,13 @@ const USAGE_TAIL_BYTES: usize = 64 * 1024;
 /// Per-stream state.
 #[derive(Debug, Default)]
 pub struct Session {
-    api: Option<Api>,
-    debug: bool,
+    head: Head,
     body: BytesMut,
     /// The decision's ledger entry, held until the response ends (or the stream does).
     ticket: Option<InFlight>,
+    /// The tenant's admission, settled when the response ends (or as abandoned with the stream).
+    admission: Option<Admission>,
+    response_status: u16,
     /// A refusal was sent: Envoy ignores everything after it.
     done: bool,
     response_ok: bool,
@@ -80,15 +87,24 @@ impl Session {
     }
 
     fn on_request_headers(&mut self, headers: Option<&HeaderMap>) {
-        self.api = header(headers, ":path").and_then(|p| Api::from_path(&p));
-        self.debug = header(headers, "x-kinference-debug").as_deref() == Some("1");
+        self.head.api = header(headers, ":path").and_then(|p| Api::from_path(&p));
+        self.head.debug = header(headers, "x-kinference-debug").as_deref() == Some("1");
+        for name in GOVERNANCE_HEADERS {
+            if let Some(v) =
+                header(headers, name).and_then(|v| http::HeaderValue::from_str(&v).ok())
+            {
+                self.head
+                    .headers
+                    .insert(http::HeaderName::from_static(name), v);
+            }
+        }
     }
 
     async fn on_request_body(&mut self, handler: &Handler, b: HttpBody) -> ProcessingResponse {
         if self.done {
             return reply::request_body_continue();
         }
-        let protocol = self.api.map_or(Protocol::OpenAi, Api::protocol);
+        let protocol = self.head.api.map_or(Protocol::OpenAi, Api::protocol);
         if self.body.len() + b.body.len() > handler.settings.body_limit_bytes {
             self.done = true;
             let limit = handler.settings.body_limit_bytes;
@@ -98,35 +114,31 @@ impl Session {
         if !b.end_of_stream {
             return reply::request_body_continue();
         }
-        let body = std::mem::take(&mut self.body);
-        let parsed = match body::parse(self.api, &body) {
-            Ok(p) => p,
-            Err(e) => {
-                self.done = true;
-                return Refusal::Gateway(e).reply(protocol);
-            }
-        };
-        let protocol = parsed.api.protocol();
-        match handler.decide(&parsed, self.debug).await {
+        let body = std::mem::take(&mut self.body).freeze();
+        // A body whose API only its shape tells answers errors in OpenAI's protocol, as before.
+        let protocol = super::body::detect(self.head.api, &body).map_or(protocol, Api::protocol);
+        match handler.decide(&self.head, body).await {
             Ok(routed) => {
                 let answer = reply::routed(&routed.endpoint, &routed.decision.worker);
-                tracing::debug!(model = %parsed.model, worker = %routed.decision.worker,
+                tracing::debug!(worker = %routed.decision.worker,
                     endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
                 self.ticket = Some(routed.decision.ticket);
+                self.admission = routed.admission;
                 answer
             }
             Err(refusal) => {
                 self.done = true;
-                tracing::debug!(model = %parsed.model, error = %refusal, "ext_proc refused");
+                tracing::debug!(error = %refusal, "ext_proc refused");
                 refusal.reply(protocol)
             }
         }
     }
 
     fn on_response_headers(&mut self, headers: Option<&HeaderMap>) {
-        self.response_ok = header(headers, ":status")
+        self.response_status = header(headers, ":status")
             .and_then(|s| s.parse::<u16>().ok())
-            .is_some_and(|s| (200..300).contains(&s));
+            .unwrap_or(0);
+        self.response_ok = (200..300).contains(&self.response_status);
         self.response_sse =
             header(headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
     }
@@ -150,8 +162,17 @@ impl Session {
         }
     }
 
-    /// The response ended: release the ledger entry with what the worker reported.
+    /// The response ended: release the ledger entry and settle the tenant with what the worker
+    /// reported.
     fn finish(&mut self, usage: Option<Usage>) {
+        if let Some(admission) = self.admission.take() {
+            let status = if self.response_status == 0 {
+                200
+            } else {
+                self.response_status
+            };
+            admission.settle(status, usage.as_ref());
+        }
         if let Some(ticket) = self.ticket.take() {
             let usage = usage.unwrap_or_default();
             ticket.finish(

@@ -567,39 +567,3 @@ pub fn header_safe(text: &str) -> String {
         .map(|c| if (' '..='~').contains(&c) { c } else { '?' })
         .collect()
 }
-
-/// Starts the stage when `config` names a policy directory. Returns the configuration to build the
-/// router from: `config` plus the pools' static endpoints (as workers) and their models (with
-/// tokenizer directories); without a policy directory, `config` unchanged and no stage.
-pub fn from_config(
-    config: crate::config::GatewayConfig,
-    http: &crate::config::HttpSettings,
-) -> Result<(crate::config::GatewayConfig, Option<Arc<PolicyStage>>), SourceError> {
-    let Some(dir) = config.policy_dir.clone() else {
-        return Ok((config, None));
-    };
-    let settings = StageSettings {
-        dir,
-        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
-        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
-        connect_timeout: http.connect_timeout(),
-    };
-    let stage = PolicyStage::start(&settings)?;
-    let mut config = config;
-    let (workers, models) = stage.routing_additions();
-    for m in models {
-        if !config.models.iter().any(|c| c.name == m.name) {
-            config.models.push(m);
-        }
-    }
-    for w in workers {
-        if !config
-            .workers
-            .iter()
-            .any(|c| c.url.trim_end_matches('/') == w.url)
-        {
-            config.workers.push(w);
-        }
-    }
-    Ok((config, Some(stage)))
-}

@@ -4,12 +4,12 @@
 //! - [`Providers`]: the HTTP(S) clients and one [`ProviderClient`] per provider, rebuilt when its spec
 //!   changes (the API key is read then: the environment variable in local mode).
 //! - [`translate`]: requests out in the provider's protocol, answers back as OpenAI chat (the pivot).
-//! - [`relay`]: the answer to the client in the client's protocol, whole or streamed, accounted once.
+//!
+//! The answer goes back to the client through the one relay of `backend::relay`, like a worker's.
 //!
 //! A provider never sees a request the policy stage marked local-only; that is enforced by the stage
 //! (and by the engine) before anything is sent here.
 
-pub mod relay;
 pub mod translate;
 
 use std::collections::HashMap;
@@ -23,7 +23,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_crds::{ApiStyle, InferenceProviderSpec};
+use kinference_crds::{ApiStyle, InferenceProviderSpec, TokenPrices};
 use parking_lot::Mutex;
 
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, UpstreamErrorBody};
@@ -182,6 +182,16 @@ impl ProviderClient {
         self.spec.api_style
     }
 
+    /// The price of `model` (the provider's model name): the model's own, else the provider's.
+    pub fn prices(&self, model: &str) -> Option<TokenPrices> {
+        self.spec
+            .models
+            .iter()
+            .find(|m| m.name == model)
+            .and_then(|m| m.prices.clone())
+            .or_else(|| self.spec.prices.clone())
+    }
+
     /// Label for metrics and errors: `provider/<name>`.
     pub fn label(&self) -> String {
         format!("provider/{}", self.name)
@@ -296,7 +306,7 @@ impl ProviderClient {
             return Ok(response);
         }
         let status = response.status();
-        let body = relay::read_all(response.into_body(), timeout)
+        let body = crate::upstream::read_body(response.into_body(), timeout, &self.label())
             .await
             .unwrap_or_default();
         Err(self.failed(format!(

@@ -5,7 +5,7 @@
 //! `spec.budget.monthlyLimit` with `onExceeded: Reject` is refused until the month ends: HTTP 429
 //! (OpenAI: type and code `insufficient_quota`, as OpenAI reports an exhausted quota; Anthropic:
 //! `rate_limit_error`), with `Retry-After` set to the seconds left in the month. `LocalOnly` keeps
-//! serving (every backend this gateway routes to today is a local pool). The check happens at
+//! serving, from local pools only: the pipeline's plan drops every provider for that tenant. The check happens at
 //! admission, so requests already in flight when the budget is reached still finish: the overshoot
 //! is at most their cost.
 //!

@@ -472,6 +472,8 @@ impl Tenancy {
             headers: Vec::new(),
             started: Instant::now(),
             worker: None,
+            provider: None,
+            local_only: false,
             gateway_prompt_tokens: None,
             chunks: 0,
             first_text: None,
@@ -500,6 +502,15 @@ impl Tenancy {
             .as_ref()
             .filter(|b| b.on_exceeded == BudgetAction::Reject)
             .map(|b| b.monthly_limit);
+        // `LocalOnly`: past the budget the tenant is still served, by local pools only. The spend is
+        // this replica's view (the journal replayed at start plus what it settled since).
+        if let Some(b) = tenant
+            .budget
+            .as_ref()
+            .filter(|b| b.on_exceeded == BudgetAction::LocalOnly)
+        {
+            admission.local_only = self.spend.spent(&tenant.name, now) >= b.monthly_limit;
+        }
         if takes.is_empty() && budget.is_none() {
             return Ok(admission.armed());
         }
@@ -651,7 +662,7 @@ impl Tenancy {
             _ if a.first_text.is_some() => {
                 (a.gateway_prompt_tokens.unwrap_or(0), 0, a.chunks, true)
             }
-            _ => (0, 0, 0, a.worker.is_some()),
+            _ => (0, 0, 0, a.worker.is_some() || a.provider.is_some()),
         };
         // Reconcile the buckets: what was debited becomes what was used.
         let mut adjust = Vec::new();
@@ -671,8 +682,18 @@ impl Tenancy {
             adjust.push(t);
         }
         self.adjust(adjust);
-        let Some(worker) = a.worker.clone() else {
-            return; // never reached a worker: nothing used, nothing to bill
+        // Where it was served: a provider at its price, a worker at its pool's.
+        let (pool, provider, prices) = match (&a.provider, &a.worker) {
+            (Some((name, prices)), _) => (String::new(), name.clone(), prices.clone()),
+            (None, Some(worker)) => match self.pool_of(worker, &a.model) {
+                Some((name, prices)) => (name, String::new(), Some(prices)),
+                None => (
+                    String::new(),
+                    String::new(),
+                    self.config.prices.get(&a.model).cloned(),
+                ),
+            },
+            (None, None) => return, // never reached a backend: nothing used, nothing to bill
         };
         let uncached = prompt - cached;
         m.input_tokens
@@ -694,10 +715,6 @@ impl Tenancy {
         m.output_size
             .get_or_create(&a.labels)
             .observe(output as f64);
-        let (pool, prices) = match self.pool_of(&worker, &a.model) {
-            Some((name, prices)) => (name, Some(prices)),
-            None => (String::new(), self.config.prices.get(&a.model).cloned()),
-        };
         let cost = usage::cost(prices.as_ref(), uncached, cached, output);
         let ts_ms = now_ms();
         m.cost
@@ -705,7 +722,7 @@ impl Tenancy {
                 tenant: a.labels.tenant.clone(),
                 model: a.labels.model.clone(),
                 pool: pool.clone(),
-                provider: String::new(),
+                provider: provider.clone(),
             })
             .inc_by(cost);
         self.spend.add(&a.tenant, ts_ms, cost);
@@ -720,7 +737,7 @@ impl Tenancy {
             tenant: a.tenant.clone(),
             model: a.model.clone(),
             pool,
-            provider: String::new(),
+            provider,
             status,
             requests: 1,
             input_uncached: uncached,
@@ -1053,6 +1070,10 @@ pub struct Admission {
     headers: Vec<(&'static str, String)>,
     started: Instant,
     worker: Option<String>,
+    /// The provider that served the request (name, prices of the model it was asked for).
+    provider: Option<(String, Option<TokenPrices>)>,
+    /// The tenant spent its monthly budget and its `onExceeded` is `LocalOnly`.
+    local_only: bool,
     gateway_prompt_tokens: Option<u64>,
     chunks: u64,
     first_text: Option<Instant>,
@@ -1118,6 +1139,29 @@ impl Admission {
             adjust.push(delta);
         }
         self.tenancy.adjust(adjust);
+    }
+
+    /// A provider serves the request (cloud burst): it is billed at `prices` (the provider's price
+    /// of the model it was asked for) under the provider's name, and counted against the tenant's
+    /// limits and budget like any other request.
+    pub fn provider(&mut self, name: &str, prices: Option<TokenPrices>) {
+        self.worker = None;
+        self.provider = Some((name.to_string(), prices));
+        self.tenancy
+            .metrics
+            .decisions
+            .get_or_create(&metrics::TenantReason {
+                tenant: self.labels.tenant.clone(),
+                model: self.labels.model.clone(),
+                reason: "provider".to_string(),
+            })
+            .inc();
+    }
+
+    /// Whether only local pools may serve this request: the tenant spent its monthly budget and its
+    /// `onExceeded` is `LocalOnly` (paid providers are out).
+    pub fn local_only(&self) -> bool {
+        self.local_only
     }
 
     /// A streamed chunk carrying text arrived: per-tenant TTFT / ITL, and output charged as a

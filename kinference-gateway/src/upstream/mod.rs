@@ -9,6 +9,7 @@ pub mod sse;
 use std::time::Duration;
 
 use bytes::Bytes;
+use clap::Parser;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
@@ -16,7 +17,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::config::HttpSettings;
 use crate::errors::GatewayError;
 
 /// Pooled HTTP/1.1 client for worker requests.
@@ -94,30 +94,7 @@ impl Upstream {
 
     /// Reads a whole (non-streamed) response body, allowing `idle_timeout` between chunks.
     pub async fn read_body(&self, worker: &str, body: Incoming) -> Result<Bytes, GatewayError> {
-        let mut body = body;
-        let mut out = bytes::BytesMut::new();
-        loop {
-            match tokio::time::timeout(self.idle_timeout, body.frame()).await {
-                Err(_) => {
-                    return Err(GatewayError::UpstreamTimeout {
-                        worker: worker.to_string(),
-                        what: "the response body stalled past the idle timeout",
-                    });
-                }
-                Ok(None) => return Ok(out.freeze()),
-                Ok(Some(Err(e))) => {
-                    return Err(GatewayError::BadUpstream {
-                        worker: worker.to_string(),
-                        detail: format!("reading the response body: {}", error_chain(&e)),
-                    });
-                }
-                Ok(Some(Ok(frame))) => {
-                    if let Some(data) = frame.data_ref() {
-                        out.extend_from_slice(data);
-                    }
-                }
-            }
-        }
+        read_body(body, self.idle_timeout, worker).await
     }
 
     /// GETs `worker` + `path` within `timeout`; the status, or why there is none.
@@ -145,6 +122,39 @@ impl Upstream {
     }
 }
 
+/// Reads a whole response body of `backend` (worker URL or `provider/<name>`), allowing `idle`
+/// between chunks.
+pub async fn read_body(
+    body: Incoming,
+    idle: Duration,
+    backend: &str,
+) -> Result<Bytes, GatewayError> {
+    let mut body = body;
+    let mut out = bytes::BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Err(_) => {
+                return Err(GatewayError::UpstreamTimeout {
+                    worker: backend.to_string(),
+                    what: "the response body stalled past the idle timeout",
+                });
+            }
+            Ok(None) => return Ok(out.freeze()),
+            Ok(Some(Err(e))) => {
+                return Err(GatewayError::BadUpstream {
+                    worker: backend.to_string(),
+                    detail: format!("reading the response body: {}", error_chain(&e)),
+                });
+            }
+            Ok(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    out.extend_from_slice(data);
+                }
+            }
+        }
+    }
+}
+
 /// An error with its causes, e.g. "client error (Connect): tcp connect error: Connection refused".
 pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
@@ -155,4 +165,78 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         source = cause.source();
     }
     text
+}
+
+/// Limits and timeouts of the HTTP path (client side and upstream side).
+#[derive(Debug, Clone, clap::Args)]
+pub struct HttpSettings {
+    /// Largest accepted request body in bytes; larger bodies get 413.
+    #[arg(long, env = "KINFERENCE_BODY_LIMIT_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub body_limit_bytes: usize,
+
+    /// Timeout for opening a TCP connection to a worker, in milliseconds. A worker that does not
+    /// accept within it is treated like one that refuses (marked unhealthy, request retried once).
+    #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
+    pub connect_timeout_ms: u64,
+
+    /// Timeout for the worker's response headers, in milliseconds. For a non-streaming request vLLM
+    /// sends headers only when generation is complete, so this bounds the whole generation; 504 after it.
+    #[arg(
+        long,
+        env = "KINFERENCE_FIRST_BYTE_TIMEOUT_MS",
+        default_value_t = 600_000
+    )]
+    pub first_byte_timeout_ms: u64,
+
+    /// Longest silence allowed between two body chunks from a worker, in milliseconds; a stream that
+    /// stalls longer ends with an error event.
+    #[arg(long, env = "KINFERENCE_IDLE_TIMEOUT_MS", default_value_t = 120_000)]
+    pub idle_timeout_ms: u64,
+
+    /// Interval between two `/health` probes of each worker, in milliseconds.
+    #[arg(long, env = "KINFERENCE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
+    pub health_interval_ms: u64,
+
+    /// Timeout of one `/health` probe, in milliseconds.
+    #[arg(long, env = "KINFERENCE_HEALTH_TIMEOUT_MS", default_value_t = 1_000)]
+    pub health_timeout_ms: u64,
+
+    /// Idle pooled connections kept per worker (connection reuse keeps the added latency low).
+    #[arg(long, env = "KINFERENCE_POOL_MAX_IDLE_PER_HOST", default_value_t = 256)]
+    pub pool_max_idle_per_host: usize,
+}
+
+impl HttpSettings {
+    /// Connect timeout as a [`Duration`].
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+    /// First-byte (response header) timeout as a [`Duration`].
+    pub fn first_byte_timeout(&self) -> Duration {
+        Duration::from_millis(self.first_byte_timeout_ms)
+    }
+    /// Idle timeout between body chunks as a [`Duration`].
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms)
+    }
+    /// Health probe interval as a [`Duration`].
+    pub fn health_interval(&self) -> Duration {
+        Duration::from_millis(self.health_interval_ms)
+    }
+    /// Health probe timeout as a [`Duration`].
+    pub fn health_timeout(&self) -> Duration {
+        Duration::from_millis(self.health_timeout_ms)
+    }
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        // Same values as the clap defaults: parse an empty command line.
+        #[derive(Parser)]
+        struct Only {
+            #[command(flatten)]
+            http: HttpSettings,
+        }
+        Only::parse_from(["kinference-gateway"]).http
+    }
 }

@@ -102,8 +102,9 @@ def write_dir(directory: Path, files: dict[str, str]) -> None:
 
 def start_gateway(cluster: Cluster, policy_dir: Path, *, routing: str = "kinference",
                   load_interval_ms: int = 200, reload_interval_ms: int = 100,
-                  wait_ready: bool = True) -> Gateway:
-    """A gateway whose workers are the pools' endpoints (no `workers:` list in its YAML)."""
+                  wait_ready: bool = True, extra_yaml: str = "") -> Gateway:
+    """A gateway whose workers are the pools' endpoints (no `workers:` list in its YAML); `extra_yaml`
+    is appended to its configuration (e.g. a `tenancy:` block)."""
     os.environ[KEY_ENV] = KEY  # the gateway inherits it: the providers' credentials (local mode)
     port, admin_port = free_port(), free_port()
     config = cluster.workdir / f"gateway-{port}.yaml"
@@ -115,7 +116,7 @@ def start_gateway(cluster: Cluster, policy_dir: Path, *, routing: str = "kinfere
         policy_dir: {policy_dir}
         policy_reload_interval_ms: {reload_interval_ms}
         policy_load_interval_ms: {load_interval_ms}
-        """))
+        """) + extra_yaml)
     process = cluster._spawn(f"gateway-{port}", [
         str(BIN_DIR / "kinference-gateway"), "--listen", f"127.0.0.1:{port}",
         "--admin-listen", f"127.0.0.1:{admin_port}", "--config", str(config),

@@ -93,7 +93,8 @@ async fn stage_and_router(dir: &Path) -> (Arc<PolicyStage>, Router) {
         policy_dir: Some(dir.to_path_buf()),
         ..Default::default()
     };
-    let (config, stage) = from_config(config, &crate::config::HttpSettings::default()).unwrap();
+    let (config, stage) =
+        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default()).unwrap();
     let stage = stage.unwrap();
     assert_eq!(
         config

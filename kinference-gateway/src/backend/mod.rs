@@ -1,0 +1,95 @@
+//! The backends a request is forwarded to, behind one interface: vLLM workers (the pooled client in
+//! [`crate::upstream`]) and cloud providers ([`crate::providers`]), and the one [`relay`] that brings
+//! either's answer back to the client in the client's protocol while feeding a [`relay::Meter`] (the
+//! pipeline's settlement) as chunks pass.
+
+pub mod relay;
+
+use bytes::Bytes;
+use http::Response;
+use hyper::body::Incoming;
+use kinference_crds::ApiStyle;
+
+use crate::errors::GatewayError;
+use crate::providers::{ProviderClient, ProviderError, ProviderRequest};
+use crate::upstream::Upstream;
+
+/// Where a request is sent: a worker (base URL) or a provider (with its model name).
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// A vLLM worker: its base URL and the path of the endpoint (`/v1/chat/completions`, ...).
+    Worker {
+        /// Worker base URL.
+        url: &'a str,
+        /// Endpoint path on the worker.
+        path: &'static str,
+    },
+    /// A provider and the model name it is asked for.
+    Provider {
+        /// The provider's client.
+        client: &'a ProviderClient,
+        /// The provider's model name.
+        model: &'a str,
+    },
+}
+
+impl Target<'_> {
+    /// The protocol the backend answers in (workers speak OpenAI).
+    pub fn api_style(&self) -> ApiStyle {
+        match self {
+            Target::Worker { .. } => ApiStyle::OpenAI,
+            Target::Provider { client, .. } => client.api_style(),
+        }
+    }
+
+    /// The label of metrics and errors: the worker URL, or `provider/<name>`.
+    pub fn label(&self) -> String {
+        match self {
+            Target::Worker { url, .. } => (*url).to_string(),
+            Target::Provider { client, .. } => client.label(),
+        }
+    }
+}
+
+/// The request in the forms a backend takes: the worker's body (already serialized, forwarded byte
+/// for byte when the client's bytes could be kept) and the typed request providers translate.
+#[derive(Debug, Clone, Copy)]
+pub struct Outgoing<'a> {
+    /// The worker's JSON body.
+    pub body: &'a Bytes,
+    /// The typed request, for providers.
+    pub typed: ProviderRequest<'a>,
+    /// Whether the answer is streamed.
+    pub stream: bool,
+}
+
+/// Why a backend did not answer (before anything reached the client).
+#[derive(Debug)]
+pub enum SendError {
+    /// The backend cannot take this request at all; nothing was sent (a provider without a key, ...).
+    Unusable(String),
+    /// Sent, and it failed: the error the client would get.
+    Failed(GatewayError),
+}
+
+/// Sends `request` to `target` and waits for the response headers. Workers' non-2xx answers come
+/// back as responses (the pipeline reads their message); providers' as [`SendError::Failed`].
+pub async fn send(
+    upstream: &Upstream,
+    target: Target<'_>,
+    request: Outgoing<'_>,
+) -> Result<Response<Incoming>, SendError> {
+    match target {
+        Target::Worker { url, path } => upstream
+            .post_json(url, path, request.body.clone())
+            .await
+            .map_err(SendError::Failed),
+        Target::Provider { client, model } => client
+            .send(request.typed, model, request.stream)
+            .await
+            .map_err(|e| match e {
+                ProviderError::Unusable { reason, .. } => SendError::Unusable(reason),
+                ProviderError::Failed(error) => SendError::Failed(error),
+            }),
+    }
+}

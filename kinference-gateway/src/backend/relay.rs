@@ -1,0 +1,333 @@
+//! The one relay: a backend's answer (a worker's or a provider's) to the client, in the client's
+//! protocol, whole or streamed chunk by chunk, feeding a [`Meter`] as it passes.
+//!
+//! The backend's answer is brought to OpenAI chat form first (workers already speak it; an Anthropic
+//! provider's events go through [`AnthropicStream`]), then shaped for the client: OpenAI clients get
+//! the events as they are (minus the usage chunk they did not ask for), Anthropic clients the
+//! translated event sequence ([`StreamTranslator`]). Nothing waits for the whole response. A stream
+//! that stalls, breaks, carries an error event or ends before the backend said it was complete ends
+//! with an error event in the client's protocol. The stream is read to its end even after the
+//! completion event, so the worker's connection goes back to the pool.
+//!
+//! The [`Meter`] hears every text chunk (first token, inter-token latency, the tenant's streamed
+//! output) and the end exactly once: `finish` with the status and the backend's usage, or, when the
+//! client goes away first, nothing: dropping the meter settles it as abandoned.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Incoming;
+use kinference_crds::ApiStyle;
+
+use crate::api::anthropic::{self, StreamTranslator};
+use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
+use crate::body::Body;
+use crate::errors::{GatewayError, Protocol};
+use crate::providers::translate::{self, AnthropicStream};
+use crate::upstream::sse::SseParser;
+use crate::upstream::{error_chain, read_body};
+
+/// What a relay reports to while the answer passes (the pipeline's settlement).
+pub trait Meter: Send + 'static {
+    /// A chunk carrying generated text arrived (the first one is the first token).
+    fn text_chunk(&mut self);
+    /// The answer ended with `status` and the backend's `usage` (called at most once).
+    fn finish(&mut self, status: u16, usage: Option<&Usage>);
+}
+
+/// What the client expects back.
+#[derive(Debug, Clone)]
+pub enum ClientShape {
+    /// OpenAI chat or completions.
+    OpenAi {
+        /// Whether the client asked for the final usage chunk of a stream (the gateway always asks
+        /// the backend, to account).
+        pass_usage_chunk: bool,
+    },
+    /// Anthropic Messages, reporting `model` (the model the client asked for).
+    Anthropic {
+        /// Model name reported to the client.
+        model: String,
+        /// The prompt's size announced in `message_start` (the gateway's count, or 0).
+        input_tokens: u64,
+    },
+}
+
+/// One relayed answer: where it comes from and where it goes.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// The backend's protocol.
+    pub style: ApiStyle,
+    /// The backend's label (worker URL or `provider/<name>`), for errors and logs.
+    pub label: String,
+    /// The client's shape.
+    pub shape: ClientShape,
+    /// The client's protocol (error events).
+    pub protocol: Protocol,
+    /// Longest silence allowed between two chunks.
+    pub idle_timeout: Duration,
+}
+
+impl Spec {
+    fn bad(&self, detail: String) -> GatewayError {
+        GatewayError::BadUpstream {
+            worker: self.label.clone(),
+            detail,
+        }
+    }
+}
+
+/// A non-streamed answer, read and shaped for the client: the body and the backend's usage. OpenAI
+/// clients of a worker get the worker's bytes untouched (only `usage` is read). The caller settles.
+pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
+    let body = read_body(body, spec.idle_timeout, &spec.label).await?;
+    // The OpenAI form of the answer.
+    let openai = match spec.style {
+        ApiStyle::OpenAI => body,
+        ApiStyle::Anthropic => {
+            let message: serde_json::Value = serde_json::from_slice(&body)
+                .map_err(|e| spec.bad(format!("unreadable message: {e}")))?;
+            Bytes::from(translate::chat_from_anthropic(&message).to_string())
+        }
+    };
+    match &spec.shape {
+        ClientShape::OpenAi { .. } => {
+            let usage = serde_json::from_slice::<UsageOnly>(&openai)
+                .ok()
+                .and_then(|u| u.usage);
+            Ok((openai, usage))
+        }
+        ClientShape::Anthropic { model, .. } => {
+            let chat: ChatCompletionResponse = serde_json::from_slice(&openai)
+                .map_err(|e| spec.bad(format!("unreadable chat completion: {e}")))?;
+            let message = anthropic::message_from_chat(&chat, model);
+            Ok((Bytes::from(message.to_string()), chat.usage))
+        }
+    }
+}
+
+/// A streamed answer as a response body, relayed event by event; `meter` hears it pass.
+pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
+    let mut relay = Relay {
+        body,
+        parser: SseParser::new(),
+        from_anthropic: match spec.style {
+            ApiStyle::OpenAI => None,
+            ApiStyle::Anthropic => Some(AnthropicStream::new()),
+        },
+        to_anthropic: match &spec.shape {
+            ClientShape::Anthropic { model, .. } => Some(StreamTranslator::new(
+                model,
+                anthropic::message_id(&format!("{:x}", rand::random::<u64>())),
+            )),
+            ClientShape::OpenAi { .. } => None,
+        },
+        pass_usage_chunk: matches!(
+            spec.shape,
+            ClientShape::OpenAi {
+                pass_usage_chunk: true
+            }
+        ),
+        usage: None,
+        done: false,
+        ended: false,
+        out: BytesMut::with_capacity(512),
+        meter: Some(meter),
+        spec,
+    };
+    if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
+        (&mut relay.to_anthropic, &relay.spec.shape)
+    {
+        t.start(&mut relay.out, *input_tokens);
+    }
+    let stream = futures::stream::unfold(relay, |mut relay| async move {
+        let chunk = relay.next_chunk().await?;
+        Some((Ok::<_, Infallible>(Frame::data(chunk)), relay))
+    });
+    StreamBody::new(stream).boxed_unsync()
+}
+
+/// The state of one relayed stream.
+struct Relay<M: Meter> {
+    body: Incoming,
+    parser: SseParser,
+    /// Set for Anthropic backends: their events become OpenAI chunks first.
+    from_anthropic: Option<AnthropicStream>,
+    /// Set for Anthropic clients.
+    to_anthropic: Option<StreamTranslator>,
+    pass_usage_chunk: bool,
+    usage: Option<Usage>,
+    /// The backend said the answer is complete (`[DONE]`, `message_stop`).
+    done: bool,
+    /// Nothing more will be emitted.
+    ended: bool,
+    out: BytesMut,
+    /// Taken when the answer ends; dropped with the relay (an abandoned request) otherwise.
+    meter: Option<M>,
+    spec: Spec,
+}
+
+impl<M: Meter> Relay<M> {
+    /// The next bytes for the client, or `None` when the stream is over.
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        loop {
+            if !self.out.is_empty() {
+                return Some(self.out.split().freeze());
+            }
+            if self.ended {
+                return None;
+            }
+            match next_frame(&mut self.body, self.spec.idle_timeout, &self.spec.label).await {
+                Err(error) => self.fail(error),
+                Ok(None) => self.upstream_ended(),
+                Ok(Some(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        self.parser.feed(data);
+                        while let Some(event) = self.parser.next_event() {
+                            self.on_event(&event.data);
+                            if self.ended {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn on_event(&mut self, data: &[u8]) {
+        if self.done {
+            return;
+        }
+        let step = self.from_anthropic.as_mut().map(|conv| conv.event(data));
+        match step {
+            Some(step) => {
+                for chunk in step.chunks {
+                    let data = chunk.to_string();
+                    self.on_openai_chunk(data.as_bytes());
+                }
+                if let Some(message) = step.error {
+                    return self.fail(self.spec.bad(message));
+                }
+                if step.done {
+                    self.complete();
+                }
+            }
+            None if data == b"[DONE]" => self.complete(),
+            None => self.on_openai_chunk(data),
+        }
+    }
+
+    fn on_openai_chunk(&mut self, data: &[u8]) {
+        if self.ended {
+            return;
+        }
+        let chunk: StreamChunk = match serde_json::from_slice(data) {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
+                if self.to_anthropic.is_none() {
+                    put_data(&mut self.out, data);
+                }
+                return;
+            }
+        };
+        if let Some(error) = &chunk.error {
+            let detail = error
+                .get("message")
+                .and_then(|m| m.as_str())
+                .unwrap_or("error event in the stream")
+                .to_string();
+            return self.fail(self.spec.bad(detail));
+        }
+        if chunk.has_text()
+            && let Some(meter) = &mut self.meter
+        {
+            meter.text_chunk();
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        match &mut self.to_anthropic {
+            Some(t) => t.chunk(&mut self.out, &chunk),
+            None => {
+                let usage_only = chunk.choices.is_empty() && chunk.usage.is_some();
+                if !usage_only || self.pass_usage_chunk {
+                    put_data(&mut self.out, data);
+                }
+            }
+        }
+    }
+
+    /// The backend said the answer is complete; OpenAI clients get `[DONE]` at once, the rest waits
+    /// for the end of the backend's body.
+    fn complete(&mut self) {
+        self.done = true;
+        if self.to_anthropic.is_none() {
+            self.out.extend_from_slice(b"data: [DONE]\n\n");
+        }
+    }
+
+    fn upstream_ended(&mut self) {
+        if !self.done {
+            let who = if self.spec.label.starts_with("provider/") {
+                "provider"
+            } else {
+                "worker"
+            };
+            return self.fail(self.spec.bad(format!(
+                "the {who} closed the stream before it was complete"
+            )));
+        }
+        if let Some(t) = &mut self.to_anthropic {
+            t.finish(&mut self.out);
+        }
+        self.settle(200);
+        self.ended = true;
+    }
+
+    fn fail(&mut self, error: GatewayError) {
+        tracing::warn!(backend = %self.spec.label, %error, "stream ended with an error");
+        self.out
+            .extend_from_slice(&error.stream_event(self.spec.protocol));
+        self.settle(error.status().as_u16());
+        self.ended = true;
+    }
+
+    fn settle(&mut self, status: u16) {
+        if let Some(mut meter) = self.meter.take() {
+            meter.finish(status, self.usage.as_ref());
+        }
+    }
+}
+
+/// Waits at most `idle` for the next frame of `backend`'s body: `Ok(None)` when it ended, the error
+/// to end the client's answer with when it stalled or broke.
+pub(crate) async fn next_frame(
+    body: &mut Incoming,
+    idle: Duration,
+    backend: &str,
+) -> Result<Option<Frame<Bytes>>, GatewayError> {
+    match tokio::time::timeout(idle, body.frame()).await {
+        Err(_) => Err(GatewayError::UpstreamTimeout {
+            worker: backend.to_string(),
+            what: "the stream stalled past the idle timeout",
+        }),
+        Ok(None) => Ok(None),
+        Ok(Some(Err(e))) => Err(GatewayError::BadUpstream {
+            worker: backend.to_string(),
+            detail: format!("the stream broke: {}", error_chain(&e)),
+        }),
+        Ok(Some(Ok(frame))) => Ok(Some(frame)),
+    }
+}
+
+/// Appends `data` to `out` as one SSE `data:` event.
+pub(crate) fn put_data(out: &mut BytesMut, data: &[u8]) {
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\n\n");
+}

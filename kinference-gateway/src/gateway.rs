@@ -1,0 +1,42 @@
+//! [`Gateway`]: what every request handler shares (router, worker client, metrics, tenancy, policies).
+//! Built once by `main`; the servers, the pipeline, health probing and ext_proc read it.
+
+use std::sync::Arc;
+
+use crate::metrics::Metrics;
+use crate::policy::stage::PolicyStage;
+use crate::routing::Router;
+use crate::tenancy::Tenancy;
+use crate::upstream::{HttpSettings, Upstream};
+
+/// What every request handler shares.
+#[derive(Debug)]
+pub struct Gateway {
+    /// Picks workers.
+    pub router: Arc<Router>,
+    /// Talks to workers.
+    pub upstream: Upstream,
+    /// Prometheus metrics.
+    pub metrics: Metrics,
+    /// Limits and timeouts.
+    pub settings: HttpSettings,
+    /// Served model names (for `/v1/models`).
+    pub models: Vec<String>,
+    /// API keys, rate limits, budgets, usage (`/admin/usage`).
+    pub tenancy: Arc<Tenancy>,
+    /// The policy stage, when `gateway.yaml` names a policy directory.
+    pub policy: Option<Arc<PolicyStage>>,
+}
+
+impl Gateway {
+    /// Records a worker's health with the router (which then skips it or not) and in the metrics.
+    pub fn set_health(&self, worker: &str, healthy: bool) {
+        self.router.set_healthy(worker, healthy);
+        self.metrics.worker_health(worker, healthy);
+    }
+
+    /// Ready when at least one worker is healthy.
+    pub fn ready(&self) -> bool {
+        self.router.workers().iter().any(|w| w.healthy)
+    }
+}

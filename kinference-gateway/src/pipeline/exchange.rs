@@ -1,0 +1,268 @@
+//! The request as it flows through the stages: the [`Exchange`] (made once per request from its
+//! headers: endpoint, protocol, caller, the explanation so far, its [`Settlement`]) and the parsed
+//! [`Request`] (read, parsed, validated and, for Anthropic clients, translated once), shared by both
+//! front doors.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request as HttpRequest, Response, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::Endpoint;
+use super::settle::Settlement;
+use crate::api::anthropic::MessagesRequest;
+use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest};
+use crate::body::Body;
+use crate::errors::{GatewayError, Protocol};
+use crate::metrics::Metrics;
+use crate::providers::ProviderRequest;
+use crate::routing::Prompt;
+use crate::tenancy::Caller;
+
+/// One request's state through the stages.
+#[derive(Debug)]
+pub struct Exchange {
+    /// The endpoint called.
+    pub endpoint: Endpoint,
+    /// The client's protocol (errors are answered in it).
+    pub protocol: Protocol,
+    /// `x-kinference-debug: 1`: explain the decision in `x-kinference-decision`.
+    pub debug: bool,
+    /// `x-kinference-tags` (policy classification).
+    pub tags: Option<String>,
+    /// Who is calling (the authenticate stage).
+    pub caller: Option<Caller>,
+    /// The policy stage's one-line explanation (debug), also sent with refusals.
+    pub explain: Option<String>,
+    /// The request's books; moved into the relay when the answer is streamed.
+    pub settlement: Option<Settlement>,
+}
+
+impl Exchange {
+    /// An exchange for a request to `endpoint` with `headers`.
+    pub fn new(endpoint: Endpoint, headers: &HeaderMap, metrics: &Metrics) -> Self {
+        let protocol = endpoint.protocol();
+        Exchange {
+            endpoint,
+            protocol,
+            debug: headers
+                .get("x-kinference-debug")
+                .is_some_and(|v| v.as_bytes() == b"1"),
+            tags: headers
+                .get(crate::policy::classify::tags::TAGS_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            caller: None,
+            explain: None,
+            settlement: Some(Settlement::new(metrics, protocol)),
+        }
+    }
+
+    /// The request's books (until the relay takes them).
+    pub fn settlement(&mut self) -> Option<&mut Settlement> {
+        self.settlement.as_mut()
+    }
+
+    /// The error answer in the client's protocol, the request settled with its status.
+    pub fn refuse(&mut self, error: GatewayError) -> Response<Body> {
+        tracing::debug!(kind = error.kind(), %error, "request failed");
+        if let Some(mut settlement) = self.settlement.take() {
+            settlement.finish(error.status().as_u16(), None);
+        }
+        let mut response = error.into_response(self.protocol);
+        if let Some(v) = self
+            .explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+        {
+            response.headers_mut().insert("x-kinference-decision", v);
+        }
+        response
+    }
+}
+
+/// A parsed, validated request in the worker's (OpenAI) terms.
+#[derive(Debug)]
+pub struct Request {
+    /// Chat (also translated Anthropic) or completion request.
+    pub openai: OpenAiRequest,
+    /// The worker's body (the client's bytes when they could be kept).
+    pub body: Bytes,
+    /// The client's own body (what the policy stage classifies).
+    pub client_body: Bytes,
+    /// Whether the answer is streamed.
+    pub stream: bool,
+    /// OpenAI streams: whether the client asked for the usage chunk itself.
+    pub client_wants_usage: bool,
+}
+
+/// The typed request.
+#[derive(Debug)]
+pub enum OpenAiRequest {
+    /// `/v1/chat/completions` (and translated `/v1/messages`).
+    Chat(ChatCompletionRequest),
+    /// `/v1/completions`.
+    Completion(CompletionRequest),
+}
+
+impl Request {
+    /// The model asked for.
+    pub fn model(&self) -> &str {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => &r.model,
+            OpenAiRequest::Completion(r) => &r.model,
+        }
+    }
+
+    /// The prompt in the router's terms.
+    pub fn prompt(&self) -> Prompt<'_> {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => Prompt::Chat(&r.messages),
+            OpenAiRequest::Completion(r) => Prompt::Text(r.prompt_text()),
+        }
+    }
+
+    /// The request's other fields (`max_tokens`, ...) and whether it is a completion.
+    pub fn fields(&self) -> (&serde_json::Map<String, serde_json::Value>, bool) {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => (&r.extra, false),
+            OpenAiRequest::Completion(r) => (&r.extra, true),
+        }
+    }
+
+    /// The typed request for providers.
+    pub fn provider_request(&self) -> ProviderRequest<'_> {
+        match &self.openai {
+            OpenAiRequest::Chat(r) => ProviderRequest::Chat(r),
+            OpenAiRequest::Completion(r) => ProviderRequest::Completion(r),
+        }
+    }
+
+    /// The same request for another served model (a policy chose a pool serving a different one).
+    pub fn for_model(&self, model: &str) -> Result<Request, GatewayError> {
+        let (openai, body) = match &self.openai {
+            OpenAiRequest::Chat(r) => {
+                let mut r = r.clone();
+                r.model = model.to_string();
+                let body = serialize(&r)?;
+                (OpenAiRequest::Chat(r), body)
+            }
+            OpenAiRequest::Completion(r) => {
+                let mut r = r.clone();
+                r.model = model.to_string();
+                let body = serialize(&r)?;
+                (OpenAiRequest::Completion(r), body)
+            }
+        };
+        Ok(Request {
+            openai,
+            body,
+            client_body: self.client_body.clone(),
+            stream: self.stream,
+            client_wants_usage: self.client_wants_usage,
+        })
+    }
+}
+
+/// Stage "read": the body, bounded by the configured limit (413 beyond it).
+pub async fn read_body(req: HttpRequest<Incoming>, limit: usize) -> Result<Bytes, GatewayError> {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(GatewayError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(GatewayError::MalformedJson(format!(
+            "reading the request body: {e}"
+        ))),
+    }
+}
+
+/// Stage "parse": JSON into the endpoint's typed request, field checks, then the worker's OpenAI
+/// request (Anthropic is translated here); 400 on bad JSON or shape. Streams always ask the worker
+/// for the final usage chunk so every request can be accounted. OpenAI bodies that need no change
+/// are forwarded byte for byte (no re-serialization on the hot path).
+pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
+    match endpoint {
+        Endpoint::ChatCompletions => {
+            let mut r: ChatCompletionRequest = openai::parse_body(&body)?;
+            r.validate()?;
+            let stream = r.stream == Some(true);
+            let (worker_body, client_wants_usage) =
+                match passthrough_body(&mut r.stream_options, stream, body.clone()) {
+                    (Some(b), wants) => (b, wants),
+                    (None, wants) => (serialize(&r)?, wants),
+                };
+            Ok(Request {
+                openai: OpenAiRequest::Chat(r),
+                body: worker_body,
+                client_body: body,
+                stream,
+                client_wants_usage,
+            })
+        }
+        Endpoint::Completions => {
+            let mut r: CompletionRequest = openai::parse_body(&body)?;
+            r.validate()?;
+            let stream = r.stream == Some(true);
+            let (worker_body, client_wants_usage) =
+                match passthrough_body(&mut r.stream_options, stream, body.clone()) {
+                    (Some(b), wants) => (b, wants),
+                    (None, wants) => (serialize(&r)?, wants),
+                };
+            Ok(Request {
+                openai: OpenAiRequest::Completion(r),
+                body: worker_body,
+                client_body: body,
+                stream,
+                client_wants_usage,
+            })
+        }
+        Endpoint::Messages => {
+            let r: MessagesRequest = openai::parse_body(&body)?;
+            let chat = r.to_chat_request()?;
+            Ok(Request {
+                stream: chat.stream == Some(true),
+                body: serialize(&chat)?,
+                client_body: body,
+                openai: OpenAiRequest::Chat(chat),
+                client_wants_usage: false,
+            })
+        }
+    }
+}
+
+/// The body for the worker of an OpenAI request when the client's bytes can be used (`None`: the
+/// request must be re-serialized), and whether the client asked for the usage chunk. Streams without
+/// `stream_options` get `"stream_options":{"include_usage":true}` spliced in front of the client's fields.
+fn passthrough_body(
+    options: &mut Option<openai::StreamOptions>,
+    stream: bool,
+    original: Bytes,
+) -> (Option<Bytes>, bool) {
+    if !stream {
+        return (Some(original), false);
+    }
+    let had_options = options.is_some();
+    let client_wants_usage = openai::force_include_usage(options);
+    if client_wants_usage {
+        return (Some(original), true);
+    }
+    if had_options {
+        return (None, false);
+    }
+    (openai::splice_include_usage(&original), false)
+}
+
+fn serialize<T: serde::Serialize>(request: &T) -> Result<Bytes, GatewayError> {
+    serde_json::to_vec(request)
+        .map(Bytes::from)
+        .map_err(|e| GatewayError::MalformedJson(e.to_string()))
+}

@@ -1,0 +1,321 @@
+//! Stages "forward" and "relay": the request to a backend (the plain pool's best worker, or the
+//! plan's targets in order, passing over those that cannot take it), and the backend's answer back
+//! to the client through the one relay ([`crate::backend::relay`]), settled once.
+
+use std::sync::Arc;
+
+use http::{HeaderValue, Response, StatusCode, header};
+use hyper::body::Incoming;
+use kinference_crds::ApiStyle;
+
+use super::Endpoint;
+use super::exchange::{Exchange, Request};
+use crate::api::openai::UpstreamErrorBody;
+use crate::backend::relay::{self, ClientShape, Spec};
+use crate::backend::{self, Outgoing, SendError, Target};
+use crate::body::{Body, full};
+use crate::errors::GatewayError;
+use crate::gateway::Gateway;
+use crate::policy::stage::{Plan, PlanTarget};
+use crate::providers::ProviderClient;
+use crate::routing::{Decision, RouteError, RouteRequest};
+
+/// The backend that took the request, and its answer's headers (a 2xx).
+pub enum Forwarded {
+    /// A worker chosen by the router.
+    Worker(Box<Decision>, Response<Incoming>),
+    /// A provider (cloud burst), asked for `model`.
+    Provider(Arc<ProviderClient>, Response<Incoming>),
+}
+
+/// Stage "forward" under a policy plan: the targets in order. A pool without a healthy worker (or
+/// whose workers refuse) and a provider that cannot take or fails the request pass it to the next
+/// target; nothing has reached the client yet. A local-only plan holds no provider.
+pub async fn planned(
+    gw: &Gateway,
+    ex: &mut Exchange,
+    request: &Request,
+    plan: &Plan,
+) -> Result<Forwarded, GatewayError> {
+    let mut last: Option<GatewayError> = None;
+    for target in &plan.targets {
+        match target {
+            PlanTarget::Pool { model, workers, .. } => {
+                let retargeted;
+                let req = if model == request.model() {
+                    request
+                } else {
+                    retargeted = request.for_model(model)?;
+                    &retargeted
+                };
+                match to_worker(gw, ex, req, workers.as_deref()).await {
+                    Ok((mut decision, response)) => {
+                        if let Some(stage) = &gw.policy {
+                            stage.count_sent(target, plan.burst);
+                        }
+                        if ex.debug {
+                            decision.explain = Some(format!(
+                                "{}; router: {}",
+                                ex.explain.as_deref().unwrap_or(""),
+                                decision.explain.as_deref().unwrap_or("")
+                            ));
+                        }
+                        return Ok(Forwarded::Worker(Box::new(decision), response));
+                    }
+                    Err(
+                        error @ (GatewayError::NoHealthyWorker(_)
+                        | GatewayError::UnknownModel(_)
+                        | GatewayError::WorkerUnreachable { .. }),
+                    ) => {
+                        tracing::warn!(backend = %target.label(), model = %request.model(), %error, "policy target unavailable; trying the next");
+                        last = Some(error);
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            PlanTarget::Provider { client, model } => {
+                if plan.local_only {
+                    continue;
+                }
+                let target_ref = Target::Provider { client, model };
+                match backend::send(&gw.upstream, target_ref, outgoing(request)).await {
+                    Ok(response) => {
+                        if let Some(stage) = &gw.policy {
+                            stage.count_sent(target, plan.burst);
+                        }
+                        if let Some(s) = ex.settlement() {
+                            s.provider(client, model);
+                        }
+                        return Ok(Forwarded::Provider(Arc::clone(client), response));
+                    }
+                    Err(SendError::Unusable(reason)) => {
+                        tracing::debug!(provider = %client.name(), %reason, "provider skipped");
+                    }
+                    Err(SendError::Failed(error)) => {
+                        tracing::warn!(backend = %target.label(), model = %request.model(), %error, "provider failed; trying the next target");
+                        last = Some(error);
+                    }
+                }
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| GatewayError::PolicyRejected {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        code: "no_backend_available",
+        message: format!(
+            "no backend chosen by the policies ({}) could take the request",
+            plan.rule
+        ),
+    }))
+}
+
+/// Stage "forward" without policies: any worker serving the model.
+pub async fn plain(
+    gw: &Gateway,
+    ex: &mut Exchange,
+    request: &Request,
+) -> Result<Forwarded, GatewayError> {
+    let (decision, response) = to_worker(gw, ex, request, None).await?;
+    Ok(Forwarded::Worker(Box::new(decision), response))
+}
+
+fn outgoing(request: &Request) -> Outgoing<'_> {
+    Outgoing {
+        body: &request.body,
+        typed: request.provider_request(),
+        stream: request.stream,
+    }
+}
+
+/// Picks a worker (among `pool` when a policy chose one) and sends the request. A worker that
+/// refuses the connection is marked unhealthy and the request goes once more to another worker
+/// (nothing has been streamed yet). The settlement holds the router's ticket from then on.
+async fn to_worker(
+    gw: &Gateway,
+    ex: &Exchange,
+    request: &Request,
+    pool: Option<&[String]>,
+) -> Result<(Decision, Response<Incoming>), GatewayError> {
+    let mut refused: Option<GatewayError> = None;
+    loop {
+        let route = RouteRequest {
+            model: request.model(),
+            prompt: request.prompt(),
+            debug: ex.debug,
+        };
+        let picked = match pool {
+            Some(workers) => gw.router.pick_among(route, workers).await,
+            None => gw.router.pick(route).await,
+        };
+        let decision = match picked {
+            Ok(decision) => decision,
+            // The retry found no other worker: the refusal is the more useful answer.
+            Err(RouteError::NoHealthyWorker(_)) if refused.is_some() => {
+                return Err(
+                    refused.unwrap_or(GatewayError::NoHealthyWorker(request.model().to_string()))
+                );
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let target = Target::Worker {
+            url: &decision.worker,
+            path: ex.endpoint.upstream_path(),
+        };
+        match backend::send(&gw.upstream, target, outgoing(request)).await {
+            Ok(response) if response.status().is_success() => return Ok((decision, response)),
+            Ok(response) => return Err(rejection(gw, &decision.worker, response).await),
+            Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
+                tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker unreachable; marking it unhealthy");
+                gw.set_health(&decision.worker, false);
+                if refused.is_some() {
+                    return Err(error);
+                }
+                gw.metrics.retry();
+                refused = Some(error);
+            }
+            Err(SendError::Failed(error)) => return Err(error),
+            Err(SendError::Unusable(detail)) => {
+                return Err(GatewayError::BadUpstream {
+                    worker: decision.worker.clone(),
+                    detail,
+                });
+            }
+        }
+    }
+}
+
+/// A worker's non-2xx answer: its own 4xx passes on with its message; anything else is a bad upstream.
+async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> GatewayError {
+    let status = response.status();
+    let body = gw
+        .upstream
+        .read_body(worker, response.into_body())
+        .await
+        .unwrap_or_default();
+    let message = UpstreamErrorBody::message_from(&body);
+    if status.is_client_error() {
+        GatewayError::UpstreamRejected { status, message }
+    } else {
+        GatewayError::BadUpstream {
+            worker: worker.to_string(),
+            detail: format!("status {status}: {message}"),
+        }
+    }
+}
+
+/// Stage "relay": the backend's answer to the client in the client's protocol, streamed or whole;
+/// the settlement is fed as it passes and settled once.
+pub async fn relay(
+    gw: &Gateway,
+    ex: &mut Exchange,
+    request: &Request,
+    forwarded: Forwarded,
+) -> Result<Response<Body>, GatewayError> {
+    let (style, label, input_tokens, response, mut headers) = match forwarded {
+        Forwarded::Worker(decision, response) => {
+            let decision = *decision;
+            let headers = worker_headers(&decision, ex.debug);
+            if let Some(s) = ex.settlement() {
+                s.worker(
+                    &decision.worker,
+                    decision.reason,
+                    decision.prompt_tokens,
+                    decision.ticket,
+                );
+            }
+            let input = decision.prompt_tokens.unwrap_or(0) as u64;
+            (ApiStyle::OpenAI, decision.worker, input, response, headers)
+        }
+        Forwarded::Provider(client, response) => {
+            let headers = provider_headers(&client, ex);
+            (client.api_style(), client.label(), 0, response, headers)
+        }
+    };
+    if let Some(s) = &ex.settlement {
+        headers.extend(s.tenancy_headers());
+    }
+    let spec = Spec {
+        style,
+        label,
+        shape: match ex.endpoint {
+            Endpoint::Messages => ClientShape::Anthropic {
+                model: request.model().to_string(),
+                input_tokens,
+            },
+            _ => ClientShape::OpenAi {
+                pass_usage_chunk: request.client_wants_usage,
+            },
+        },
+        protocol: ex.protocol,
+        idle_timeout: gw.upstream.idle_timeout(),
+    };
+    let mut out = if request.stream {
+        let Some(mut settlement) = ex.settlement.take() else {
+            return Err(GatewayError::BadUpstream {
+                worker: spec.label,
+                detail: "the request was already settled".into(),
+            });
+        };
+        settlement.relaying();
+        let mut out = Response::new(relay::stream(response.into_body(), spec, settlement));
+        out.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        out.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        out
+    } else {
+        let (body, usage) = relay::whole(response.into_body(), &spec).await?;
+        if let Some(mut settlement) = ex.settlement.take() {
+            settlement.relaying();
+            settlement.finish(StatusCode::OK.as_u16(), usage.as_ref());
+        }
+        let mut out = Response::new(full(body));
+        out.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        out
+    };
+    out.headers_mut().extend(headers);
+    Ok(out)
+}
+
+/// `x-kinference-worker` (always) and `x-kinference-decision` (when debugging).
+fn worker_headers(decision: &Decision, debug: bool) -> http::HeaderMap {
+    let mut headers = http::HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(&decision.worker) {
+        headers.insert("x-kinference-worker", v);
+    }
+    if debug
+        && let Some(v) = decision
+            .explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+    {
+        headers.insert("x-kinference-decision", v);
+    }
+    headers
+}
+
+/// `x-kinference-worker` (the provider's base URL), `x-kinference-provider`, and the policy
+/// explanation when debugging.
+fn provider_headers(client: &ProviderClient, ex: &Exchange) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(client.base_url()) {
+        h.insert("x-kinference-worker", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(client.name()) {
+        h.insert("x-kinference-provider", v);
+    }
+    if ex.debug
+        && let Some(v) = ex
+            .explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+    {
+        h.insert("x-kinference-decision", v);
+    }
+    h
+}

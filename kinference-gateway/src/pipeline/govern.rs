@@ -1,0 +1,94 @@
+//! The governance stages both front doors run (the HTTP pipeline and the Envoy ext_proc handler):
+//! admit (the tenant's budget and token limits) and plan (the policies, or the plain pool without
+//! them). Authentication is [`crate::tenancy::Tenancy::authenticate`] on the request's headers.
+
+use std::sync::Arc;
+
+use crate::errors::{GatewayError, Protocol};
+use crate::policy::stage::{Plan, PlanTarget, PolicyStage, StageRequest};
+use crate::routing::Router;
+use crate::tenancy::{Admission, Caller, Tenancy};
+
+use super::exchange::Request;
+
+/// Stage "admit": the tenant's monthly budget and token rate limits for `request`, before anything
+/// is routed (429 in the client's protocol, with `Retry-After` and the rate-limit headers).
+pub async fn admit(
+    tenancy: &Arc<Tenancy>,
+    caller: &Caller,
+    request: &Request,
+    protocol: Protocol,
+) -> Result<Admission, GatewayError> {
+    let (fields, completion) = request.fields();
+    let (input, output) = tenancy.demand(request.prompt(), fields, completion);
+    tenancy
+        .admit(caller, request.model(), input, output, protocol)
+        .await
+}
+
+/// What the plan stage reads beside the request.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanInput<'a> {
+    /// Who is calling.
+    pub caller: Option<&'a Caller>,
+    /// `x-kinference-tags`.
+    pub tags: Option<&'a str>,
+    /// Explain the decision.
+    pub debug: bool,
+    /// Only local pools may serve (the tenant's budget is spent and `onExceeded` is `LocalOnly`).
+    pub local_only: bool,
+}
+
+/// Stage "plan" (with a policy directory): classify the request, evaluate the policies against the
+/// pools' state, and get the ordered targets (pools, providers); a refusal ends the request here
+/// (and counts in the tenant's policy metrics). A tenant held to local pools gets a local-only plan.
+pub async fn plan(
+    stage: &PolicyStage,
+    router: &Router,
+    tenancy: Option<&Tenancy>,
+    request: &Request,
+    input: PlanInput<'_>,
+    explain: &mut Option<String>,
+) -> Result<Plan, GatewayError> {
+    let json: serde_json::Value = crate::api::openai::parse_body(&request.client_body)?;
+    let req = StageRequest {
+        body: &json,
+        model: request.model(),
+        prompt: request.prompt(),
+        tenant: input
+            .caller
+            .and_then(|c| c.tenant())
+            .map(|t| t.name.as_str()),
+        tags_header: input.tags,
+        debug: input.debug,
+    };
+    let mut plan = match stage.decide(router, req, explain).await {
+        Ok(plan) => plan,
+        Err(error) => {
+            if let (GatewayError::PolicyRejected { code, .. }, Some(caller), Some(tenancy)) =
+                (&error, input.caller, tenancy)
+            {
+                tenancy.policy_decision(caller, code, "reject");
+            }
+            return Err(error);
+        }
+    };
+    if input.local_only && !plan.local_only {
+        // Past its budget the tenant keeps local pools only: paid providers are dropped.
+        plan.local_only = true;
+        plan.targets
+            .retain(|t| matches!(t, PlanTarget::Pool { .. }));
+        if plan.targets.is_empty() {
+            // A burst to providers only: the tenant is served by the pool of its model instead.
+            plan.targets.push(PlanTarget::Pool {
+                pool: "default".into(),
+                model: request.model().to_string(),
+                workers: None,
+            });
+        }
+        if let Some(e) = explain.as_mut() {
+            e.push_str("; local_only=budget");
+        }
+    }
+    Ok(plan)
+}

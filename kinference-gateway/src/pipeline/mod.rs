@@ -1,0 +1,114 @@
+//! One inference request's path through the gateway, top to bottom in [`handle`]:
+//! read -> parse -> authenticate -> admit -> plan -> forward -> relay, settled once.
+//!
+//! - [`exchange`]: the [`Exchange`] made once per request and the parsed [`exchange::Request`];
+//! - [`govern`]: admit and plan, the stages the Envoy ext_proc front door runs too;
+//! - [`forward`]: the request to a worker or a provider, and the answer back through the one relay;
+//! - [`settle`]: the [`settle::Settlement`] that owns the request's metrics, the router's ticket and
+//!   the tenant's admission, and settles them exactly once.
+//!
+//! Errors from any stage surface as one [`GatewayError`] that [`handle`] maps to the client's
+//! protocol.
+
+pub mod exchange;
+pub mod forward;
+pub mod govern;
+pub mod settle;
+
+use std::sync::Arc;
+
+use http::{Request as HttpRequest, Response};
+use hyper::body::Incoming;
+
+use crate::body::Body;
+use crate::errors::{GatewayError, Protocol};
+use crate::gateway::Gateway;
+use exchange::Exchange;
+use govern::PlanInput;
+
+/// The inference endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// OpenAI `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// OpenAI `POST /v1/completions`.
+    Completions,
+    /// Anthropic `POST /v1/messages`.
+    Messages,
+}
+
+impl Endpoint {
+    /// The client's protocol.
+    pub fn protocol(self) -> Protocol {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Completions => Protocol::OpenAi,
+            Endpoint::Messages => Protocol::Anthropic,
+        }
+    }
+
+    /// The worker's endpoint the request goes to.
+    pub fn upstream_path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions | Endpoint::Messages => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// Serves one inference request.
+pub async fn handle(
+    gw: Arc<Gateway>,
+    endpoint: Endpoint,
+    req: HttpRequest<Incoming>,
+) -> Response<Body> {
+    let mut ex = Exchange::new(endpoint, req.headers(), &gw.metrics);
+    match run(&gw, &mut ex, req).await {
+        Ok(response) => response,
+        Err(error) => ex.refuse(error),
+    }
+}
+
+/// The stages in order; the first error ends the request.
+async fn run(
+    gw: &Gateway,
+    ex: &mut Exchange,
+    req: HttpRequest<Incoming>,
+) -> Result<Response<Body>, GatewayError> {
+    // Before the body is read: an unknown caller costs the gateway nothing.
+    let caller = gw.tenancy.authenticate(req.headers())?;
+    let body = exchange::read_body(req, gw.settings.body_limit_bytes).await?;
+    let request = exchange::parse(ex.endpoint, body)?;
+    if let Some(s) = ex.settlement() {
+        s.model(request.model());
+    }
+    let admission = govern::admit(&gw.tenancy, &caller, &request, ex.protocol).await?;
+    let local_only = admission.local_only();
+    if let Some(s) = ex.settlement() {
+        s.admitted(admission);
+    }
+    ex.caller = Some(caller);
+    let forwarded = match &gw.policy {
+        None => forward::plain(gw, ex, &request).await?,
+        Some(stage) => {
+            let input = PlanInput {
+                caller: ex.caller.as_ref(),
+                tags: ex.tags.as_deref(),
+                debug: ex.debug,
+                local_only,
+            };
+            let mut explain = None;
+            let planned = govern::plan(
+                stage,
+                &gw.router,
+                Some(&gw.tenancy),
+                &request,
+                input,
+                &mut explain,
+            )
+            .await;
+            ex.explain = explain;
+            forward::planned(gw, ex, &request, &planned?).await?
+        }
+    };
+    forward::relay(gw, ex, &request, forwarded).await
+}

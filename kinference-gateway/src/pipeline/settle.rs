@@ -1,0 +1,221 @@
+//! One request's end, settled once: the gateway's metrics, the router's in-flight ticket and the
+//! tenant's admission live in one [`Settlement`], made when the request arrives and fed as it goes
+//! (`admitted`, `worker` / `provider`, `chunk`), ended by `finish(status, usage)`. A settlement
+//! dropped without `finish` (the client went away, or the response body was dropped mid-stream)
+//! records the request once as abandoned (499).
+//!
+//! Worker and provider answers are settled the same way; a provider answer is billed at the
+//! provider's price and counted against the tenant's limits and budget.
+
+use std::time::Instant;
+
+use crate::api::openai::Usage;
+use crate::backend::relay::Meter;
+use crate::errors::Protocol;
+use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
+use crate::providers::ProviderClient;
+use crate::routing::InFlight;
+use crate::tenancy::Admission;
+
+/// Everything one request owes the gateway's books, settled exactly once.
+pub struct Settlement {
+    metrics: Metrics,
+    protocol: Protocol,
+    started: Instant,
+    /// The model the client asked for.
+    model: String,
+    /// The backend's label: worker URL or `provider/<name>`; empty before one is chosen.
+    backend: String,
+    /// A backend's answer is being relayed: latency and tokens are recorded with the status.
+    relaying: bool,
+    last_text: Option<Instant>,
+    ticket: Option<InFlight>,
+    admission: Option<Admission>,
+    _in_flight: InFlightGuard,
+    settled: bool,
+}
+
+impl std::fmt::Debug for Settlement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settlement")
+            .field("model", &self.model)
+            .field("backend", &self.backend)
+            .field("settled", &self.settled)
+            .finish()
+    }
+}
+
+impl Settlement {
+    /// A request arrived (counted in flight until it is settled).
+    pub fn new(metrics: &Metrics, protocol: Protocol) -> Self {
+        Settlement {
+            metrics: metrics.clone(),
+            protocol,
+            started: Instant::now(),
+            model: String::new(),
+            backend: String::new(),
+            relaying: false,
+            last_text: None,
+            ticket: None,
+            admission: None,
+            _in_flight: metrics.in_flight(),
+            settled: false,
+        }
+    }
+
+    /// When the request arrived.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// The model the client asked for (metric label).
+    pub fn model(&mut self, model: &str) {
+        self.model = model.to_string();
+    }
+
+    /// The tenant's admission, settled with the request.
+    pub fn admitted(&mut self, admission: Admission) {
+        self.admission = Some(admission);
+    }
+
+    /// The tenant's admission, when admitted.
+    pub fn admission(&self) -> Option<&Admission> {
+        self.admission.as_ref()
+    }
+
+    /// The tenant's rate-limit headers for a served response.
+    pub fn tenancy_headers(&self) -> http::HeaderMap {
+        self.admission
+            .as_ref()
+            .map(|a| a.headers())
+            .unwrap_or_default()
+    }
+
+    /// A worker took the request: the router's ticket is released with the request; the router's
+    /// own prompt count corrects the tenant's estimate.
+    pub fn worker(
+        &mut self,
+        worker: &str,
+        reason: &str,
+        prompt_tokens: Option<usize>,
+        ticket: InFlight,
+    ) {
+        self.backend = worker.to_string();
+        self.ticket = Some(ticket);
+        if let Some(admission) = &mut self.admission {
+            admission.routed(worker, reason, prompt_tokens);
+        }
+    }
+
+    /// A provider took the request as `model` (its model name): billed at its price.
+    pub fn provider(&mut self, client: &ProviderClient, model: &str) {
+        self.backend = client.label();
+        if let Some(admission) = &mut self.admission {
+            admission.provider(client.name(), client.prices(model));
+        }
+    }
+
+    /// The backend's answer is relayed from now on: the end records latency and tokens.
+    pub fn relaying(&mut self) {
+        self.relaying = true;
+    }
+
+    /// The first token arrived (also called by [`Settlement::chunk`]).
+    pub fn first_token(&mut self) {
+        if self.last_text.is_some() {
+            return;
+        }
+        let now = Instant::now();
+        self.metrics.ttft(
+            &self.labels(),
+            now.duration_since(self.started).as_secs_f64(),
+        );
+        if let Some(ticket) = &mut self.ticket {
+            ticket.first_token();
+        }
+        self.last_text = Some(now);
+    }
+
+    /// A chunk carrying text passed: first token, then inter-token latency; the tenant's streamed
+    /// output.
+    pub fn chunk(&mut self) {
+        if let Some(admission) = &mut self.admission {
+            admission.text_chunk();
+        }
+        match self.last_text {
+            None => self.first_token(),
+            Some(last) => {
+                let now = Instant::now();
+                self.metrics
+                    .itl(&self.labels(), now.duration_since(last).as_secs_f64());
+                self.last_text = Some(now);
+            }
+        }
+    }
+
+    /// The request ended with `status` and the backend's `usage` (once; later calls do nothing).
+    pub fn finish(&mut self, status: u16, usage: Option<&Usage>) {
+        if std::mem::replace(&mut self.settled, true) {
+            return;
+        }
+        if let Some(admission) = self.admission.take() {
+            admission.settle(status, usage);
+        }
+        let labels = self.labels();
+        let usage = usage.copied().unwrap_or_default();
+        let cached = usage.cached_tokens();
+        if self.relaying {
+            self.metrics
+                .e2e(&labels, self.started.elapsed().as_secs_f64());
+            self.metrics.tokens(
+                &labels,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                cached.unwrap_or(0),
+            );
+        }
+        self.metrics.request(RequestLabels {
+            model: labels.model,
+            worker: labels.worker,
+            status,
+            protocol: self.protocol.as_str(),
+        });
+        if let Some(ticket) = self.ticket.take() {
+            ticket.finish(
+                (200..300).contains(&status),
+                usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
+                cached.and_then(|c| usize::try_from(c).ok()),
+            );
+        }
+    }
+
+    fn labels(&self) -> WorkerLabels {
+        WorkerLabels {
+            model: self.model.clone(),
+            worker: self.backend.clone(),
+        }
+    }
+}
+
+impl Meter for Settlement {
+    fn text_chunk(&mut self) {
+        self.chunk();
+    }
+
+    fn finish(&mut self, status: u16, usage: Option<&Usage>) {
+        Settlement::finish(self, status, usage);
+    }
+}
+
+impl Drop for Settlement {
+    fn drop(&mut self) {
+        if !self.settled {
+            // The client went away before the end: 499, the ticket released as failed.
+            tracing::debug!(backend = %self.backend, model = %self.model, "request abandoned");
+            self.finish(499, None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
