@@ -50,7 +50,7 @@ pub struct Args {
     pub extproc: crate::extproc::ExtProcArgs,
 }
 
-pub use crate::upstream::HttpSettings;
+pub use crate::backend::worker::HttpSettings;
 
 /// The `gateway.yaml` file (local mode).
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
+use crate::backend::health::{self, Prober};
+use crate::backend::worker::{HttpSettings, Upstream};
 use crate::metrics::Metrics;
 use crate::policy::stage::PolicyStage;
 use crate::routing::Router;
 use crate::tenancy::Tenancy;
-use crate::upstream::{HttpSettings, Upstream};
 
 /// What every request handler shares.
 #[derive(Debug)]
@@ -31,8 +32,18 @@ pub struct Gateway {
 impl Gateway {
     /// Records a worker's health with the router (which then skips it or not) and in the metrics.
     pub fn set_health(&self, worker: &str, healthy: bool) {
-        self.router.set_healthy(worker, healthy);
-        self.metrics.worker_health(worker, healthy);
+        health::set_health(&self.router, &self.metrics, worker, healthy);
+    }
+
+    /// The prober of the workers' `/health`, with the configured timings.
+    pub fn prober(&self) -> Prober {
+        Prober {
+            router: Arc::clone(&self.router),
+            upstream: self.upstream.clone(),
+            metrics: self.metrics.clone(),
+            interval: self.settings.health_interval(),
+            timeout: self.settings.health_timeout(),
+        }
     }
 
     /// Ready when at least one worker is healthy.

@@ -2,7 +2,7 @@
 //!
 //! A request's path is in [`pipeline`] (one [`pipeline::exchange::Exchange`] through named stages,
 //! settled once by [`pipeline::settle::Settlement`]); the client protocols in [`api`]; the backends in
-//! [`backend`] (workers through [`upstream`], providers through [`providers`], one relay back);
+//! [`backend`] (the worker client with its health probing, the providers, one relay back);
 //! worker selection in [`routing`]; errors, mapped once to the client's protocol, in [`errors`].
 //! No module imports one that imports it back (`tests/module_layers.rs` keeps it so).
 #![forbid(unsafe_code)]
@@ -15,12 +15,9 @@ pub mod discovery;
 pub mod errors;
 pub mod extproc;
 pub mod gateway;
-pub mod health;
 pub mod metrics;
 pub mod pipeline;
 pub mod policy;
-pub mod providers;
 pub mod routing;
 pub mod server;
 pub mod tenancy;
-pub mod upstream;

@@ -4,11 +4,10 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use clap::Parser;
+use kinference_gateway::backend::worker::Upstream;
 use kinference_gateway::config::{Args, GatewayConfig};
-use kinference_gateway::health;
 use kinference_gateway::metrics::Metrics;
 use kinference_gateway::server::{self, Gateway, Port};
-use kinference_gateway::upstream::Upstream;
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -69,8 +68,9 @@ async fn main() -> anyhow::Result<()> {
         let _ = rx.wait_for(|stop| *stop).await;
     };
     // One probe round before serving: no request (and no /readyz) sees an unprobed worker as healthy.
-    health::probe_all(&gw).await;
-    let prober = tokio::spawn(health::run_prober(Arc::clone(&gw)));
+    let prober = gw.prober();
+    prober.probe_all().await;
+    let prober = tokio::spawn(prober.run());
     let admin_task = tokio::spawn(server::serve(
         admin,
         Arc::clone(&gw),

@@ -1,9 +1,14 @@
-//! The backends a request is forwarded to, behind one interface: vLLM workers (the pooled client in
-//! [`crate::upstream`]) and cloud providers ([`crate::providers`]), and the one [`relay`] that brings
-//! either's answer back to the client in the client's protocol while feeding a [`relay::Meter`] (the
-//! pipeline's settlement) as chunks pass.
+//! The backends a request is forwarded to, behind one interface ([`send`]): vLLM workers (the pooled
+//! client in [`worker`], their `/health` probing in [`health`]) and cloud providers ([`provider`]),
+//! and the one [`relay`] that brings either's answer back to the client in the client's protocol
+//! (SSE parsed by [`sse`]) while feeding a [`relay::Meter`] (the pipeline's settlement) as chunks
+//! pass.
 
+pub mod health;
+pub mod provider;
 pub mod relay;
+pub mod sse;
+pub mod worker;
 
 use bytes::Bytes;
 use http::Response;
@@ -11,8 +16,8 @@ use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
 
 use crate::errors::GatewayError;
-use crate::providers::{ProviderClient, ProviderError, ProviderRequest};
-use crate::upstream::Upstream;
+use provider::{ProviderClient, ProviderError, ProviderRequest};
+use worker::Upstream;
 
 /// Where a request is sent: a worker (base URL) or a provider (with its model name).
 #[derive(Debug, Clone, Copy)]

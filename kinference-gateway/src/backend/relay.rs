@@ -24,11 +24,11 @@ use kinference_crds::ApiStyle;
 
 use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
+use crate::backend::provider::translate::{self, AnthropicStream};
+use crate::backend::sse::SseParser;
+use crate::backend::worker::{error_chain, read_body};
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
-use crate::providers::translate::{self, AnthropicStream};
-use crate::upstream::sse::SseParser;
-use crate::upstream::{error_chain, read_body};
 
 /// What a relay reports to while the answer passes (the pipeline's settlement).
 pub trait Meter: Send + 'static {

@@ -240,7 +240,8 @@ impl Handler {
         };
         let api = body::detect(head.api, &body).map_err(Refusal::Gateway)?;
         let protocol = api.protocol();
-        let request = exchange::parse(api.endpoint(), body).map_err(Refusal::Gateway)?;
+        let request = exchange::parse_as(api.endpoint(), body, self.policy.is_some())
+            .map_err(Refusal::Gateway)?;
         self.admit(request.model())?;
         let admission = match (&self.tenancy, &caller) {
             (Some(t), Some(c)) => Some(

@@ -12,10 +12,10 @@ use super::Endpoint;
 use super::settle::Settlement;
 use crate::api::anthropic::MessagesRequest;
 use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest};
+use crate::backend::provider::ProviderRequest;
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 use crate::metrics::Metrics;
-use crate::providers::ProviderRequest;
 use crate::routing::Prompt;
 use crate::tenancy::Caller;
 
@@ -90,6 +90,9 @@ pub struct Request {
     pub body: Bytes,
     /// The client's own body (what the policy stage classifies).
     pub client_body: Bytes,
+    /// The client's body as JSON, when the policy stage will classify it (parsed once, the typed
+    /// request read from it).
+    pub json: Option<serde_json::Value>,
     /// Whether the answer is streamed.
     pub stream: bool,
     /// OpenAI streams: whether the client asked for the usage chunk itself.
@@ -158,6 +161,7 @@ impl Request {
             openai,
             body,
             client_body: self.client_body.clone(),
+            json: None,
             stream: self.stream,
             client_wants_usage: self.client_wants_usage,
         })
@@ -190,9 +194,41 @@ pub async fn read_body(req: HttpRequest<Incoming>, limit: usize) -> Result<Bytes
 /// for the final usage chunk so every request can be accounted. OpenAI bodies that need no change
 /// are forwarded byte for byte (no re-serialization on the hot path).
 pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
+    parse_as(endpoint, body, false)
+}
+
+/// [`parse`], keeping the body's JSON for the policy stage when `keep_json`: the body is parsed
+/// once, the typed request read from that JSON.
+pub fn parse_as(endpoint: Endpoint, body: Bytes, keep_json: bool) -> Result<Request, GatewayError> {
+    let json: Option<serde_json::Value> = if keep_json {
+        Some(openai::parse_body(&body)?)
+    } else {
+        None
+    };
+    let mut request = typed(endpoint, body, json.as_ref())?;
+    request.json = json;
+    Ok(request)
+}
+
+/// Reads `T` from the parsed JSON when there is one, else from the bytes.
+fn read<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    json: Option<&serde_json::Value>,
+) -> Result<T, GatewayError> {
+    match json {
+        Some(v) => T::deserialize(v).map_err(|e| GatewayError::MalformedJson(e.to_string())),
+        None => openai::parse_body(body),
+    }
+}
+
+fn typed(
+    endpoint: Endpoint,
+    body: Bytes,
+    json: Option<&serde_json::Value>,
+) -> Result<Request, GatewayError> {
     match endpoint {
         Endpoint::ChatCompletions => {
-            let mut r: ChatCompletionRequest = openai::parse_body(&body)?;
+            let mut r: ChatCompletionRequest = read(&body, json)?;
             r.validate()?;
             let stream = r.stream == Some(true);
             let (worker_body, client_wants_usage) =
@@ -204,12 +240,13 @@ pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 openai: OpenAiRequest::Chat(r),
                 body: worker_body,
                 client_body: body,
+                json: None,
                 stream,
                 client_wants_usage,
             })
         }
         Endpoint::Completions => {
-            let mut r: CompletionRequest = openai::parse_body(&body)?;
+            let mut r: CompletionRequest = read(&body, json)?;
             r.validate()?;
             let stream = r.stream == Some(true);
             let (worker_body, client_wants_usage) =
@@ -221,17 +258,19 @@ pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 openai: OpenAiRequest::Completion(r),
                 body: worker_body,
                 client_body: body,
+                json: None,
                 stream,
                 client_wants_usage,
             })
         }
         Endpoint::Messages => {
-            let r: MessagesRequest = openai::parse_body(&body)?;
+            let r: MessagesRequest = read(&body, json)?;
             let chat = r.to_chat_request()?;
             Ok(Request {
                 stream: chat.stream == Some(true),
                 body: serialize(&chat)?,
                 client_body: body,
+                json: None,
                 openai: OpenAiRequest::Chat(chat),
                 client_wants_usage: false,
             })

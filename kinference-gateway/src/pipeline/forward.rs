@@ -11,13 +11,13 @@ use kinference_crds::ApiStyle;
 use super::Endpoint;
 use super::exchange::{Exchange, Request};
 use crate::api::openai::UpstreamErrorBody;
+use crate::backend::provider::ProviderClient;
 use crate::backend::relay::{self, ClientShape, Spec};
 use crate::backend::{self, Outgoing, SendError, Target};
 use crate::body::{Body, full};
 use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::policy::stage::{Plan, PlanTarget};
-use crate::providers::ProviderClient;
 use crate::routing::{Decision, RouteError, RouteRequest};
 
 /// The backend that took the request, and its answer's headers (a 2xx).

@@ -50,9 +50,17 @@ pub async fn plan(
     input: PlanInput<'_>,
     explain: &mut Option<String>,
 ) -> Result<Plan, GatewayError> {
-    let json: serde_json::Value = crate::api::openai::parse_body(&request.client_body)?;
+    // Parsed once by the parse stage when policies apply; parsed here otherwise.
+    let parsed;
+    let json = match &request.json {
+        Some(json) => json,
+        None => {
+            parsed = crate::api::openai::parse_body::<serde_json::Value>(&request.client_body)?;
+            &parsed
+        }
+    };
     let req = StageRequest {
-        body: &json,
+        body: json,
         model: request.model(),
         prompt: request.prompt(),
         tenant: input

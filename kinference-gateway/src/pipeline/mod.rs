@@ -77,7 +77,8 @@ async fn run(
     // Before the body is read: an unknown caller costs the gateway nothing.
     let caller = gw.tenancy.authenticate(req.headers())?;
     let body = exchange::read_body(req, gw.settings.body_limit_bytes).await?;
-    let request = exchange::parse(ex.endpoint, body)?;
+    // Under policies the JSON is kept for the plan stage (the body is parsed once).
+    let request = exchange::parse_as(ex.endpoint, body, gw.policy.is_some())?;
     if let Some(s) = ex.settlement() {
         s.model(request.model());
     }

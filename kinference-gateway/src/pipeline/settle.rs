@@ -10,10 +10,10 @@
 use std::time::Instant;
 
 use crate::api::openai::Usage;
+use crate::backend::provider::ProviderClient;
 use crate::backend::relay::Meter;
 use crate::errors::Protocol;
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
-use crate::providers::ProviderClient;
 use crate::routing::InFlight;
 use crate::tenancy::Admission;
 

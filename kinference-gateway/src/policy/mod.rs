@@ -12,7 +12,7 @@
 //! - [`stage`]: the gateway pipeline's policy stage: per request [`classify::request_facts`] ->
 //!   [`engine::PoolStates`] from the router's estimates (and [`worker_load`]) -> [`engine::evaluate`]
 //!   on the current [`model::PolicySet`] (from [`source::PolicyWatcher`]) -> an ordered plan of
-//!   pools and providers ([`crate::providers`]).
+//!   pools and providers ([`crate::backend::provider`]).
 
 pub mod classify;
 pub mod engine;

@@ -33,8 +33,8 @@ use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates};
 use super::model::PolicySet;
 use super::source::{PolicyWatcher, SourceError};
 use super::worker_load::WorkerLoad;
+use crate::backend::provider::{ProviderClient, Providers};
 use crate::errors::GatewayError;
-use crate::providers::{ProviderClient, Providers};
 use crate::routing::pools::WorkerEstimate;
 use crate::routing::{ModelConfig, Prompt, RouteRequest, Router, WorkerConfig};
 

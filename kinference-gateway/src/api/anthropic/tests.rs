@@ -1,5 +1,5 @@
 use super::*;
-use crate::upstream::sse::SseParser;
+use crate::backend::sse::SseParser;
 
 fn request(json: Value) -> Result<ChatCompletionRequest, GatewayError> {
     let req: MessagesRequest =

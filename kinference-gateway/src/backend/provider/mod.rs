@@ -27,8 +27,8 @@ use kinference_crds::{ApiStyle, InferenceProviderSpec, TokenPrices};
 use parking_lot::Mutex;
 
 use crate::api::openai::{ChatCompletionRequest, CompletionRequest, UpstreamErrorBody};
+use crate::backend::worker::error_chain;
 use crate::errors::GatewayError;
-use crate::upstream::error_chain;
 
 #[cfg(test)]
 mod tests;
@@ -306,7 +306,7 @@ impl ProviderClient {
             return Ok(response);
         }
         let status = response.status();
-        let body = crate::upstream::read_body(response.into_body(), timeout, &self.label())
+        let body = crate::backend::worker::read_body(response.into_body(), timeout, &self.label())
             .await
             .unwrap_or_default();
         Err(self.failed(format!(

@@ -4,8 +4,6 @@
 //! Connections are kept alive and reused (the pool is what keeps the gateway's added latency well
 //! under a millisecond); Nagle is off so small SSE chunks leave at once.
 
-pub mod sse;
-
 use std::time::Duration;
 
 use bytes::Bytes;
