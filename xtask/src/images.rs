@@ -31,6 +31,9 @@ pub struct ImagesArgs {
     /// Reuse the release binaries already in the target directory (no cargo build, no eBPF build).
     #[arg(long)]
     pub no_build: bool,
+    /// Package the debug binaries instead (the ones `cargo xtask test` builds; a quicker image for tests).
+    #[arg(long)]
+    pub debug: bool,
     /// Tag of the images (default: the workspace version, which is the chart's appVersion).
     #[arg(long)]
     pub tag: Option<String>,
@@ -86,7 +89,10 @@ pub fn build(args: ImagesArgs) -> anyhow::Result<()> {
         run_checked(cargo(&root).args(["xtask", "build-ebpf"]))?;
         step("building the release binaries");
         let mut cmd = cargo(&root);
-        cmd.args(["build", "--release", "--locked"]);
+        cmd.args(["build", "--locked"]);
+        if !args.debug {
+            cmd.arg("--release");
+        }
         for p in ["kinference-gateway", "kinference-agent", "kinference-bench"] {
             cmd.args(["-p", p]);
         }
@@ -97,7 +103,7 @@ pub fn build(args: ImagesArgs) -> anyhow::Result<()> {
         }
         run_checked(&mut cmd)?;
     }
-    let bin_dir = target.join("release");
+    let bin_dir = target.join(if args.debug { "debug" } else { "release" });
     std::fs::create_dir_all(&out)?;
     let mut report = Vec::new();
     for image in IMAGES {
@@ -235,7 +241,6 @@ fn commit(
     config
         .arg("config")
         .arg(format!("--entrypoint=[\"{}\"]", image.entrypoint))
-        .arg("--cmd=")
         .arg(format!("--user={}:{}", image.user, image.user))
         .arg("--workingdir=/")
         .arg("--env=PATH=/usr/local/bin")

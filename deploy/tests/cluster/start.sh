@@ -31,6 +31,9 @@ done > "$D/sysctls.saved"
 
 # The namespace: loopback, and the node's address on one end of a veth pair (both ends inside).
 ip netns list | awk '{print $1}' > "$D/netns.before"
+# The kubelet writes container logs under /var/log/pods and /var/log/containers (not configurable in 1.20).
+mkdir -p /var/log/pods /var/log/containers
+ls /var/log/pods > "$D/podlogs.before"; ls /var/log/containers > "$D/containerlogs.before"
 ip netns add "$NS"
 $X ip link set lo up
 $X ip link add node0 type veth peer name node0p
@@ -91,7 +94,7 @@ $X setsid "$W/bin/kubelet" --kubeconfig="$KC" --container-runtime=remote \
   --node-labels=nvidia.com/gpu.present=true --root-dir="$D/kubelet" --anonymous-auth=false \
   --authentication-token-webhook=false --read-only-port=0 --port=10250 --healthz-port=10248 \
   --image-gc-high-threshold=100 --eviction-hard= --eviction-soft= --max-pods=30 \
-  --serialize-image-pulls=false --pod-infra-container-image=registry.k8s.io/pause:3.6 --resolv-conf="$D/resolv.conf" \
+  --client-ca-file="$D/pki/ca.crt" --serialize-image-pulls=false --pod-infra-container-image=registry.k8s.io/pause:3.6 --resolv-conf="$D/resolv.conf" \
   > "$D/logs/kubelet.log" 2>&1 &
 echo $! > "$D/kubelet.pid"
 K="kubectl --kubeconfig=$KC"

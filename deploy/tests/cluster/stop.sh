@@ -32,6 +32,12 @@ for n in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^cni-'); do
   grep -qx "$n" "$D/netns.before" 2>/dev/null || ip netns del "$n" 2>/dev/null
 done
 ip netns del "$NS" 2>/dev/null
+# Container logs the kubelet wrote outside DIR.
+for d in pods containers; do
+  [ -f "$D/${d%s}logs.before" ] || continue
+  for f in $(ls "/var/log/$d" 2>/dev/null); do grep -qxF "$f" "$D/${d%s}logs.before" || rm -rf "/var/log/$d/$f"; done
+  rm -f "$D/${d%s}logs.before"
+done
 if [ -f "$D/sysctls.saved" ]; then
   while IFS= read -r kv; do sysctl -qw "$kv" 2>/dev/null; done < "$D/sysctls.saved"
   rm -f "$D/sysctls.saved"
