@@ -1,9 +1,6 @@
-//! Scrapes each local worker's vLLM `/metrics` for its load and block size.
-//!
-//! Only four series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11) and the `block_size` label of
-//! `vllm:cache_config_info`. With several engines (data parallel) counts are summed and usage is the
-//! maximum. A failed scrape marks the figures stale (`metrics_ok = false`), logs and counts.
+//! Scrapes each local worker's vLLM `/metrics` for its load and block size (parsed by
+//! [`kinference_api::vllm::metrics`]). A failed scrape marks the figures stale (`metrics_ok = false`), logs
+//! and counts.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,127 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::{self, AgentMetrics};
 use crate::registry::{Registry, WorkerSlot};
 
-/// The load figures read from one scrape.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct VllmLoad {
-    pub running: Option<f64>,
-    pub waiting: Option<f64>,
-    pub kv_usage: Option<f64>,
-    pub block_size: Option<u32>,
-}
-
-/// Parses the Prometheus text exposition format, keeping only the series above. Malformed lines are
-/// skipped: one odd line from a newer vLLM must not blind the router.
-pub fn parse(text: &str) -> VllmLoad {
-    let mut load = VllmLoad::default();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let Some(sample) = parse_line(line) else {
-            continue;
-        };
-        // NaN and infinities are valid exposition values but no load figure: they would poison scores.
-        if !sample.value.is_finite() {
-            continue;
-        }
-        let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
-        match sample.name {
-            "vllm:num_requests_running" => add(&mut load.running, sample.value),
-            "vllm:num_requests_waiting" => add(&mut load.waiting, sample.value),
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                load.kv_usage = Some(load.kv_usage.map_or(sample.value, |u| u.max(sample.value)))
-            }
-            "vllm:cache_config_info" => {
-                // 0 would mean "unknown" downstream; a worker reporting it tells us nothing.
-                if let Some(bs) = sample
-                    .label("block_size")
-                    .and_then(|v| v.parse().ok())
-                    .filter(|&bs: &u32| bs > 0)
-                {
-                    load.block_size = Some(bs);
-                }
-            }
-            _ => {}
-        }
-    }
-    // Sums of huge finite values can still overflow.
-    for v in [&mut load.running, &mut load.waiting] {
-        *v = v.filter(|x| x.is_finite());
-    }
-    load
-}
-
-struct Sample<'a> {
-    name: &'a str,
-    labels: Vec<(&'a str, String)>,
-    value: f64,
-}
-
-impl Sample<'_> {
-    fn label(&self, name: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| *k == name)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-fn parse_line(line: &str) -> Option<Sample<'_>> {
-    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
-    let name = &line[..name_end];
-    let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
-    if rest.starts_with('{') {
-        let (parsed, after) = parse_labels(&rest[1..])?;
-        labels = parsed;
-        rest = after;
-    }
-    // The value, then an optional timestamp.
-    let value = rest.split_whitespace().next()?;
-    let value = match value {
-        "NaN" => f64::NAN,
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        v => v.parse().ok()?,
-    };
-    Some(Sample {
-        name,
-        labels,
-        value,
-    })
-}
-
-/// Parses `k="v",k2="v2"}` (after the opening brace), with `\\`, `\"` and `\n` escapes.
-fn parse_labels(s: &str) -> Option<(Vec<(&str, String)>, &str)> {
-    let mut labels = Vec::new();
-    let mut rest = s;
-    loop {
-        rest = rest.trim_start_matches([' ', ',']);
-        if let Some(after) = rest.strip_prefix('}') {
-            return Some((labels, after));
-        }
-        let eq = rest.find('=')?;
-        let key = rest[..eq].trim();
-        rest = rest[eq + 1..].trim_start().strip_prefix('"')?;
-        let mut value = String::new();
-        let mut chars = rest.char_indices();
-        let end = loop {
-            let (i, c) = chars.next()?;
-            match c {
-                '"' => break i,
-                '\\' => match chars.next()?.1 {
-                    'n' => value.push('\n'),
-                    other => value.push(other),
-                },
-                c => value.push(c),
-            }
-        };
-        labels.push((key, value));
-        rest = &rest[end + 1..];
-    }
-}
+pub use kinference_api::vllm::metrics::{VllmLoad, parse};
 
 /// Why a scrape failed.
 #[derive(Debug, thiserror::Error)]

@@ -3,10 +3,12 @@
 //! - [`block_keys`]: Kinference's own chained block keys, computed the same way from a vLLM event's
 //!   `token_ids` (agent) and from a tokenized prompt (gateway), so vLLM's hash settings never matter.
 //! - [`summary`]: the gRPC server-streaming API the agent serves and every gateway replica watches.
+//! - [`vllm`]: vLLM's wire formats (KV-event batches, `/metrics`), for the agent and the simulator.
 #![forbid(unsafe_code)]
 
 pub mod block_keys;
 pub mod metrics;
+pub mod vllm;
 
 /// Generated protobuf and tonic code for `kinference.v1` (see `proto/kinference/v1/agent.proto`).
 // The generated oneof module `summary::summary` trips clippy's module_inception in every dependent crate.

@@ -1,7 +1,8 @@
 //! Encodes event batches exactly as vLLM's publisher does, in either event format.
 //!
-//! The agent itself never encodes; this exists so tests, benchmarks and fuzz seeds produce the real wire
-//! bytes (msgspec's field order, nils for required-but-empty fields) rather than a convenient variant.
+//! The simulator in `bench/` publishes with it; the agent's tests, benchmarks and fuzz seeds use it to
+//! produce the real wire bytes (msgspec's field order, nils for required-but-empty fields, the smallest
+//! integer width, so hashes of 2^63 or more are `uint64`) rather than a convenient variant.
 
 use super::{EventBatch, KvEvent, Medium};
 
@@ -94,7 +95,9 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
             out.push(0xc0); // lora_id
             str(out, medium_name(*medium));
             out.push(0xc0); // lora_name
-            out.push(0xc0); // extra_keys
+            // extra_keys: one untagged `None` per block for a plain (no LoRA, no multimodal) request.
+            array_len(out, block_hashes.len() as u32);
+            out.extend(std::iter::repeat_n(0xc0, block_hashes.len()));
             int(out, 0); // group_idx
             str(out, "full_attention");
             out.push(0xc0); // kv_cache_spec_sliding_window
