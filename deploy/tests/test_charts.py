@@ -246,7 +246,16 @@ def test_gateway_deployment() -> None:
         "--config=/etc/kinference/gateway.yaml",
     ]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8080, "admin": 9090}
+    assert ports == {"http": 8080, "admin": 9090, "extproc": 9002}
+    # The ext_proc endpoint picker: its own port and Service.
+    assert "--extproc-listen=0.0.0.0:9002" in c["args"]
+    picker = one(objects, "Service", "kinference-gateway-extproc")
+    assert picker["spec"]["ports"] == [
+        {"name": "grpc", "port": 9002, "targetPort": "extproc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
+    ]
+    off = container(one(render({"gateway": {"extproc": {"enabled": False}}}), "Deployment", "kinference-gateway"))
+    assert not [a for a in off["args"] if a.startswith("--extproc")]
+    assert {p["name"] for p in off["ports"]} == {"http", "admin"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
     assert c["resources"]["requests"] and c["resources"]["limits"]
@@ -870,4 +879,5 @@ def test_network_policies_limit_who_reaches_each_port() -> None:
     assert by_port["metrics"] == [monitoring]
     gw = {r["ports"][0]["port"]: r.get("from") for r in gateway["ingress"]}
     assert gw == {"http": None, "admin": [monitoring]}
+    assert [p["port"] for p in gateway["ingress"][0]["ports"]] == ["http", "extproc"]
     assert not find(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
