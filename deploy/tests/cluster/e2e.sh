@@ -1,7 +1,7 @@
 #!/bin/bash
 # The cluster end-to-end test, from scratch or cached: builds the one-node Kubernetes (build.sh, cached under
 # ~/.cache/kube-test), the images (`cargo xtask images`, release binaries unless KINFERENCE_E2E_IMAGES says), the Python test clients
-# (`cargo xtask setup`), then runs deploy/tests/test_cluster_e2e.py, which starts the cluster, installs the
+# (`cargo xtask setup`), then runs deploy/tests/cluster/cluster_e2e.py, which starts the cluster, installs the
 # charts, runs the workload and stops the cluster (KINFERENCE_KEEP_CLUSTER=1 leaves it running for a look).
 # Needs root. Usage: deploy/tests/cluster/e2e.sh [pytest args...]
 set -euo pipefail
@@ -18,5 +18,5 @@ case "${KINFERENCE_E2E_IMAGES:-release}" in
   *) cargo xtask images ;;
 esac
 echo "[e2e] images ready after $(( $(date +%s) - t0 )) s"
-KINFERENCE_TEST_CLUSTER=1 .venv/bin/python -m pytest -q -s -p no:cacheprovider deploy/tests/test_cluster_e2e.py "$@"
+KINFERENCE_TEST_CLUSTER=1 .venv/bin/python -m pytest -q -s -p no:cacheprovider deploy/tests/cluster/cluster_e2e.py "$@"
 echo "[e2e] done after $(( $(date +%s) - t0 )) s"
