@@ -1,6 +1,8 @@
 use http::{HeaderMap, HeaderValue};
 
 use super::*;
+use crate::api::openai::Usage;
+use crate::errors::Protocol;
 
 const TENANTS: &str = r#"
 apiVersion: kinference.ai/v1alpha1

@@ -1,0 +1,528 @@
+//! Admission: the budget and the token buckets at the start of a request, the [`Admission`] that
+//! follows it, and its settlement (bucket reconciliation, usage record, cost, per-tenant metrics).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kinference_crds::{BudgetAction, TokenPrices};
+
+use super::headers::rate_headers;
+use super::limits::{self, Demand, Dim, FailMode, Take, Verdict};
+use super::metrics::{self, TenantBackend, TenantCache, TenantLimit, TenantModel, TenantStatus};
+use super::store::{self, RedisVerdict};
+use super::usage::{self, UsageRecord};
+use super::{Caller, Tenancy, Tenant, budget, now_ms};
+use crate::api::openai::Usage;
+use crate::errors::{GatewayError, Protocol};
+
+/// One admitted request's tenancy state, from admission to settlement. Settles exactly once:
+/// [`Admission::settle`], or `Drop` (status 499, the gateway's own figures) when the request ends
+/// without it (an error, an aborted stream).
+pub struct Admission {
+    tenancy: Arc<Tenancy>,
+    id: String,
+    tenant: String,
+    labels: TenantModel,
+    model: String,
+    /// Buckets debited at admission, with the amounts debited (input corrected after routing).
+    takes: Vec<Take>,
+    headers: Vec<(&'static str, String)>,
+    started: Instant,
+    worker: Option<String>,
+    /// The provider that served the request (name, prices of the model it was asked for).
+    provider: Option<(String, Option<TokenPrices>)>,
+    /// The tenant spent its monthly budget and its `onExceeded` is `LocalOnly`.
+    local_only: bool,
+    gateway_prompt_tokens: Option<u64>,
+    chunks: u64,
+    first_text: Option<Instant>,
+    last_text: Option<Instant>,
+    /// Output tokens charged while streaming past the reservation.
+    stream_charged: u64,
+    output_reserved: u64,
+    settled: bool,
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("id", &self.id)
+            .field("tenant", &self.tenant)
+            .field("model", &self.model)
+            .finish()
+    }
+}
+
+impl Admission {
+    /// The gateway's id of this request (the usage record's key).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The tenant's name.
+    pub fn tenant(&self) -> &str {
+        &self.tenant
+    }
+
+    /// Rate-limit headers for the response (empty without limits).
+    pub fn headers(&self) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (name, value) in &self.headers {
+            if let Ok(v) = http::HeaderValue::from_str(value) {
+                h.insert(*name, v);
+            }
+        }
+        h
+    }
+
+    /// The router chose `worker` for `reason`; `prompt_tokens` is its own count, which replaces the
+    /// admission's estimate in the input buckets right away.
+    pub fn routed(&mut self, worker: &str, reason: &str, prompt_tokens: Option<usize>) {
+        self.worker = Some(worker.to_string());
+        self.tenancy
+            .metrics
+            .decisions
+            .get_or_create(&metrics::TenantReason {
+                tenant: self.labels.tenant.clone(),
+                model: self.labels.model.clone(),
+                reason: reason.to_string(),
+            })
+            .inc();
+        let Some(n) = prompt_tokens else { return };
+        self.gateway_prompt_tokens = Some(n as u64);
+        let mut adjust = Vec::new();
+        for t in self.takes.iter_mut().filter(|t| t.dim == Dim::InputTokens) {
+            let mut delta = t.clone();
+            delta.amount = n as f64 - t.amount;
+            t.amount = n as f64;
+            adjust.push(delta);
+        }
+        self.tenancy.adjust(adjust);
+    }
+
+    /// A provider serves the request (cloud burst): it is billed at `prices` (the provider's price
+    /// of the model it was asked for) under the provider's name, and counted against the tenant's
+    /// limits and budget like any other request.
+    pub fn provider(&mut self, name: &str, prices: Option<TokenPrices>) {
+        self.worker = None;
+        self.provider = Some((name.to_string(), prices));
+        self.tenancy
+            .metrics
+            .decisions
+            .get_or_create(&metrics::TenantReason {
+                tenant: self.labels.tenant.clone(),
+                model: self.labels.model.clone(),
+                reason: "provider".to_string(),
+            })
+            .inc();
+    }
+
+    /// Whether only local pools may serve this request: the tenant spent its monthly budget and its
+    /// `onExceeded` is `LocalOnly` (paid providers are out).
+    pub fn local_only(&self) -> bool {
+        self.local_only
+    }
+
+    /// A streamed chunk carrying text arrived: per-tenant TTFT / ITL, and output charged as a
+    /// stream runs past its reservation.
+    pub fn text_chunk(&mut self) {
+        let now = Instant::now();
+        match self.last_text {
+            None => {
+                self.first_text = Some(now);
+                self.tenancy
+                    .metrics
+                    .ttft
+                    .get_or_create(&self.labels)
+                    .observe(now.duration_since(self.started).as_secs_f64());
+            }
+            Some(last) => self
+                .tenancy
+                .metrics
+                .itl
+                .get_or_create(&self.labels)
+                .observe(now.duration_since(last).as_secs_f64()),
+        }
+        self.last_text = Some(now);
+        self.chunks += 1;
+        let covered = self.output_reserved + self.stream_charged;
+        if self.chunks > covered {
+            let step = limits::STREAM_CHARGE_STEP;
+            let adjust: Vec<Take> = self
+                .takes
+                .iter()
+                .filter(|t| t.dim == Dim::OutputTokens)
+                .map(|t| {
+                    let mut t = t.clone();
+                    t.amount = step as f64;
+                    t
+                })
+                .collect();
+            self.stream_charged += step;
+            self.tenancy.adjust(adjust);
+        }
+    }
+
+    fn armed(mut self) -> Self {
+        self.settled = false;
+        self
+    }
+
+    /// Ends the request with `status` and the worker's usage (exactly once).
+    pub fn settle(mut self, status: u16, usage: Option<&Usage>) {
+        self.finish(status, usage);
+    }
+
+    fn finish(&mut self, status: u16, usage: Option<&Usage>) {
+        if self.settled {
+            return;
+        }
+        self.settled = true;
+        let tenancy = Arc::clone(&self.tenancy);
+        tenancy.settle(self, status, usage);
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.finish(499, None);
+    }
+}
+
+impl Tenancy {
+    /// Stage "admit": the budget and the rate limits for `caller` asking `model` with about
+    /// `input_estimate` prompt tokens and up to `output_reservation` generated ones.
+    pub async fn admit(
+        self: &Arc<Self>,
+        caller: &Caller,
+        model: &str,
+        input_estimate: u64,
+        output_reservation: u64,
+        protocol: Protocol,
+    ) -> Result<Admission, GatewayError> {
+        let now = now_ms();
+        let mut admission = Admission {
+            tenancy: Arc::clone(self),
+            id: format!("{:032x}", rand::random::<u128>()),
+            tenant: caller.name().to_string(),
+            labels: TenantModel {
+                tenant: caller.label().to_string(),
+                model: self.model_label(model),
+            },
+            model: model.to_string(),
+            takes: Vec::new(),
+            headers: Vec::new(),
+            started: Instant::now(),
+            worker: None,
+            provider: None,
+            local_only: false,
+            gateway_prompt_tokens: None,
+            chunks: 0,
+            first_text: None,
+            last_text: None,
+            stream_charged: 0,
+            output_reserved: output_reservation,
+            // Armed (false) only when admitted: a refused request has nothing to settle.
+            settled: true,
+        };
+        let Some(tenant) = caller.tenant.clone() else {
+            return Ok(admission.armed());
+        };
+        let takes = limits::takes(
+            &tenant.name,
+            tenant.limits.as_ref(),
+            &tenant.settings,
+            model,
+            Demand {
+                requests: 1.0,
+                input: input_estimate as f64,
+                output: output_reservation as f64,
+            },
+        );
+        let budget = tenant
+            .budget
+            .as_ref()
+            .filter(|b| b.on_exceeded == BudgetAction::Reject)
+            .map(|b| b.monthly_limit);
+        // `LocalOnly`: past the budget the tenant is still served, by local pools only. The spend is
+        // this replica's view (the journal replayed at start plus what it settled since).
+        if let Some(b) = tenant
+            .budget
+            .as_ref()
+            .filter(|b| b.on_exceeded == BudgetAction::LocalOnly)
+        {
+            admission.local_only = self.spend.spent(&tenant.name, now) >= b.monthly_limit;
+        }
+        if takes.is_empty() && budget.is_none() {
+            return Ok(admission.armed());
+        }
+        let verdict = match &self.redis {
+            None => {
+                if let Some(limit) = budget {
+                    let spent = self.spend.spent(&tenant.name, now);
+                    if spent >= limit {
+                        return Err(self.budget_spent(&tenant, spent, limit, now));
+                    }
+                }
+                self.local.admit(&takes)
+            }
+            Some(redis) => {
+                let spend_key = budget::spend_key(&tenant.name, now);
+                match redis.admit(&takes, &spend_key, budget).await {
+                    Ok(RedisVerdict::Buckets(v)) => v,
+                    Ok(RedisVerdict::BudgetSpent(spent)) => {
+                        return Err(self.budget_spent(&tenant, spent, budget.unwrap_or(0.0), now));
+                    }
+                    Err(error) => {
+                        return match tenant.settings.on_store_unavailable {
+                            FailMode::Open => {
+                                self.store_failed("open", &error);
+                                Ok(admission.armed())
+                            }
+                            FailMode::Closed => {
+                                self.store_failed("closed", &error);
+                                Err(GatewayError::LimitsUnavailable)
+                            }
+                        };
+                    }
+                }
+            }
+        };
+        match verdict {
+            Verdict::Admitted(levels) => {
+                admission.headers = rate_headers(protocol, &takes, &levels, None);
+                admission.takes = takes
+                    .into_iter()
+                    .map(|mut t| {
+                        t.amount = t.amount.min(t.capacity);
+                        t
+                    })
+                    .collect();
+                Ok(admission.armed())
+            }
+            Verdict::Limited {
+                retry_after_s,
+                refused,
+                levels,
+            } => {
+                let take = &takes[refused];
+                self.metrics
+                    .rejections
+                    .get_or_create(&TenantLimit {
+                        tenant: tenant.label.clone(),
+                        limit: take.dim.as_str(),
+                        scope: if take.per_model { "model" } else { "tenant" },
+                    })
+                    .inc();
+                let scope = if take.per_model {
+                    format!(" for model `{model}`")
+                } else {
+                    String::new()
+                };
+                Err(GatewayError::RateLimited {
+                    message: format!(
+                        "Rate limit reached for tenant `{}`{scope}: {} per minute ({:.0}). Retry after {:.1} s.",
+                        tenant.name,
+                        take.dim.as_str().replace('_', " "),
+                        take.rate_per_s * 60.0,
+                        retry_after_s
+                    ),
+                    headers: rate_headers(protocol, &takes, &levels, Some(retry_after_s)),
+                })
+            }
+        }
+    }
+
+    fn budget_spent(&self, tenant: &Tenant, spent: f64, limit: f64, now: u64) -> GatewayError {
+        self.metrics
+            .rejections
+            .get_or_create(&TenantLimit {
+                tenant: tenant.label.clone(),
+                limit: "budget",
+                scope: "tenant",
+            })
+            .inc();
+        let retry = (budget::next_month_ms(now).saturating_sub(now)).div_ceil(1000);
+        GatewayError::BudgetExceeded {
+            message: format!(
+                "Tenant `{}` has spent its monthly budget ({spent:.4} of {limit:.4}); requests are refused until {}.",
+                tenant.name,
+                budget::rfc3339(budget::next_month_ms(now))
+            ),
+            headers: vec![("retry-after", retry.to_string())],
+        }
+    }
+
+    fn store_failed(&self, mode: &'static str, error: &store::StoreError) {
+        self.metrics
+            .store_errors
+            .get_or_create(&metrics::StoreFailure { mode })
+            .inc();
+        tracing::warn!(%error, fail = mode, "rate-limit store unreachable");
+    }
+
+    /// Settles one request (called once per [`Admission`]).
+    fn settle(&self, a: &mut Admission, status: u16, usage: Option<&Usage>) {
+        let elapsed = a.started.elapsed().as_secs_f64();
+        let m = &self.metrics;
+        m.requests
+            .get_or_create(&TenantStatus {
+                tenant: a.labels.tenant.clone(),
+                model: a.labels.model.clone(),
+                status,
+            })
+            .inc();
+        m.e2e.get_or_create(&a.labels).observe(elapsed);
+        // The worker's figures when it sent them; the gateway's own when the stream ended early.
+        let (prompt, cached, output, estimated) = match usage {
+            Some(u) if u.prompt_tokens > 0 || u.completion_tokens > 0 => (
+                u.prompt_tokens,
+                u.cached_tokens().unwrap_or(0).min(u.prompt_tokens),
+                u.completion_tokens,
+                false,
+            ),
+            _ if a.first_text.is_some() => {
+                (a.gateway_prompt_tokens.unwrap_or(0), 0, a.chunks, true)
+            }
+            _ => (0, 0, 0, a.worker.is_some() || a.provider.is_some()),
+        };
+        // Reconcile the buckets: what was debited becomes what was used.
+        let mut adjust = Vec::new();
+        for t in &a.takes {
+            let used = match t.dim {
+                Dim::Requests => continue,
+                Dim::InputTokens => prompt as f64,
+                Dim::OutputTokens => output as f64,
+            };
+            let debited = if t.dim == Dim::OutputTokens {
+                t.amount + a.stream_charged as f64
+            } else {
+                t.amount
+            };
+            let mut t = t.clone();
+            t.amount = used - debited;
+            adjust.push(t);
+        }
+        self.adjust(adjust);
+        // Where it was served: a provider at its price, a worker at its pool's.
+        let (pool, provider, prices) = match (&a.provider, &a.worker) {
+            (Some((name, prices)), _) => (String::new(), name.clone(), prices.clone()),
+            (None, Some(worker)) => match self.pool_of(worker, &a.model) {
+                Some((name, prices)) => (name, String::new(), Some(prices)),
+                None => (
+                    String::new(),
+                    String::new(),
+                    self.config.prices.get(&a.model).cloned(),
+                ),
+            },
+            (None, None) => return, // never reached a backend: nothing used, nothing to bill
+        };
+        let uncached = prompt - cached;
+        m.input_tokens
+            .get_or_create(&TenantCache {
+                tenant: a.labels.tenant.clone(),
+                model: a.labels.model.clone(),
+                cache: "uncached",
+            })
+            .inc_by(uncached);
+        m.input_tokens
+            .get_or_create(&TenantCache {
+                tenant: a.labels.tenant.clone(),
+                model: a.labels.model.clone(),
+                cache: "cached",
+            })
+            .inc_by(cached);
+        m.output_tokens.get_or_create(&a.labels).inc_by(output);
+        m.input_size.get_or_create(&a.labels).observe(prompt as f64);
+        m.output_size
+            .get_or_create(&a.labels)
+            .observe(output as f64);
+        let cost = usage::cost(prices.as_ref(), uncached, cached, output);
+        let ts_ms = now_ms();
+        m.cost
+            .get_or_create(&TenantBackend {
+                tenant: a.labels.tenant.clone(),
+                model: a.labels.model.clone(),
+                pool: pool.clone(),
+                provider: provider.clone(),
+            })
+            .inc_by(cost);
+        self.spend.add(&a.tenant, ts_ms, cost);
+        m.spend
+            .get_or_create(&metrics::TenantOnly {
+                tenant: a.labels.tenant.clone(),
+            })
+            .set(self.spend.spent(&a.tenant, ts_ms));
+        let record = UsageRecord {
+            id: a.id.clone(),
+            ts_ms,
+            tenant: a.tenant.clone(),
+            model: a.model.clone(),
+            pool,
+            provider,
+            status,
+            requests: 1,
+            input_uncached: uncached,
+            input_cached: cached,
+            output,
+            cost,
+            estimated,
+        };
+        self.aggregates.lock().add(&record);
+        self.journal.append(record);
+    }
+
+    /// Applies bucket adjustments (in the background with Redis).
+    fn adjust(&self, takes: Vec<Take>) {
+        let takes: Vec<Take> = takes.into_iter().filter(|t| t.amount != 0.0).collect();
+        if takes.is_empty() {
+            return;
+        }
+        match &self.redis {
+            None => self.local.adjust(&takes),
+            Some(redis) => {
+                let redis = Arc::clone(redis);
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    rt.spawn(async move {
+                        if let Err(error) = redis.adjust(&takes).await {
+                            tracing::debug!(%error, "rate-limit reconciliation not applied");
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    /// What a request asks of the buckets at admission: (input token estimate, output reservation).
+    /// The estimate is the prompt's bytes / 4 (corrected to the router's count right after routing);
+    /// the reservation is `max_tokens` / `max_completion_tokens`, else 16 for completions (the API's
+    /// default) or `default_output_reservation` for chat.
+    pub fn demand(
+        &self,
+        prompt: crate::routing::Prompt<'_>,
+        fields: &serde_json::Map<String, serde_json::Value>,
+        completion: bool,
+    ) -> (u64, u64) {
+        let bytes = match prompt {
+            crate::routing::Prompt::Text(t) => t.len(),
+            crate::routing::Prompt::Chat(messages) => messages.as_array().map_or(0, |ms| {
+                ms.iter()
+                    .map(|m| match m.get("content") {
+                        Some(serde_json::Value::String(s)) => s.len() + 16,
+                        Some(other) => other.to_string().len() + 16,
+                        None => 16,
+                    })
+                    .sum()
+            }),
+        };
+        let max_tokens = ["max_tokens", "max_completion_tokens"]
+            .iter()
+            .find_map(|k| fields.get(*k).and_then(serde_json::Value::as_u64));
+        let reservation = max_tokens.unwrap_or(if completion {
+            16
+        } else {
+            self.config.default_output_reservation
+        });
+        ((bytes / 4) as u64, reservation)
+    }
+}
