@@ -418,13 +418,10 @@ def normalise(rules: list[dict[str, Any]]) -> set[tuple[str, str, str, str]]:
 
 
 READ = ("get", "list", "watch")
-GATEWAY_RULES = (
-    {("kinference.ai", r, "", v) for r in KINFERENCE_PLURALS for v in READ}
-    | {("kinference.ai", f"{r}/status", "", "patch") for r in KINFERENCE_PLURALS}
-    | {("", "pods", "", v) for v in READ}
-    | {("discovery.k8s.io", "endpointslices", "", v) for v in READ}
-)
-AGENT_RULES = {("", "pods", "", v) for v in READ}
+# What the code calls: kube::runtime::watcher (list + watch) on pods and EndpointSlices; nothing on kinference.ai.
+WATCH = ("list", "watch")
+GATEWAY_RULES = {("", "pods", "", v) for v in WATCH} | {("discovery.k8s.io", "endpointslices", "", v) for v in WATCH}
+AGENT_RULES = {("", "pods", "", v) for v in WATCH}
 
 
 def test_rbac_defaults_grant_exactly_what_each_component_reads() -> None:
@@ -448,7 +445,7 @@ def test_rbac_watched_namespaces_and_secrets_by_name() -> None:
 def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() -> None:
     grants = rules_by_subject(render({"watchNamespaces": [WORKER_NAMESPACE]}))
     assert normalise(grants[("kinference-gateway", NAMESPACE)]) == {
-        ("discovery.k8s.io", "endpointslices", "", v) for v in READ
+        ("discovery.k8s.io", "endpointslices", "", v) for v in WATCH
     }
     assert ("kinference-agent", NAMESPACE) not in grants
 
@@ -731,16 +728,15 @@ def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
     for ns in (NAMESPACE, WORKER_NAMESPACE):
         for plural in KINFERENCE_PLURALS:
             resource = f"kinference.ai/{plural}"
-            expect += [((gw, verb, resource, ns), True) for verb in READ]
+            # The gateway reads its Kinference resources from files, never from the API.
+            expect += [((gw, verb, resource, ns), False) for verb in READ]
             expect += [
-                ((gw, "patch", f"{resource}/status", ns), True),
-                ((gw, "patch", resource, ns), False),  # the spec is the user's
-                ((gw, "update", f"{resource}/status", ns), False),
-                ((gw, "create", resource, ns), False),
+                ((gw, "patch", f"{resource}/status", ns), False),
                 ((agent, "get", resource, ns), False),
             ]
         expect += [
             ((gw, "watch", "pods", ns), True),
+            ((gw, "get", "pods", ns), False),
             ((gw, "list", "discovery.k8s.io/endpointslices", ns), True),
             ((gw, "get", "secrets:provider-keys", ns), True),
             ((gw, "watch", "secrets:tenant-keys", ns), True),
