@@ -14,205 +14,47 @@
 //! - [`baseline`]: the simple strategies the benchmark compares against;
 //! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports.
 //!
+//! This file holds the [`Router`] and its decision; beside it `config` (the configuration and the
+//! tuning), `candidates` (one decision's candidates and their cached runs) and `ticket` (the
+//! [`InFlight`] ticket).
+//!
 //! Missing signals degrade visibly: without live agent data the estimate uses the gateway's own
 //! ledger and speculative credit (kept longer then), and the decision reason says `degraded_*`.
 
 pub mod agents;
 pub mod baseline;
+mod candidates;
+mod config;
 pub mod estimate;
 pub mod kv_index;
 pub mod metrics;
 pub mod pools;
 pub mod speculative;
+mod ticket;
 pub mod tokenize;
 pub mod workers;
 
+pub use config::{
+    BuildError, ModelConfig, RoutingConfig, RoutingMode, RoutingTuning, WorkerConfig,
+};
+pub use ticket::InFlight;
+
 use std::fmt;
 use std::fmt::Write as _;
-use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
-use kinference_api::{BlockKey, KeyHasher};
 use parking_lot::{Mutex, RwLock};
 use prometheus_client::registry::Registry;
-use serde::Deserialize;
 
 use agents::AgentState;
-use estimate::{
-    EngineQueue, EstimatorConfig, Inputs, KernelMissing, Ledger, Queue, QueueSignal, Rates, Scored,
-};
-use kv_index::{KvIndex, WorkerId};
-use metrics::{DecisionLabels, KernelMissingLabels, WorkerLabels};
+use estimate::{KernelMissing, Rates, Scored};
+use kv_index::KvIndex;
+use metrics::{DecisionLabels, KernelMissingLabels};
 use speculative::Speculative;
 use tokenize::{Source, Tokenizers};
-use workers::{Load, Worker, WorkerTable};
-
-/// What the router needs from the gateway configuration (gateway-http fills it from `gateway.yaml`).
-#[derive(Clone, Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RoutingConfig {
-    /// Statically configured workers (local mode).
-    #[serde(default)]
-    pub workers: Vec<WorkerConfig>,
-    /// Served models and where their tokenizers are.
-    #[serde(default)]
-    pub models: Vec<ModelConfig>,
-    /// gRPC endpoints of node agents, e.g. `http://127.0.0.1:7070`.
-    #[serde(default)]
-    pub agents: Vec<String>,
-    /// How to pick a worker.
-    #[serde(default)]
-    pub mode: RoutingMode,
-}
-
-/// One statically configured worker.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct WorkerConfig {
-    /// Worker base URL; also the worker's id everywhere (agent summaries, response headers).
-    pub url: String,
-    /// Served model name (what clients put in `model`).
-    pub model: String,
-}
-
-/// One served model.
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    /// Served model name.
-    pub name: String,
-    /// Directory with `tokenizer.json` and `tokenizer_config.json`; without it the router asks a
-    /// worker's `POST /tokenize`.
-    #[serde(default)]
-    pub tokenizer_dir: Option<PathBuf>,
-}
-
-/// The routing strategy. Everything but `kinference` is a baseline for the benchmark.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Hash)]
-#[serde(rename_all = "kebab-case")]
-pub enum RoutingMode {
-    /// Lowest estimated time to first token (KV cache contents, queues, learned rates).
-    #[default]
-    Kinference,
-    /// Fewest requests in flight from this gateway.
-    LeastOutstanding,
-    /// Uniformly random (what a Kubernetes Service does).
-    Random,
-    /// Each worker in turn.
-    RoundRobin,
-    /// Hash of the prompt's leading characters (approximate prefix affinity, as simple routers do).
-    PrefixHash,
-}
-
-impl RoutingMode {
-    /// The name used in configuration and metrics.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RoutingMode::Kinference => "kinference",
-            RoutingMode::LeastOutstanding => "least-outstanding",
-            RoutingMode::Random => "random",
-            RoutingMode::RoundRobin => "round-robin",
-            RoutingMode::PrefixHash => "prefix-hash",
-        }
-    }
-}
-
-impl fmt::Display for RoutingMode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for RoutingMode {
-    type Err = BuildError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(match s {
-            "kinference" => RoutingMode::Kinference,
-            "least-outstanding" => RoutingMode::LeastOutstanding,
-            "random" => RoutingMode::Random,
-            "round-robin" => RoutingMode::RoundRobin,
-            "prefix-hash" => RoutingMode::PrefixHash,
-            other => return Err(BuildError::UnknownMode(other.to_string())),
-        })
-    }
-}
-
-/// Why a router could not be built from its configuration.
-#[derive(Debug, thiserror::Error)]
-pub enum BuildError {
-    /// The routing mode name is not one of the known modes.
-    #[error(
-        "unknown routing mode {0:?} (kinference, least-outstanding, random, round-robin, prefix-hash)"
-    )]
-    UnknownMode(String),
-    /// The same worker URL appears twice.
-    #[error("worker {0} is configured twice")]
-    DuplicateWorker(String),
-    /// More workers than the index can name.
-    #[error("too many workers ({0}); at most 65533")]
-    TooManyWorkers(usize),
-    /// A configured tokenizer could not be loaded.
-    #[error("tokenizer of model {model}: {error}")]
-    Tokenizer {
-        /// The model.
-        model: String,
-        /// What failed.
-        error: kinference_api::tokenize::TokenizeError,
-    },
-    /// Agents are configured but the router was built outside a tokio runtime.
-    #[error("the router must be built inside a tokio runtime to watch agents")]
-    NoRuntime,
-}
-
-/// Tuning knobs; the defaults suit a local cluster and the simulator.
-#[derive(Clone, Debug)]
-pub struct RoutingTuning {
-    /// Block size assumed for workers whose agent has not said (vLLM's default).
-    pub default_block_size: usize,
-    /// How long a routed prompt credits its worker while an agent reports it.
-    pub speculative_ttl: Duration,
-    /// The same without a live agent (the credit is then the only cache signal).
-    pub speculative_ttl_no_agent: Duration,
-    /// With a live agent, how long the credit outlives the request's first token (the events of its
-    /// blocks reach the index within about this long).
-    pub speculative_after_first_token: Duration,
-    /// A disconnected agent's data is dropped after this long.
-    pub stale_after: Duration,
-    /// Load figures older than this are ignored.
-    pub load_max_age: Duration,
-    /// KV index cap, (block, worker) pairs.
-    pub index_max_pairs: usize,
-    /// Speculative credit cap, keys.
-    pub speculative_max_keys: usize,
-    /// Characters of the prompt the `prefix-hash` baseline hashes.
-    pub prefix_hash_chars: usize,
-    /// Start a Watch stream per configured agent. Off: the caller feeds summaries through
-    /// [`Router::apply_agent_summary`].
-    pub connect_agents: bool,
-    /// Estimate and choice.
-    pub estimator: EstimatorConfig,
-}
-
-impl Default for RoutingTuning {
-    fn default() -> Self {
-        Self {
-            default_block_size: 16,
-            speculative_ttl: Duration::from_secs(3),
-            speculative_ttl_no_agent: Duration::from_secs(120),
-            speculative_after_first_token: Duration::from_millis(250),
-            stale_after: Duration::from_secs(10),
-            load_max_age: Duration::from_secs(5),
-            index_max_pairs: 32 * 1024 * 1024,
-            speculative_max_keys: 4 * 1024 * 1024,
-            prefix_hash_chars: 256,
-            connect_agents: true,
-            estimator: EstimatorConfig::default(),
-        }
-    }
-}
+use workers::{Worker, WorkerTable};
 
 /// Why no worker was picked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -392,177 +234,6 @@ impl Drop for Router {
         for t in &self.tasks {
             t.abort();
         }
-    }
-}
-
-/// One candidate while a decision is being made: everything its estimate needs, read once.
-struct Candidate {
-    worker: Arc<Worker>,
-    block_size: usize,
-    /// A live agent reports the worker.
-    live: bool,
-    /// This gateway's requests in flight there.
-    in_flight: usize,
-    /// The live agent's figures, when its scrape of the worker is fresh.
-    scraped: Option<Load>,
-    /// The queue ahead of a new request (every client's, from the best view).
-    queue: Queue,
-    /// Which view sized the other clients' share.
-    signal: QueueSignal,
-    /// Why the kernel view was not used, when it was not.
-    kernel_missing: Option<KernelMissing>,
-    /// The worker's rates, shrunk toward the fleet's.
-    rates: Rates,
-    /// Leading blocks of the prompt the worker holds (index or speculative credit).
-    run: usize,
-    /// Blocks of any prompt the index believes the worker holds (how full its cache is).
-    held_blocks: usize,
-}
-
-impl Candidate {
-    /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
-    fn inputs(&self, prompt_tokens: usize) -> Inputs {
-        Inputs {
-            prompt_tokens,
-            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
-            cached_tokens: (self.run * self.block_size).min(prompt_tokens.saturating_sub(1)),
-            queue_tokens: self.queue.queue_tokens,
-            running: self.queue.running,
-        }
-    }
-}
-
-impl Shared {
-    /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
-    /// decision and the policy stage's estimates, so both see the same queue.
-    fn candidates_at(&self, workers: &[Arc<Worker>], now: Instant) -> Vec<Candidate> {
-        let tuning = &self.tuning;
-        let fresh = self.fresh_agents(now);
-        let fleet = self.fleet_rates.lock().clone();
-        workers
-            .iter()
-            .map(|w| {
-                let st = w.state.lock();
-                let live = st
-                    .agent
-                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                // Everything the agent said about the worker; its two views of every client's requests,
-                // each with our own requests as that view saw them.
-                let seen = |at: Instant, linger: Duration| {
-                    st.log
-                        .seen(st.in_flight, st.awaiting_first_token, at, linger)
-                };
-                let load = st.load.filter(|_| live);
-                let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
-                let engine = scraped.map(|l| {
-                    let e = EngineQueue {
-                        running: l.running,
-                        waiting: l.waiting,
-                    };
-                    (e, seen(l.measured, Duration::ZERO))
-                });
-                let kernel = match load {
-                    None => Err(KernelMissing::NoAgent),
-                    Some(l) => match l.kernel {
-                        None => Err(KernelMissing::EbpfOff),
-                        Some(_)
-                            if now.saturating_duration_since(l.received)
-                                > tuning.estimator.kernel_max_age =>
-                        {
-                            Err(KernelMissing::Stale)
-                        }
-                        Some(k) => {
-                            // The agent sends a changed figure within `kernel_delay`, so one received
-                            // earlier and not replaced still held then.
-                            let at = l.received.max(
-                                now.checked_sub(tuning.estimator.kernel_delay)
-                                    .unwrap_or(now),
-                            );
-                            Ok((k, seen(at, l.kernel_linger)))
-                        }
-                    },
-                };
-                let ledger = Ledger {
-                    in_flight: st.in_flight,
-                    awaiting_first_token: st.awaiting_first_token,
-                    pending_prefill_tokens: st.backlog.tokens(now),
-                    avg_uncached: st.avg_uncached,
-                };
-                let (queue, signal) =
-                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
-                Candidate {
-                    worker: Arc::clone(w),
-                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
-                    live,
-                    in_flight: st.in_flight,
-                    scraped,
-                    queue,
-                    signal,
-                    kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet, now),
-                    run: 0,
-                    held_blocks: 0,
-                }
-            })
-            .collect()
-    }
-
-    /// The prompt's block keys per block size in use, and every candidate's cached run (KV index, then
-    /// speculative credit) in one pass per size; also each candidate's `held_blocks`, read under the same
-    /// index lock.
-    fn cached_runs(
-        &self,
-        model: &str,
-        tokens: &[u32],
-        cands: &mut [Candidate],
-        now: Instant,
-    ) -> Vec<(usize, Arc<[BlockKey]>)> {
-        let hasher = KeyHasher::for_model(model);
-        let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
-        sizes.sort_unstable();
-        sizes.dedup();
-        // Hash before taking any lock: it is the most expensive part of a decision.
-        let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
-            .into_iter()
-            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
-            .collect();
-        let mut slot_of = vec![
-            usize::MAX;
-            cands
-                .iter()
-                .map(|c| usize::from(c.worker.id) + 1)
-                .max()
-                .unwrap_or(0)
-        ];
-        for (i, c) in cands.iter().enumerate() {
-            slot_of[usize::from(c.worker.id)] = i;
-        }
-        let index = self.index.read();
-        for c in cands.iter_mut() {
-            c.held_blocks = index.worker_blocks(c.worker.id);
-        }
-        let spec = self.spec.lock();
-        let mut runs = Vec::new();
-        for (bs, keys) in &keys_by_size {
-            let group: Vec<usize> = (0..cands.len())
-                .filter(|i| cands[*i].block_size == *bs && cands[*i].live)
-                .collect();
-            let ids: Vec<WorkerId> = group.iter().map(|i| cands[*i].worker.id).collect();
-            index.leading_runs_bisect(keys, &ids, &mut runs);
-            for (i, run) in group.iter().zip(runs.iter()) {
-                cands[*i].run = *run;
-            }
-            spec.runs(keys, now, |w, run| {
-                if let Some(c) = slot_of.get(usize::from(w)).and_then(|i| cands.get_mut(*i))
-                    && c.block_size == *bs
-                {
-                    c.run = c.run.max(run);
-                }
-            });
-        }
-        drop(spec);
-        drop(index);
-        keys_by_size
     }
 }
 
@@ -990,138 +661,6 @@ impl Router {
     /// Registers the router's metrics (decisions by reason, index size, agents, tokenization, rates).
     pub fn register_metrics(&self, registry: &mut Registry) {
         self.shared.metrics.register(registry);
-    }
-}
-
-/// A routed request's entry in the in-flight ledger.
-///
-/// Call [`InFlight::first_token`] when the first token arrives and [`InFlight::finish`] at the end.
-/// Dropping it without `finish` counts as a failed request. Either way the worker's in-flight count is
-/// released exactly once.
-pub struct InFlight {
-    shared: Arc<Shared>,
-    worker: Arc<Worker>,
-    started: Instant,
-    /// The request's position in the worker's [`workers::Backlog`], until its first token.
-    backlog_position: Option<f64>,
-    /// The speculative credit to end soon after the first token (live agent only).
-    credit: Option<Arc<[BlockKey]>>,
-    /// The estimate's work in tokens, to learn from the observed TTFT.
-    work: Option<f64>,
-    /// Counted in the worker's `awaiting_first_token` until the first token (or the end).
-    awaiting: bool,
-    first_token: Option<Instant>,
-    done: bool,
-}
-
-impl fmt::Debug for InFlight {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InFlight")
-            .field("worker", &self.worker.url)
-            .field("started", &self.started)
-            .field("first_token", &self.first_token)
-            .finish()
-    }
-}
-
-impl InFlight {
-    fn new(
-        shared: Arc<Shared>,
-        worker: Arc<Worker>,
-        backlog_position: Option<f64>,
-        work: Option<f64>,
-        credit: Option<Arc<[BlockKey]>>,
-    ) -> Self {
-        Self {
-            shared,
-            worker,
-            started: Instant::now(),
-            backlog_position,
-            work,
-            credit,
-            awaiting: true,
-            first_token: None,
-            done: false,
-        }
-    }
-
-    /// The first token (or first response byte) arrived; feeds the worker's learned rates.
-    pub fn first_token(&mut self) {
-        if self.first_token.is_some() || self.done {
-            return;
-        }
-        let now = Instant::now();
-        self.first_token = Some(now);
-        let ttft = now.duration_since(self.started).as_secs_f64();
-        let (position, awaited) = (
-            self.backlog_position.take(),
-            std::mem::take(&mut self.awaiting),
-        );
-        let mut st = self.worker.state.lock();
-        st.prefill_over(position, awaited, now);
-        if let Some(work) = self.work {
-            st.rates.observe(ttft, work, &self.shared.tuning.estimator);
-            self.shared
-                .fleet_rates
-                .lock()
-                .observe(ttft, work, &self.shared.tuning.estimator);
-            let labels = WorkerLabels {
-                worker: self.worker.url.clone(),
-            };
-            self.shared
-                .metrics
-                .worker_tokens_per_s
-                .get_or_create(&labels)
-                .set(1.0 / st.rates.s_per_token);
-            self.shared
-                .metrics
-                .worker_overhead_s
-                .get_or_create(&labels)
-                .set(st.rates.overhead_s);
-        }
-        drop(st);
-        self.end_credit(now);
-    }
-
-    /// Ends the speculative credit soon after the prefill (see
-    /// [`RoutingTuning::speculative_after_first_token`]).
-    fn end_credit(&mut self, now: Instant) {
-        if let Some(keys) = self.credit.take() {
-            let by = now + self.shared.tuning.speculative_after_first_token;
-            self.shared.spec.lock().end_by(&keys, self.worker.id, by);
-        }
-    }
-
-    /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`).
-    pub fn finish(mut self, ok: bool, output_tokens: usize, cached_tokens: Option<usize>) {
-        tracing::trace!(worker = %self.worker.url, ok, output_tokens, ?cached_tokens, "request finished");
-        self.release();
-    }
-
-    fn release(&mut self) {
-        if self.done {
-            return;
-        }
-        self.done = true;
-        let now = Instant::now();
-        let (position, awaited) = (
-            self.backlog_position.take(),
-            std::mem::take(&mut self.awaiting),
-        );
-        let mut st = self.worker.state.lock();
-        st.in_flight = st.in_flight.saturating_sub(1);
-        st.log.ended(now);
-        // Ended before its first token (failed, aborted, or not streamed): its prefill is over one way
-        // or the other.
-        st.prefill_over(position, awaited, now);
-        drop(st);
-        self.end_credit(now);
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.release();
     }
 }
 

@@ -1,3 +1,5 @@
+use kinference_api::KeyHasher;
+
 use super::*;
 
 fn config(mode: RoutingMode) -> RoutingConfig {

@@ -1,0 +1,186 @@
+//! The candidates of one decision: each worker's figures read once (the ledger, the agent's views,
+//! the learned rates) and the prompt's cached run on it, shared by the decision and the policy
+//! stage's estimates.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kinference_api::{BlockKey, KeyHasher};
+
+use super::estimate::{
+    self, EngineQueue, Inputs, KernelMissing, Ledger, Queue, QueueSignal, Rates,
+};
+use super::kv_index::WorkerId;
+use super::workers::{Load, Worker};
+use super::*;
+
+/// One candidate while a decision is being made: everything its estimate needs, read once.
+pub(super) struct Candidate {
+    pub(super) worker: Arc<Worker>,
+    pub(super) block_size: usize,
+    /// A live agent reports the worker.
+    pub(super) live: bool,
+    /// This gateway's requests in flight there.
+    pub(super) in_flight: usize,
+    /// The live agent's figures, when its scrape of the worker is fresh.
+    pub(super) scraped: Option<Load>,
+    /// The queue ahead of a new request (every client's, from the best view).
+    pub(super) queue: Queue,
+    /// Which view sized the other clients' share.
+    pub(super) signal: QueueSignal,
+    /// Why the kernel view was not used, when it was not.
+    pub(super) kernel_missing: Option<KernelMissing>,
+    /// The worker's rates, shrunk toward the fleet's.
+    pub(super) rates: Rates,
+    /// Leading blocks of the prompt the worker holds (index or speculative credit).
+    pub(super) run: usize,
+    /// Blocks of any prompt the index believes the worker holds (how full its cache is).
+    pub(super) held_blocks: usize,
+}
+
+impl Candidate {
+    /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
+    pub(super) fn inputs(&self, prompt_tokens: usize) -> Inputs {
+        Inputs {
+            prompt_tokens,
+            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
+            cached_tokens: (self.run * self.block_size).min(prompt_tokens.saturating_sub(1)),
+            queue_tokens: self.queue.queue_tokens,
+            running: self.queue.running,
+        }
+    }
+}
+
+impl Shared {
+    /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
+    /// decision and the policy stage's estimates, so both see the same queue.
+    pub(super) fn candidates_at(&self, workers: &[Arc<Worker>], now: Instant) -> Vec<Candidate> {
+        let tuning = &self.tuning;
+        let fresh = self.fresh_agents(now);
+        let fleet = self.fleet_rates.lock().clone();
+        workers
+            .iter()
+            .map(|w| {
+                let st = w.state.lock();
+                let live = st
+                    .agent
+                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
+                // Everything the agent said about the worker; its two views of every client's requests,
+                // each with our own requests as that view saw them.
+                let seen = |at: Instant, linger: Duration| {
+                    st.log
+                        .seen(st.in_flight, st.awaiting_first_token, at, linger)
+                };
+                let load = st.load.filter(|_| live);
+                let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
+                let engine = scraped.map(|l| {
+                    let e = EngineQueue {
+                        running: l.running,
+                        waiting: l.waiting,
+                    };
+                    (e, seen(l.measured, Duration::ZERO))
+                });
+                let kernel = match load {
+                    None => Err(KernelMissing::NoAgent),
+                    Some(l) => match l.kernel {
+                        None => Err(KernelMissing::EbpfOff),
+                        Some(_)
+                            if now.saturating_duration_since(l.received)
+                                > tuning.estimator.kernel_max_age =>
+                        {
+                            Err(KernelMissing::Stale)
+                        }
+                        Some(k) => {
+                            // The agent sends a changed figure within `kernel_delay`, so one received
+                            // earlier and not replaced still held then.
+                            let at = l.received.max(
+                                now.checked_sub(tuning.estimator.kernel_delay)
+                                    .unwrap_or(now),
+                            );
+                            Ok((k, seen(at, l.kernel_linger)))
+                        }
+                    },
+                };
+                let ledger = Ledger {
+                    in_flight: st.in_flight,
+                    awaiting_first_token: st.awaiting_first_token,
+                    pending_prefill_tokens: st.backlog.tokens(now),
+                    avg_uncached: st.avg_uncached,
+                };
+                let (queue, signal) =
+                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
+                Candidate {
+                    worker: Arc::clone(w),
+                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
+                    live,
+                    in_flight: st.in_flight,
+                    scraped,
+                    queue,
+                    signal,
+                    kernel_missing: kernel.err(),
+                    rates: estimate::blended(&st.rates, &fleet, now),
+                    run: 0,
+                    held_blocks: 0,
+                }
+            })
+            .collect()
+    }
+
+    /// The prompt's block keys per block size in use, and every candidate's cached run (KV index, then
+    /// speculative credit) in one pass per size; also each candidate's `held_blocks`, read under the same
+    /// index lock.
+    pub(super) fn cached_runs(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        cands: &mut [Candidate],
+        now: Instant,
+    ) -> Vec<(usize, Arc<[BlockKey]>)> {
+        let hasher = KeyHasher::for_model(model);
+        let mut sizes: Vec<usize> = cands.iter().map(|c| c.block_size).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        // Hash before taking any lock: it is the most expensive part of a decision.
+        let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
+            .into_iter()
+            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
+            .collect();
+        let mut slot_of = vec![
+            usize::MAX;
+            cands
+                .iter()
+                .map(|c| usize::from(c.worker.id) + 1)
+                .max()
+                .unwrap_or(0)
+        ];
+        for (i, c) in cands.iter().enumerate() {
+            slot_of[usize::from(c.worker.id)] = i;
+        }
+        let index = self.index.read();
+        for c in cands.iter_mut() {
+            c.held_blocks = index.worker_blocks(c.worker.id);
+        }
+        let spec = self.spec.lock();
+        let mut runs = Vec::new();
+        for (bs, keys) in &keys_by_size {
+            let group: Vec<usize> = (0..cands.len())
+                .filter(|i| cands[*i].block_size == *bs && cands[*i].live)
+                .collect();
+            let ids: Vec<WorkerId> = group.iter().map(|i| cands[*i].worker.id).collect();
+            index.leading_runs_bisect(keys, &ids, &mut runs);
+            for (i, run) in group.iter().zip(runs.iter()) {
+                cands[*i].run = *run;
+            }
+            spec.runs(keys, now, |w, run| {
+                if let Some(c) = slot_of.get(usize::from(w)).and_then(|i| cands.get_mut(*i))
+                    && c.block_size == *bs
+                {
+                    c.run = c.run.max(run);
+                }
+            });
+        }
+        drop(spec);
+        drop(index);
+        keys_by_size
+    }
+}

@@ -1,0 +1,145 @@
+//! The in-flight ticket ([`InFlight`]): a routed request's entry in the worker's ledger, released
+//! exactly once (finish, or drop on an error or an aborted stream); its first token feeds the
+//! worker's learned rates.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use kinference_api::BlockKey;
+
+use super::metrics::WorkerLabels;
+use super::workers::Worker;
+use super::*;
+
+/// A routed request's entry in the in-flight ledger.
+///
+/// Call [`InFlight::first_token`] when the first token arrives and [`InFlight::finish`] at the end.
+/// Dropping it without `finish` counts as a failed request. Either way the worker's in-flight count is
+/// released exactly once.
+pub struct InFlight {
+    shared: Arc<Shared>,
+    worker: Arc<Worker>,
+    started: Instant,
+    /// The request's position in the worker's [`workers::Backlog`], until its first token.
+    backlog_position: Option<f64>,
+    /// The speculative credit to end soon after the first token (live agent only).
+    credit: Option<Arc<[BlockKey]>>,
+    /// The estimate's work in tokens, to learn from the observed TTFT.
+    work: Option<f64>,
+    /// Counted in the worker's `awaiting_first_token` until the first token (or the end).
+    awaiting: bool,
+    first_token: Option<Instant>,
+    done: bool,
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InFlight")
+            .field("worker", &self.worker.url)
+            .field("started", &self.started)
+            .field("first_token", &self.first_token)
+            .finish()
+    }
+}
+
+impl InFlight {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        worker: Arc<Worker>,
+        backlog_position: Option<f64>,
+        work: Option<f64>,
+        credit: Option<Arc<[BlockKey]>>,
+    ) -> Self {
+        Self {
+            shared,
+            worker,
+            started: Instant::now(),
+            backlog_position,
+            work,
+            credit,
+            awaiting: true,
+            first_token: None,
+            done: false,
+        }
+    }
+
+    /// The first token (or first response byte) arrived; feeds the worker's learned rates.
+    pub fn first_token(&mut self) {
+        if self.first_token.is_some() || self.done {
+            return;
+        }
+        let now = Instant::now();
+        self.first_token = Some(now);
+        let ttft = now.duration_since(self.started).as_secs_f64();
+        let (position, awaited) = (
+            self.backlog_position.take(),
+            std::mem::take(&mut self.awaiting),
+        );
+        let mut st = self.worker.state.lock();
+        st.prefill_over(position, awaited, now);
+        if let Some(work) = self.work {
+            st.rates.observe(ttft, work, &self.shared.tuning.estimator);
+            self.shared
+                .fleet_rates
+                .lock()
+                .observe(ttft, work, &self.shared.tuning.estimator);
+            let labels = WorkerLabels {
+                worker: self.worker.url.clone(),
+            };
+            self.shared
+                .metrics
+                .worker_tokens_per_s
+                .get_or_create(&labels)
+                .set(1.0 / st.rates.s_per_token);
+            self.shared
+                .metrics
+                .worker_overhead_s
+                .get_or_create(&labels)
+                .set(st.rates.overhead_s);
+        }
+        drop(st);
+        self.end_credit(now);
+    }
+
+    /// Ends the speculative credit soon after the prefill (see
+    /// [`RoutingTuning::speculative_after_first_token`]).
+    fn end_credit(&mut self, now: Instant) {
+        if let Some(keys) = self.credit.take() {
+            let by = now + self.shared.tuning.speculative_after_first_token;
+            self.shared.spec.lock().end_by(&keys, self.worker.id, by);
+        }
+    }
+
+    /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`).
+    pub fn finish(mut self, ok: bool, output_tokens: usize, cached_tokens: Option<usize>) {
+        tracing::trace!(worker = %self.worker.url, ok, output_tokens, ?cached_tokens, "request finished");
+        self.release();
+    }
+
+    fn release(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let now = Instant::now();
+        let (position, awaited) = (
+            self.backlog_position.take(),
+            std::mem::take(&mut self.awaiting),
+        );
+        let mut st = self.worker.state.lock();
+        st.in_flight = st.in_flight.saturating_sub(1);
+        st.log.ended(now);
+        // Ended before its first token (failed, aborted, or not streamed): its prefill is over one way
+        // or the other.
+        st.prefill_over(position, awaited, now);
+        drop(st);
+        self.end_credit(now);
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
