@@ -150,7 +150,7 @@ pub struct RoutingTuning {
     /// Characters of the prompt the `prefix-hash` baseline hashes.
     pub prefix_hash_chars: usize,
     /// Start a Watch stream per configured agent. Off: the caller feeds summaries through
-    /// [`Router::apply_agent_summary`].
+    /// [`super::Router::apply_agent_summary`].
     pub connect_agents: bool,
     /// Estimate and choice.
     pub estimator: EstimatorConfig,

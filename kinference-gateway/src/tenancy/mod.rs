@@ -16,8 +16,8 @@
 //! Usage and cost per tenant / model / pool / provider are served by `GET /admin/usage` on the admin
 //! port ([`Tenancy::usage_report`], [`usage`]).
 //!
-//! Files: [`table`] (tenants, keys, prices; authentication), [`admission`] (admit, the
-//! [`Admission`], settlement), [`headers`] (rate-limit headers), [`report`] (`/admin/usage`); the
+//! Files: `table` (tenants, keys, prices; authentication), `admission` (admit, the
+//! [`Admission`], settlement), `headers` (rate-limit headers), `report` (`/admin/usage`); the
 //! building blocks in [`keys`], [`limits`], [`budget`], [`store`], [`usage`], [`metrics`].
 
 mod admission;
