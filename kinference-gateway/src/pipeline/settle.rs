@@ -22,10 +22,9 @@ pub struct Settlement {
     metrics: Metrics,
     protocol: Protocol,
     started: Instant,
-    /// The model the client asked for.
-    model: String,
-    /// The backend's label: worker URL or `provider/<name>`; empty before one is chosen.
-    backend: String,
+    /// `model`: the model the client asked for; `worker`: the backend's label (worker URL or
+    /// `provider/<name>`, empty before one is chosen). Kept whole: every text chunk uses them.
+    labels: WorkerLabels,
     /// A backend's answer is being relayed: latency and tokens are recorded with the status.
     relaying: bool,
     last_text: Option<Instant>,
@@ -38,8 +37,8 @@ pub struct Settlement {
 impl std::fmt::Debug for Settlement {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Settlement")
-            .field("model", &self.model)
-            .field("backend", &self.backend)
+            .field("model", &self.labels.model)
+            .field("backend", &self.labels.worker)
             .field("settled", &self.settled)
             .finish()
     }
@@ -52,8 +51,10 @@ impl Settlement {
             metrics: metrics.clone(),
             protocol,
             started: Instant::now(),
-            model: String::new(),
-            backend: String::new(),
+            labels: WorkerLabels {
+                model: String::new(),
+                worker: String::new(),
+            },
             relaying: false,
             last_text: None,
             ticket: None,
@@ -70,7 +71,7 @@ impl Settlement {
 
     /// The model the client asked for (metric label).
     pub fn model(&mut self, model: &str) {
-        self.model = model.to_string();
+        self.labels.model = model.to_string();
     }
 
     /// The tenant's admission, settled with the request.
@@ -100,7 +101,7 @@ impl Settlement {
         prompt_tokens: Option<usize>,
         ticket: InFlight,
     ) {
-        self.backend = worker.to_string();
+        self.labels.worker = worker.to_string();
         self.ticket = Some(ticket);
         if let Some(admission) = &mut self.admission {
             admission.routed(worker, reason, prompt_tokens);
@@ -109,7 +110,7 @@ impl Settlement {
 
     /// A provider took the request as `model` (its model name): billed at its price.
     pub fn provider(&mut self, client: &ProviderClient, model: &str) {
-        self.backend = client.label();
+        self.labels.worker = client.label();
         if let Some(admission) = &mut self.admission {
             admission.provider(client.name(), client.prices(model));
         }
@@ -126,10 +127,8 @@ impl Settlement {
             return;
         }
         let now = Instant::now();
-        self.metrics.ttft(
-            &self.labels(),
-            now.duration_since(self.started).as_secs_f64(),
-        );
+        self.metrics
+            .ttft(&self.labels, now.duration_since(self.started).as_secs_f64());
         if let Some(ticket) = &mut self.ticket {
             ticket.first_token();
         }
@@ -147,7 +146,7 @@ impl Settlement {
             Some(last) => {
                 let now = Instant::now();
                 self.metrics
-                    .itl(&self.labels(), now.duration_since(last).as_secs_f64());
+                    .itl(&self.labels, now.duration_since(last).as_secs_f64());
                 self.last_text = Some(now);
             }
         }
@@ -161,22 +160,22 @@ impl Settlement {
         if let Some(admission) = self.admission.take() {
             admission.settle(status, usage);
         }
-        let labels = self.labels();
+        let labels = &self.labels;
         let usage = usage.copied().unwrap_or_default();
         let cached = usage.cached_tokens();
         if self.relaying {
             self.metrics
-                .e2e(&labels, self.started.elapsed().as_secs_f64());
+                .e2e(labels, self.started.elapsed().as_secs_f64());
             self.metrics.tokens(
-                &labels,
+                labels,
                 usage.prompt_tokens,
                 usage.completion_tokens,
                 cached.unwrap_or(0),
             );
         }
         self.metrics.request(RequestLabels {
-            model: labels.model,
-            worker: labels.worker,
+            model: labels.model.clone(),
+            worker: labels.worker.clone(),
             status,
             protocol: self.protocol.as_str(),
         });
@@ -186,13 +185,6 @@ impl Settlement {
                 usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
                 cached.and_then(|c| usize::try_from(c).ok()),
             );
-        }
-    }
-
-    fn labels(&self) -> WorkerLabels {
-        WorkerLabels {
-            model: self.model.clone(),
-            worker: self.backend.clone(),
         }
     }
 }
@@ -211,7 +203,7 @@ impl Drop for Settlement {
     fn drop(&mut self) {
         if !self.settled {
             // The client went away before the end: 499, the ticket released as failed.
-            tracing::debug!(backend = %self.backend, model = %self.model, "request abandoned");
+            tracing::debug!(backend = %self.labels.worker, model = %self.labels.model, "request abandoned");
             self.finish(499, None);
         }
     }
