@@ -21,3 +21,4 @@ pub mod policy;
 pub mod routing;
 pub mod server;
 pub mod tenancy;
+pub mod untrusted;

@@ -29,6 +29,8 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("building the router")?;
     let metrics = Metrics::new();
+    // Served names stay `model` labels even for failed requests; other client-chosen names fold.
+    metrics.serve_models(config.model_names());
     metrics.with_registry(|registry| router.register_metrics(registry));
     if let Some(stage) = &policy {
         metrics.with_registry(|registry| stage.register_metrics(registry));

@@ -4,7 +4,13 @@
 //! latency histograms and token counters by model and worker. A request that fails before a worker
 //! was chosen has `worker=""`. A stream that breaks after its 200 headers is counted with the status of
 //! the error that ended it; one the client abandoned with 499.
+//!
+//! Clients choose the `model` they ask for, so that label is bounded: a name the gateway serves (its
+//! configured models, plus names a backend really took, up to [`MAX_MODEL_LABELS`]) is kept, anything
+//! else folds into `other`. Random model names from an open port cannot grow `/metrics` or memory.
 
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use kinference_api::metrics::Described;
@@ -44,6 +50,46 @@ pub struct HealthLabels {
     pub worker: String,
 }
 
+/// Most distinct `model` label values; past it, new names fold into [`OTHER_MODEL`].
+pub const MAX_MODEL_LABELS: usize = 256;
+
+/// The `model` label of a name the gateway does not serve.
+pub const OTHER_MODEL: &str = "other";
+
+/// The model names that may appear as a label value.
+#[derive(Debug, Default)]
+struct ModelLabels {
+    known: parking_lot::RwLock<HashSet<String>>,
+}
+
+impl ModelLabels {
+    /// `model` itself when it is a label value already, or may become one because a backend took the
+    /// request (`routed`) and the set has room; [`OTHER_MODEL`] otherwise.
+    fn label<'a>(&self, model: &'a str, routed: bool) -> &'a str {
+        if model.is_empty() || self.known.read().contains(model) {
+            return model;
+        }
+        if routed {
+            let mut known = self.known.write();
+            if known.len() < MAX_MODEL_LABELS {
+                known.insert(model.to_string());
+                return model;
+            }
+        }
+        OTHER_MODEL
+    }
+
+    fn add(&self, names: impl IntoIterator<Item = String>) {
+        let mut known = self.known.write();
+        for name in names {
+            if known.len() >= MAX_MODEL_LABELS {
+                break;
+            }
+            known.insert(name);
+        }
+    }
+}
+
 fn latency_histogram() -> Histogram {
     // 0.5 ms .. ~65 s
     Histogram::new(exponential_buckets(0.0005, 2.0, 18))
@@ -67,6 +113,7 @@ pub struct Metrics {
     in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
     retries: Counter,
     worker_healthy: Family<HealthLabels, Gauge>,
+    models: Arc<ModelLabels>,
     registry: Arc<parking_lot::Mutex<Registry>>,
 }
 
@@ -85,6 +132,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             retries: Counter::default(),
             worker_healthy: Family::default(),
+            models: Arc::default(),
             registry: Arc::new(parking_lot::Mutex::new(Registry::default())),
         };
         let sub = registry.sub_registry_with_prefix("kinference_gateway");
@@ -155,28 +203,58 @@ impl Metrics {
         out
     }
 
+    /// Names the gateway serves (configured models, aliases, classes): kept as `model` label values
+    /// even for requests that fail before a backend takes them.
+    pub fn serve_models(&self, names: impl IntoIterator<Item = String>) {
+        self.models.add(names);
+    }
+
+    /// `labels` with its model bounded (see the module doc).
+    fn bounded<'a>(&self, labels: &'a WorkerLabels) -> Cow<'a, WorkerLabels> {
+        let model = self.models.label(&labels.model, !labels.worker.is_empty());
+        if model == labels.model {
+            Cow::Borrowed(labels)
+        } else {
+            Cow::Owned(WorkerLabels {
+                model: model.to_string(),
+                worker: labels.worker.clone(),
+            })
+        }
+    }
+
     /// Counts a finished request.
-    pub fn request(&self, labels: RequestLabels) {
+    pub fn request(&self, mut labels: RequestLabels) {
+        let model = self.models.label(&labels.model, !labels.worker.is_empty());
+        if model != labels.model {
+            labels.model = model.to_string();
+        }
         self.requests.get_or_create(&labels).inc();
     }
 
     /// Records time to first token.
     pub fn ttft(&self, labels: &WorkerLabels, seconds: f64) {
-        self.ttft.get_or_create(labels).observe(seconds);
+        self.ttft
+            .get_or_create(&self.bounded(labels))
+            .observe(seconds);
     }
 
     /// Records one inter-token gap.
     pub fn itl(&self, labels: &WorkerLabels, seconds: f64) {
-        self.itl.get_or_create(labels).observe(seconds);
+        self.itl
+            .get_or_create(&self.bounded(labels))
+            .observe(seconds);
     }
 
     /// Records end-to-end latency.
     pub fn e2e(&self, labels: &WorkerLabels, seconds: f64) {
-        self.e2e.get_or_create(labels).observe(seconds);
+        self.e2e
+            .get_or_create(&self.bounded(labels))
+            .observe(seconds);
     }
 
     /// Adds token counts reported by the worker.
     pub fn tokens(&self, labels: &WorkerLabels, input: u64, output: u64, cached: u64) {
+        let labels = &*self.bounded(labels);
         self.input_tokens.get_or_create(labels).inc_by(input);
         self.output_tokens.get_or_create(labels).inc_by(output);
         if cached > 0 {
@@ -214,6 +292,9 @@ impl Metrics {
         self.in_flight.get()
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 impl Default for Metrics {
     fn default() -> Self {

@@ -37,36 +37,16 @@ pub struct Scraped {
     pub at: Instant,
 }
 
-/// Figures from one `/metrics` text (sums over engines / label sets).
+/// Figures from one `/metrics` text: (waiting, running, KV-cache usage), through the one parser of
+/// vLLM's `/metrics` ([`kinference_api::vllm::metrics`]: counts summed over engines, usage the largest,
+/// non-finite values skipped). `None` without a waiting count: not a vLLM worker's text.
 pub fn parse_metrics(text: &str) -> Option<(u32, u32, Option<f64>)> {
-    let mut waiting = None::<f64>;
-    let mut running = None::<f64>;
-    let mut kv = None::<f64>;
-    for line in text.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let (name_labels, value) = match line.rsplit_once(' ') {
-            Some(x) => x,
-            None => continue,
-        };
-        let name = name_labels.split('{').next().unwrap_or(name_labels).trim();
-        let Ok(v) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        let slot = match name {
-            "vllm:num_requests_waiting" => &mut waiting,
-            "vllm:num_requests_running" => &mut running,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut kv,
-            _ => continue,
-        };
-        *slot = Some(slot.unwrap_or(0.0) + v);
-    }
-    let waiting = waiting?;
+    let load = kinference_api::vllm::metrics::parse(text);
+    let waiting = load.waiting?;
     Some((
         waiting.max(0.0) as u32,
-        running.unwrap_or(0.0).max(0.0) as u32,
-        kv.map(|k| k.clamp(0.0, 1.0)),
+        load.running.unwrap_or(0.0).max(0.0) as u32,
+        load.kv_usage.map(|k| k.clamp(0.0, 1.0)),
     ))
 }
 
