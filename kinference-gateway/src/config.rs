@@ -31,7 +31,8 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
-    /// Address of the admin port: `/metrics` (Prometheus), `/healthz`, `/readyz`.
+    /// Address of the admin port: `/metrics` (Prometheus), `/healthz`, `/readyz` (serving, not
+    /// draining), `/healthz/workers` (each worker's probed health).
     #[arg(
         long,
         env = "KINFERENCE_ADMIN_LISTEN",
@@ -42,6 +43,16 @@ pub struct Args {
     /// Path of the gateway YAML file (models, workers, agents, routing mode, policy directory).
     #[arg(long, env = "KINFERENCE_CONFIG", default_value = "gateway.yaml")]
     pub config: PathBuf,
+
+    /// Seconds between SIGTERM (when `/readyz` turns 503) and closing the listening sockets, so that
+    /// load balancers and Service endpoints stop sending new requests first.
+    #[arg(long, env = "KINFERENCE_SHUTDOWN_DELAY_SECONDS", default_value_t = 5)]
+    pub shutdown_delay_seconds: u64,
+
+    /// Seconds that in-flight requests and streams get to finish once the sockets are closed; what
+    /// is still open after that is cut.
+    #[arg(long, env = "KINFERENCE_DRAIN_TIMEOUT_SECONDS", default_value_t = 30)]
+    pub drain_timeout_seconds: u64,
 
     #[command(flatten)]
     pub http: HttpSettings,

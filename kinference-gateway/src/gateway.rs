@@ -2,6 +2,7 @@
 //! Built once by `main`; the servers, the pipeline, health probing and ext_proc read it.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backend::health::{self, Prober};
 use crate::backend::worker::{HttpSettings, Upstream};
@@ -27,6 +28,8 @@ pub struct Gateway {
     pub tenancy: Arc<Tenancy>,
     /// The policy stage, when `gateway.yaml` names a policy directory.
     pub policy: Option<Arc<PolicyStage>>,
+    /// Set on SIGTERM: `/readyz` answers 503 while the listeners still serve.
+    pub draining: AtomicBool,
 }
 
 impl Gateway {
@@ -46,8 +49,15 @@ impl Gateway {
         }
     }
 
-    /// Ready when at least one worker is healthy.
+    /// Ready (for `/readyz`) while not draining: the configuration is loaded and the listeners are
+    /// bound before the admin port answers at all. Worker health is deliberately not part of it: a
+    /// busy or loading vLLM fleet would otherwise take every gateway out of its Service at once.
     pub fn ready(&self) -> bool {
-        self.router.workers().iter().any(|w| w.healthy)
+        !self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Starts draining: `/readyz` answers 503 from now on.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
     }
 }

@@ -1,6 +1,7 @@
 //! `kinference-gateway`: serves the client API and the admin port until SIGINT or SIGTERM.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
@@ -57,41 +58,67 @@ async fn main() -> anyhow::Result<()> {
         models: config.model_names(),
         tenancy: Arc::clone(&tenancy),
         policy,
+        draining: Default::default(),
     });
-
-    let _extproc = kinference_gateway::extproc::spawn(&args.extproc, &gw).await?;
-    let api = server::bind(args.listen).await?;
-    let admin = server::bind(args.admin_listen).await?;
-    tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),
-        routing = %config.routing, "kinference-gateway started");
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
+    let extproc =
+        kinference_gateway::extproc::spawn(&args.extproc, &gw, stopped(stop_rx.clone())).await?;
+    let api = server::bind(args.listen).await?;
+    let admin = server::bind(args.admin_listen).await?;
+    tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),
+        routing = %config.routing, "kinference-gateway started");
+
     // One probe round before serving: no request (and no /readyz) sees an unprobed worker as healthy.
     let prober = gw.prober();
     prober.probe_all().await;
     let prober = tokio::spawn(prober.run());
+    let drain = Duration::from_secs(args.drain_timeout_seconds);
     let admin_task = tokio::spawn(server::serve(
         admin,
         Arc::clone(&gw),
         Port::Admin,
         stopped(stop_rx.clone()),
+        drain,
     ));
     let api_task = tokio::spawn(server::serve(
         api,
         Arc::clone(&gw),
         Port::Api,
         stopped(stop_rx),
+        drain,
     ));
 
+    // The drain: not ready at once, still serving for the delay (while the endpoint is removed), then
+    // the sockets close and what is in flight gets up to the drain timeout.
     shutdown_signal().await;
-    tracing::info!("shutting down");
+    gw.start_draining();
+    let delay = Duration::from_secs(args.shutdown_delay_seconds);
+    tracing::info!(
+        ?delay,
+        ?drain,
+        "SIGTERM: not ready; closing the listeners after the delay"
+    );
+    tokio::time::sleep(delay).await;
     let _ = stop_tx.send(true);
+    let tasks = async {
+        let _ = api_task.await;
+        let _ = admin_task.await;
+        if let Some(extproc) = extproc {
+            let _ = extproc.await;
+        }
+    };
+    if tokio::time::timeout(drain + Duration::from_secs(1), tasks)
+        .await
+        .is_err()
+    {
+        tracing::warn!(?drain, "still draining after the timeout; exiting");
+    }
     prober.abort();
-    let _ = api_task.await;
-    let _ = admin_task.await;
+    tracing::info!("drained");
     // Every usage record of the requests that finished during the graceful stop is on disk.
     tenancy.flush().await;
     Ok(())

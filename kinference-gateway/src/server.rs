@@ -80,11 +80,33 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             if gw.ready() {
                 text_response(StatusCode::OK, "ready\n")
             } else {
-                text_response(StatusCode::SERVICE_UNAVAILABLE, "no healthy worker\n")
+                text_response(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
             }
         }
+        (&Method::GET, "/healthz/workers") => json_response(StatusCode::OK, workers_health(&gw)),
         _ => text_response(StatusCode::NOT_FOUND, "not found\n"),
     }
+}
+
+/// `/healthz/workers`: each worker's probed health, apart from `/readyz` (a gateway whose workers are
+/// all busy or loading can still serve: it answers 503 itself, quickly, and stays in its Service).
+fn workers_health(gw: &Gateway) -> String {
+    let workers: Vec<serde_json::Value> = gw
+        .router
+        .workers()
+        .iter()
+        .map(|w| {
+            serde_json::json!({
+                "url": w.url,
+                "model": w.model,
+                "healthy": w.healthy,
+                "in_flight": w.in_flight,
+                "agent_live": w.agent_live,
+            })
+        })
+        .collect();
+    let healthy = workers.iter().filter(|w| w["healthy"] == true).count();
+    serde_json::json!({ "healthy": healthy, "workers": workers }).to_string()
 }
 
 fn text_response(status: StatusCode, text: &'static str) -> Response<Body> {
@@ -111,16 +133,18 @@ fn json_response(status: StatusCode, json: String) -> Response<Body> {
 pub enum Port {
     /// Client-facing API.
     Api,
-    /// `/metrics`, `/healthz`, `/readyz`.
+    /// `/metrics`, `/healthz`, `/readyz`, `/healthz/workers`.
     Admin,
 }
 
-/// Serves `listener` until `shutdown` resolves, then lets open connections finish (at most 10 s).
+/// Serves `listener` until `shutdown` resolves; then closes the listening socket and idle keep-alive
+/// connections, and lets requests in flight finish for at most `drain` before cutting them.
 pub async fn serve(
     listener: TcpListener,
     gw: Arc<Gateway>,
     port: Port,
     shutdown: impl Future<Output = ()>,
+    drain: Duration,
 ) {
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
@@ -162,10 +186,12 @@ pub async fn serve(
         }
     }
     drop(listener);
+    // Graceful shutdown closes idle keep-alive connections and those that have not sent a request
+    // yet, and answers the in-flight requests with `Connection: close`.
     tokio::select! {
         () = graceful.shutdown() => {}
-        () = tokio::time::sleep(Duration::from_secs(10)) => {
-            tracing::warn!("connections still open after 10 s; closing them");
+        () = tokio::time::sleep(drain) => {
+            tracing::warn!(?port, ?drain, "connections still open after the drain timeout; closing them");
         }
     }
 }

@@ -445,10 +445,11 @@ pub async fn serve_handler(
 }
 
 /// Starts the handler when `--extproc-listen` is given (what `main` calls), with the gateway's
-/// governance; runs until the process ends.
+/// governance; runs until `shutdown` resolves, then closes its socket and lets open streams finish.
 pub async fn spawn(
     args: &ExtProcArgs,
     gw: &Gateway,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<Option<tokio::task::JoinHandle<()>>> {
     let Some(addr) = args.extproc_listen else {
         return Ok(None);
@@ -457,7 +458,7 @@ pub async fn spawn(
     tracing::info!(listen = %listener.local_addr()?, "ext_proc inference handler listening");
     let handler = Handler::governed(gw, Settings::from(args));
     Ok(Some(tokio::spawn(async move {
-        if let Err(error) = serve_handler(listener, handler, std::future::pending()).await {
+        if let Err(error) = serve_handler(listener, handler, shutdown).await {
             tracing::error!(%error, "ext_proc inference handler stopped");
         }
     })))

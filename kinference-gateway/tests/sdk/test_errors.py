@@ -97,7 +97,9 @@ def test_anthropic_oversized_body_is_413(gateway):
 def test_no_healthy_worker_is_503(cluster):
     dead = "http://127.0.0.1:9"  # discard port: nothing listens
     gw = cluster.gateway([], "--health-interval-ms", "100", extra_worker_urls=(dead,), wait_ready=False)
-    assert wait_until(lambda: requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 503)
+    # Worker health is reported apart from readiness: the gateway itself stays ready (it answers 503).
+    assert wait_until(lambda: requests.get(f"{gw.admin}/healthz/workers", timeout=2).json()["healthy"] == 0)
+    assert requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 200
     with pytest.raises(openai.InternalServerError) as e:
         oai(gw).chat.completions.create(model=MODEL, messages=MSG, max_tokens=3)
     assert e.value.status_code == 503
@@ -119,7 +121,9 @@ def test_refused_connection_is_502_then_503(cluster):
     with pytest.raises(anthropic.InternalServerError) as e:
         ant(gw).messages.create(model=MODEL, max_tokens=3, messages=MSG)
     assert e.value.status_code == 503
-    assert requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 503
+    workers = requests.get(f"{gw.admin}/healthz/workers", timeout=2).json()
+    assert workers["healthy"] == 0 and [w["healthy"] for w in workers["workers"]] == [False], workers
+    assert requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 200
 
 
 def test_refused_connection_retries_on_another_worker(cluster):
