@@ -6,14 +6,14 @@
 //! gateway binary with the chart's `kubernetes:` block and a kubeconfig: requests reach a `vllm-sim`
 //! worker only while its pod is ready.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use kinference_gateway::discovery::{Discovery, KubernetesConfig, WorkerSink};
-use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig};
+use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, RoutingTuning};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::core::DynamicObject;
@@ -113,14 +113,22 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
     create_node(&client, "gpu-a").await;
     create_node(&client, "gpu-b").await;
 
+    // The router follows the discovered agents without connecting to them (their addresses are not
+    // on this machine).
     let router = Arc::new(
-        Router::new(RoutingConfig {
-            models: vec![ModelConfig {
-                name: MODEL.into(),
-                tokenizer_dir: None,
-            }],
-            ..Default::default()
-        })
+        Router::with_tuning(
+            RoutingConfig {
+                models: vec![ModelConfig {
+                    name: MODEL.into(),
+                    tokenizer_dir: None,
+                }],
+                ..Default::default()
+            },
+            RoutingTuning {
+                connect_agents: false,
+                ..Default::default()
+            },
+        )
         .expect("router"),
     );
     let config: KubernetesConfig = serde_json::from_value(json!({
@@ -131,11 +139,12 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
         "agent_grpc_port": 7070
     }))
     .expect("config");
-    let discovery = Discovery::start(
+    let mut discovery = Discovery::start(
         client.clone(),
         &config,
         Arc::clone(&router) as Arc<dyn WorkerSink>,
     );
+    discovery.follow_agents_into(&router, BTreeSet::new());
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
 
     // A pod is a worker only once it runs, is ready and has an IP.
@@ -243,6 +252,10 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
         agents.borrow().urls.iter().cloned().collect::<Vec<_>>() == ["http://10.0.2.1:7070"]
     })
     .await;
+    eventually("the router follows the new agent", || {
+        router.agent_urls() == ["http://10.0.2.1:7070"]
+    })
+    .await;
     slices
         .patch(
             "kinference-agent-abc",
@@ -254,12 +267,37 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
         .await
         .expect("patch slice");
     eventually("second agent ready", || agents.borrow().urls.len() == 2).await;
+    eventually("the router follows the second agent", || {
+        router.agent_urls().len() == 2
+    })
+    .await;
+    // An agent pod replaced on its node: the old IP leaves, the new one joins.
+    slices
+        .patch(
+            "kinference-agent-abc",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"endpoints": [
+                {"addresses": ["10.0.2.3"], "conditions": {"ready": true}},
+                {"addresses": ["10.0.2.2"], "conditions": {"ready": true}}]})),
+        )
+        .await
+        .expect("patch slice");
+    eventually("the router replaces the agent whose IP changed", || {
+        let mut urls = router.agent_urls();
+        urls.sort();
+        urls == ["http://10.0.2.2:7070", "http://10.0.2.3:7070"]
+    })
+    .await;
     slices
         .delete("kinference-agent-abc", &DeleteParams::default())
         .await
         .expect("delete slice");
     eventually("agents gone with the slice", || {
         agents.borrow().urls.is_empty()
+    })
+    .await;
+    eventually("the router drops the agents", || {
+        router.agent_urls().is_empty()
     })
     .await;
     drop(discovery);

@@ -9,15 +9,15 @@
 //! ([`KubernetesConfig`]); without that block the gateway runs on its static configuration only.
 //! Static workers and agents from the file are kept alongside what discovery finds.
 //!
-//! The router's agent list is fixed when it is built, so the agents found at start (waited for up to
-//! [`AGENT_SYNC_TIMEOUT`]) are the ones it watches; later agent changes are published on
-//! [`AgentSet`] and logged, and reach the router once it can add agents at runtime.
+//! The router starts with the agents found at start (waited for up to [`AGENT_SYNC_TIMEOUT`]), then
+//! follows the [`AgentSet`] as it changes ([`Discovery::follow_agents_into`]): a new endpoint is connected, a removed one
+//! dropped with its cache view, and an agent pod replaced on a node (a new IP) is both, with no restart.
 
 pub mod agents;
 pub mod pods;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -34,7 +34,7 @@ use tokio::task::JoinHandle;
 use crate::routing::{BuildError, Router, RoutingConfig};
 use pods::{PodWorker, pod_key, worker_of};
 
-/// How long the gateway waits at start for the first list of agents.
+/// How long the gateway waits at start for the first list of agents (and of worker pods).
 pub const AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The `kubernetes:` block of `gateway.yaml` (written by the chart's gateway ConfigMap).
@@ -125,6 +125,8 @@ pub struct AgentSet {
 #[derive(Debug)]
 pub struct Discovery {
     workers: watch::Receiver<WorkerSet>,
+    /// How many worker-pod scopes (namespaces, or all) have delivered their first list, of how many.
+    workers_synced: (watch::Receiver<usize>, usize),
     agents: watch::Receiver<AgentSet>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -154,6 +156,9 @@ impl Discovery {
         } else {
             config.namespaces.iter().cloned().map(Some).collect()
         };
+        let (synced_tx, synced_rx) = watch::channel(0usize);
+        let synced_tx = Arc::new(synced_tx);
+        let scope_count = scopes.len();
         for ns in scopes {
             let api: Api<Pod> = match &ns {
                 Some(ns) => Api::namespaced(client.clone(), ns),
@@ -165,6 +170,7 @@ impl Discovery {
                 ns,
                 Arc::clone(&sink),
                 Arc::clone(&workers_tx),
+                Arc::clone(&synced_tx),
             )));
         }
         let (agents_tx, agents) = watch::channel(AgentSet::default());
@@ -189,6 +195,7 @@ impl Discovery {
         }
         Self {
             workers,
+            workers_synced: (synced_rx, scope_count),
             agents,
             tasks,
         }
@@ -202,6 +209,38 @@ impl Discovery {
     /// The discovered agents, updated as they change.
     pub fn agents(&self) -> watch::Receiver<AgentSet> {
         self.agents.clone()
+    }
+
+    /// From now on keeps `router`'s agents equal to the discovered ones plus `fixed` (the file's): new
+    /// endpoints connected, removed ones dropped with their cache view. Stops with the discovery or
+    /// the router.
+    pub fn follow_agents_into(&mut self, router: &Arc<Router>, fixed: BTreeSet<String>) {
+        let current: BTreeSet<String> = router
+            .agent_urls()
+            .into_iter()
+            .filter(|u| !fixed.contains(u))
+            .collect();
+        self.tasks.push(tokio::spawn(sync_agents(
+            self.agents(),
+            Arc::downgrade(router),
+            fixed,
+            current,
+        )));
+    }
+
+    /// Waits (at most `timeout`) until every watched scope has delivered its first list of worker pods,
+    /// so that a gateway does not report ready with an empty worker table.
+    pub async fn initial_workers(&self, timeout: Duration) {
+        let (mut rx, scopes) = self.workers_synced.clone();
+        if tokio::time::timeout(timeout, rx.wait_for(|n| *n >= scopes))
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                ?timeout,
+                "no worker pod list from the Kubernetes API yet; serving while it arrives"
+            );
+        }
     }
 
     /// The agents once the first list has arrived (or what is known after `timeout`).
@@ -227,6 +266,7 @@ pub async fn router_with_discovery(
     kubernetes: Option<&KubernetesConfig>,
 ) -> Result<(Arc<Router>, Option<Discovery>), DiscoveryError> {
     let mut routing = routing;
+    let fixed: BTreeSet<String> = routing.agents.iter().cloned().collect();
     let Some(kube_config) = kubernetes else {
         return Ok((Arc::new(Router::new(routing)?), None));
     };
@@ -234,7 +274,7 @@ pub async fn router_with_discovery(
     // The router is built after the agents are known but discovery needs it as the worker sink:
     // buffer worker changes in a forwarding sink until the router exists.
     let late = Arc::new(LateSink::default());
-    let discovery = Discovery::start(
+    let mut discovery = Discovery::start(
         client,
         kube_config,
         Arc::clone(&late) as Arc<dyn WorkerSink>,
@@ -246,6 +286,8 @@ pub async fn router_with_discovery(
     }
     let router = Arc::new(Router::new(routing)?);
     late.attach(Arc::clone(&router) as Arc<dyn WorkerSink>);
+    discovery.initial_workers(AGENT_SYNC_TIMEOUT).await;
+    discovery.follow_agents_into(&router, fixed);
     tracing::info!(
         namespaces = ?kube_config.namespaces,
         selector = %kube_config.label_selector(),
@@ -253,6 +295,47 @@ pub async fn router_with_discovery(
         "in-cluster discovery started"
     );
     Ok((router, Some(discovery)))
+}
+
+/// Keeps the router's agents equal to the discovered ones (plus the `fixed` ones from the file), from
+/// `current` (what the router was built with) on, until the router is dropped.
+async fn sync_agents(
+    mut rx: watch::Receiver<AgentSet>,
+    router: Weak<Router>,
+    fixed: BTreeSet<String>,
+    mut current: BTreeSet<String>,
+) {
+    loop {
+        let set = rx.borrow_and_update().clone();
+        if set.synced {
+            let Some(router) = router.upgrade() else {
+                return;
+            };
+            apply_agent_set(&router, &fixed, &mut current, &set.urls);
+        }
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Moves the router from the discovered agents `current` to `wanted`: connects the new ones, drops the
+/// ones that left (never one of the `fixed` agents of the file).
+pub fn apply_agent_set(
+    router: &Router,
+    fixed: &BTreeSet<String>,
+    current: &mut BTreeSet<String>,
+    wanted: &BTreeSet<String>,
+) {
+    for url in current.difference(wanted) {
+        if !fixed.contains(url) {
+            router.remove_agent(url);
+        }
+    }
+    for url in wanted.difference(current) {
+        router.add_agent(url);
+    }
+    current.clone_from(wanted);
 }
 
 fn router_agents(d: &Discovery) -> Vec<String> {
@@ -370,7 +453,9 @@ async fn follow_pods(
     namespace: Option<String>,
     sink: Arc<dyn WorkerSink>,
     published: Arc<watch::Sender<WorkerSet>>,
+    synced: Arc<watch::Sender<usize>>,
 ) {
+    let mut first_list = true;
     let mut table = PodTable {
         by_pod: HashMap::new(),
         sink,
@@ -390,6 +475,9 @@ async fn follow_pods(
             Ok(Event::InitDone) => {
                 if let Some(l) = listing.take() {
                     table.replace(l);
+                }
+                if std::mem::take(&mut first_list) {
+                    synced.send_modify(|n| *n += 1);
                 }
             }
             Ok(Event::Apply(pod)) => table.set(pod_key(&pod), worker_of(&pod)),

@@ -40,6 +40,11 @@ pub struct AgentState {
     pub workers: Vec<WorkerId>,
     /// Its data was dropped as stale (until the next snapshot).
     pub dropped: bool,
+    /// Removed from the router (its endpoint left discovery): never used again; its slot is kept so
+    /// that agent numbers stay stable.
+    pub retired: bool,
+    /// Stops its stream task.
+    pub task: Option<tokio::task::AbortHandle>,
 }
 
 impl AgentState {
@@ -52,12 +57,16 @@ impl AgentState {
             epoch: None,
             workers: Vec::new(),
             dropped: true,
+            retired: false,
+            task: None,
         }
     }
 
     /// Whether its data can be used at `now`.
     pub fn fresh(&self, now: Instant, stale_after: Duration) -> bool {
-        !self.dropped && (self.connected || now.saturating_duration_since(self.since) < stale_after)
+        !self.retired
+            && !self.dropped
+            && (self.connected || now.saturating_duration_since(self.since) < stale_after)
     }
 }
 
@@ -73,11 +82,14 @@ enum WatchError {
 
 /// Keeps agent `a`'s stream up for as long as the router lives.
 pub(super) async fn run(shared: Arc<Shared>, a: usize) {
-    let url = shared.agents[a].lock().url.clone();
+    let url = shared.agent(a).lock().url.clone();
     let labels = AgentLabels { agent: url.clone() };
     let mut backoff = BACKOFF_START;
     let mut failures = 0u32;
     loop {
+        if shared.agent(a).lock().retired {
+            return;
+        }
         let mut got_message = false;
         let result = watch(&shared, a, &url, &mut got_message).await;
         set_connected(&shared, a, false);
@@ -142,7 +154,8 @@ async fn watch(
 }
 
 fn set_connected(shared: &Shared, a: usize, connected: bool) {
-    let mut st = shared.agents[a].lock();
+    let agent = shared.agent(a);
+    let mut st = agent.lock();
     if st.connected != connected {
         st.connected = connected;
         st.since = Instant::now();
@@ -152,7 +165,8 @@ fn set_connected(shared: &Shared, a: usize, connected: bool) {
 /// Drops agent `a`'s workers' keys and load once it has been away longer than the stale timeout.
 pub(super) fn drop_if_stale(shared: &Shared, a: usize) {
     let workers = {
-        let mut st = shared.agents[a].lock();
+        let agent = shared.agent(a);
+        let mut st = agent.lock();
         if st.dropped || st.connected || st.since.elapsed() < shared.tuning.stale_after {
             return;
         }
@@ -165,6 +179,29 @@ pub(super) fn drop_if_stale(shared: &Shared, a: usize) {
                 agent: st.url.clone(),
             })
             .inc();
+        std::mem::take(&mut st.workers)
+    };
+    detach(shared, a, &workers);
+}
+
+/// Retires agent `a` (its endpoint is gone): stops its stream and forgets its workers' keys and load.
+/// The workers themselves stay (they may be configured, or reported again by the node's new agent).
+pub(super) fn retire(shared: &Shared, a: usize) {
+    let workers = {
+        let agent = shared.agent(a);
+        let mut st = agent.lock();
+        if st.retired {
+            return;
+        }
+        st.retired = true;
+        st.connected = false;
+        st.dropped = true;
+        if let Some(task) = st.task.take() {
+            task.abort();
+        }
+        shared.metrics.agent_connected.remove(&AgentLabels {
+            agent: st.url.clone(),
+        });
         std::mem::take(&mut st.workers)
     };
     detach(shared, a, &workers);
@@ -189,6 +226,9 @@ fn detach(shared: &Shared, a: usize, workers: &[WorkerId]) {
 
 /// Applies one summary message from agent `a`.
 pub(super) fn apply(shared: &Shared, a: usize, msg: Summary) {
+    if shared.agent(a).lock().retired {
+        return;
+    }
     match msg.kind {
         Some(summary::Kind::Snapshot(s)) => apply_snapshot(shared, a, s),
         Some(summary::Kind::Delta(d)) => apply_delta(shared, a, d),
@@ -223,7 +263,8 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
 fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
     let now = Instant::now();
     let old = {
-        let st = shared.agents[a].lock();
+        let agent = shared.agent(a);
+        let st = agent.lock();
         if st.epoch.is_some_and(|e| e != snap.epoch) {
             tracing::info!(agent = %st.url, node = %snap.node, "agent restarted (new epoch): replacing its state");
         }
@@ -278,7 +319,8 @@ fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
             }
         }
     }
-    let mut st = shared.agents[a].lock();
+    let agent = shared.agent(a);
+    let mut st = agent.lock();
     st.epoch = Some(snap.epoch);
     st.workers = ids;
     st.dropped = false;
@@ -310,7 +352,8 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
         };
         let id = worker.id;
         {
-            let mut st = shared.agents[a].lock();
+            let agent = shared.agent(a);
+            let mut st = agent.lock();
             if wd.gone {
                 st.workers.retain(|w| *w != id);
             } else if !st.workers.contains(&id) {

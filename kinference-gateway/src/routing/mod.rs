@@ -130,7 +130,8 @@ struct Shared {
     workers: RwLock<WorkerTable>,
     index: RwLock<KvIndex>,
     spec: Mutex<Speculative>,
-    agents: Vec<Mutex<AgentState>>,
+    /// Agents by number; only ever grows (a removed agent is retired in place).
+    agents: RwLock<Vec<Arc<Mutex<AgentState>>>>,
     tokenizers: Tokenizers,
     metrics: metrics::Metrics,
     /// This mode's series of `metrics.stage_seconds`.
@@ -155,9 +156,20 @@ impl Shared {
         }
     }
 
+    /// Agent number `a`.
+    fn agent(&self, a: usize) -> Arc<Mutex<AgentState>> {
+        Arc::clone(&self.agents.read()[a])
+    }
+
+    /// Whether any agent is configured or discovered (not retired).
+    fn has_agents(&self) -> bool {
+        self.agents.read().iter().any(|a| !a.lock().retired)
+    }
+
     /// Which agents' data is usable now.
     fn fresh_agents(&self, now: Instant) -> Vec<bool> {
         self.agents
+            .read()
             .iter()
             .map(|a| a.lock().fresh(now, self.tuning.stale_after))
             .collect()
@@ -224,7 +236,7 @@ impl fmt::Debug for Router {
         f.debug_struct("Router")
             .field("mode", &self.shared.mode)
             .field("workers", &self.shared.workers.read().all().len())
-            .field("agents", &self.shared.agents.len())
+            .field("agents", &self.shared.agents.read().len())
             .finish()
     }
 }
@@ -233,6 +245,11 @@ impl Drop for Router {
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
+        }
+        for a in self.shared.agents.read().iter() {
+            if let Some(task) = a.lock().task.take() {
+                task.abort();
+            }
         }
     }
 }
@@ -273,11 +290,13 @@ impl Router {
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             spec: Mutex::new(Speculative::new(tuning.speculative_max_keys)),
-            agents: config
-                .agents
-                .iter()
-                .map(|a| Mutex::new(AgentState::new(a)))
-                .collect(),
+            agents: RwLock::new(
+                config
+                    .agents
+                    .iter()
+                    .map(|a| Arc::new(Mutex::new(AgentState::new(a))))
+                    .collect(),
+            ),
             tokenizers,
             metrics,
             stages,
@@ -288,11 +307,14 @@ impl Router {
             tuning,
         });
         let mut tasks = Vec::new();
-        if !shared.agents.is_empty() && shared.tuning.connect_agents {
+        let count = shared.agents.read().len();
+        if count > 0 && shared.tuning.connect_agents {
             let handle =
                 tokio::runtime::Handle::try_current().map_err(|_| BuildError::NoRuntime)?;
-            for a in 0..shared.agents.len() {
-                tasks.push(handle.spawn(agents::run(Arc::clone(&shared), a)));
+            for a in 0..count {
+                let task = handle.spawn(agents::run(Arc::clone(&shared), a));
+                shared.agent(a).lock().task = Some(task.abort_handle());
+                tasks.push(task);
             }
         }
         Ok(Self { shared, tasks })
@@ -402,17 +424,79 @@ impl Router {
     /// streamed it, and marks that agent connected. For routers built with
     /// `RoutingTuning::connect_agents = false` (tests, benchmarks, an agent embedded in-process).
     pub fn apply_agent_summary(&self, agent: usize, summary: kinference_api::summary::Summary) {
-        if agent >= self.shared.agents.len() {
+        if agent >= self.shared.agents.read().len() {
             return;
         }
         {
-            let mut st = self.shared.agents[agent].lock();
+            let agent_state = self.shared.agent(agent);
+            let mut st = agent_state.lock();
             if !st.connected {
                 st.connected = true;
                 st.since = Instant::now();
             }
         }
         agents::apply(&self.shared, agent, summary);
+    }
+
+    /// The gRPC URLs of the agents the router follows (configured and discovered, not removed).
+    pub fn agent_urls(&self) -> Vec<String> {
+        self.shared
+            .agents
+            .read()
+            .iter()
+            .filter_map(|a| {
+                let st = a.lock();
+                (!st.retired).then(|| st.url.clone())
+            })
+            .collect()
+    }
+
+    /// Starts following agent `url` (discovery found it); false when it is already followed. Its
+    /// stream task runs in the current runtime (none without one, or with `connect_agents` off).
+    pub fn add_agent(&self, url: &str) -> bool {
+        let a = {
+            let mut agents = self.shared.agents.write();
+            if agents.iter().any(|a| {
+                let st = a.lock();
+                !st.retired && st.url == url
+            }) {
+                return false;
+            }
+            agents.push(Arc::new(Mutex::new(AgentState::new(url))));
+            agents.len() - 1
+        };
+        if self.shared.tuning.connect_agents
+            && let Ok(handle) = tokio::runtime::Handle::try_current()
+        {
+            let task = handle.spawn(agents::run(Arc::clone(&self.shared), a));
+            self.shared.agent(a).lock().task = Some(task.abort_handle());
+        }
+        tracing::info!(agent = %url, "agent added");
+        true
+    }
+
+    /// Stops following agent `url` (its endpoint left discovery) and forgets its workers' cache view
+    /// and load; false when it was not followed.
+    pub fn remove_agent(&self, url: &str) -> bool {
+        let found: Vec<usize> = self
+            .shared
+            .agents
+            .read()
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| {
+                let st = a.lock();
+                !st.retired && st.url == url
+            })
+            .map(|(i, _)| i)
+            .collect();
+        for &a in &found {
+            agents::retire(&self.shared, a);
+        }
+        if !found.is_empty() {
+            tracing::info!(agent = %url, "agent removed");
+        }
+        !found.is_empty()
     }
 
     /// Healthy candidates for `model`, or why there are none.
@@ -515,7 +599,7 @@ impl Router {
         let any_live = cands.iter().any(|c| c.live);
         let reason = if any_live {
             why.as_str()
-        } else if shared.agents.is_empty() {
+        } else if !shared.has_agents() {
             "degraded_no_agent"
         } else {
             "degraded_stale"

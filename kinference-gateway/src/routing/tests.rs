@@ -172,7 +172,8 @@ fn attach_agent(router: &Router) {
     for t in &router.tasks {
         t.abort();
     }
-    let mut st = router.shared.agents[0].lock();
+    let agent = router.shared.agent(0);
+    let mut st = agent.lock();
     st.connected = true;
     st.since = Instant::now();
 }
@@ -529,4 +530,48 @@ async fn routing_time_is_exported_by_mode_and_stage() {
         "{out}"
     );
     assert!(!out.contains("stage=\"tokenize\""), "{out}");
+}
+
+#[tokio::test]
+async fn agents_added_and_removed_at_runtime_bring_and_take_their_cache_view() {
+    let tuning = RoutingTuning {
+        connect_agents: false,
+        ..RoutingTuning::default()
+    };
+    let router = Router::with_tuning(kconfig(2, &[]), tuning).unwrap();
+    let w0 = |r: &Router| {
+        r.workers()
+            .into_iter()
+            .find(|w| w.url == "http://w0")
+            .unwrap()
+    };
+    let view = || {
+        snapshot(
+            1,
+            vec![worker_state("http://w0", vec![1, 2, 3], load(0, 0))],
+        )
+    };
+    assert!(router.agent_urls().is_empty());
+    assert!(router.add_agent("http://10.0.0.1:7070"));
+    assert!(!router.add_agent("http://10.0.0.1:7070"), "added twice");
+    router.apply_agent_summary(0, view());
+    assert!(w0(&router).agent_live);
+    assert_eq!(w0(&router).cached_blocks, 3);
+
+    // The node's agent pod replaced (a new IP): the new one joins, the old one leaves with its view.
+    assert!(router.add_agent("http://10.0.0.2:7070"));
+    assert!(router.remove_agent("http://10.0.0.1:7070"));
+    assert!(
+        !router.remove_agent("http://10.0.0.1:7070"),
+        "removed twice"
+    );
+    assert_eq!(router.agent_urls(), ["http://10.0.0.2:7070"]);
+    assert!(!w0(&router).agent_live);
+    assert_eq!(w0(&router).cached_blocks, 0);
+    // A late message of the removed agent changes nothing; the new agent's snapshot restores the view.
+    router.apply_agent_summary(0, view());
+    assert_eq!(w0(&router).cached_blocks, 0);
+    router.apply_agent_summary(1, view());
+    assert!(w0(&router).agent_live);
+    assert_eq!(w0(&router).cached_blocks, 3);
 }
