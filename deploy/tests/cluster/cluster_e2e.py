@@ -332,7 +332,8 @@ def install(kube: Kube, tokenizer: Path) -> None:
     kube.apply(rest)
     kube.wait_ready("app=vllm-sim", WORKERS)
     kube.wait_ready("app.kubernetes.io/component=agent", 1)
-    # The gateway's agent list is fixed at start-up (see the report): start it once the agent is Ready.
+    # Gateways follow agents at runtime; starting them once the agent is Ready keeps the first routed
+    # requests cache-aware.
     kube.apply(gateway)
     kube.wait_ready("app.kubernetes.io/component=gateway", 2)
 
@@ -537,11 +538,6 @@ def stream_once(base: str, i: int) -> None:
     assert chunks > 1, f"stream {i} had {chunks} chunks"
 
 
-@pytest.mark.xfail(
-    reason="the gateway's SIGTERM handling has no readiness flip or shutdown delay and a fixed 10 s drain "
-    "(kinference-gateway/src): requests reach a pod that stopped accepting; see the issue 17 report",
-    strict=False,
-)
 def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
     """`kubectl rollout restart` of the gateway while 4 clients stream without pause. Like kube-proxy, the
     clients follow the Service's ready endpoints (re-read every 0.5 s); no request may fail."""
@@ -597,27 +593,29 @@ def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
     assert not failures, failures[:10]
 
 
-@pytest.mark.xfail(
-    reason="the gateway's agent list is fixed at start-up (kinference-gateway/src/discovery/mod.rs): a new "
-    "agent pod is not followed until the gateways restart; see the issue 17 report",
-    strict=False,
-)
 def test_agent_pod_replaced_gateways_follow(cluster: Kube):
     kube = cluster
     old = kube.wait_ready("app.kubernetes.io/component=agent", 1)[0]
     kube.run("delete", "pod", "-n", NS, old["metadata"]["name"], "--wait=true", timeout=90)
     new = kube.wait_ready("app.kubernetes.io/component=agent", 1)[0]
     assert new["metadata"]["name"] != old["metadata"]["name"]
-    deadline = time.monotonic() + 30
+    # Connected to the new pod's address (the old one is gone), by the same gateway processes.
+    agent = {"agent": f"http://{new['status']['podIP']}:7070"}
+    gateways = {p["metadata"]["name"]: p["status"]["podIP"] for p in gateway_pods(kube)}
+    t0 = time.monotonic()
+    deadline = t0 + 30
     while True:
         connected = [
-            metric(get(f"http://{p['status']['podIP']}:9090/metrics"), "kinference_routing_agent_connected")
-            for p in gateway_pods(kube)
+            metric(get(f"http://{ip}:9090/metrics"), "kinference_routing_agent_connected", agent)
+            for ip in gateways.values()
         ]
         if all(c >= 1 for c in connected):
             break
-        assert time.monotonic() < deadline, f"gateways not connected to the new agent pod: {connected}"
+        assert time.monotonic() < deadline, f"gateways not connected to the new agent pod {agent}: {connected}"
         time.sleep(1)
+    TIMINGS["gateways follow the new agent pod"] = time.monotonic() - t0
+    restarts = [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)]
+    assert {p["metadata"]["name"] for p in gateway_pods(kube)} == set(gateways) and restarts == [0, 0], restarts
 
 
 def test_extproc_picker_port_is_served(cluster: Kube):
