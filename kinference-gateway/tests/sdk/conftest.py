@@ -124,8 +124,10 @@ class Cluster:
             pytest.fail(f"{binary} not found: build it first (cargo build -p kinference-bench -p kinference-gateway) "
                         f"or set KINFERENCE_BIN_DIR")
         log = self.workdir / f"{name}.log"
+        # No endpoints to take a gateway out of here: it closes its ports at once on SIGTERM (default 5 s).
+        env = {"KINFERENCE_SHUTDOWN_DELAY_SECONDS": "0", **os.environ}
         with open(log, "wb") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         process = Process(name, proc, log)
         self.processes.append(process)
         return process

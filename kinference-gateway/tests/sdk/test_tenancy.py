@@ -117,7 +117,8 @@ def start_gateway(cluster: Cluster, workers: list[Worker], tenancy: str, name: s
         proc = subprocess.Popen(
             [str(binary), "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
              "--config", str(config)],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            stdout=out, stderr=subprocess.STDOUT,
+            env={"KINFERENCE_SHUTDOWN_DELAY_SECONDS": "0", **os.environ, **(env or {})})
     from conftest import Process
     process = Process(name, proc, log)
     cluster.processes.append(process)
