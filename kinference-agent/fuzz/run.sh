@@ -18,12 +18,14 @@ cd "$here/.."
 # The agent forbids unsafe code, so the default is no sanitizer (several times faster on a small
 # machine); FUZZ_SANITIZER=address puts ASan back for the unsafe code in dependencies.
 san="${FUZZ_SANITIZER:-none}"
+# FUZZ_TARGET_DIR: where the instrumented build goes (CI keeps it under ~/.cache between runs).
+target_dir="${FUZZ_TARGET_DIR:-$here/target}"
 # Build every target first, so the budget is spent fuzzing, not compiling.
-cargo +nightly fuzz build -O -s "$san"
+cargo +nightly fuzz build -O -s "$san" --target-dir "$target_dir"
 for t in "${targets[@]}"; do
     work="$here/target/work-corpus/$t"
     mkdir -p "$work"
     echo "== $t: ${secs}s (seeds: $(ls "$here/corpus/$t" | wc -l) files)"
-    cargo +nightly fuzz run -O -s "$san" "$t" "$work" "$here/corpus/$t" -- \
+    cargo +nightly fuzz run -O -s "$san" --target-dir "$target_dir" "$t" "$work" "$here/corpus/$t" -- \
         -max_total_time="$secs" -max_len=65536 -timeout=10 -rss_limit_mb=2048 -print_final_stats=1
 done
