@@ -128,9 +128,10 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
             b"event" => event = Some(String::from_utf8_lossy(value).into_owned()),
             b"data" => {
                 // The common case (one data line) slices the buffer without copying.
+                // `slice_ref`, not pointer arithmetic: a bare `data` line's value is a static empty
+                // slice outside `raw` (a fuzzer found the panic).
                 if single.is_none() && data.is_none() {
-                    let offset = value.as_ptr() as usize - raw.as_ptr() as usize;
-                    single = Some(raw.slice(offset..offset + value.len()));
+                    single = Some(raw.slice_ref(value));
                 } else {
                     let acc = data.get_or_insert_with(|| {
                         let mut acc = BytesMut::new();

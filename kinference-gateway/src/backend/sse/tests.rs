@@ -80,3 +80,11 @@ fn incomplete_event_stays_pending() {
     assert!(p.next_event().is_none());
     assert_eq!(p.pending(), b"data: {\"partial\":".len());
 }
+
+#[test]
+fn a_bare_data_field_is_an_empty_data_line_not_a_panic() {
+    // Found by the sse_stream fuzz target: `data` without a colon has an empty value.
+    let mut p = SseParser::new();
+    p.feed(b"data\n\ndata\ndata: x\n\n");
+    assert_eq!(collect(&mut p), vec![data(""), data("\nx")]);
+}
