@@ -131,6 +131,10 @@ pub enum GatewayError {
         "rate limits cannot be checked right now (the shared limit store is unreachable); retry shortly"
     )]
     LimitsUnavailable,
+    /// Tenants are configured but no valid tenant set has ever been loaded: the gateway refuses
+    /// every request (503) rather than serve it unauthenticated.
+    #[error("{0}")]
+    TenantsUnavailable(String),
 }
 
 impl From<RouteError> for GatewayError {
@@ -169,7 +173,9 @@ impl GatewayError {
             GatewayError::RateLimited { .. } | GatewayError::BudgetExceeded { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
-            GatewayError::LimitsUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::LimitsUnavailable | GatewayError::TenantsUnavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             GatewayError::PolicyRejected { status, .. } => *status,
         }
     }
@@ -191,6 +197,7 @@ impl GatewayError {
             GatewayError::RateLimited { .. } => "rate_limited",
             GatewayError::BudgetExceeded { .. } => "budget_exceeded",
             GatewayError::LimitsUnavailable => "limits_unavailable",
+            GatewayError::TenantsUnavailable(_) => "tenants_unavailable",
             GatewayError::PolicyRejected { .. } => "policy_rejected",
         }
     }
@@ -223,6 +230,7 @@ impl GatewayError {
             GatewayError::RateLimited { .. } => Some("rate_limit_exceeded"),
             GatewayError::BudgetExceeded { .. } => Some("insufficient_quota"),
             GatewayError::LimitsUnavailable => Some("limits_unavailable"),
+            GatewayError::TenantsUnavailable(_) => Some("tenants_unavailable"),
             GatewayError::PolicyRejected { code, .. } => Some(*code),
             _ => None,
         }

@@ -3,8 +3,10 @@
 //!
 //! The pipeline meets it three times per request:
 //! 1. [`Tenancy::authenticate`] at the start: the API key (`Authorization: Bearer` or `x-api-key`)
-//!    -> the tenant ([`keys`]); 401 otherwise. With no tenant configured the gateway is open and
-//!    every caller is `anonymous` (logged at start-up).
+//!    -> the tenant ([`keys`]); 401 otherwise. With no tenant source configured the gateway is open
+//!    and every caller is `anonymous` (logged at start-up). With one configured it fails closed: a
+//!    tenant set that fails to load keeps the last good one (per object), and while none was ever
+//!    loaded every request is refused with 503, never served as `anonymous`.
 //! 2. [`Tenancy::admit`] before routing: the monthly budget ([`budget`]) and the token buckets
 //!    ([`limits`]) in one atomic step, in process or in Redis ([`store`]); 429 otherwise. It returns
 //!    an [`Admission`] that follows the request.
@@ -255,10 +257,12 @@ impl Tenancy {
             aggregates.add(r);
             spend.add(&r.tenant, r.ts_ms, r.cost);
         }
+        let required = config.tenants_dir.is_some();
         let tenancy = Arc::new(Tenancy {
             config,
             policy_dir,
-            table: RwLock::new(Arc::new(TenantTable::default())),
+            // Until a first load succeeds: closed (503) when a tenant source is configured.
+            table: RwLock::new(Arc::new(TenantTable::empty(required))),
             local: LocalBuckets::default(),
             redis,
             journal,

@@ -23,12 +23,31 @@ pub(super) struct TenantTable {
     served_names: HashMap<String, String>,
     /// A fingerprint of what was loaded (tenant names, key digests), to log changes only.
     fingerprint: Vec<u8>,
+    /// A tenant source is configured: an empty table refuses requests (503) instead of opening.
+    pub(super) required: bool,
+    /// The tenant objects last loaded, each at its last valid generation: what a broken reload
+    /// falls back to, object by object.
+    tenant_set: Option<crate::policy::PolicySet>,
+}
+
+impl TenantTable {
+    /// No tenant yet; `required`: a tenant source is configured (closed until it loads).
+    pub(super) fn empty(required: bool) -> Self {
+        TenantTable {
+            required,
+            ..TenantTable::default()
+        }
+    }
 }
 
 /// A YAML file or a directory as a policy set (problems are logged by the loader's callers).
-fn load_set(path: &Path, log: bool) -> Option<crate::policy::PolicySet> {
+fn load_set(
+    path: &Path,
+    log: bool,
+    previous: Option<&crate::policy::PolicySet>,
+) -> Option<crate::policy::PolicySet> {
     if path.is_dir() {
-        match crate::policy::load_dir(path, None) {
+        match crate::policy::load_dir(path, previous) {
             Ok(loaded) => {
                 if log {
                     for p in &loaded.problems {
@@ -54,7 +73,27 @@ fn load_set(path: &Path, log: bool) -> Option<crate::policy::PolicySet> {
             }
         };
         let parsed = crate::policy::source::parse_file(path, &text);
-        let outcome = crate::policy::PolicySet::build(&parsed.manifests, None, &BTreeMap::new());
+        let mut kept = parsed.invalid.clone();
+        // A document that could not even be identified may be a broken version of any tenant of
+        // this file: every previous object not present now keeps its last good version.
+        if parsed.unreadable
+            && let Some(prev) = previous
+        {
+            let present: std::collections::BTreeSet<_> =
+                parsed.manifests.iter().map(|m| m.key()).collect();
+            for name in prev.tenants.keys() {
+                let key = crate::policy::model::ObjectKey {
+                    kind: "InferenceTenant",
+                    name: name.clone(),
+                };
+                if !present.contains(&key) {
+                    kept.entry(key).or_insert_with(|| {
+                        "its file has errors; the previous version stays".into()
+                    });
+                }
+            }
+        }
+        let outcome = crate::policy::PolicySet::build(&parsed.manifests, previous, &kept);
         if log {
             for p in &parsed.problems {
                 tracing::warn!(file = %p.file.display(), line = p.line, "tenancy: {}", p.message);
@@ -72,14 +111,28 @@ impl Tenancy {
     pub(super) fn reload(&self, first: bool) {
         // Problems in the files are logged at start-up; later reloads are quiet unless they change
         // something (the policy stage logs its own directory's problems on every change).
-        let table = self.load_table(first);
         let current = self.table.read().clone();
+        let Some(table) = self.load_table(first, current.tenant_set.as_ref()) else {
+            // Fail closed: the tenants could not be read at all, so the last good table stays.
+            if first {
+                tracing::error!(
+                    "tenants unreadable at start-up: every request is refused (503) until they load"
+                );
+            } else {
+                tracing::warn!("tenants unreadable; the last good tenant set keeps serving");
+            }
+            return;
+        };
         if !first && table.fingerprint == current.fingerprint {
             return;
         }
         let open = table.tenants.is_empty();
         self.metrics.tenants.set(table.tenants.len() as i64);
-        if open {
+        if open && table.required {
+            tracing::error!(
+                "a tenant source is configured but no valid tenant is loaded: every request is refused (503) until one is"
+            );
+        } else if open {
             tracing::warn!(
                 "no tenants configured (tenancy.tenants_dir): the gateway is OPEN, every request is served as tenant `anonymous` without an API key"
             );
@@ -93,8 +146,17 @@ impl Tenancy {
         *self.table.write() = Arc::new(table);
     }
 
-    fn load_table(&self, log: bool) -> TenantTable {
-        let mut table = TenantTable::default();
+    /// The table from the files; `None` when the tenants themselves could not be read (the caller
+    /// keeps the current table). `previous` is the last tenant set, kept per object on errors.
+    fn load_table(
+        &self,
+        log: bool,
+        previous: Option<&crate::policy::PolicySet>,
+    ) -> Option<TenantTable> {
+        let mut table = TenantTable {
+            required: self.config.tenants_dir.is_some(),
+            ..TenantTable::default()
+        };
         let mut dirs: Vec<&Path> = Vec::new();
         if let Some(d) = &self.policy_dir {
             dirs.push(d);
@@ -107,7 +169,11 @@ impl Tenancy {
         }
         let mut tenant_specs = BTreeMap::new();
         for dir in dirs {
-            let Some(set) = load_set(dir, log) else {
+            let is_tenants = Some(dir) == tenants_dir;
+            let Some(set) = load_set(dir, log, previous.filter(|_| is_tenants)) else {
+                if is_tenants {
+                    return None;
+                }
                 continue;
             };
             for (name, pool) in &set.pools {
@@ -121,10 +187,11 @@ impl Tenancy {
                     .served_names
                     .insert(name.clone(), model.spec.served_name.clone());
             }
-            if Some(dir) == tenants_dir {
+            if is_tenants {
                 for (name, t) in &set.tenants {
                     tenant_specs.insert(name.clone(), t.spec.clone());
                 }
+                table.tenant_set = Some(set);
             }
         }
         let mut names: Vec<&String> = tenant_specs.keys().collect();
@@ -172,18 +239,26 @@ impl Tenancy {
                 settings: self.config.tenants.get(name).cloned().unwrap_or_default(),
             }));
         }
-        table
+        Some(table)
     }
 
     /// Whether the gateway serves without API keys (no tenant configured).
     pub fn is_open(&self) -> bool {
-        self.table.read().tenants.is_empty()
+        let table = self.table.read();
+        table.tenants.is_empty() && !table.required
     }
 
     /// Stage "authenticate": the caller of a request, or 401.
     pub fn authenticate(&self, headers: &HeaderMap) -> Result<Caller, GatewayError> {
         let table = self.table.read().clone();
         if table.tenants.is_empty() {
+            if table.required {
+                self.auth_failed("tenants_unavailable");
+                return Err(GatewayError::TenantsUnavailable(
+                    "No valid tenant configuration is loaded; requests are refused until one is. Retry shortly."
+                        .into(),
+                ));
+            }
             return Ok(Caller { tenant: None });
         }
         let Some(key) = keys::presented_key(headers) else {
