@@ -11,6 +11,7 @@ pub mod api;
 pub mod backend;
 pub mod body;
 pub mod config;
+pub mod config_source;
 pub mod discovery;
 pub mod errors;
 pub mod extproc;

@@ -526,6 +526,15 @@ impl PolicyWatcher {
         Ok(PolicyWatcher { rx, states })
     }
 
+    /// A watcher over sets published elsewhere (a [`crate::config_source::ConfigSource`], which
+    /// keeps the per-object states itself): [`PolicyWatcher::states`] is empty.
+    pub fn from_receiver(rx: watch::Receiver<Arc<PolicySet>>) -> Self {
+        PolicyWatcher {
+            rx,
+            states: Arc::new(Mutex::new(BTreeMap::new())),
+        }
+    }
+
     /// The set to evaluate a request against (hold the `Arc` for the request's lifetime).
     pub fn current(&self) -> Arc<PolicySet> {
         self.rx.borrow().clone()

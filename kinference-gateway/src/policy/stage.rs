@@ -177,6 +177,27 @@ impl PolicyStage {
         }))
     }
 
+    /// The stage over sets published by a configuration source (cluster mode); `settings.dir` is
+    /// not read. `credentials` resolves providers' keys (from Secrets) instead of the environment.
+    pub fn start_with(
+        sets: tokio::sync::watch::Receiver<Arc<PolicySet>>,
+        settings: &StageSettings,
+        credentials: Option<crate::backend::provider::CredentialResolver>,
+    ) -> Arc<Self> {
+        let watcher = PolicyWatcher::from_receiver(sets);
+        let load = WorkerLoad::start(watcher.subscribe(), settings.load_interval);
+        let providers = Providers::new(settings.connect_timeout);
+        if let Some(c) = credentials {
+            providers.set_credentials(c);
+        }
+        Arc::new(PolicyStage {
+            watcher,
+            providers,
+            load,
+            metrics: StageMetrics::default(),
+        })
+    }
+
     /// The current policy set.
     pub fn current(&self) -> Arc<PolicySet> {
         self.watcher.current()

@@ -24,6 +24,7 @@
 
 mod admission;
 pub mod budget;
+mod from_source;
 mod headers;
 pub mod keys;
 pub mod limits;
@@ -194,6 +195,8 @@ pub struct Tenancy {
     spend: budget::Spend,
     metrics: TenancyMetrics,
     models: Vec<String>,
+    /// Fed by a configuration source ([`Tenancy::follow`]): the files are not read any more.
+    followed: std::sync::atomic::AtomicBool,
 }
 
 fn now_ms() -> u64 {
@@ -270,6 +273,7 @@ impl Tenancy {
             spend,
             metrics,
             models,
+            followed: std::sync::atomic::AtomicBool::new(false),
         });
         tenancy.reload(true);
         tracing::info!(journal = %journal_path.display(), replayed = replayed.len(),

@@ -16,13 +16,13 @@ use crate::errors::GatewayError;
 /// The tenants and keys currently in force.
 #[derive(Debug, Default)]
 pub(super) struct TenantTable {
-    tenants: Vec<Arc<Tenant>>,
-    ring: KeyRing,
+    pub(super) tenants: Vec<Arc<Tenant>>,
+    pub(super) ring: KeyRing,
     /// Pools for pricing: (name, spec), and InferenceModel name -> served name.
-    pools: Vec<(String, InferencePoolSpec)>,
-    served_names: HashMap<String, String>,
+    pub(super) pools: Vec<(String, InferencePoolSpec)>,
+    pub(super) served_names: HashMap<String, String>,
     /// A fingerprint of what was loaded (tenant names, key digests), to log changes only.
-    fingerprint: Vec<u8>,
+    pub(super) fingerprint: Vec<u8>,
     /// A tenant source is configured: an empty table refuses requests (503) instead of opening.
     pub(super) required: bool,
     /// The tenant objects last loaded, each at its last valid generation: what a broken reload
@@ -109,6 +109,9 @@ fn load_set(
 impl Tenancy {
     /// Re-reads the tenants, their keys and the pools' prices; swaps them in when they changed.
     pub(super) fn reload(&self, first: bool) {
+        if self.followed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         // Problems in the files are logged at start-up; later reloads are quiet unless they change
         // something (the policy stage logs its own directory's problems on every change).
         let current = self.table.read().clone();

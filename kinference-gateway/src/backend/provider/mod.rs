@@ -69,7 +69,13 @@ pub struct Providers {
     http: Client<HttpConnector, Full<Bytes>>,
     https: Option<Client<HttpsConnector, Full<Bytes>>>,
     clients: Mutex<HashMap<String, Arc<ProviderClient>>>,
+    credentials: Mutex<Option<CredentialResolver>>,
 }
+
+/// Resolves a provider's key (by provider name and its `credentials`) in cluster mode: from the
+/// watched Secrets instead of the environment. `None`: no key (the provider is skipped).
+pub type CredentialResolver =
+    Arc<dyn Fn(&str, &kinference_crds::CredentialRef) -> Option<String> + Send + Sync>;
 
 impl std::fmt::Debug for Providers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -112,21 +118,35 @@ impl Providers {
             http,
             https,
             clients: Mutex::new(HashMap::new()),
+            credentials: Mutex::new(None),
         }
+    }
+
+    /// Reads keys through `resolver` from now on (cluster mode: Secrets, not the environment).
+    pub fn set_credentials(&self, resolver: CredentialResolver) {
+        *self.credentials.lock() = Some(resolver);
     }
 
     /// The client of provider `name` with `spec` (cached until the spec changes).
     pub fn client(&self, name: &str, spec: &InferenceProviderSpec) -> Arc<ProviderClient> {
+        let resolver = self.credentials.lock().clone();
+        let api_key = match resolver {
+            Some(resolve) => resolve(name, &spec.credentials),
+            None => spec
+                .credentials
+                .env
+                .as_deref()
+                .and_then(|var| std::env::var(var).ok()),
+        }
+        .filter(|k| !k.is_empty());
         let mut clients = self.clients.lock();
-        if let Some(c) = clients.get(name).filter(|c| c.spec == *spec) {
+        // Rebuilt when the spec or the key changed (a rotated Secret).
+        if let Some(c) = clients
+            .get(name)
+            .filter(|c| c.spec == *spec && c.api_key == api_key)
+        {
             return Arc::clone(c);
         }
-        let api_key = spec
-            .credentials
-            .env
-            .as_deref()
-            .and_then(|var| std::env::var(var).ok())
-            .filter(|k| !k.is_empty());
         if api_key.is_none() {
             tracing::warn!(provider = name, env = ?spec.credentials.env,
                 "provider has no API key in its environment variable; it will be skipped");

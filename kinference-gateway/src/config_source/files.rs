@@ -1,0 +1,126 @@
+//! Local mode: the [`ConfigSource`] fed by a directory of CRD-shaped YAML, polled for changes.
+//!
+//! Reading and per-object validation are [`crate::policy::source::load_dir`]'s (each document on
+//! its own, an unreadable document keeps the previous version of the objects its file held); this
+//! front end turns each load into a [`Snapshot`] with the same per-object states as the cluster's.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+
+use super::{ConfigSource, ObjectEntry, ObjectRef, ObjectState, Snapshot};
+use crate::policy::model::{ApplyState, BuildOutcome};
+use crate::policy::source::{SourceError, load_dir};
+
+/// Starts watching `dir`: loads it now (an error only if it cannot be read) and re-reads it every
+/// `interval` when a file changed.
+pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceError> {
+    let mut seen = fingerprint(&dir);
+    let loaded = load_dir(&dir, None)?;
+    let mut revision = 1;
+    let first = snapshot(&loaded.outcome, revision);
+    let (tx, rx) = watch::channel(Arc::new(first));
+    let task = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if tx.is_closed() {
+                return;
+            }
+            let now = fingerprint(&dir);
+            if now == seen {
+                continue;
+            }
+            seen = now;
+            let previous = Arc::clone(&tx.borrow().set);
+            match load_dir(&dir, Some(&previous)) {
+                Ok(loaded) => {
+                    for (key, state) in &loaded.outcome.states {
+                        if let ApplyState::RolledBack { reason } | ApplyState::Rejected { reason } =
+                            state
+                        {
+                            tracing::warn!(object = %key, %reason, "object not applied");
+                        }
+                    }
+                    revision += 1;
+                    tx.send_replace(Arc::new(snapshot(&loaded.outcome, revision)));
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "policy directory unreadable; the current set keeps serving");
+                }
+            }
+        }
+    });
+    Ok(ConfigSource::new(rx, vec![task]))
+}
+
+/// The snapshot of one load of the directory.
+pub fn snapshot(outcome: &BuildOutcome, revision: u64) -> Snapshot {
+    let mut objects = BTreeMap::new();
+    for (key, state) in &outcome.states {
+        let serving = outcome.set.manifest(key).and_then(|m| m.generation);
+        let in_set = outcome.set.manifest(key).is_some();
+        let state = match state {
+            ApplyState::Applied => ObjectState::Accepted,
+            ApplyState::RolledBack { reason } => ObjectState::RolledBack {
+                error: reason.clone(),
+                serving_generation: serving,
+            },
+            ApplyState::Rejected { reason } => ObjectState::Rejected {
+                error: reason.clone(),
+            },
+        };
+        let object = ObjectRef {
+            kind: key.kind,
+            namespace: String::new(),
+            name: key.name.clone(),
+        };
+        objects.insert(
+            object.clone(),
+            ObjectEntry {
+                object,
+                observed_generation: serving,
+                serving_generation: if in_set { serving } else { None },
+                state,
+                live_status: None,
+                uid: None,
+            },
+        );
+    }
+    Snapshot {
+        revision,
+        set: Arc::new(outcome.set.clone()),
+        objects,
+        synced: true,
+    }
+}
+
+/// Every YAML file under `dir` with its size and mtime.
+fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, Option<SystemTime>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if matches!(
+                path.extension().and_then(|e| e.to_str()),
+                Some("yaml" | "yml")
+            ) {
+                let meta = std::fs::metadata(&path).ok();
+                let len = meta.as_ref().map_or(0, |m| m.len());
+                out.push((path, len, meta.and_then(|m| m.modified().ok())));
+            }
+        }
+    }
+    out.sort();
+    out
+}
