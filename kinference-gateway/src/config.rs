@@ -96,6 +96,11 @@ pub struct GatewayConfig {
     /// tenants (the gateway is open), usage journaled beside this file.
     #[serde(default)]
     pub tenancy: crate::tenancy::TenancyConfig,
+    /// Cluster mode for the five CRDs: watch them in these namespaces (instead of `policy_dir`),
+    /// write their status, read tenant keys and provider credentials from Secrets; see
+    /// [`crate::config_source`].
+    #[serde(default)]
+    pub crds: Option<crate::config_source::kube::KubeSourceConfig>,
 }
 
 /// Errors loading the configuration file.
@@ -215,7 +220,11 @@ pub fn with_policy_stage(
         connect_timeout: http.connect_timeout(),
     };
     let stage = PolicyStage::start(&settings)?;
-    let mut config = config;
+    Ok((with_pool_endpoints(config, &stage), Some(stage)))
+}
+
+/// `config` plus the stage's pools' static endpoints (as workers) and their models.
+fn with_pool_endpoints(mut config: GatewayConfig, stage: &PolicyStage) -> GatewayConfig {
     let (workers, models) = stage.routing_additions();
     for m in models {
         if !config.models.iter().any(|c| c.name == m.name) {
@@ -231,5 +240,24 @@ pub fn with_policy_stage(
             config.workers.push(w);
         }
     }
-    Ok((config, Some(stage)))
+    config
+}
+
+/// Starts the policy stage over the cluster's sets and returns the configuration to build the
+/// router from (`config` plus the pools' static endpoints and models, as in local mode).
+pub fn with_cluster_policy_stage(
+    config: GatewayConfig,
+    http: &HttpSettings,
+    cluster: &mut crate::config_source::cluster::Cluster,
+) -> (GatewayConfig, Arc<PolicyStage>) {
+    let settings = StageSettings {
+        dir: std::path::PathBuf::new(),
+        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
+        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
+        connect_timeout: http.connect_timeout(),
+    };
+    let credentials = cluster.credentials();
+    let sets = cluster.source.policy_sets();
+    let stage = PolicyStage::start_with(sets, &settings, Some(credentials));
+    (with_pool_endpoints(config, &stage), stage)
 }

@@ -20,9 +20,26 @@ async fn main() -> anyhow::Result<()> {
         .init();
     let args = Args::parse();
     let config = GatewayConfig::load(&args.config)?;
-    // The policy stage (with a policy directory): its pools' endpoints join the router's workers.
-    let (config, policy) = kinference_gateway::config::with_policy_stage(config, &args.http)
-        .context("loading the policy directory")?;
+    // Cluster mode (`crds:`): the five kinds watched in the API server, status written, keys from
+    // Secrets. Local mode: the policy stage over a policy directory. Either way the pools'
+    // endpoints join the router's workers.
+    let mut cluster = match &config.crds {
+        Some(crds) => Some(
+            kinference_gateway::config_source::cluster::Cluster::start(crds)
+                .await
+                .context("watching the CRDs in the cluster")?,
+        ),
+        None => None,
+    };
+    let (config, policy) = match cluster.as_mut() {
+        Some(cluster) => {
+            let (config, stage) =
+                kinference_gateway::config::with_cluster_policy_stage(config, &args.http, cluster);
+            (config, Some(stage))
+        }
+        None => kinference_gateway::config::with_policy_stage(config, &args.http)
+            .context("loading the policy directory")?,
+    };
     let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(
         config.routing_config(),
         config.kubernetes.as_ref(),
@@ -50,6 +67,9 @@ async fn main() -> anyhow::Result<()> {
             )
         })
         .context("starting tenancy (API keys, limits, usage journal)")?;
+    let _tenants_follow = cluster
+        .as_ref()
+        .map(|c| tenancy.follow(c.source.subscribe(), c.secrets.clone()));
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
         upstream: Upstream::new(&args.http),

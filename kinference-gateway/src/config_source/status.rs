@@ -33,7 +33,7 @@ fn condition(
         "status": if status { "True" } else { "False" },
         "reason": reason,
         "message": message,
-        "lastTransitionTime": crate::tenancy::budget::rfc3339(now_ms()),
+        "lastTransitionTime": now_rfc3339(),
     });
     if let Some(g) = generation {
         c["observedGeneration"] = json!(g);
@@ -41,10 +41,12 @@ fn condition(
     c
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+/// Now, RFC 3339 in whole seconds (as `metav1.Time`).
+fn now_rfc3339() -> String {
+    let now = k8s_openapi::jiff::Timestamp::now();
+    k8s_openapi::jiff::Timestamp::from_second(now.as_second())
+        .unwrap_or(now)
+        .to_string()
 }
 
 /// The status an object should have.
