@@ -534,3 +534,208 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     let _ = std::fs::remove_dir_all(&dir);
     drop(server);
 }
+
+/// Kills the child on drop.
+struct ChildGuard(std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+/// POSTs a request for `small` in the OpenAI (or Anthropic) protocol: (status, error code or type).
+async fn call(api: u16, key: Option<&str>, anthropic: bool) -> (u16, String) {
+    use http_body_util::{BodyExt, Full};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let body = json!({"model": "small", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hello"}]})
+    .to_string();
+    let path = if anthropic {
+        "/v1/messages"
+    } else {
+        "/v1/chat/completions"
+    };
+    let mut req = hyper::Request::post(format!("http://127.0.0.1:{api}{path}"))
+        .header("content-type", "application/json");
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let Ok(req) = req.body(Full::new(bytes::Bytes::from(body))) else {
+        return (0, String::new());
+    };
+    match client.request(req).await {
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let code = if anthropic {
+                v["error"]["type"].as_str().unwrap_or_default().to_string()
+            } else {
+                v["error"]["code"].as_str().unwrap_or_default().to_string()
+            };
+            (status, code)
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !check().await {
+        assert!(start.elapsed() < limit, "timed out after {limit:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_crds() {
+    let Some(server) = start_apiserver() else {
+        return;
+    };
+    let kube = client(&server).await;
+    let namespaces: Api<Namespace> = Api::all(kube.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
+            )
+            .expect("ns"),
+        )
+        .await
+        .expect("namespace");
+    install_crds(&kube).await;
+    apply(
+        &kube,
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "small", "namespace": NS},
+            "spec": {"servedName": "small-served", "classes": ["general"]}
+        }),
+    )
+    .await;
+    apply(&kube, pool("pool-a", "http://127.0.0.1:1")).await;
+
+    let dir = std::env::temp_dir().join(format!("kinference-crds-bin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let config = dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "crds:\n  namespaces: [{NS}]\n  kubeconfig: {}\n  lease_duration_s: 3\ntenancy:\n  usage_journal: {}\n",
+            server.kubeconfig.display(),
+            dir.join("usage.jsonl").display()
+        ),
+    )
+    .expect("config");
+    let (api, admin) = (free_port(), free_port());
+    let _gateway = ChildGuard(
+        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+            .arg(format!("--listen=127.0.0.1:{api}"))
+            .arg(format!("--admin-listen=127.0.0.1:{admin}"))
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(dir.join("gateway.log")).expect("log"))
+            .spawn()
+            .expect("gateway"),
+    );
+
+    // No tenant in the cluster: closed, 503 in both protocols, never served openly.
+    eventually("gateway up", Duration::from_secs(30), || async {
+        call(api, None, false).await.0 != 0
+    })
+    .await;
+    assert_eq!(
+        call(api, None, false).await,
+        (503, "tenants_unavailable".into())
+    );
+    assert_eq!(
+        call(api, None, true).await,
+        (503, "overloaded_error".into())
+    );
+
+    // A tenant and its Secret: no key is 401, the key passes authentication.
+    put_secret(&kube, "acme-key", "sk-acme-old").await;
+    apply(&kube, tenant("acme", "acme-key")).await;
+    eventually(
+        "the tenant's key authenticates",
+        Duration::from_secs(5),
+        || async {
+            let (status, code) = call(api, Some("sk-acme-old"), false).await;
+            status != 401 && status != 0 && code != "tenants_unavailable"
+        },
+    )
+    .await;
+    assert_eq!(
+        call(api, None, false).await,
+        (401, "invalid_api_key".into())
+    );
+    assert_eq!(
+        call(api, Some("sk-wrong"), true).await,
+        (401, "authentication_error".into())
+    );
+
+    // A broken edit of the tenant: its last good generation keeps serving, no key still 401.
+    let mut broken = tenant("acme", "acme-key");
+    broken["spec"]["apiKeys"] = json!([{}]);
+    apply(&kube, broken).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(call(api, None, false).await.0, 401);
+    assert_ne!(call(api, Some("sk-acme-old"), false).await.0, 401);
+
+    // An applied policy changes the decision within 2 s (end to end, through the binary).
+    let applied = Instant::now();
+    apply(&kube, json!({
+        "apiVersion": "kinference.ai/v1alpha1", "kind": "InferencePolicy",
+        "metadata": {"name": "block", "namespace": NS},
+        "spec": {"priority": 1, "rules": [
+            {"name": "all", "action": {"reject": {"status": 403, "message": "blocked by policy"}}}
+        ]}
+    }))
+    .await;
+    eventually("the policy rejects", Duration::from_secs(2), || async {
+        call(api, Some("sk-acme-old"), false).await.0 == 403
+    })
+    .await;
+    println!(
+        "FIGURE (gateway binary) policy applied -> decision changed in {} ms",
+        applied.elapsed().as_millis()
+    );
+
+    // A rotated key: new accepted, old refused within 5 s, no restart.
+    apply(&kube, tenant("acme", "acme-key")).await;
+    let rotated = Instant::now();
+    put_secret(&kube, "acme-key", "sk-acme-new").await;
+    eventually("rotated key", Duration::from_secs(5), || async {
+        call(api, Some("sk-acme-new"), false).await.0 == 403
+            && call(api, Some("sk-acme-old"), false).await.0 == 401
+    })
+    .await;
+    println!(
+        "FIGURE (gateway binary) rotated key accepted and old refused in {} ms",
+        rotated.elapsed().as_millis()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
