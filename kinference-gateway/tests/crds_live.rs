@@ -737,5 +737,64 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
         "FIGURE (gateway binary) rotated key accepted and old refused in {} ms",
         rotated.elapsed().as_millis()
     );
+
+    // kinfctl status: the gateway (lease holder) wrote every object's conditions.
+    let kinfctl = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kinfctl"))
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(&server.kubeconfig)
+            .output()
+            .expect("kinfctl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let (code, text) = kinfctl(&["status", "-n", NS]);
+        if code == Some(0) && text.lines().count() == 4 {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kinfctl status: {code:?}\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        text.lines().any(|l| l.starts_with("InferencePolicy")
+            && l.contains("block")
+            && l.contains("serving 1")
+            && l.contains("Accepted=True")),
+        "{text}"
+    );
+
+    // kinfctl diff: a directory that moves the pool's endpoint and adds a provider.
+    let objects = dir.join("objects");
+    std::fs::create_dir_all(&objects).expect("dir");
+    let mut moved = pool("pool-a", "http://127.0.0.1:9");
+    moved["metadata"]
+        .as_object_mut()
+        .map(|m| m.remove("namespace"));
+    std::fs::write(
+        objects.join("pool.yaml"),
+        serde_yaml::to_string(&moved).expect("yaml"),
+    )
+    .expect("write");
+    std::fs::write(
+        objects.join("model.yaml"),
+        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceModel\nmetadata: {name: small}\n\
+         spec: {servedName: small-served, classes: [general]}\n",
+    )
+    .expect("write");
+    let (code, text) = kinfctl(&["diff", objects.to_str().expect("utf-8"), "-n", NS]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("~ InferencePool/pool-a"), "{text}");
+    assert!(text.contains("spec.endpoints[0].url"), "{text}");
+    assert!(text.contains("- InferencePolicy/block"), "{text}");
+    assert!(!text.contains("InferencePool/pool-a (created)"), "{text}");
+    assert!(!text.contains("InferenceModel/small"), "unchanged: {text}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,10 +1,14 @@
-//! `kinfctl`: offline policy tooling; no cluster needed.
+//! `kinfctl`: policy tooling; offline, except `status` and `diff`, which read a cluster.
 //!
 //! - `kinfctl lint DIR`: schema and semantic checks of a directory of CRD-shaped YAML (unknown
 //!   references, unreachable/shadowed/conflicting rules, PII rules that could fail open).
 //! - `kinfctl test DIR --cases FILE`: evaluates sample requests and compares the decisions with
 //!   the expected ones (for CI in a policy repository).
 //! - `kinfctl explain DIR --request FILE [--state FILE]`: the decision for one request, rule by rule.
+//! - `kinfctl status [-n NS]...`: every object's generation, serving generation and conditions in
+//!   the cluster (kubeconfig like `kubectl`: `--kubeconfig`, `$KUBECONFIG`, `~/.kube/config`).
+//! - `kinfctl diff DIR -n NS`: what applying the directory would change in that namespace (exit 1
+//!   when something would change).
 //!
 //! Every message names its file and line. Exit codes: 0 ok, 1 findings or failed cases,
 //! 2 usage or I/O errors.
@@ -28,7 +32,7 @@ use serde::Deserialize;
 #[command(
     name = "kinfctl",
     version,
-    about = "Lint, test and explain Kinference policies offline"
+    about = "Lint, test and explain Kinference policies; status and diff against a cluster"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -64,6 +68,29 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
+    /// Serving generation and conditions of every object in the cluster.
+    Status {
+        /// Namespaces (default: all).
+        #[arg(short, long = "namespace")]
+        namespaces: Vec<String>,
+        /// Kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// What applying DIR would change in a namespace of the cluster; exit 1 when anything would.
+    Diff {
+        dir: PathBuf,
+        /// The namespace compared.
+        #[arg(short, long = "namespace", default_value = "default")]
+        namespace: String,
+        /// Kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -86,6 +113,17 @@ fn main() -> ExitCode {
             state,
             format,
         } => explain(&dir, &request, state.as_deref(), format),
+        Command::Status {
+            namespaces,
+            kubeconfig,
+            format,
+        } => cluster::status(&namespaces, kubeconfig.as_deref(), format),
+        Command::Diff {
+            dir,
+            namespace,
+            kubeconfig,
+            format,
+        } => cluster::diff(&dir, &namespace, kubeconfig.as_deref(), format),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -403,4 +441,128 @@ fn test(dir: &Path, cases_path: &Path) -> Result<bool, Fatal> {
     }
     println!("{passed} passed, {failed} failed");
     Ok(failed == 0)
+}
+
+/// `status` and `diff`: the subcommands that read a cluster.
+mod cluster {
+    use std::path::Path;
+
+    use kinference_gateway::config_source::inspect::{self, Change};
+    use kinference_gateway::config_source::kube::client;
+
+    use super::{Fatal, Format, load_dir};
+
+    fn runtime() -> Result<tokio::runtime::Runtime, Fatal> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| Fatal(format!("tokio: {e}")))
+    }
+
+    pub fn status(
+        namespaces: &[String],
+        kubeconfig: Option<&Path>,
+        format: Format,
+    ) -> Result<bool, Fatal> {
+        let objects = runtime()?.block_on(async {
+            let client = client(kubeconfig).await.map_err(|e| Fatal(e.to_string()))?;
+            inspect::live_objects(&client, namespaces)
+                .await
+                .map_err(|e| Fatal(format!("listing the objects: {e}")))
+        })?;
+        let rows: Vec<_> = objects
+            .iter()
+            .map(|(o, v)| inspect::status_row(o, v))
+            .collect();
+        let mut healthy = true;
+        if let Format::Json = format {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&rows).map_err(|e| Fatal(e.to_string()))?
+            );
+        }
+        let opt = |g: Option<i64>| g.map_or("-".to_string(), |g| g.to_string());
+        for r in &rows {
+            let cond = |t: &str| r.conditions.get(t).map_or("-", |c| c.0.as_str());
+            let rolled_back = cond("RolledBack") == "True";
+            healthy &= cond("Accepted") == "True" && !rolled_back;
+            if let Format::Text = format {
+                println!(
+                    "{:<18} {:<12} {:<24} gen {:<3} observed {:<3} serving {:<3} Accepted={} Active={} RolledBack={}",
+                    r.object.kind,
+                    r.object.namespace,
+                    r.object.name,
+                    opt(r.generation),
+                    opt(r.observed_generation),
+                    opt(r.active_generation),
+                    cond("Accepted"),
+                    cond("Active"),
+                    cond("RolledBack"),
+                );
+                if let Some((_, message)) = r
+                    .conditions
+                    .get("RolledBack")
+                    .filter(|_| rolled_back)
+                    .or_else(|| r.conditions.get("Accepted").filter(|c| c.0 != "True"))
+                {
+                    println!("    {message}");
+                }
+            }
+        }
+        Ok(healthy)
+    }
+
+    pub fn diff(
+        dir: &Path,
+        namespace: &str,
+        kubeconfig: Option<&Path>,
+        format: Format,
+    ) -> Result<bool, Fatal> {
+        let loaded = load_dir(dir, None).map_err(|e| Fatal(e.to_string()))?;
+        for p in &loaded.problems {
+            eprintln!("{p}");
+        }
+        for p in &loaded.outcome.problems {
+            eprintln!("{p}");
+        }
+        let local: Vec<_> = loaded
+            .outcome
+            .states
+            .keys()
+            .filter_map(|k| loaded.outcome.set.manifest(k))
+            .collect();
+        let live = runtime()?.block_on(async {
+            let client = client(kubeconfig).await.map_err(|e| Fatal(e.to_string()))?;
+            inspect::live_objects(&client, &[namespace.to_string()])
+                .await
+                .map_err(|e| Fatal(format!("listing the objects: {e}")))
+        })?;
+        let changes = inspect::diff(&local, &live);
+        match format {
+            Format::Json => println!(
+                "{}",
+                serde_json::to_string_pretty(&changes).map_err(|e| Fatal(e.to_string()))?
+            ),
+            Format::Text => {
+                for c in &changes {
+                    match c {
+                        Change::Create { object } => println!("+ {object} (created)"),
+                        Change::Update { object, paths } => {
+                            println!("~ {object}");
+                            for p in paths {
+                                println!("    {p}");
+                            }
+                        }
+                        Change::Delete { object } => {
+                            println!("- {object} (in the cluster, not in {})", dir.display())
+                        }
+                    }
+                }
+                if changes.is_empty() {
+                    println!("no changes");
+                }
+            }
+        }
+        Ok(changes.is_empty() && loaded.outcome.problems.is_empty())
+    }
 }

@@ -18,6 +18,7 @@
 
 pub mod cluster;
 pub mod files;
+pub mod inspect;
 pub mod kube;
 pub mod lease;
 pub mod secrets;

@@ -161,3 +161,52 @@ fn status_says_rolled_back_with_the_serving_generation_and_compares_without_time
     assert!(!status::same_status(Some(&later), &s));
     assert!(!status::same_status(None, &s));
 }
+
+#[test]
+fn diff_shows_creates_field_level_updates_and_deletes_but_not_defaults() {
+    let live = vec![
+        (
+            obj("InferenceTenant", "ns", "acme"),
+            tenant("ns", "acme", 1, "acme"),
+        ),
+        (
+            obj("InferenceTenant", "ns", "gone"),
+            tenant("ns", "gone", 1, "gone"),
+        ),
+        (
+            obj("InferenceTenant", "ns", "same"),
+            tenant("ns", "same", 4, "same"),
+        ),
+    ];
+    let mut a = Applier::default();
+    a.upsert_value("InferenceTenant", &tenant("", "acme", 1, "acme-rotated"));
+    a.upsert_value("InferenceTenant", &tenant("", "same", 1, "same"));
+    a.upsert_value("InferenceTenant", &tenant("", "new", 1, "new"));
+    let set = a.build(true).set;
+    let local: Vec<_> = set
+        .tenants
+        .keys()
+        .filter_map(|n| {
+            set.manifest(&ObjectKey {
+                kind: "InferenceTenant",
+                name: n.clone(),
+            })
+        })
+        .collect();
+    let changes = inspect::diff(&local, &live);
+    assert_eq!(
+        changes,
+        vec![
+            inspect::Change::Update {
+                object: "InferenceTenant/acme".into(),
+                paths: vec!["spec.apiKeys[0].secretRef.name".into()],
+            },
+            inspect::Change::Create {
+                object: "InferenceTenant/new".into()
+            },
+            inspect::Change::Delete {
+                object: "InferenceTenant/gone".into()
+            },
+        ]
+    );
+}
