@@ -1,6 +1,6 @@
 //! The five CRDs drive a running cluster (issue 18), against a real kube-apiserver
-//! (`deploy/tests/kube-apiserver/`). Runs with `KINFERENCE_TEST_APISERVER=1`; skipped otherwise,
-//! except under `CI=true`, where a missing or broken apiserver fails the test.
+//! (`deploy/tests/kube-apiserver/`, through `testkit`). Runs with `KINFERENCE_TEST_APISERVER=1`;
+//! skipped otherwise, except under `CI=true`, where a missing or broken apiserver fails the test.
 //!
 //! Two gateway-side cluster sources (two replicas) watch one namespace. The test checks: both
 //! converge on the same serving generations; only the Lease holder writes status (server-side
@@ -10,7 +10,6 @@
 //! tenant never weakens authentication; a rotated Secret key is accepted and the old one refused
 //! within 5 s (printed); deleting a provider removes it from the serving set.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -29,76 +28,12 @@ use kube::core::DynamicObject;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
+use testkit::Apiserver;
 
 const NS: &str = "kinf";
 
-struct ApiServer {
-    dir: PathBuf,
-    kubeconfig: PathBuf,
-}
-
-impl Drop for ApiServer {
-    fn drop(&mut self) {
-        let _ = Command::new(scripts().join("stop.sh"))
-            .arg(&self.dir)
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn scripts() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/tests/kube-apiserver")
-}
-
-fn free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
-}
-
-fn free_port_triple() -> u16 {
-    loop {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("port");
-        if p > 20000 && free(p - 4064) && free(p - 4063) {
-            return p;
-        }
-    }
-}
-
-fn start_apiserver() -> Option<ApiServer> {
-    let ci = std::env::var("CI").as_deref() == Ok("true");
-    if std::env::var("KINFERENCE_TEST_APISERVER").as_deref() != Ok("1") {
-        assert!(
-            !ci,
-            "CI=true but KINFERENCE_TEST_APISERVER is not 1: the CRD tests against a real kube-apiserver must run in CI"
-        );
-        eprintln!(
-            "SKIPPED: set KINFERENCE_TEST_APISERVER=1 to run the CRD tests against a real kube-apiserver \
-             (deploy/tests/kube-apiserver/build.sh builds it once)"
-        );
-        return None;
-    }
-    let dir = std::env::temp_dir().join(format!("kinference-crds-live-{}", std::process::id()));
-    let out = Command::new(scripts().join("start.sh"))
-        .arg(&dir)
-        .arg(free_port_triple().to_string())
-        .output()
-        .expect("run start.sh");
-    let server = ApiServer {
-        kubeconfig: dir.join("kubeconfig"),
-        dir,
-    };
-    assert!(
-        out.status.success(),
-        "start.sh failed (the apiserver could not start): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Some(server)
-}
-
-async fn client(server: &ApiServer) -> Client {
-    let kc = Kubeconfig::read_from(&server.kubeconfig).expect("kubeconfig");
+async fn client(server: &Apiserver) -> Client {
+    let kc = Kubeconfig::read_from(server.kubeconfig()).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
         .await
         .expect("client config");
@@ -248,7 +183,7 @@ fn condition(obj: &DynamicObject, type_: &str) -> Option<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
-    let Some(server) = start_apiserver() else {
+    let Some(server) = Apiserver::start("crds-bin") else {
         return;
     };
     let kube = client(&server).await;
@@ -609,7 +544,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_crds() {
-    let Some(server) = start_apiserver() else {
+    let Some(server) = Apiserver::start("crds-bin") else {
         return;
     };
     let kube = client(&server).await;
@@ -643,7 +578,7 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
         &config,
         format!(
             "crds:\n  namespaces: [{NS}]\n  kubeconfig: {}\n  lease_duration_s: 3\ntenancy:\n  usage_journal: {}\n",
-            server.kubeconfig.display(),
+            server.kubeconfig().display(),
             dir.join("usage.jsonl").display()
         ),
     )
@@ -743,7 +678,7 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
         let out = Command::new(env!("CARGO_BIN_EXE_kinfctl"))
             .args(args)
             .arg("--kubeconfig")
-            .arg(&server.kubeconfig)
+            .arg(server.kubeconfig())
             .output()
             .expect("kinfctl");
         (
