@@ -219,7 +219,10 @@ pub fn with_policy_stage(
         load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
         connect_timeout: http.connect_timeout(),
     };
-    let stage = PolicyStage::start(&settings)?;
+    // The same source interface as the cluster: the directory's front end publishes the sets.
+    let source =
+        crate::config_source::files::start(settings.dir.clone(), settings.reload_interval)?;
+    let stage = PolicyStage::start_with(source.into_policy_sets(), &settings, None);
     Ok((with_pool_endpoints(config, &stage), Some(stage)))
 }
 

@@ -70,6 +70,9 @@ async fn main() -> anyhow::Result<()> {
     let _tenants_follow = cluster
         .as_ref()
         .map(|c| tenancy.follow(c.source.subscribe(), c.secrets.clone()));
+    if let Some(c) = cluster.as_mut() {
+        metrics.with_registry(|registry| c.source.register_metrics(registry));
+    }
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
         upstream: Upstream::new(&args.http),

@@ -32,6 +32,9 @@ use testkit::Apiserver;
 
 const NS: &str = "kinf";
 
+/// One apiserver at a time: two at once (plus the gateways) starve a 2-core machine.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn client(server: &Apiserver) -> Client {
     let kc = Kubeconfig::read_from(server.kubeconfig()).expect("kubeconfig");
     let config = kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
@@ -183,6 +186,7 @@ fn condition(obj: &DynamicObject, type_: &str) -> Option<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
+    let _serial = SERIAL.lock().await;
     let Some(server) = Apiserver::start("crds-bin") else {
         return;
     };
@@ -529,6 +533,25 @@ async fn call(api: u16, key: Option<&str>, anthropic: bool) -> (u16, String) {
     }
 }
 
+/// GET `path` on `port`: the body, empty on any error.
+async fn get_text(port: u16, path: &str) -> String {
+    use http_body_util::{BodyExt, Empty};
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Empty<bytes::Bytes>>();
+    let Ok(uri) = format!("http://127.0.0.1:{port}{path}").parse::<hyper::Uri>() else {
+        return String::new();
+    };
+    match client.get(uri).await {
+        Ok(resp) => resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).to_string())
+            .unwrap_or_default(),
+        Err(_) => String::new(),
+    }
+}
+
 async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F) -> Duration
 where
     F: FnMut() -> Fut,
@@ -544,6 +567,7 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_crds() {
+    let _serial = SERIAL.lock().await;
     let Some(server) = Apiserver::start("crds-bin") else {
         return;
     };
@@ -639,6 +663,18 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(call(api, None, false).await.0, 401);
     assert_ne!(call(api, Some("sk-acme-old"), false).await.0, 401);
+    // The gateway's metrics report the same state.
+    let metrics = eventually(
+        "metrics show the rollback",
+        Duration::from_secs(5),
+        || async {
+            get_text(admin, "/metrics").await.contains(
+            "kinference_gateway_config_objects{kind=\"InferenceTenant\",state=\"RolledBack\"} 1",
+        )
+        },
+    )
+    .await;
+    assert!(metrics < Duration::from_secs(5));
 
     // An applied policy changes the decision within 2 s (end to end, through the binary).
     let applied = Instant::now();

@@ -13,13 +13,14 @@ use tokio::sync::watch;
 
 use super::{ConfigSource, ObjectEntry, ObjectRef, ObjectState, Snapshot};
 use crate::policy::model::{ApplyState, BuildOutcome};
-use crate::policy::source::{SourceError, load_dir};
+use crate::policy::source::{Loaded, SourceError, load_dir};
 
 /// Starts watching `dir`: loads it now (an error only if it cannot be read) and re-reads it every
 /// `interval` when a file changed.
 pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceError> {
     let mut seen = fingerprint(&dir);
     let loaded = load_dir(&dir, None)?;
+    log_load(&loaded, None);
     let mut revision = 1;
     let first = snapshot(&loaded.outcome, revision);
     let (tx, rx) = watch::channel(Arc::new(first));
@@ -36,16 +37,10 @@ pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceErr
                 continue;
             }
             seen = now;
-            let previous = Arc::clone(&tx.borrow().set);
-            match load_dir(&dir, Some(&previous)) {
+            let previous = Arc::clone(&tx.borrow());
+            match load_dir(&dir, Some(&previous.set)) {
                 Ok(loaded) => {
-                    for (key, state) in &loaded.outcome.states {
-                        if let ApplyState::RolledBack { reason } | ApplyState::Rejected { reason } =
-                            state
-                        {
-                            tracing::warn!(object = %key, %reason, "object not applied");
-                        }
-                    }
+                    log_load(&loaded, Some(&previous));
                     revision += 1;
                     tx.send_replace(Arc::new(snapshot(&loaded.outcome, revision)));
                 }
@@ -56,6 +51,31 @@ pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceErr
         }
     });
     Ok(ConfigSource::new(rx, vec![task]))
+}
+
+/// Logs a load's problems and each object whose state changed since `before`.
+fn log_load(loaded: &Loaded, before: Option<&Snapshot>) {
+    for p in &loaded.problems {
+        tracing::warn!(file = %p.file.display(), line = p.line, check = p.check, "policy document problem: {}", p.message);
+    }
+    for p in &loaded.outcome.problems {
+        tracing::warn!(object = %p.object, file = %p.file.display(), line = p.line, "policy object invalid: {}", p.message);
+    }
+    for (key, state) in &loaded.outcome.states {
+        let unchanged = before
+            .and_then(|b| b.entry(key.kind, &key.name))
+            .is_some_and(|e| e.state == ObjectState::Accepted);
+        match state {
+            ApplyState::Applied if unchanged => {}
+            ApplyState::Applied => tracing::info!(object = %key, "policy object applied"),
+            ApplyState::RolledBack { reason } => {
+                tracing::warn!(object = %key, %reason, "policy object NOT applied; the previous version keeps serving")
+            }
+            ApplyState::Rejected { reason } => {
+                tracing::warn!(object = %key, %reason, "policy object NOT applied (no previous version)")
+            }
+        }
+    }
 }
 
 /// The snapshot of one load of the directory.

@@ -33,6 +33,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
 use tokio::sync::watch;
 
@@ -363,6 +366,13 @@ fn parse_object(object: &ObjectRef, value: &serde_json::Value) -> Result<Manifes
     })
 }
 
+/// Labels of `kinference_gateway_config_objects`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    kind: &'static str,
+    state: &'static str,
+}
+
 /// Why a source could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigSourceError {
@@ -429,6 +439,43 @@ impl ConfigSource {
             }
         }));
         out
+    }
+
+    /// The serving policy set as its own watch, for a consumer that outlives this handle: the
+    /// tasks are not stopped with it but end by themselves once every receiver is gone.
+    pub fn into_policy_sets(mut self) -> watch::Receiver<Arc<PolicySet>> {
+        let sets = self.policy_sets();
+        self.tasks.clear();
+        sets
+    }
+
+    /// Registers `kinference_gateway_config_objects{kind, state}` (objects per kind and
+    /// Accepted / RolledBack / Rejected), kept current with every snapshot.
+    pub fn register_metrics(&mut self, registry: &mut prometheus_client::registry::Registry) {
+        let objects: Family<StateLabels, Gauge> = Family::default();
+        registry.sub_registry_with_prefix("kinference_gateway").register(
+            "config_objects",
+            "Configuration objects (the five CRDs) by kind and apply state (Accepted, RolledBack: an older generation serves, Rejected: none does)",
+            objects.clone(),
+        );
+        let mut rx = self.subscribe();
+        self.keep(tokio::spawn(async move {
+            loop {
+                let snapshot = Arc::clone(&rx.borrow_and_update());
+                objects.clear();
+                for e in snapshot.objects.values() {
+                    objects
+                        .get_or_create(&StateLabels {
+                            kind: e.object.kind,
+                            state: e.state.name(),
+                        })
+                        .inc();
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        }));
     }
 
     /// Waits until the front end has read everything once, at most `timeout`; whether it has.
