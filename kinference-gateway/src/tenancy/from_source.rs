@@ -25,9 +25,13 @@ impl Tenancy {
         mut snapshots: watch::Receiver<Arc<Snapshot>>,
         mut secrets: watch::Receiver<Arc<SecretValues>>,
     ) -> tokio::task::JoinHandle<()> {
-        self.followed
-            .store(true, std::sync::atomic::Ordering::Release);
-        *self.table.write() = Arc::new(TenantTable::empty(true));
+        {
+            // Under the table's lock, so a file reload in flight cannot write after this.
+            let mut table = self.table.write();
+            self.followed
+                .store(true, std::sync::atomic::Ordering::Release);
+            *table = Arc::new(TenantTable::empty(true));
+        }
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             loop {

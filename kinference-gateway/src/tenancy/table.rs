@@ -146,7 +146,11 @@ impl Tenancy {
                 "tenants loaded; requests need an API key"
             );
         }
-        *self.table.write() = Arc::new(table);
+        // Under the lock: a source that took over meanwhile ([`Tenancy::follow`]) wins.
+        let mut slot = self.table.write();
+        if !self.followed.load(std::sync::atomic::Ordering::Acquire) {
+            *slot = Arc::new(table);
+        }
     }
 
     /// The table from the files; `None` when the tenants themselves could not be read (the caller
