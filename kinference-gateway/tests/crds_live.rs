@@ -595,7 +595,7 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     .await;
     apply(&kube, pool("pool-a", "http://127.0.0.1:1")).await;
 
-    let dir = std::env::temp_dir().join(format!("kinference-crds-bin-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kinference-crds-gateway-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let config = dir.join("gateway.yaml");
     std::fs::write(
