@@ -450,6 +450,19 @@ def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() ->
     assert ("kinference-agent", NAMESPACE) not in grants
 
 
+def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease() -> None:
+    crds = {"namespaces": [NAMESPACE]}
+    grants = rules_by_subject(render({"gateway": {"config": {"routing": "kinference", "crds": crds}}}))
+    kinds = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
+    cluster_mode = (
+        {("kinference.ai", k, "", v) for k in kinds for v in WATCH}
+        | {("kinference.ai", f"{k}/status", "", "patch") for k in kinds}
+        | {("coordination.k8s.io", "leases", "", v) for v in ("get", "create", "update")}
+    )
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | cluster_mode
+    assert normalise(grants[("kinference-agent", NAMESPACE)]) == AGENT_RULES
+
+
 def test_rbac_cluster_wide() -> None:
     objects = render(VARIANTS["cluster-wide"])
     assert not find(objects, "Role") and not find(objects, "RoleBinding")
