@@ -26,20 +26,7 @@ fn fixtures() -> PathBuf {
 
 #[test]
 fn every_saved_fuzz_input_replays_without_a_panic() {
-    for target in TARGETS {
-        let dir = corpus_dir().join(target);
-        let entries = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("corpus of {target} missing at {}: {e}", dir.display()));
-        let mut n = 0;
-        for entry in entries {
-            let path = entry.expect("corpus entry").path();
-            let data = std::fs::read(&path).expect("corpus file");
-            let result = std::panic::catch_unwind(|| untrusted::run(target, &data));
-            assert!(result.is_ok(), "{target}: {} panics", path.display());
-            n += 1;
-        }
-        assert!(n >= 5, "{target}: only {n} corpus files");
-    }
+    testkit::replay_corpus(&corpus_dir(), &TARGETS, 5, untrusted::run);
 }
 
 /// The seeds must exercise the parsers' success paths, not only their rejections.

@@ -11,21 +11,8 @@ use kinference_gateway::untrusted::{self, TARGETS};
 
 #[test]
 fn every_saved_fuzz_input_replays_without_a_panic() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
-    for target in TARGETS {
-        let dir = root.join(target);
-        let entries = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("corpus of {target} missing at {}: {e}", dir.display()));
-        let mut n = 0;
-        for entry in entries {
-            let path = entry.expect("corpus entry").path();
-            let data = std::fs::read(&path).expect("corpus file");
-            let result = std::panic::catch_unwind(|| untrusted::run(target, &data));
-            assert!(result.is_ok(), "{target}: {} panics", path.display());
-            n += 1;
-        }
-        assert!(n >= 2, "{target}: only {n} saved inputs");
-    }
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus");
+    testkit::replay_corpus(&corpus, &TARGETS, 2, untrusted::run);
 }
 
 /// The seeds are real inputs, not only noise: each well-formed seed gets through its parser.

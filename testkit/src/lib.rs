@@ -1,17 +1,20 @@
 //! What the integration tests of every crate share: a prerequisite check that skips locally and fails under
 //! CI ([`require`], [`skip`]), free loopback ports, a child process killed on drop, the tokenizer and binary
-//! folders, and a real kube-apiserver started from `deploy/tests/kube-apiserver/`.
+//! folders, a real kube-apiserver started from `deploy/tests/kube-apiserver/`, and the replay of saved fuzz
+//! corpora ([`replay_corpus`]).
 //!
 //! A dev-dependency (and `xtask`'s, for [`in_ci`]): nothing here is for services. The Python tests get the
 //! same rule from `testkit/python/kinference_ci.py`, a pytest plugin `cargo xtask test` loads.
 #![forbid(unsafe_code)]
 
 pub mod apiserver;
+mod fuzz;
 mod paths;
 mod prereq;
 mod process;
 
 pub use apiserver::Apiserver;
+pub use fuzz::replay_corpus;
 pub use paths::{bin_dir, repo_root, tokenizer_dir};
 pub use prereq::{in_ci, require, skip};
 pub use process::{ChildGuard, free_port};
