@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use testkit::{ChildGuard, bin_dir, free_port};
 
+mod support;
+
 fn get(port: u16, path: &str) -> Option<String> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -164,18 +166,7 @@ fn every_dashboard_query_names_an_exported_metric() {
         "workers:\n  - url: http://127.0.0.1:9\n    model: m\nrouting: kinference\n",
     )
     .unwrap();
-    let (api, admin) = (free_port(), free_port());
-    let mut gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{api}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting kinference-gateway"),
-    );
+    let (mut gateway, _api, admin) = support::spawn_gateway(&config);
 
     let agent_bin = bin_dir().join("kinference-agent");
     assert!(

@@ -3,10 +3,9 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, free_port};
+mod support;
 
 /// One HTTP/1.1 exchange on a fresh connection: (status line, body).
 fn exchange(port: u16, request: &str) -> Option<(String, String)> {
@@ -53,18 +52,7 @@ fn random_model_names_do_not_grow_metrics() {
         "workers:\n  - url: http://127.0.0.1:9\n    model: served\nrouting: kinference\n",
     )
     .unwrap();
-    let (api, admin) = (free_port(), free_port());
-    let mut gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{api}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .arg("--config")
-            .arg(&config)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting kinference-gateway"),
-    );
+    let (mut gateway, api, admin) = support::spawn_gateway(&config);
     let deadline = Instant::now() + Duration::from_secs(60);
     while metrics(admin).is_none() {
         if let Ok(Some(status)) = gateway.0.try_wait() {
