@@ -73,7 +73,7 @@ pub enum ConditionStatus {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct Condition {
-    /// Condition type, e.g. `Accepted` or `Active`.
+    /// Condition type: `Accepted`, `Ready` or `RolledBack`.
     #[serde(rename = "type")]
     pub type_: String,
     /// True, False or Unknown.
@@ -101,7 +101,9 @@ pub struct ResourceStatus {
     /// The generation currently serving (older than `observedGeneration` after a rollback).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub active_generation: Option<i64>,
-    /// `Accepted` (the spec validated) and `Active` (it is serving).
+    /// `Accepted` (the latest generation validated), `Ready` (a generation is serving) and
+    /// `RolledBack` (the latest generation was refused; the message names the error and the
+    /// generation still serving).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

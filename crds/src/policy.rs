@@ -23,14 +23,35 @@ use crate::common::ResourceStatus;
     printcolumn(name = "Priority", type_ = "integer", json_path = ".spec.priority"),
     printcolumn(name = "Suspended", type_ = "boolean", json_path = ".spec.suspend"),
     printcolumn(
-        name = "Active",
+        name = "Accepted",
         type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Active\")].status"
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
     ),
     printcolumn(
-        name = "Reason",
+        name = "Ready",
         type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Active\")].reason",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "RolledBack",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"RolledBack\")].status"
+    ),
+    printcolumn(
+        name = "Serving",
+        type_ = "integer",
+        json_path = ".status.activeGeneration"
+    ),
+    printcolumn(
+        name = "Observed",
+        type_ = "integer",
+        json_path = ".status.observedGeneration",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].message",
         priority = 1
     ),
     printcolumn(

@@ -22,9 +22,36 @@ use crate::common::{Locality, ResourceStatus, TokenPrices};
     printcolumn(name = "GPU", type_ = "string", json_path = ".spec.gpuClass"),
     printcolumn(name = "Locality", type_ = "string", json_path = ".spec.locality"),
     printcolumn(
-        name = "Active",
+        name = "Accepted",
         type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Active\")].status"
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "RolledBack",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"RolledBack\")].status"
+    ),
+    printcolumn(
+        name = "Serving",
+        type_ = "integer",
+        json_path = ".status.activeGeneration"
+    ),
+    printcolumn(
+        name = "Observed",
+        type_ = "integer",
+        json_path = ".status.observedGeneration",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].message",
+        priority = 1
     ),
     printcolumn(
         name = "Age",

@@ -20,9 +20,36 @@ use crate::common::{CredentialRef, ResourceStatus, TokenPrices};
     printcolumn(name = "API", type_ = "string", json_path = ".spec.apiStyle"),
     printcolumn(name = "URL", type_ = "string", json_path = ".spec.baseUrl"),
     printcolumn(
-        name = "Active",
+        name = "Accepted",
         type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Active\")].status"
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "RolledBack",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"RolledBack\")].status"
+    ),
+    printcolumn(
+        name = "Serving",
+        type_ = "integer",
+        json_path = ".status.activeGeneration"
+    ),
+    printcolumn(
+        name = "Observed",
+        type_ = "integer",
+        json_path = ".status.observedGeneration",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].message",
+        priority = 1
     ),
     printcolumn(
         name = "Age",

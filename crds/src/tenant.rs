@@ -27,9 +27,36 @@ use crate::common::{CredentialRef, ResourceStatus};
         json_path = ".spec.budget.monthlyLimit"
     ),
     printcolumn(
-        name = "Active",
+        name = "Accepted",
         type_ = "string",
-        json_path = ".status.conditions[?(@.type==\"Active\")].status"
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status"
+    ),
+    printcolumn(
+        name = "Ready",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Ready\")].status"
+    ),
+    printcolumn(
+        name = "RolledBack",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"RolledBack\")].status"
+    ),
+    printcolumn(
+        name = "Serving",
+        type_ = "integer",
+        json_path = ".status.activeGeneration"
+    ),
+    printcolumn(
+        name = "Observed",
+        type_ = "integer",
+        json_path = ".status.observedGeneration",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Message",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].message",
+        priority = 1
     ),
     printcolumn(
         name = "Age",
@@ -54,6 +81,33 @@ pub struct InferenceTenantSpec {
     /// Model classes the tenant may request; empty: all.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_classes: Vec<String>,
+    /// Who is shed first when a gateway is overloaded: near its in-flight limit a higher-priority
+    /// tenant's request is admitted while a lower one's waits briefly, then is refused (503).
+    #[serde(default)]
+    pub priority: TenantPriority,
+}
+
+/// A tenant's share of an overloaded gateway.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, JsonSchema, Default)]
+pub enum TenantPriority {
+    /// Admitted up to the gateway's in-flight limit.
+    High,
+    /// Admitted while some headroom is left for high-priority tenants.
+    #[default]
+    Medium,
+    /// Shed first: admitted while headroom is left for medium and high.
+    Low,
+}
+
+impl TenantPriority {
+    /// Label value for metrics (`high`, `medium`, `low`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TenantPriority::High => "high",
+            TenantPriority::Medium => "medium",
+            TenantPriority::Low => "low",
+        }
+    }
 }
 
 /// Per-minute limits, enforced over a sliding minute.

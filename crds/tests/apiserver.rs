@@ -132,7 +132,7 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
     }
 
     // Status subresource and printer columns.
-    let patch = r#"{"status":{"observedGeneration":1,"conditions":[{"type":"Active","status":"True","reason":"Applied","message":"serving"}]}}"#;
+    let patch = r#"{"status":{"observedGeneration":1,"conditions":[{"type":"Ready","status":"True","reason":"Serving","message":"serving"}]}}"#;
     let o = kubectl(
         &server,
         &[
@@ -150,7 +150,7 @@ fn crds_apply_examples_are_accepted_and_invalid_objects_rejected() {
     let o = kubectl(&server, &["get", "inferencepolicy", "tenancy"], None);
     let table = text(&o);
     assert!(
-        table.contains("PRIORITY") && table.contains("ACTIVE"),
+        table.contains("PRIORITY") && table.contains("READY") && table.contains("ROLLEDBACK"),
         "{table}"
     );
     assert!(

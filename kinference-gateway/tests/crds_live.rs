@@ -299,7 +299,7 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
         "True"
     );
     assert_eq!(
-        condition(&policy, "Active").expect("Active")["status"],
+        condition(&policy, "Ready").expect("Ready")["status"],
         "True"
     );
     assert_eq!(policy.data["status"]["observedGeneration"], 1);

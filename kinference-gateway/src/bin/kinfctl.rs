@@ -488,7 +488,7 @@ mod cluster {
             healthy &= cond("Accepted") == "True" && !rolled_back;
             if let Format::Text = format {
                 println!(
-                    "{:<18} {:<12} {:<24} gen {:<3} observed {:<3} serving {:<3} Accepted={} Active={} RolledBack={}",
+                    "{:<18} {:<12} {:<24} gen {:<3} observed {:<3} serving {:<3} Accepted={} Ready={} RolledBack={}",
                     r.object.kind,
                     r.object.namespace,
                     r.object.name,
@@ -496,7 +496,7 @@ mod cluster {
                     opt(r.observed_generation),
                     opt(r.active_generation),
                     cond("Accepted"),
-                    cond("Active"),
+                    cond("Ready"),
                     cond("RolledBack"),
                 );
                 if let Some((_, message)) = r

@@ -2,9 +2,9 @@
 //!
 //! For each object of a [`Snapshot`]: `observedGeneration` (the latest generation seen),
 //! `activeGeneration` (the one serving) and three conditions: `Accepted` (the latest generation
-//! validated), `Active` (some generation serves; what the printer columns show) and `RolledBack`
-//! (the latest generation was refused: the message names the error and the generation still
-//! serving). Only changes are written: the desired status is compared with the status the watch
+//! validated), `Ready` (some generation serves) and `RolledBack` (the latest generation was
+//! refused: the message names the error and the generation still serving). The printer columns of
+//! the CRDs show all three and the serving generation. Only changes are written: the desired status is compared with the status the watch
 //! last saw, so a replica taking the lease over writes nothing that is already right.
 
 use std::sync::Arc;
@@ -52,7 +52,7 @@ fn now_rfc3339() -> String {
 /// The status an object should have.
 pub fn desired_status(e: &ObjectEntry) -> Value {
     let g = e.observed_generation;
-    let (accepted, active, rolled_back) = match &e.state {
+    let (accepted, ready, rolled_back) = match &e.state {
         ObjectState::Accepted => (
             condition(
                 "Accepted",
@@ -62,7 +62,7 @@ pub fn desired_status(e: &ObjectEntry) -> Value {
                 g,
             ),
             condition(
-                "Active",
+                "Ready",
                 true,
                 "Serving",
                 "the latest generation is serving",
@@ -86,7 +86,7 @@ pub fn desired_status(e: &ObjectEntry) -> Value {
             (
                 condition("Accepted", false, "Invalid", error, g),
                 condition(
-                    "Active",
+                    "Ready",
                     true,
                     "PreviousGenerationServing",
                     &format!("{serving} keeps serving"),
@@ -104,7 +104,7 @@ pub fn desired_status(e: &ObjectEntry) -> Value {
         ObjectState::Rejected { error } => (
             condition("Accepted", false, "Invalid", error, g),
             condition(
-                "Active",
+                "Ready",
                 false,
                 "NotServing",
                 "no valid generation of this object",
@@ -119,7 +119,7 @@ pub fn desired_status(e: &ObjectEntry) -> Value {
             ),
         ),
     };
-    let mut status = json!({ "conditions": [accepted, active, rolled_back] });
+    let mut status = json!({ "conditions": [accepted, ready, rolled_back] });
     if let Some(g) = g {
         status["observedGeneration"] = json!(g);
     }
