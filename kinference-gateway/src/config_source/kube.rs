@@ -222,9 +222,7 @@ async fn apply_loop(
             let synced = scopes.iter().all(|s| listed.contains(s));
             let snapshot = applier.build(synced);
             for e in snapshot.objects.values() {
-                if let super::ObjectState::RolledBack { error, .. }
-                | super::ObjectState::Rejected { error } = &e.state
-                {
+                if let Some(error) = e.state.error() {
                     tracing::warn!(object = %e.object, generation = ?e.observed_generation, %error, state = e.state.name(),
                         "configuration object not applied");
                 }

@@ -91,15 +91,34 @@ pub enum ObjectState {
         /// Why it was refused.
         error: String,
     },
+    /// An object of the same kind and name in another watched namespace was created first and
+    /// owns the name (names are unique across the watched namespaces): this one never serves.
+    Conflict {
+        /// Which object owns the name, and what to do about it.
+        error: String,
+        /// The object that owns the name.
+        owner: ObjectRef,
+    },
 }
 
 impl ObjectState {
-    /// `Accepted`, `RolledBack` or `Rejected`.
+    /// `Accepted`, `RolledBack`, `Rejected` or `Conflict`.
     pub fn name(&self) -> &'static str {
         match self {
             ObjectState::Accepted => "Accepted",
             ObjectState::RolledBack { .. } => "RolledBack",
             ObjectState::Rejected { .. } => "Rejected",
+            ObjectState::Conflict { .. } => "Conflict",
+        }
+    }
+
+    /// Why the latest generation is not serving (None when it is).
+    pub fn error(&self) -> Option<&str> {
+        match self {
+            ObjectState::Accepted => None,
+            ObjectState::RolledBack { error, .. }
+            | ObjectState::Rejected { error }
+            | ObjectState::Conflict { error, .. } => Some(error),
         }
     }
 }
@@ -153,6 +172,9 @@ struct Candidate {
     parsed: Result<Manifest, String>,
     live_status: Option<serde_json::Value>,
     uid: Option<String>,
+    /// `metadata.creationTimestamp` (RFC 3339, so it sorts as text): the first created of two
+    /// objects with the same kind and name owns the name.
+    created: Option<String>,
 }
 
 /// Per-object apply with last-known-good: the candidates of every object -> a [`Snapshot`].
@@ -196,6 +218,10 @@ impl Applier {
             .and_then(|v| v.as_str())
             .map(str::to_string);
         let live_status = value.get("status").cloned();
+        let created = value
+            .pointer("/metadata/creationTimestamp")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
         let parsed = parse_object(&object, value);
         self.candidates.insert(
             object,
@@ -204,6 +230,7 @@ impl Applier {
                 parsed,
                 live_status,
                 uid,
+                created,
             },
         );
     }
@@ -222,6 +249,7 @@ impl Applier {
                 parsed: Ok(manifest),
                 live_status: None,
                 uid: None,
+                created: None,
             },
         );
     }
@@ -235,6 +263,7 @@ impl Applier {
                 parsed: Err(error),
                 live_status: None,
                 uid: None,
+                created: None,
             },
         );
     }
@@ -264,11 +293,16 @@ impl Applier {
     }
 
     /// Builds the next snapshot: valid objects replace their previous generation; invalid ones keep
-    /// it (rolled back); objects no longer offered are gone.
+    /// it (rolled back); objects no longer offered are gone; of several objects with the same kind
+    /// and name (in different namespaces) only the owner ([`Applier::owners`]) is considered.
     pub fn build(&mut self, synced: bool) -> Snapshot {
+        let owners = self.owners();
         let mut manifests = Vec::new();
         let mut kept = BTreeMap::new();
         for (object, c) in &self.candidates {
+            if owners.get(&object.key()) != Some(&object) {
+                continue;
+            }
             match &c.parsed {
                 Ok(m) => manifests.push(m.clone()),
                 Err(e) => {
@@ -277,40 +311,34 @@ impl Applier {
             }
         }
         let outcome = PolicySet::build(&manifests, Some(&self.previous), &kept);
-        let serving = |key: &ObjectKey| outcome.set.manifest(key).map(|m| m.generation);
+        let serving = |key: &ObjectKey| outcome.set.manifest(key).and_then(|m| m.generation);
         let mut objects = BTreeMap::new();
         for (object, c) in &self.candidates {
             let key = object.key();
-            let state = match outcome.states.get(&key) {
-                Some(ApplyState::Applied) | None => ObjectState::Accepted,
-                Some(ApplyState::RolledBack { reason }) => ObjectState::RolledBack {
-                    error: reason.clone(),
-                    serving_generation: serving(&key).flatten(),
-                },
-                Some(ApplyState::Rejected { reason }) => ObjectState::Rejected {
-                    error: reason.clone(),
-                },
-            };
-            // Same name in two namespaces: only the first is in the set; the other is rejected.
-            let duplicate = objects
-                .keys()
-                .any(|o: &ObjectRef| o.kind == object.kind && o.name == object.name);
-            let (state, serving_generation) = if duplicate {
-                (
-                    ObjectState::Rejected {
-                        error: format!(
-                            "{} {} is already defined in another namespace",
-                            object.kind, object.name
-                        ),
-                    },
-                    None,
-                )
+            let owner = owners.get(&key).copied().unwrap_or(object);
+            let state = if owner != object {
+                ObjectState::Conflict {
+                    error: format!(
+                        "{} {:?} already exists in namespace {:?} (created first); names are unique across the watched namespaces: rename or delete one",
+                        object.kind, object.name, owner.namespace
+                    ),
+                    owner: owner.clone(),
+                }
             } else {
-                let serving_now = match &state {
-                    ObjectState::Rejected { .. } => None,
-                    _ => serving(&key).flatten(),
-                };
-                (state, serving_now)
+                match outcome.states.get(&key) {
+                    Some(ApplyState::Applied) | None => ObjectState::Accepted,
+                    Some(ApplyState::RolledBack { reason }) => ObjectState::RolledBack {
+                        error: reason.clone(),
+                        serving_generation: serving(&key),
+                    },
+                    Some(ApplyState::Rejected { reason }) => ObjectState::Rejected {
+                        error: reason.clone(),
+                    },
+                }
+            };
+            let serving_generation = match &state {
+                ObjectState::Accepted | ObjectState::RolledBack { .. } => serving(&key),
+                ObjectState::Rejected { .. } | ObjectState::Conflict { .. } => None,
             };
             objects.insert(
                 object.clone(),
@@ -332,6 +360,28 @@ impl Applier {
             objects,
             synced,
         }
+    }
+
+    /// The object that owns each kind and name: of several in different namespaces, the one created
+    /// first (then the first namespace in name order), whatever its validity, so the choice is the
+    /// same on every replica and does not flip when the owner gets a bad generation. Deleting the
+    /// owner hands the name to the next one.
+    fn owners(&self) -> BTreeMap<ObjectKey, &ObjectRef> {
+        let mut owners: BTreeMap<ObjectKey, (&ObjectRef, &Candidate)> = BTreeMap::new();
+        for (object, c) in &self.candidates {
+            let rank = |o: &ObjectRef, c: &Candidate| {
+                (c.created.is_none(), c.created.clone(), o.namespace.clone())
+            };
+            owners
+                .entry(object.key())
+                .and_modify(|cur| {
+                    if rank(object, c) < rank(cur.0, cur.1) {
+                        *cur = (object, c);
+                    }
+                })
+                .or_insert((object, c));
+        }
+        owners.into_iter().map(|(k, (o, _))| (k, o)).collect()
     }
 }
 
@@ -450,12 +500,12 @@ impl ConfigSource {
     }
 
     /// Registers `kinference_gateway_config_objects{kind, state}` (objects per kind and
-    /// Accepted / RolledBack / Rejected), kept current with every snapshot.
+    /// Accepted / RolledBack / Rejected / Conflict), kept current with every snapshot.
     pub fn register_metrics(&mut self, registry: &mut prometheus_client::registry::Registry) {
         let objects: Family<StateLabels, Gauge> = Family::default();
         registry.sub_registry_with_prefix("kinference_gateway").register(
             "config_objects",
-            "Configuration objects (the five CRDs) by kind and apply state (Accepted, RolledBack: an older generation serves, Rejected: none does)",
+            "Configuration objects (the five CRDs) by kind and apply state (Accepted, RolledBack: an older generation serves, Rejected: none does, Conflict: the name is taken in another namespace)",
             objects.clone(),
         );
         let mut rx = self.subscribe();

@@ -118,6 +118,23 @@ pub fn desired_status(e: &ObjectEntry) -> Value {
                 g,
             ),
         ),
+        ObjectState::Conflict { error, .. } => (
+            condition("Accepted", false, "NameConflict", error, g),
+            condition(
+                "Ready",
+                false,
+                "NotServing",
+                "another object owns this name",
+                g,
+            ),
+            condition(
+                "RolledBack",
+                false,
+                "NameConflict",
+                "no generation of this object serves",
+                g,
+            ),
+        ),
     };
     let mut status = json!({ "conditions": [accepted, ready, rolled_back] });
     if let Some(g) = g {

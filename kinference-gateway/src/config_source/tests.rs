@@ -114,17 +114,86 @@ fn a_relist_replaces_the_objects_of_its_scope_only() {
     assert_eq!(names, ["three", "two"]);
 }
 
+fn created(mut v: serde_json::Value, at: &str) -> serde_json::Value {
+    v["metadata"]["creationTimestamp"] = json!(at);
+    v
+}
+
+fn serving_secret(s: &Snapshot, tenant: &str) -> Option<String> {
+    s.set.tenants.get(tenant).and_then(|t| {
+        t.spec.api_keys[0]
+            .secret_ref
+            .as_ref()
+            .map(|r| r.name.clone())
+    })
+}
+
 #[test]
-fn the_same_name_in_two_namespaces_serves_once() {
+fn the_same_name_in_two_namespaces_is_owned_by_the_first_created_and_the_other_refused() {
     let mut a = Applier::default();
-    a.upsert_value("InferenceTenant", &tenant("a", "acme", 1, "s"));
-    a.upsert_value("InferenceTenant", &tenant("b", "acme", 1, "s"));
+    // `zeta` was created first: it owns the name although `alpha` sorts first.
+    a.upsert_value(
+        "InferenceTenant",
+        &created(
+            tenant("alpha", "acme", 1, "alpha-key"),
+            "2026-01-02T00:00:00Z",
+        ),
+    );
+    a.upsert_value(
+        "InferenceTenant",
+        &created(
+            tenant("zeta", "acme", 1, "zeta-key"),
+            "2026-01-01T00:00:00Z",
+        ),
+    );
     let s = a.build(true);
     assert_eq!(s.set.tenants.len(), 1);
+    assert_eq!(serving_secret(&s, "acme").as_deref(), Some("zeta-key"));
+    let owner = &s.objects[&obj("InferenceTenant", "zeta", "acme")];
+    assert_eq!(owner.state, ObjectState::Accepted);
+    assert_eq!(owner.serving_generation, Some(1));
+    let later = &s.objects[&obj("InferenceTenant", "alpha", "acme")];
+    match &later.state {
+        ObjectState::Conflict { error, owner } => {
+            assert_eq!(*owner, obj("InferenceTenant", "zeta", "acme"));
+            assert!(error.contains("\"zeta\""), "{error}");
+        }
+        other => panic!("expected Conflict, got {other:?}"),
+    }
+    assert_eq!(later.serving_generation, None);
+    let status = status::desired_status(later);
+    let accepted = &status["conditions"][0];
+    assert_eq!(accepted["type"], "Accepted");
+    assert_eq!(accepted["status"], "False");
+    assert_eq!(accepted["reason"], "NameConflict");
+    assert_eq!(status["conditions"][1]["status"], "False", "not Ready");
+
+    // The owner's next generation is invalid: it rolls back and keeps the name (no flip to alpha).
+    let mut bad = created(
+        tenant("zeta", "acme", 2, "zeta-key"),
+        "2026-01-01T00:00:00Z",
+    );
+    bad["spec"]["apiKeyz"] = json!([]);
+    a.upsert_value("InferenceTenant", &bad);
+    let s = a.build(true);
+    assert_eq!(serving_secret(&s, "acme").as_deref(), Some("zeta-key"));
     assert!(matches!(
-        s.objects[&obj("InferenceTenant", "b", "acme")].state,
-        ObjectState::Rejected { .. }
+        s.objects[&obj("InferenceTenant", "zeta", "acme")].state,
+        ObjectState::RolledBack { .. }
     ));
+    assert!(matches!(
+        s.objects[&obj("InferenceTenant", "alpha", "acme")].state,
+        ObjectState::Conflict { .. }
+    ));
+
+    // Deleting the owner hands the name over.
+    a.remove(&obj("InferenceTenant", "zeta", "acme"));
+    let s = a.build(true);
+    assert_eq!(serving_secret(&s, "acme").as_deref(), Some("alpha-key"));
+    assert_eq!(
+        s.objects[&obj("InferenceTenant", "alpha", "acme")].state,
+        ObjectState::Accepted
+    );
 }
 
 #[test]
