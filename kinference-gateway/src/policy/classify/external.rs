@@ -1,9 +1,12 @@
 //! An optional external classifier over HTTP (e.g. a Presidio or model-based PII service).
 //!
-//! `POST <url>` with `{"text": ..., "model": ...}`; the answer is `{"tags": ["pii", ...]}`. The call
-//! has a hard timeout. On timeout or error the configured [`OnError`] applies: `TagPii` (default)
-//! fails closed by treating the request as personal data, `Ignore` proceeds with the built-in
-//! classifiers only.
+//! `POST <url>` with `{"text": ..., "model": ...}`; the answer is `{"tags": ["pii", ...]}`. `text` is
+//! everything the built-in scan read (every key, string and number of the body, decoded token-id
+//! prompts), so the external classifier sees what a provider would. The call has a hard timeout. On
+//! timeout or error the configured [`OnError`] applies: `TagPii` (default) fails closed by treating
+//! the request as personal data (local pools only, refused if none), `Ignore` proceeds with the
+//! built-in classifiers only. Configured in `gateway.yaml` as `classifier.external`
+//! ([`ExternalConfig`]).
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -30,6 +33,27 @@ pub enum OnError {
     /// Go on without the external tags.
     Ignore,
 }
+
+/// `classifier.external` in `gateway.yaml`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExternalConfig {
+    /// `http://` URL the request text is posted to.
+    pub url: String,
+    /// How long the gateway waits for the answer, in milliseconds (default 200).
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u64,
+    /// What a timeout or an error means: `tag_pii` (default, fail closed) or `ignore`.
+    #[serde(default)]
+    pub on_error: OnError,
+}
+
+fn default_timeout_ms() -> u64 {
+    200
+}
+
+/// The tag added when the external classifier did not answer (with `pii` under `tag_pii`).
+pub const UNAVAILABLE_TAG: &str = "classifier-unavailable";
 
 /// Why the external classifier gave no answer.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +86,15 @@ pub struct ExternalClassifier {
 }
 
 impl ExternalClassifier {
+    /// The classifier `config` describes.
+    pub fn from_config(config: &ExternalConfig) -> Result<Self, ExternalError> {
+        Self::new(
+            &config.url,
+            Duration::from_millis(config.timeout_ms),
+            config.on_error,
+        )
+    }
+
     /// A classifier at `url` (plain HTTP, typically a sidecar on loopback or a cluster Service).
     pub fn new(url: &str, timeout: Duration, on_error: OnError) -> Result<Self, ExternalError> {
         let uri: http::Uri = url
@@ -118,16 +151,30 @@ impl ExternalClassifier {
     pub async fn classify_or_fallback(&self, text: &str, model: &str) -> BTreeSet<String> {
         match self.classify(text, model).await {
             Ok(tags) => tags,
-            Err(error) => {
-                tracing::warn!(%error, on_error = ?self.on_error, "external classifier unavailable");
-                match self.on_error {
-                    OnError::TagPii => BTreeSet::from([
-                        crate::policy::engine::PII_TAG.to_string(),
-                        "classifier-unavailable".to_string(),
-                    ]),
-                    OnError::Ignore => BTreeSet::from(["classifier-unavailable".to_string()]),
-                }
-            }
+            Err(error) => self.fallback(&error, model),
+        }
+    }
+
+    /// The tags that stand for an answer that did not come: `pii` (fail closed) and
+    /// [`UNAVAILABLE_TAG`] under `TagPii`, [`UNAVAILABLE_TAG`] alone under `Ignore`. Logged.
+    pub fn fallback(&self, error: &ExternalError, model: &str) -> BTreeSet<String> {
+        tracing::warn!(%error, model, on_error = ?self.on_error, "external classifier unavailable");
+        match self.on_error {
+            OnError::TagPii => BTreeSet::from([
+                crate::policy::engine::PII_TAG.to_string(),
+                UNAVAILABLE_TAG.to_string(),
+            ]),
+            OnError::Ignore => BTreeSet::from([UNAVAILABLE_TAG.to_string()]),
+        }
+    }
+}
+
+impl ExternalError {
+    /// `timeout` or `error`, for the metric.
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            ExternalError::Timeout(_) => "timeout",
+            _ => "error",
         }
     }
 }

@@ -1,15 +1,24 @@
-//! Facts about a request, from its text and headers: PII, prompt complexity, tags.
+//! Facts about a request, from its body and headers: PII, prompt complexity, tags.
 //!
 //! [`classify_request`] is what the gateway pipeline calls on the parsed body (OpenAI chat or
-//! completion, or Anthropic messages): it scans all message text, never only the last message.
+//! completion, or Anthropic messages). The PII scan reads every key, string and number of the body
+//! ([`body::extract`]), not a list of known fields: whatever a worker or provider would receive is
+//! scanned. Content that cannot be read as text (images, audio, token-id prompts without a
+//! tokenizer) fails closed: the request is tagged `pii` and [`UNREADABLE_TAG`], so it stays local.
 
+pub mod body;
 pub mod complexity;
 pub mod external;
 pub mod pii;
 pub mod tags;
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -18,6 +27,13 @@ use super::engine::{PII_TAG, RequestFacts};
 #[cfg(test)]
 mod tests;
 
+/// The tag of a request with content the classifiers cannot read (binary data, token ids that
+/// could not be decoded); such a request is also tagged `pii` (fail closed).
+pub const UNREADABLE_TAG: &str = "unreadable";
+
+/// Decodes a token-id prompt to text with the requested model's tokenizer (`None`: no tokenizer).
+pub type TokenDecoder<'a> = &'a (dyn Fn(&[u32]) -> Option<String> + Sync);
+
 /// What the built-in classifiers found.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Classification {
@@ -25,14 +41,46 @@ pub struct Classification {
     pub tags: BTreeSet<String>,
     /// PII matches (kinds and positions in the extracted text, never the text).
     pub pii: Vec<pii::PiiMatch>,
+    /// What could not be read: media types of binary content, `token_ids` for token prompts that
+    /// could not be decoded.
+    pub unreadable: Vec<String>,
     /// The complexity assessment.
     pub complexity: complexity::ComplexityAssessment,
 }
 
 /// Classifies a request body, with the value of the `x-kinference-tags` header if present.
+/// Token-id prompts count as unreadable; see [`classify_request_with`].
 pub fn classify_request(body: &Value, tags_header: Option<&str>) -> Classification {
-    let (text, turns) = request_text(body);
-    let pii = pii::scan(&text);
+    classify_request_with(body, tags_header, &|_| None)
+}
+
+/// [`classify_request`], with token-id prompts decoded by `decode` and scanned as text.
+pub fn classify_request_with(
+    body: &Value,
+    tags_header: Option<&str>,
+    decode: TokenDecoder<'_>,
+) -> Classification {
+    classify_content(body, tags_header, decode).0
+}
+
+/// [`classify_request_with`] and the text it scanned (for the external classifier).
+fn classify_content(
+    body: &Value,
+    tags_header: Option<&str>,
+    decode: TokenDecoder<'_>,
+) -> (Classification, String) {
+    let mut content = body::extract(body);
+    let mut unreadable = std::mem::take(&mut content.binary);
+    for ids in &content.token_prompts {
+        match decode(ids) {
+            Some(text) => {
+                content.text.push_str("\n\n");
+                content.text.push_str(&text);
+            }
+            None => unreadable.push("token_ids".to_string()),
+        }
+    }
+    let pii = pii::scan(&content.text);
     let mut tags = tags::from_body(body);
     if let Some(h) = tags_header {
         tags.extend(tags::from_header(h));
@@ -41,11 +89,19 @@ pub fn classify_request(body: &Value, tags_header: Option<&str>) -> Classificati
         tags.insert(PII_TAG.to_string());
         tags.extend(pii.iter().map(|m| m.kind.tag().to_string()));
     }
-    Classification {
+    if !unreadable.is_empty() {
+        // Fail closed: what cannot be read may hold personal data.
+        tags.insert(PII_TAG.to_string());
+        tags.insert(UNREADABLE_TAG.to_string());
+    }
+    let (prompt, turns) = request_text(body);
+    let classification = Classification {
         tags,
         pii,
-        complexity: complexity::assess(&text, turns),
-    }
+        unreadable,
+        complexity: complexity::assess(&prompt, turns),
+    };
+    (classification, content.text)
 }
 
 /// The engine's facts for a request body: what the gateway pipeline calls before
@@ -58,8 +114,130 @@ pub fn request_facts(
     tags_header: Option<&str>,
     prompt_tokens: Option<u64>,
 ) -> Option<(RequestFacts, Classification)> {
+    request_facts_with(body, tenant, tags_header, prompt_tokens, &|_| None)
+}
+
+/// [`request_facts`], with token-id prompts decoded by `decode` (see [`classify_request_with`]).
+pub fn request_facts_with(
+    body: &Value,
+    tenant: Option<&str>,
+    tags_header: Option<&str>,
+    prompt_tokens: Option<u64>,
+    decode: TokenDecoder<'_>,
+) -> Option<(RequestFacts, Classification)> {
     let model = body.get("model")?.as_str()?.to_string();
-    let classification = classify_request(body, tags_header);
+    let classification = classify_request_with(body, tags_header, decode);
+    Some(facts_of(body, model, tenant, prompt_tokens, classification))
+}
+
+/// Every classifier a request passes before the plan: the built-in detectors over the whole body,
+/// then the external classifier when `classifier.external` is configured (always asked, so its
+/// tags are there for every request; its failure fails closed unless configured otherwise). Counts
+/// what it could not read and how the external classifier answered.
+#[derive(Default)]
+pub struct Classifier {
+    external: OnceLock<external::ExternalClassifier>,
+    metrics: ClassifierMetrics,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct UnreadableLabels {
+    content: &'static str,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ClassifierMetrics {
+    external: Family<OutcomeLabels, Counter>,
+    unreadable: Family<UnreadableLabels, Counter>,
+}
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Classifier")
+            .field("external", &self.external.get().is_some())
+            .finish()
+    }
+}
+
+impl Classifier {
+    /// Asks `external` for every request from now on; `false` (and ignored) when one is set.
+    pub fn set_external(&self, external: external::ExternalClassifier) -> bool {
+        self.external.set(external).is_ok()
+    }
+
+    /// The engine's facts for `body` (see [`request_facts_with`]), with the external classifier's
+    /// tags. `None` when the body has no `model`.
+    pub async fn facts(
+        &self,
+        body: &Value,
+        tenant: Option<&str>,
+        tags_header: Option<&str>,
+        decode: TokenDecoder<'_>,
+    ) -> Option<(RequestFacts, Classification)> {
+        let model = body.get("model")?.as_str()?.to_string();
+        let (mut classification, text) = classify_content(body, tags_header, decode);
+        for what in &classification.unreadable {
+            let content = if what == "token_ids" {
+                "token_ids"
+            } else {
+                "binary"
+            };
+            self.metrics
+                .unreadable
+                .get_or_create(&UnreadableLabels { content })
+                .inc();
+        }
+        if let Some(external) = self.external.get() {
+            let tags = match external.classify(&text, &model).await {
+                Ok(tags) => {
+                    self.count_external("ok");
+                    tags
+                }
+                Err(error) => {
+                    self.count_external(error.outcome());
+                    external.fallback(&error, &model)
+                }
+            };
+            classification.tags.extend(tags);
+        }
+        Some(facts_of(body, model, tenant, None, classification))
+    }
+
+    fn count_external(&self, outcome: &'static str) {
+        self.metrics
+            .external
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
+    }
+
+    /// Registers `classifier_external_requests` and `classifier_unreadable_requests` in `registry`
+    /// (the gateway's sub-registry).
+    pub fn register_metrics(&self, registry: &mut Registry) {
+        registry.register(
+            "classifier_external_requests",
+            "Calls to the external classifier by outcome (ok, timeout, error); timeout and error fail closed unless on_error is ignore",
+            self.metrics.external.clone(),
+        );
+        registry.register(
+            "classifier_unreadable_requests",
+            "Requests with content the classifiers cannot read (binary: images, audio, documents; token_ids: no tokenizer), kept local",
+            self.metrics.unreadable.clone(),
+        );
+    }
+}
+
+fn facts_of(
+    body: &Value,
+    model: String,
+    tenant: Option<&str>,
+    prompt_tokens: Option<u64>,
+    classification: Classification,
+) -> (RequestFacts, Classification) {
     let prompt_tokens =
         prompt_tokens.or_else(|| Some((request_text(body).0.len() as u64).div_ceil(4)));
     let max_output_tokens = body
@@ -74,13 +252,13 @@ pub fn request_facts(
         prompt_tokens,
         max_output_tokens,
     };
-    Some((facts, classification))
+    (facts, classification)
 }
 
-/// All prompt text of a request, one part per line, and its number of turns. Covers OpenAI chat
-/// `messages` (string or part arrays, tool calls), completion `prompt` (string or array),
-/// Anthropic `system` and `messages` (blocks), and Responses-style `input`. Inline data URLs
-/// (images) are skipped.
+/// The prompt text of a request, one part per line, and its number of turns: what the complexity
+/// assessment and the token estimate read (OpenAI chat `messages`, completion `prompt`, Anthropic
+/// `system` and `messages`, Responses-style `input`). Inline data URLs (images) are skipped. The
+/// PII scan reads far more: the whole body ([`body::extract`]).
 pub fn request_text(body: &Value) -> (String, usize) {
     let mut parts = Vec::new();
     for key in ["system", "messages", "prompt", "input", "instructions"] {

@@ -50,14 +50,37 @@ fn header_and_metadata_tags_are_merged_and_cannot_remove_pii() {
 }
 
 #[test]
-fn images_are_skipped_and_turns_counted() {
+fn images_fail_closed_and_turns_counted() {
     let body = json!({"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,GB82WEST12345698765432"}}]},
         {"role": "user", "content": "what is this?"}]});
     let (text, turns) = request_text(&body);
     assert_eq!(turns, 2);
     assert!(!text.contains("base64"));
-    assert!(classify_request(&body, None).pii.is_empty());
+    let c = classify_request(&body, None);
+    // Nothing was detected, but an image cannot be read: the request is kept local.
+    assert!(c.pii.is_empty());
+    assert_eq!(c.unreadable, ["image/png"]);
+    assert!(
+        c.tags.contains("pii") && c.tags.contains("unreadable"),
+        "{:?}",
+        c.tags
+    );
+}
+
+#[test]
+fn token_id_prompts_are_scanned_when_decoded_and_fail_closed_otherwise() {
+    let body = json!({"model": "m", "prompt": [7, 8, 9]});
+    let undecoded = classify_request(&body, None);
+    assert_eq!(undecoded.unreadable, ["token_ids"]);
+    assert!(undecoded.tags.contains("pii"));
+    let decode = |ids: &[u32]| (ids == [7, 8, 9]).then(|| "mail jane@example.com".to_string());
+    let decoded = super::classify_request_with(&body, None, &decode);
+    assert!(decoded.unreadable.is_empty());
+    assert!(decoded.tags.contains("pii:email"), "{:?}", decoded.tags);
+    let harmless = |_: &[u32]| Some("hello there".to_string());
+    let clean = super::classify_request_with(&body, None, &harmless);
+    assert!(!clean.tags.contains("pii"), "{:?}", clean.tags);
 }
 
 #[test]
