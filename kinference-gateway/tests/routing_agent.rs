@@ -176,6 +176,7 @@ async fn router_follows_a_real_agent_stream() {
         model: "m",
         prompt: Prompt::Text(&prompt),
         debug: true,
+        tokens: None,
     };
 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -273,6 +274,7 @@ async fn router_follows_a_real_agent_stream() {
             model: "m",
             prompt: Prompt::Text("unrelated"),
             debug: false,
+            tokens: None,
         })
         .await
         .unwrap();

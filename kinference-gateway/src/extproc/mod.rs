@@ -48,6 +48,7 @@ use crate::gateway::Gateway;
 use crate::pipeline::exchange::{self, Request as Parsed};
 use crate::pipeline::govern::{self, PlanInput};
 use crate::policy::stage::{PlanTarget, PolicyStage};
+use crate::routing::tokenize::PromptTokens;
 use crate::routing::{Decision, RouteRequest, Router};
 use crate::tenancy::{Admission, Tenancy};
 use session::Session;
@@ -243,16 +244,20 @@ impl Handler {
         let request = exchange::parse_as(api.endpoint(), body, self.policy.is_some())
             .map_err(Refusal::Gateway)?;
         self.admit(request.model())?;
+        let tokens = PromptTokens::default();
+        self.router
+            .tokenize_locally(request.model(), request.prompt(), &tokens)
+            .await;
         let admission = match (&self.tenancy, &caller) {
             (Some(t), Some(c)) => Some(
-                govern::admit(t, c, &request, protocol)
+                govern::admit(t, c, &request, &tokens, protocol)
                     .await
                     .map_err(Refusal::Gateway)?,
             ),
             _ => None,
         };
         let decision = self
-            .pick(head, &request, caller.as_ref(), admission.as_ref())
+            .pick(head, &request, &tokens, caller.as_ref(), admission.as_ref())
             .await
             .map_err(Refusal::Gateway)?;
         let endpoint = endpoint_of(&decision.worker).ok_or_else(|| {
@@ -277,6 +282,7 @@ impl Handler {
         &self,
         head: &Head,
         request: &Parsed,
+        tokens: &PromptTokens,
         caller: Option<&crate::tenancy::Caller>,
         admission: Option<&Admission>,
     ) -> Result<Decision, GatewayError> {
@@ -284,6 +290,7 @@ impl Handler {
             model,
             prompt: request.prompt(),
             debug: head.debug,
+            tokens: Some(tokens),
         };
         let Some(stage) = &self.policy else {
             return Ok(self.router.pick(route(request.model())).await?);
@@ -296,6 +303,7 @@ impl Handler {
                 .and_then(|v| v.to_str().ok()),
             debug: head.debug,
             local_only: admission.is_some_and(Admission::local_only),
+            tokens,
         };
         let mut explain = None;
         let plan = govern::plan(

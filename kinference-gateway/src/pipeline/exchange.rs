@@ -1,5 +1,6 @@
 //! The request as it flows through the stages: the [`Exchange`] (made once per request from its
-//! headers: endpoint, protocol, caller, the explanation so far, its [`Settlement`]) and the parsed
+//! headers: endpoint, protocol, caller, the prompt's tokens, the explanation so far, its
+//! [`Settlement`]) and the parsed
 //! [`Request`] (read, parsed, validated and, for Anthropic clients, translated once), shared by both
 //! front doors.
 
@@ -17,6 +18,7 @@ use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 use crate::metrics::Metrics;
 use crate::routing::Prompt;
+use crate::routing::tokenize::PromptTokens;
 use crate::tenancy::Caller;
 
 /// One request's state through the stages.
@@ -32,6 +34,9 @@ pub struct Exchange {
     pub tags: Option<String>,
     /// Who is calling (the authenticate stage).
     pub caller: Option<Caller>,
+    /// The prompt's tokens per served model, each tokenized once for the request's stages (admit,
+    /// plan, route).
+    pub tokens: PromptTokens,
     /// The policy stage's one-line explanation (debug), also sent with refusals.
     pub explain: Option<String>,
     /// The request's books; moved into the relay when the answer is streamed.
@@ -53,6 +58,7 @@ impl Exchange {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string),
             caller: None,
+            tokens: PromptTokens::default(),
             explain: None,
             settlement: Some(Settlement::new(metrics, protocol)),
         }

@@ -142,6 +142,7 @@ async fn to_worker(
             model: request.model(),
             prompt: request.prompt(),
             debug: ex.debug,
+            tokens: Some(&ex.tokens),
         };
         let picked = match pool {
             Some(workers) => gw.router.pick_among(route, workers).await,

@@ -7,20 +7,25 @@ use std::sync::Arc;
 use crate::errors::{GatewayError, Protocol};
 use crate::policy::stage::{Plan, PlanTarget, PolicyStage, StageRequest};
 use crate::routing::Router;
+use crate::routing::tokenize::PromptTokens;
 use crate::tenancy::{Admission, Caller, Tenancy};
 
 use super::exchange::Request;
 
 /// Stage "admit": the tenant's monthly budget and token rate limits for `request`, before anything
-/// is routed (429 in the client's protocol, with `Retry-After` and the rate-limit headers).
+/// is routed (429 in the client's protocol, with `Retry-After` and the rate-limit headers). The
+/// prompt's size is [`PromptTokens::size`]: the tokenizer's count when the tokenize stage could run
+/// it, else the estimate.
 pub async fn admit(
     tenancy: &Arc<Tenancy>,
     caller: &Caller,
     request: &Request,
+    tokens: &PromptTokens,
     protocol: Protocol,
 ) -> Result<Admission, GatewayError> {
     let (fields, completion) = request.fields();
-    let (input, output) = tenancy.demand(request.prompt(), fields, completion);
+    let prompt_tokens = tokens.size(request.prompt());
+    let (input, output) = tenancy.demand(prompt_tokens, fields, completion);
     tenancy
         .admit(caller, request.model(), input, output, protocol)
         .await
@@ -37,6 +42,8 @@ pub struct PlanInput<'a> {
     pub debug: bool,
     /// Only local pools may serve (the tenant's budget is spent and `onExceeded` is `LocalOnly`).
     pub local_only: bool,
+    /// The prompt's tokens so far; the plan's estimates add to them and the route reuses them.
+    pub tokens: &'a PromptTokens,
 }
 
 /// Stage "plan" (with a policy directory): classify the request, evaluate the policies against the
@@ -69,6 +76,7 @@ pub async fn plan(
             .map(|t| t.name.as_str()),
         tags_header: input.tags,
         debug: input.debug,
+        tokens: input.tokens,
     };
     let mut plan = match stage.decide(router, req, explain).await {
         Ok(plan) => plan,

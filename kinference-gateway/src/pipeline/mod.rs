@@ -1,5 +1,8 @@
 //! One inference request's path through the gateway, top to bottom in [`handle`]:
-//! read -> parse -> authenticate -> admit -> plan -> forward -> relay, settled once.
+//! authenticate -> read -> parse -> tokenize -> admit -> plan -> forward -> relay, settled once.
+//! The prompt is tokenized at most once per served model ([`Exchange::tokens`]); only the
+//! gateway's own tokenizer runs before the plan, so no byte of the request reaches a worker before
+//! the policies have classified it.
 //!
 //! - [`exchange`]: the [`Exchange`] made once per request and the parsed [`exchange::Request`];
 //! - [`govern`]: admit and plan, the stages the Envoy ext_proc front door runs too;
@@ -82,7 +85,10 @@ async fn run(
     if let Some(s) = ex.settlement() {
         s.model(request.model());
     }
-    let admission = govern::admit(&gw.tenancy, &caller, &request, ex.protocol).await?;
+    gw.router
+        .tokenize_locally(request.model(), request.prompt(), &ex.tokens)
+        .await;
+    let admission = govern::admit(&gw.tenancy, &caller, &request, &ex.tokens, ex.protocol).await?;
     let local_only = admission.local_only();
     if let Some(s) = ex.settlement() {
         s.admitted(admission);
@@ -96,6 +102,7 @@ async fn run(
                 tags: ex.tags.as_deref(),
                 debug: ex.debug,
                 local_only,
+                tokens: &ex.tokens,
             };
             let mut explain = None;
             let planned = govern::plan(

@@ -14,7 +14,13 @@
 //! pools are saturated" also covers "while they are down".
 //!
 //! Fail closed: a plan for a local-only request (PII, `requireLocal`) never holds a remote target, checked
-//! here again after the engine.
+//! here again after the engine. The request is classified before anything else; while it may be
+//! local-only (personal data, or a `requireLocal` rule in the set) no byte of it goes to a worker
+//! outside the local pools (a worker's `/tokenize` is asked among the local pools' workers only), and
+//! a local pool found by selector stands for the model's workers that no remote pool lists.
+//!
+//! The prompt is tokenized at most once per served model for the whole request: the estimates keep
+//! their tokens in the request's [`PromptTokens`] and the router's pick reuses them.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -22,7 +28,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kinference_crds::Locality;
+use kinference_crds::{InferencePoolSpec, Locality};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -30,12 +36,13 @@ use prometheus_client::registry::Registry;
 use serde_json::Value;
 
 use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates};
-use super::model::PolicySet;
+use super::model::{Named, PolicySet};
 use super::source::{PolicyWatcher, SourceError};
 use super::worker_load::WorkerLoad;
 use crate::backend::provider::{ProviderClient, Providers};
 use crate::errors::GatewayError;
 use crate::routing::pools::WorkerEstimate;
+use crate::routing::tokenize::PromptTokens;
 use crate::routing::{ModelConfig, Prompt, RouteRequest, Router, WorkerConfig};
 
 #[cfg(test)]
@@ -69,6 +76,8 @@ pub struct StageRequest<'a> {
     pub tags_header: Option<&'a str>,
     /// Build the explanation for `x-kinference-decision`.
     pub debug: bool,
+    /// The prompt's tokens so far (the estimates add theirs; the route reuses them).
+    pub tokens: &'a PromptTokens,
 }
 
 /// Where the request may go, most preferred first.
@@ -275,11 +284,13 @@ impl PolicyStage {
         req: StageRequest<'_>,
         explain_out: &mut Option<String>,
     ) -> Result<Plan, GatewayError> {
-        let (facts, _classification) =
+        let (mut facts, _classification) =
             super::classify::request_facts(req.body, req.tenant, req.tags_header, None)
                 .ok_or_else(|| GatewayError::invalid("model", "`model` must be a string"))?;
         let set = self.current();
-        let states = self.pool_states(&set, router, req).await;
+        let may_be_local_only = facts.tags.contains(engine::PII_TAG) || has_require_local(&set);
+        let states = self.pool_states(&set, router, req, may_be_local_only).await;
+        facts.prompt_tokens = Some(req.tokens.size(req.prompt));
         let decision = engine::evaluate(&set, &facts, &states);
         let (policy, rule) = decision.rule().map_or((String::new(), String::new()), |r| {
             (r.policy.clone(), r.rule.clone())
@@ -323,18 +334,18 @@ impl PolicyStage {
                             if local_only && t.locality != Locality::Local {
                                 continue;
                             }
+                            // A local-only request never goes to "any worker of the model".
+                            let workers = if local_only {
+                                Some(local_pool_workers(&set, pool, &t.model, router))
+                            } else {
+                                set.pools.get(pool).and_then(|p| {
+                                    (!p.spec.endpoints.is_empty()).then(|| endpoints(p))
+                                })
+                            };
                             targets.push(PlanTarget::Pool {
                                 pool: pool.clone(),
                                 model: t.model.clone(),
-                                workers: set.pools.get(pool).and_then(|p| {
-                                    (!p.spec.endpoints.is_empty()).then(|| {
-                                        p.spec
-                                            .endpoints
-                                            .iter()
-                                            .map(|e| e.url.trim_end_matches('/').to_string())
-                                            .collect()
-                                    })
-                                }),
+                                workers,
                             });
                         }
                         Backend::Provider(name) => {
@@ -374,12 +385,14 @@ impl PolicyStage {
             .inc();
     }
 
-    /// Every pool's state for this request.
+    /// Every pool's state for this request. When it may be local-only, only the local pools'
+    /// workers may be asked to tokenize it.
     async fn pool_states(
         &self,
         set: &PolicySet,
         router: &Router,
         req: StageRequest<'_>,
+        may_be_local_only: bool,
     ) -> PoolStates {
         let requested = set.resolve(req.model);
         let wanted = set.candidate_models(&requested);
@@ -399,13 +412,7 @@ impl PolicyStage {
                     .get(model)
                     .map_or(model.as_str(), |m| m.spec.served_name.as_str())
                     .to_string();
-                let endpoints = pool
-                    .spec
-                    .endpoints
-                    .iter()
-                    .map(|e| e.url.trim_end_matches('/').to_string())
-                    .collect();
-                Some((name, served, endpoints))
+                Some((name, served, endpoints(pool)))
             })
             .collect();
         // One estimate per served model (each has its own tokenizer and workers).
@@ -414,12 +421,26 @@ impl PolicyStage {
             if by_model.contains_key(served.as_str()) {
                 continue;
             }
+            let local_workers: Vec<String>;
+            let tokenize_via = if may_be_local_only {
+                local_workers = set
+                    .pools
+                    .iter()
+                    .filter(|(_, p)| p.spec.locality == Locality::Local)
+                    .flat_map(|(name, _)| local_pool_workers(set, name, served, router))
+                    .collect();
+                Some(local_workers.as_slice())
+            } else {
+                None
+            };
+            let route = RouteRequest {
+                model: served,
+                prompt: req.prompt,
+                debug: false,
+                tokens: Some(req.tokens),
+            };
             let estimates = router
-                .estimate_workers(RouteRequest {
-                    model: served,
-                    prompt: req.prompt,
-                    debug: false,
-                })
+                .estimate_workers(route, tokenize_via)
                 .await
                 .unwrap_or_default();
             by_model.insert(served.as_str(), estimates);
@@ -477,6 +498,67 @@ impl PolicyStage {
             cached_tokens: best.map(|b| b.cached_tokens as u64),
         }
     }
+}
+
+/// A pool's static endpoints, without trailing slashes.
+fn endpoints(pool: &Named<InferencePoolSpec>) -> Vec<String> {
+    pool.spec
+        .endpoints
+        .iter()
+        .map(|e| e.url.trim_end_matches('/').to_string())
+        .collect()
+}
+
+/// Whether a rule of the set can make a request local-only (`requireLocal`).
+fn has_require_local(set: &PolicySet) -> bool {
+    set.policies
+        .iter()
+        .flat_map(|p| &p.spec.rules)
+        .any(|r| r.action.require_local.is_some())
+}
+
+/// The workers local pool `pool` may use for `served` when the request must stay local: its
+/// endpoints; for a pool found by selector, every worker of `served` that no remote pool lists,
+/// none when a remote pool serving `served` is found by selector too (its workers cannot be told
+/// apart from the local ones: fail closed). A remote pool has none.
+fn local_pool_workers(set: &PolicySet, pool: &str, served: &str, router: &Router) -> Vec<String> {
+    let Some(p) = set.pools.get(pool) else {
+        return Vec::new();
+    };
+    if p.spec.locality != Locality::Local {
+        return Vec::new();
+    }
+    if !p.spec.endpoints.is_empty() {
+        return endpoints(p);
+    }
+    let served_by = |pool: &Named<InferencePoolSpec>| {
+        pool.spec.models.iter().any(|m| {
+            set.models
+                .get(m)
+                .map_or(m.as_str(), |m| m.spec.served_name.as_str())
+                == served
+        })
+    };
+    let remote = set
+        .pools
+        .values()
+        .filter(|p| p.spec.locality != Locality::Local);
+    let mut listed = Vec::new();
+    for r in remote {
+        if r.spec.endpoints.is_empty() {
+            if served_by(r) {
+                return Vec::new();
+            }
+        } else {
+            listed.extend(endpoints(r));
+        }
+    }
+    router
+        .workers()
+        .into_iter()
+        .filter(|w| w.model == served && !listed.contains(&w.url))
+        .map(|w| w.url)
+        .collect()
 }
 
 /// Static pool endpoints as router workers (the pool's first model's served name).

@@ -1,7 +1,8 @@
 //! Choosing a worker: the cluster-wide KV index and the time-to-first-token estimate.
 //!
 //! The gateway calls [`Router::pick`] once per request, before forwarding. The router tokenizes the
-//! prompt, computes its block keys, estimates the time to first token on every candidate worker and
+//! prompt (once per request: an earlier stage's tokens travel in [`RouteRequest::tokens`]), computes
+//! its block keys, estimates the time to first token on every candidate worker and
 //! records the choice in its in-flight ledger. The returned [`InFlight`] ticket releases the ledger entry
 //! when the request ends (also when it is dropped on an error or an aborted stream).
 //!
@@ -53,7 +54,7 @@ use estimate::{KernelMissing, Rates, Scored};
 use kv_index::KvIndex;
 use metrics::{DecisionLabels, KernelMissingLabels};
 use speculative::Speculative;
-use tokenize::{Source, Tokenizers};
+use tokenize::{PromptTokens, Source, Tokenizers};
 use workers::{Worker, WorkerTable};
 
 /// Why no worker was picked.
@@ -85,6 +86,9 @@ pub struct RouteRequest<'a> {
     pub prompt: Prompt<'a>,
     /// Fill [`Decision::explain`].
     pub debug: bool,
+    /// The request's tokens so far, shared by every stage that needs them (`None`: tokenized for
+    /// this call alone).
+    pub tokens: Option<&'a PromptTokens>,
 }
 
 /// The router's choice for one request.
@@ -350,33 +354,8 @@ impl Router {
                 .observe(started.elapsed().as_secs_f64());
             return decision;
         }
-        // Ask the least busy worker when the gateway has no tokenizer for this model.
-        let fallback = candidates
-            .iter()
-            .min_by_key(|w| w.state.lock().in_flight)
-            .map(|w| w.url.clone());
-        let started = Instant::now();
-        let tokens = shared
-            .tokenizers
-            .tokens(req.model, req.prompt, fallback.as_deref())
-            .await;
-        if let Some(tokenize) = &shared.stages.tokenize {
-            tokenize.observe(started.elapsed().as_secs_f64());
-        }
-        match tokens {
-            Ok((tokens, source)) => {
-                let source = match source {
-                    Source::Local => "local",
-                    Source::Remote => "worker",
-                };
-                shared
-                    .metrics
-                    .tokenize
-                    .get_or_create(&metrics::TokenizeLabels {
-                        model: req.model.to_string(),
-                        source: source.to_string(),
-                    })
-                    .inc();
+        match self.prompt_tokens(req, candidates).await {
+            Some(tokens) => {
                 let started = Instant::now();
                 let decision = self.decide(req.model, candidates, &tokens, req.debug);
                 shared
@@ -385,16 +364,7 @@ impl Router {
                     .observe(started.elapsed().as_secs_f64());
                 decision
             }
-            Err(e) => {
-                shared
-                    .metrics
-                    .tokenize
-                    .get_or_create(&metrics::TokenizeLabels {
-                        model: req.model.to_string(),
-                        source: "failed".into(),
-                    })
-                    .inc();
-                tracing::debug!(model = req.model, error = %e, "prompt not tokenized");
+            None => {
                 shared.log_degraded("degraded_no_tokens", req.model);
                 let (i, _) = baseline::pick(
                     RoutingMode::LeastOutstanding,
@@ -406,6 +376,76 @@ impl Router {
                 self.record_simple(candidates, i, "degraded_no_tokens", req.debug)
             }
         }
+    }
+
+    /// Stage "tokenize", before anything is routed: `prompt`'s tokens for `model` into `tokens` when
+    /// the gateway has that model's tokenizer and routes on tokens (no byte leaves the gateway). A
+    /// worker's `/tokenize` is only asked later, by the stage that knows which workers may see the
+    /// prompt.
+    pub async fn tokenize_locally(&self, model: &str, prompt: Prompt<'_>, tokens: &PromptTokens) {
+        if self.shared.mode != RoutingMode::Kinference
+            || !self.shared.tokenizers.has_local(model)
+            || tokens.get(model).is_some()
+        {
+            return;
+        }
+        let req = RouteRequest {
+            model,
+            prompt,
+            debug: false,
+            tokens: Some(tokens),
+        };
+        self.prompt_tokens(req, &[]).await;
+    }
+
+    /// `req`'s tokens for `req.model`: the request's own when a stage already tokenized it for this
+    /// model, else tokenized now (the gateway's tokenizer, or the `/tokenize` of the least busy of
+    /// `candidates`) and kept in the request's [`PromptTokens`]. `None`: not tokenized.
+    async fn prompt_tokens(
+        &self,
+        req: RouteRequest<'_>,
+        candidates: &[Arc<Worker>],
+    ) -> Option<Arc<[u32]>> {
+        if let Some(known) = req.tokens.and_then(|t| t.get(req.model)) {
+            return known;
+        }
+        let shared = &self.shared;
+        if candidates.is_empty() && !shared.tokenizers.has_local(req.model) {
+            // No one may be asked now; a later stage with workers to ask may still tokenize.
+            return None;
+        }
+        let fallback = candidates
+            .iter()
+            .min_by_key(|w| w.state.lock().in_flight)
+            .map(|w| w.url.clone());
+        let started = Instant::now();
+        let result = shared
+            .tokenizers
+            .tokens(req.model, req.prompt, fallback.as_deref())
+            .await;
+        if let Some(tokenize) = &shared.stages.tokenize {
+            tokenize.observe(started.elapsed().as_secs_f64());
+        }
+        let (source, tokens) = match result {
+            Ok((tokens, Source::Local)) => ("local", Some(Arc::from(tokens))),
+            Ok((tokens, Source::Remote)) => ("worker", Some(Arc::from(tokens))),
+            Err(e) => {
+                tracing::debug!(model = req.model, error = %e, "prompt not tokenized");
+                ("failed", None)
+            }
+        };
+        shared
+            .metrics
+            .tokenize
+            .get_or_create(&metrics::TokenizeLabels {
+                model: req.model.to_string(),
+                source: source.to_string(),
+            })
+            .inc();
+        if let Some(cache) = req.tokens {
+            cache.set(req.model, tokens.clone());
+        }
+        tokens
     }
 
     /// The decision stage alone, for a prompt already tokenized (the benchmark measures this; an

@@ -30,24 +30,26 @@ pub struct WorkerEstimate {
 }
 
 impl Router {
-    /// The estimate of `req` on every healthy worker serving `req.model`. Nothing is recorded (no
-    /// ledger entry, no speculative credit, no decision metric).
+    /// The estimate of `req` on every healthy worker serving `req.model`. Without the gateway's own
+    /// tokenizer the prompt is tokenized by a worker's `/tokenize`, asked only among `tokenize_via`
+    /// (base URLs) when given: a request that may be local-only never reaches a worker outside the
+    /// local pools. Nothing is recorded (no ledger entry, no speculative credit, no decision
+    /// metric); the tokens are kept in `req.tokens` for the pick.
     pub async fn estimate_workers(
         &self,
         req: RouteRequest<'_>,
+        tokenize_via: Option<&[String]>,
     ) -> Result<Vec<WorkerEstimate>, RouteError> {
         let candidates = self.candidates(req.model)?;
-        let fallback = candidates
-            .iter()
-            .min_by_key(|w| w.state.lock().in_flight)
-            .map(|w| w.url.clone());
-        let tokens = self
-            .shared
-            .tokenizers
-            .tokens(req.model, req.prompt, fallback.as_deref())
-            .await
-            .ok()
-            .map(|(tokens, _)| tokens);
+        let askable: Vec<Arc<Worker>> = match tokenize_via {
+            Some(via) => candidates
+                .iter()
+                .filter(|w| via.iter().any(|u| normalize_url(u) == w.url))
+                .cloned()
+                .collect(),
+            None => candidates.clone(),
+        };
+        let tokens = self.prompt_tokens(req, &askable).await;
         Ok(self.estimates(req.model, &candidates, tokens.as_deref()))
     }
 

@@ -28,6 +28,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         model: "m",
         prompt: Prompt::Text(prompt),
         debug: true,
+        tokens: None,
     }
 }
 
@@ -57,6 +58,7 @@ async fn unknown_model_is_an_error() {
             model: "other",
             prompt: Prompt::Text("x"),
             debug: false,
+            tokens: None,
         })
         .await
         .unwrap_err();
@@ -183,6 +185,7 @@ fn text(prompt: &str) -> RouteRequest<'_> {
         model: "m",
         prompt: Prompt::Text(prompt),
         debug: true,
+        tokens: None,
     }
 }
 

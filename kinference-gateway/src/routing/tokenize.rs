@@ -3,12 +3,19 @@
 //!
 //! The fallback costs a round trip per request; it is counted (`kinference_routing_tokenize_total`
 //! by source) and logged once per model so an operator sees it.
+//!
+//! A request's tokens are kept in its [`PromptTokens`], one entry per served model, so the policy
+//! stage's estimates and the router's pick share one tokenization. The prompt's size has one
+//! definition: [`PromptTokens::size`], the tokenizer's count once known, else
+//! [`Prompt::estimated_tokens`].
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -59,6 +66,62 @@ pub enum Source {
     Local,
     /// A worker's `/tokenize`.
     Remote,
+}
+
+/// One request's prompt tokens, per served model (each model has its own tokenizer): every model
+/// is tokenized at most once per request, whichever stage asks first (the plan's estimates, the
+/// router's pick). A failed tokenization is remembered too, so it is not retried within the request.
+#[derive(Debug, Default)]
+pub struct PromptTokens {
+    by_model: Mutex<Vec<(String, Tokenized)>>,
+}
+
+/// One served model's tokens of the prompt; `None` when tokenizing failed.
+pub type Tokenized = Option<Arc<[u32]>>;
+
+impl PromptTokens {
+    /// What is known for `model`: `None` not tokenized yet, `Some(None)` tokenization failed.
+    pub fn get(&self, model: &str) -> Option<Tokenized> {
+        self.by_model
+            .lock()
+            .iter()
+            .find(|(m, _)| m == model)
+            .map(|(_, tokens)| tokens.clone())
+    }
+
+    /// Records `model`'s tokens (`None`: it failed); the first record for a model stays.
+    pub fn set(&self, model: &str, tokens: Tokenized) {
+        let mut by_model = self.by_model.lock();
+        if !by_model.iter().any(|(m, _)| m == model) {
+            by_model.push((model.to_string(), tokens));
+        }
+    }
+
+    /// The prompt's size in tokens: the first tokenizer's count once the prompt has been
+    /// tokenized, else the estimate from its text ([`Prompt::estimated_tokens`]).
+    pub fn size(&self, prompt: Prompt<'_>) -> u64 {
+        self.by_model
+            .lock()
+            .iter()
+            .find_map(|(_, tokens)| tokens.as_ref().map(|t| t.len() as u64))
+            .unwrap_or_else(|| prompt.estimated_tokens())
+    }
+}
+
+impl Prompt<'_> {
+    /// Bytes of the prompt's text: the completion prompt, or every string in the chat messages
+    /// (contents, content blocks, tool calls, roles).
+    pub fn text_bytes(&self) -> usize {
+        match self {
+            Prompt::Text(t) => t.len(),
+            Prompt::Chat(messages) => text_bytes(messages),
+        }
+    }
+
+    /// The prompt's size in tokens before any tokenizer has run: about four bytes per token.
+    pub fn estimated_tokens(&self) -> u64 {
+        (self.text_bytes() as u64).div_ceil(4)
+    }
 }
 
 /// Owned copy of a prompt for the blocking pool.
@@ -132,11 +195,7 @@ impl Tokenizers {
         fallback_worker: Option<&str>,
     ) -> Result<(Vec<u32>, Source), TokensError> {
         if let Some(tok) = self.local.get(model) {
-            let len = match prompt {
-                Prompt::Text(t) => t.len(),
-                // Serialized size is not known without serializing; count message text roughly.
-                Prompt::Chat(v) => approx_len(v),
-            };
+            let len = prompt.text_bytes();
             let owned = match prompt {
                 Prompt::Text(t) if len > INLINE_MAX => OwnedPrompt::Text(t.to_string()),
                 Prompt::Chat(v) if len > INLINE_MAX => OwnedPrompt::Chat(v.clone()),
@@ -230,11 +289,11 @@ fn encode(tok: &ModelTokenizer, prompt: Prompt<'_>) -> Result<Vec<u32>, Tokenize
     }
 }
 
-fn approx_len(v: &serde_json::Value) -> usize {
+fn text_bytes(v: &serde_json::Value) -> usize {
     match v {
         serde_json::Value::String(s) => s.len(),
-        serde_json::Value::Array(a) => a.iter().map(approx_len).sum(),
-        serde_json::Value::Object(o) => o.values().map(approx_len).sum(),
+        serde_json::Value::Array(a) => a.iter().map(text_bytes).sum(),
+        serde_json::Value::Object(o) => o.values().map(text_bytes).sum(),
         _ => 8,
     }
 }

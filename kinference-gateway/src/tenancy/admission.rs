@@ -493,28 +493,17 @@ impl Tenancy {
         }
     }
 
-    /// What a request asks of the buckets at admission: (input token estimate, output reservation).
-    /// The estimate is the prompt's bytes / 4 (corrected to the router's count right after routing);
-    /// the reservation is `max_tokens` / `max_completion_tokens`, else 16 for completions (the API's
-    /// default) or `default_output_reservation` for chat.
+    /// What a request asks of the buckets at admission: (input tokens, output reservation). The
+    /// input is the pipeline's prompt size (the tokenizer's count, or the estimate before any
+    /// tokenizer ran, corrected to the router's count right after routing); the reservation is
+    /// `max_tokens` / `max_completion_tokens`, else 16 for completions (the API's default) or
+    /// `default_output_reservation` for chat.
     pub fn demand(
         &self,
-        prompt: crate::routing::Prompt<'_>,
+        prompt_tokens: u64,
         fields: &serde_json::Map<String, serde_json::Value>,
         completion: bool,
     ) -> (u64, u64) {
-        let bytes = match prompt {
-            crate::routing::Prompt::Text(t) => t.len(),
-            crate::routing::Prompt::Chat(messages) => messages.as_array().map_or(0, |ms| {
-                ms.iter()
-                    .map(|m| match m.get("content") {
-                        Some(serde_json::Value::String(s)) => s.len() + 16,
-                        Some(other) => other.to_string().len() + 16,
-                        None => 16,
-                    })
-                    .sum()
-            }),
-        };
         let max_tokens = ["max_tokens", "max_completion_tokens"]
             .iter()
             .find_map(|k| fields.get(*k).and_then(serde_json::Value::as_u64));
@@ -523,6 +512,6 @@ impl Tenancy {
         } else {
             self.config.default_output_reservation
         });
-        ((bytes / 4) as u64, reservation)
+        (prompt_tokens, reservation)
     }
 }

@@ -10,8 +10,9 @@
 //!
 //! What is debited at admission, and reconciled later:
 //! - requests: 1;
-//! - input tokens: an estimate before routing (prompt bytes / 4), corrected to the gateway's own
-//!   token count (`Decision::prompt_tokens`) as soon as the router has tokenized, and to the worker's
+//! - input tokens: the prompt's size at admission (`PromptTokens::size`: the gateway's tokenizer
+//!   count, else about four bytes per token), corrected to the router's count
+//!   (`Decision::prompt_tokens`) when a worker's `/tokenize` counted later, and to the worker's
 //!   `usage.prompt_tokens` when the request ends;
 //! - output tokens: a reservation of the request's `max_tokens` (or `default_output_reservation`
 //!   when it has none), charged further while a stream runs past it (every

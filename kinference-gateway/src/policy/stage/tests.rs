@@ -124,6 +124,7 @@ async fn decide(
     body: &serde_json::Value,
 ) -> (Result<Plan, GatewayError>, Option<String>) {
     let messages = body["messages"].clone();
+    let tokens = PromptTokens::default();
     let req = StageRequest {
         body,
         model: body["model"].as_str().unwrap(),
@@ -131,6 +132,7 @@ async fn decide(
         tenant: None,
         tags_header: None,
         debug: true,
+        tokens: &tokens,
     };
     let mut explain = None;
     let plan = stage.decide(router, req, &mut explain).await;

@@ -38,6 +38,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         model: "m",
         prompt: Prompt::Text(prompt),
         debug: false,
+        tokens: None,
     }
 }
 
@@ -45,7 +46,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
 async fn estimates_record_nothing_and_see_the_cache_of_a_routed_prompt() {
     let router = router();
     let prompt = "A long shared system prompt about shipping policies. ".repeat(30);
-    let before = router.estimate_workers(req(&prompt)).await.unwrap();
+    let before = router.estimate_workers(req(&prompt), None).await.unwrap();
     assert_eq!(before.len(), 3);
     assert!(
         before
@@ -61,7 +62,7 @@ async fn estimates_record_nothing_and_see_the_cache_of_a_routed_prompt() {
     let only = vec!["http://w1".to_string()];
     let decision = router.pick_among(req(&prompt), &only).await.unwrap();
     assert_eq!(decision.worker, "http://w1");
-    let after = router.estimate_workers(req(&prompt)).await.unwrap();
+    let after = router.estimate_workers(req(&prompt), None).await.unwrap();
     let w1 = after.iter().find(|e| e.worker == "http://w1").unwrap();
     let w0 = after.iter().find(|e| e.worker == "http://w0").unwrap();
     assert!(w1.cached_tokens > 0, "{w1:?}");
@@ -79,6 +80,6 @@ async fn pick_among_outside_the_model_is_no_healthy_worker() {
         .unwrap_err();
     assert_eq!(err, RouteError::NoHealthyWorker("m".into()));
     router.set_healthy("http://w2", false);
-    let left = router.estimate_workers(req("hi")).await.unwrap();
+    let left = router.estimate_workers(req("hi"), None).await.unwrap();
     assert_eq!(left.len(), 2);
 }
