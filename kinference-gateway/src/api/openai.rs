@@ -94,6 +94,49 @@ pub struct ChoiceMessage {
     /// Generated text.
     #[serde(default)]
     pub content: Option<String>,
+    /// Tool calls (vLLM's tool parsers fill them; an empty list when there are none).
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// Reasoning, from vLLM's reasoning parsers (older versions).
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+    /// Reasoning (newer versions; some send both fields).
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+impl ChoiceMessage {
+    /// The reasoning text, under either name.
+    pub fn reasoning(&self) -> Option<&str> {
+        self.reasoning
+            .as_deref()
+            .or(self.reasoning_content.as_deref())
+    }
+}
+
+/// A tool call, whole (`message.tool_calls`) or in pieces (`delta.tool_calls`).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ToolCall {
+    /// Position among the calls of one message (streams only).
+    #[serde(default)]
+    pub index: Option<u32>,
+    /// The call's id (in a stream: on the call's first piece).
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The function and its arguments.
+    #[serde(default)]
+    pub function: Option<FunctionCall>,
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct FunctionCall {
+    /// The tool's name (in a stream: on the call's first piece).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The arguments as JSON text (in a stream: the next piece of it).
+    #[serde(default)]
+    pub arguments: Option<String>,
 }
 
 /// A choice of a non-streaming chat completion.
@@ -138,6 +181,24 @@ pub struct ChunkDelta {
     /// New text.
     #[serde(default)]
     pub content: Option<String>,
+    /// New pieces of tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// New reasoning text (older vLLM versions).
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+    /// New reasoning text (newer versions).
+    #[serde(default)]
+    pub reasoning: Option<String>,
+}
+
+impl ChunkDelta {
+    /// The new reasoning text, under either name.
+    pub fn reasoning(&self) -> Option<&str> {
+        self.reasoning
+            .as_deref()
+            .or(self.reasoning_content.as_deref())
+    }
 }
 
 /// A choice of a stream chunk (chat: `delta`; completions: `text`).
@@ -182,11 +243,15 @@ pub struct StreamChunk {
 }
 
 impl StreamChunk {
-    /// Whether this chunk carries generated text.
+    /// Whether this chunk carries generated output: text, reasoning or a piece of a tool call.
     pub fn has_text(&self) -> bool {
-        self.choices
-            .iter()
-            .any(|c| c.text().is_some_and(|t| !t.is_empty()))
+        self.choices.iter().any(|c| {
+            c.text().is_some_and(|t| !t.is_empty())
+                || c.delta.as_ref().is_some_and(|d| {
+                    d.reasoning().is_some_and(|r| !r.is_empty())
+                        || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+                })
+        })
     }
 }
 

@@ -103,7 +103,8 @@ pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>)
         ClientShape::Anthropic { model, .. } => {
             let chat: ChatCompletionResponse = serde_json::from_slice(&openai)
                 .map_err(|e| spec.bad(format!("unreadable chat completion: {e}")))?;
-            let message = anthropic::message_from_chat(&chat, model);
+            let message =
+                anthropic::message_from_chat(&chat, model).map_err(|e| spec.bad(e.to_string()))?;
             Ok((Bytes::from(message.to_string()), chat.usage))
         }
     }

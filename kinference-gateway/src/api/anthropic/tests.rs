@@ -1,5 +1,10 @@
+use bytes::BytesMut;
+use serde_json::{Value, json};
+
 use super::*;
+use crate::api::openai::{ChatCompletionRequest, ChatCompletionResponse, StreamChunk};
 use crate::backend::sse::SseParser;
+use crate::errors::GatewayError;
 
 fn request(json: Value) -> Result<ChatCompletionRequest, GatewayError> {
     let req: MessagesRequest =
@@ -68,12 +73,47 @@ fn rejections_are_clear_400s() {
             "messages",
         ),
         (
-            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
-            "image",
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}),
+            "document",
         ),
         (
-            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}),
-            "tools",
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}),
+            "file",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "t"}]}),
+            "input_schema",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                   "tools": [{"type": "web_search_20250305", "name": "web_search"}]}),
+            "web_search_20250305",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                   "tool_choice": {"type": "any"}}),
+            "tool_choice",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                   "tools": [{"name": "a", "input_schema": {"type": "object"}}],
+                   "tool_choice": {"type": "tool", "name": "b"}}),
+            "no tool named `b`",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+                   "thinking": {"type": "enabled", "budget_tokens": 5}}),
+            "budget_tokens",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+                {"type": "tool_use", "id": "t", "name": "n", "input": {}}]}]}),
+            "assistant turns",
+        ),
+        (
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]}]}),
+            "text only",
         ),
     ];
     for (json, needle) in cases {
@@ -114,7 +154,7 @@ fn non_stream_response_translates_with_cache_usage() {
         "usage": {"prompt_tokens": 40, "completion_tokens": 5, "total_tokens": 45, "prompt_tokens_details": {"cached_tokens": 32}}
     }))
     .expect("parses");
-    let message = message_from_chat(&chat, "m");
+    let message = message_from_chat(&chat, "m").expect("translates");
     assert_eq!(message["id"], "msg_abc123");
     assert_eq!(message["type"], "message");
     assert_eq!(
@@ -185,4 +225,317 @@ fn stream_event_sequence() {
     );
     assert_eq!(events[6].1["usage"]["output_tokens"], 2);
     assert_eq!(events[6].1["usage"]["input_tokens"], 12);
+}
+
+const WEATHER_SCHEMA: &str =
+    r#"{"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}"#;
+
+fn weather_tool() -> Value {
+    json!({"name": "get_weather", "description": "Weather in a city",
+           "input_schema": serde_json::from_str::<Value>(WEATHER_SCHEMA).expect("schema"),
+           "cache_control": {"type": "ephemeral"}})
+}
+
+#[test]
+fn tools_and_a_tool_round_trip_translate() {
+    let chat = request(json!({
+        "model": "m",
+        "max_tokens": 50,
+        "tools": [weather_tool()],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": true},
+        "metadata": {"user_id": "u-42"},
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should call the tool.", "signature": "sig"},
+                {"type": "text", "text": "Let me look."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Lyon"}}
+            ]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "18 C"},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": true,
+                 "content": [{"type": "text", "text": "station offline"}]},
+                {"type": "text", "text": "Summarize.", "cache_control": {"type": "ephemeral"}}
+            ]}
+        ]
+    }))
+    .expect("translates");
+    assert_eq!(
+        chat.messages,
+        json!([
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}},
+                {"id": "toolu_2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Lyon\"}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "18 C"},
+            {"role": "tool", "tool_call_id": "toolu_2", "content": "Error: station offline"},
+            {"role": "user", "content": "Summarize."}
+        ])
+    );
+    let body = serde_json::to_value(&chat).expect("serializes");
+    assert_eq!(
+        body["tools"],
+        json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                "parameters": serde_json::from_str::<Value>(WEATHER_SCHEMA).expect("schema")}}])
+    );
+    assert_eq!(body["tool_choice"], "required");
+    assert_eq!(body["parallel_tool_calls"], false);
+    assert_eq!(body["user"], "u-42");
+}
+
+#[test]
+fn tool_choice_forms_translate() {
+    let choice = |c: Value| {
+        let chat = request(
+            json!({"model": "m", "max_tokens": 5, "tools": [weather_tool()],
+            "tool_choice": c, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .expect("translates");
+        let body = serde_json::to_value(&chat).expect("serializes");
+        (
+            body["tool_choice"].clone(),
+            body.get("parallel_tool_calls").cloned(),
+        )
+    };
+    assert_eq!(choice(json!({"type": "auto"})), (json!("auto"), None));
+    assert_eq!(choice(json!({"type": "none"})), (json!("none"), None));
+    assert_eq!(
+        choice(json!({"type": "tool", "name": "get_weather"})),
+        (
+            json!({"type": "function", "function": {"name": "get_weather"}}),
+            None
+        )
+    );
+    // No tools, no tool_choice: the worker's request carries neither.
+    let body = serde_json::to_value(
+        request(
+            json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .expect("translates"),
+    )
+    .expect("serializes");
+    assert!(body.get("tools").is_none() && body.get("tool_choice").is_none());
+}
+
+#[test]
+fn tool_only_assistant_turn_has_null_content() {
+    let chat = request(json!({"model": "m", "max_tokens": 5, "tools": [weather_tool()], "messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1"}]}
+    ]}))
+    .expect("translates");
+    assert_eq!(chat.messages[1]["content"], Value::Null);
+    assert_eq!(
+        chat.messages[1]["tool_calls"][0]["function"]["arguments"],
+        "{}"
+    );
+    // A user turn of tool results only adds no empty user message.
+    assert_eq!(
+        chat.messages[2],
+        json!({"role": "tool", "tool_call_id": "c1", "content": ""})
+    );
+    assert_eq!(chat.messages.as_array().map(Vec::len), Some(3));
+}
+
+#[test]
+fn images_become_image_url_parts() {
+    let chat = request(json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}, "cache_control": {"type": "ephemeral"}}
+    ]}]}))
+    .expect("translates");
+    assert_eq!(
+        chat.messages[0]["content"],
+        json!([
+            {"type": "text", "text": "What is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}
+        ])
+    );
+}
+
+#[test]
+fn thinking_switches_the_template() {
+    let kwargs = |thinking: Value| {
+        let chat = request(
+            json!({"model": "m", "max_tokens": 2000, "thinking": thinking,
+            "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .expect("translates");
+        serde_json::to_value(&chat).expect("serializes")["chat_template_kwargs"].clone()
+    };
+    assert_eq!(
+        kwargs(json!({"type": "enabled", "budget_tokens": 1024})),
+        json!({"enable_thinking": true})
+    );
+    assert_eq!(
+        kwargs(json!({"type": "disabled"})),
+        json!({"enable_thinking": false})
+    );
+}
+
+#[test]
+fn count_tokens_prompt_needs_no_max_tokens() {
+    let req: MessagesRequest =
+        serde_json::from_value(json!({"model": "m", "tools": [weather_tool()],
+        "system": "S", "messages": [{"role": "user", "content": "x"}]}))
+        .expect("parses");
+    let prompt = req.chat_prompt().expect("translates");
+    assert_eq!(prompt.messages.len(), 2);
+    assert_eq!(prompt.tools.as_ref().map(Vec::len), Some(1));
+    assert!(req.to_chat_request().is_err());
+}
+
+#[test]
+fn non_stream_tool_calls_and_reasoning_become_blocks() {
+    let chat: ChatCompletionResponse = serde_json::from_value(json!({
+        "id": "chatcmpl-9",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": null,
+            "reasoning_content": "Need the weather.",
+            "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            "finish_reason": "tool_calls", "stop_reason": null}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+    }))
+    .expect("parses");
+    let message = message_from_chat(&chat, "m").expect("translates");
+    assert_eq!(
+        message["content"],
+        json!([
+            {"type": "thinking", "thinking": "Need the weather.", "signature": ""},
+            {"type": "tool_use", "id": "chatcmpl-tool-1", "name": "get_weather", "input": {"city": "Paris"}}
+        ])
+    );
+    assert_eq!(message["stop_reason"], "tool_use");
+
+    let bad: ChatCompletionResponse = serde_json::from_value(json!({"id": "x", "choices": [{"index": 0,
+        "message": {"content": null, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]},
+        "finish_reason": "tool_calls"}]}))
+    .expect("parses");
+    let err = message_from_chat(&bad, "m").expect_err("not an object");
+    assert!(err.to_string().contains("`f`"), "{err}");
+}
+
+fn events_of(out: &BytesMut) -> Vec<(String, Value)> {
+    let mut parser = SseParser::new();
+    parser.feed(out);
+    std::iter::from_fn(|| parser.next_event())
+        .map(|e| {
+            let data: Value = serde_json::from_slice(&e.data).expect("json data");
+            let name = e.event.expect("named");
+            assert_eq!(data["type"], name.as_str());
+            (name, data)
+        })
+        .collect()
+}
+
+#[test]
+fn stream_tool_calls_become_tool_use_blocks_with_json_deltas() {
+    let mut t = StreamTranslator::new("m", "msg_2".into());
+    let mut out = BytesMut::new();
+    t.start(&mut out, 3);
+    for c in [
+        json!({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}),
+        json!({"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}}]}),
+        json!({"choices": [{"index": 0, "delta": {"content": "Checking."}}]}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather"}}]}}]}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\": "}}]}}]}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]}}]}),
+        json!({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}}]}),
+        json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+    ] {
+        t.chunk(&mut out, &chunk(c));
+    }
+    t.finish(&mut out);
+    let events = events_of(&out);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        vec![
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    assert_eq!(events[1].1["content_block"]["type"], "thinking");
+    assert_eq!(
+        events[5].1["content_block"],
+        json!({"type": "text", "text": ""})
+    );
+    assert_eq!(
+        events[8].1,
+        json!({"type": "content_block_start", "index": 2, "content_block":
+               {"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {}}})
+    );
+    let json: String = events[9..11]
+        .iter()
+        .map(|(_, e)| {
+            assert_eq!(e["delta"]["type"], "input_json_delta");
+            assert_eq!(e["index"], 2);
+            e["delta"]["partial_json"]
+                .as_str()
+                .expect("piece")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        serde_json::from_str::<Value>(&json).expect("whole JSON"),
+        json!({"city": "Paris"})
+    );
+    assert_eq!(events[12].1["content_block"]["name"], "get_time");
+    assert_eq!(events[12].1["index"], 3);
+    assert_eq!(events[15].1["delta"]["stop_reason"], "tool_use");
+}
+
+#[test]
+fn stream_repeating_ids_stay_one_block_and_empty_stream_has_a_text_block() {
+    let mut t = StreamTranslator::new("m", "msg_3".into());
+    let mut out = BytesMut::new();
+    for piece in ["{\"a\"", ": 1}"] {
+        t.chunk(
+            &mut out,
+            &chunk(json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "same", "function": {"name": "f", "arguments": piece}}]}}]})),
+        );
+    }
+    t.finish(&mut out);
+    let starts = events_of(&out)
+        .iter()
+        .filter(|(n, _)| n == "content_block_start")
+        .count();
+    assert_eq!(starts, 1);
+
+    let mut t = StreamTranslator::new("m", "msg_4".into());
+    let mut out = BytesMut::new();
+    t.finish(&mut out);
+    let names: Vec<String> = events_of(&out).into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        vec![
+            "message_start",
+            "content_block_start",
+            "ping",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
 }
