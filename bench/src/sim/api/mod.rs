@@ -6,9 +6,11 @@
 //! Each generation request is tokenized here (real tokenizer and chat template), checked against
 //! `max_model_len`, queued in the engine and answered from its token stream, whole or as SSE.
 //! A client that disconnects drops the stream, which aborts the request in the engine.
+//! Chat requests with `tools` may be answered with a tool call, by the fixed rule in [`tools`].
 
 pub mod error;
 pub mod openai;
+pub mod tools;
 
 #[cfg(test)]
 mod tests;
@@ -34,6 +36,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::error::ApiError;
 use self::openai::{GenRequest, PromptInput};
+use self::tools::PlannedCall;
 use crate::sim::engine::{Engine, TokenOut};
 use crate::sim::metrics::{CacheInfo, Metrics};
 
@@ -360,7 +363,19 @@ async fn generate(
         )));
     }
     let n_prompt = ids.len();
-    let generation = state.engine.submit(ids, max_tokens);
+    // A tool call takes as many tokens as its text; one that does not fit is not made (the model
+    // would have been cut off mid-call).
+    let tool_call = r.tool_call.filter(|_| chat).and_then(|call| {
+        let n = state
+            .tokenizer
+            .encode_text(&call.model_text(), false)
+            .ok()?
+            .len()
+            .max(1);
+        (n <= max_tokens).then_some((call, n))
+    });
+    let generated = tool_call.as_ref().map_or(max_tokens, |(_, n)| *n);
+    let generation = state.engine.submit(ids, generated);
     let id = request_id(chat);
     let created = unix_now();
     tracing::debug!(request = %id, engine_id = generation.id, n_prompt, max_tokens, "queued");
@@ -372,6 +387,7 @@ async fn generate(
             created,
             chat,
             r.include_usage,
+            tool_call,
         ));
     }
     let mut tokens = generation.tokens;
@@ -386,7 +402,9 @@ async fn generate(
     }
     let usage = openai::usage(n_prompt, out.len(), cached, state.prompt_tokens_details);
     let text = text_of(state, &out);
-    let body = if chat {
+    let body = if let Some((call, _)) = &tool_call {
+        openai::chat_tool_call_body(&id, created, &state.model, call, usage)
+    } else if chat {
         openai::chat_body(&id, created, &state.model, &text, usage)
     } else {
         openai::completion_body(&id, created, &state.model, &text, usage)
@@ -405,7 +423,9 @@ fn stream_response(
     created: u64,
     chat: bool,
     include_usage: bool,
+    tool_call: Option<(PlannedCall, usize)>,
 ) -> Response<Body> {
+    let mut call_stream = tool_call.map(|(call, tokens)| CallStream::new(call, tokens));
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
     tokio::spawn(async move {
         let model = state.model.clone();
@@ -435,7 +455,14 @@ fn stream_response(
             cached = t.cached_tokens;
             let text = text_of(&state, &[t.token]);
             let finish = t.finish.map(|f| f.as_str());
-            let chunk = if chat {
+            let chunk = if let Some(call) = &mut call_stream {
+                let last = finish.is_some();
+                let Some(delta) = call.delta(t.index, last) else {
+                    continue;
+                };
+                let finish = last.then_some("tool_calls");
+                openai::chat_chunk(&id, created, &model, delta, finish)
+            } else if chat {
                 openai::chat_chunk(&id, created, &model, json!({"content": text}), finish)
             } else {
                 openai::completion_chunk(&id, created, &model, &text, finish)
@@ -461,6 +488,51 @@ fn stream_response(
         header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
     r
+}
+
+/// A tool call streamed over the tokens that write it: the first token opens the call (id and
+/// name), the arguments' pieces spread evenly over the rest, the last token flushes what remains.
+struct CallStream {
+    call: PlannedCall,
+    pieces: Vec<String>,
+    sent: usize,
+    /// Tokens the call takes (the engine was asked for exactly these).
+    tokens: usize,
+}
+
+impl CallStream {
+    fn new(call: PlannedCall, tokens: usize) -> Self {
+        CallStream {
+            pieces: call.argument_pieces(),
+            call,
+            sent: 0,
+            tokens,
+        }
+    }
+
+    /// The delta for token `index`, `None` when this token adds nothing to send.
+    fn delta(&mut self, index: usize, last: bool) -> Option<Value> {
+        let upto = if last {
+            self.pieces.len()
+        } else {
+            (self.pieces.len() * index / self.tokens.saturating_sub(1).max(1))
+                .min(self.pieces.len())
+        };
+        let piece: String = self.pieces[self.sent.min(upto)..upto].concat();
+        self.sent = self.sent.max(upto);
+        if index == 0 {
+            let mut delta = self.call.opening_delta();
+            if !piece.is_empty() {
+                delta["tool_calls"][0]["function"]["arguments"] = json!(piece);
+            }
+            return Some(delta);
+        }
+        match (piece.is_empty(), last) {
+            (false, _) => Some(PlannedCall::arguments_delta(&piece)),
+            (true, true) => Some(json!({})),
+            (true, false) => None,
+        }
+    }
 }
 
 fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {

@@ -4,6 +4,7 @@
 use serde_json::{Value, json};
 
 use super::error::ApiError;
+use super::tools::{self, PlannedCall};
 
 /// What to tokenize.
 #[derive(Debug, Clone)]
@@ -28,6 +29,8 @@ pub struct GenRequest {
     pub max_tokens: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The tool call the simulated model makes (chat requests with `tools`, see [`tools`]).
+    pub tool_call: Option<PlannedCall>,
 }
 
 fn opt_usize(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
@@ -96,6 +99,7 @@ fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
         max_tokens,
         stream,
         include_usage,
+        tool_call: None,
     })
 }
 
@@ -152,12 +156,48 @@ pub fn parse_chat(body: &Value) -> Result<GenRequest, ApiError> {
         Some(_) => return Err(ApiError::bad_param("messages", "messages must be a list")),
     };
     let prompt = PromptInput::Chat {
-        messages,
+        messages: with_image_placeholders(messages),
         add_generation_prompt: opt_bool(body, "add_generation_prompt", true)?,
-        kwargs: body.get("chat_template_kwargs").cloned(),
+        kwargs: template_kwargs(body),
     };
-    common(body, prompt)
+    let mut request = common(body, prompt)?;
+    request.tool_call = tools::plan(body);
+    Ok(request)
 }
+
+/// `chat_template_kwargs` plus `tools`, which vLLM hands to the chat template too (the template
+/// lists them in the system prompt, so they count as prompt tokens).
+fn template_kwargs(body: &Value) -> Option<Value> {
+    let kwargs = body.get("chat_template_kwargs").cloned();
+    let tools = body
+        .get("tools")
+        .filter(|t| t.as_array().is_some_and(|a| !a.is_empty()));
+    match (kwargs, tools) {
+        (kwargs, None) => kwargs,
+        (Some(Value::Object(mut map)), Some(tools)) => {
+            map.entry("tools").or_insert_with(|| tools.clone());
+            Some(Value::Object(map))
+        }
+        (_, Some(tools)) => Some(json!({"tools": tools})),
+    }
+}
+
+/// Image parts as the text a Qwen2-VL template puts in their place, so a multimodal request renders
+/// (each image counts as those three tokens, where a real vision model has hundreds).
+fn with_image_placeholders(mut messages: Value) -> Value {
+    for message in messages.as_array_mut().into_iter().flatten() {
+        let parts = message.get_mut("content").and_then(Value::as_array_mut);
+        for part in parts.into_iter().flatten() {
+            if part.get("type").and_then(Value::as_str) == Some("image_url") {
+                *part = json!({"type": "text", "text": IMAGE_PLACEHOLDER});
+            }
+        }
+    }
+    messages
+}
+
+/// What an image becomes in the prompt.
+pub const IMAGE_PLACEHOLDER: &str = "<|vision_start|><|image_pad|><|vision_end|>";
 
 /// The `usage` object. `details`: whether `prompt_tokens_details` is reported (on by default here, as
 /// with vLLM's `--enable-prompt-tokens-details`).
@@ -200,6 +240,22 @@ pub fn chat_body(id: &str, created: u64, model: &str, text: &str, usage: Value) 
         "service_tier": null, "system_fingerprint": FINGERPRINT, "usage": usage,
         "prompt_logprobs": null, "prompt_token_ids": null, "kv_transfer_params": null,
     })
+}
+
+/// A whole `/v1/chat/completions` response whose message is a tool call.
+pub fn chat_tool_call_body(
+    id: &str,
+    created: u64,
+    model: &str,
+    call: &PlannedCall,
+    usage: Value,
+) -> Value {
+    let mut body = chat_body(id, created, model, "", usage);
+    let choice = &mut body["choices"][0];
+    choice["message"]["content"] = Value::Null;
+    choice["message"]["tool_calls"] = json!([call.whole()]);
+    choice["finish_reason"] = json!("tool_calls");
+    body
 }
 
 /// One streamed completion chunk.

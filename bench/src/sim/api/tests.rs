@@ -51,3 +51,79 @@ fn usage_details_follow_the_flag() {
     assert!(usage(100, 3, 96, false)["prompt_tokens_details"].is_null());
     assert_eq!(usage(100, 3, 96, true)["total_tokens"], 103);
 }
+
+fn weather_request(last_user: &str, tool_choice: serde_json::Value) -> serde_json::Value {
+    json!({
+        "messages": [{"role": "user", "content": last_user}],
+        "tools": [
+            {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string"}},
+                "required": ["city", "days"]}}}
+        ],
+        "tool_choice": tool_choice,
+    })
+}
+
+#[test]
+fn tool_calls_follow_the_documented_rule() {
+    use super::tools::plan;
+    // auto: the tool the last user message names, arguments from `key=value`, required keys only.
+    let call = plan(&weather_request(
+        "Please call get_weather for city=Paris days=3.",
+        json!("auto"),
+    ))
+    .expect("a call");
+    assert_eq!(call.name, "get_weather");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&call.arguments).expect("json"),
+        json!({"city": "Paris", "days": 3})
+    );
+    assert!(call.id.starts_with("chatcmpl-tool-"));
+    // No tool named: text. `none`: text. `required`: the first tool. A named function: that one.
+    assert!(plan(&weather_request("Hello", json!("auto"))).is_none());
+    assert!(plan(&weather_request("call get_weather", json!("none"))).is_none());
+    assert_eq!(
+        plan(&weather_request("Hello", json!("required"))).map(|c| c.name),
+        Some("get_time".into())
+    );
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let call = plan(&weather_request("Hello", named)).expect("named");
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&call.arguments).expect("json"),
+        json!({"city": "sim", "days": 1})
+    );
+    // After a tool result the model answers in text.
+    let mut after = weather_request("call get_weather", json!("auto"));
+    after["messages"] = json!([
+        {"role": "user", "content": "call get_weather"},
+        {"role": "assistant", "content": null, "tool_calls": [call.whole()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"}
+    ]);
+    assert!(plan(&after).is_none());
+    // Without tools nothing is planned, and parse_chat carries the plan.
+    assert!(plan(&json!({"messages": [{"role": "user", "content": "get_weather"}]})).is_none());
+    let r = parse_chat(&weather_request("get_weather city=Oslo", json!("auto"))).expect("chat");
+    assert_eq!(r.tool_call.map(|c| c.name), Some("get_weather".into()));
+}
+
+#[test]
+fn a_streamed_call_opens_then_carries_every_argument_piece() {
+    let call = super::tools::PlannedCall {
+        id: "chatcmpl-tool-1".into(),
+        name: "f".into(),
+        arguments: r#"{"city": "Paris", "days": 3}"#.into(),
+    };
+    let tokens = 12;
+    let mut stream = super::CallStream::new(call.clone(), tokens);
+    let deltas: Vec<_> = (0..tokens)
+        .filter_map(|i| stream.delta(i, i == tokens - 1))
+        .collect();
+    assert_eq!(deltas[0], call.opening_delta());
+    let arguments: String = deltas[1..]
+        .iter()
+        .filter_map(|d| d["tool_calls"][0]["function"]["arguments"].as_str())
+        .collect();
+    assert_eq!(arguments, call.arguments);
+    assert!(deltas.len() > 3, "the arguments come in several pieces");
+}
