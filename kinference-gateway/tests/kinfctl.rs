@@ -220,3 +220,39 @@ fn every_broken_set_is_listed_in_the_test() {
     listed.sort();
     assert_eq!(on_disk, listed);
 }
+
+#[test]
+fn explain_an_object_offline_shows_its_state_and_conditions() {
+    let o = kinfctl(&["explain", "ipool/l4-qwen3-8b", "deploy/examples/policies"]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    assert!(out.contains("InferencePool/l4-qwen3-8b"), "{out}");
+    assert!(out.contains("state: Accepted"), "{out}");
+    assert!(out.contains("Ready      True"), "{out}");
+
+    let o = kinfctl(&[
+        "explain",
+        "InferencePolicy/p",
+        "kinference-gateway/tests/policies-broken/unknown-reference",
+        "--format",
+        "json",
+    ]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}");
+    let json: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(json[0]["state"], "Rejected", "{out}");
+    let accepted = &json[0]["conditions"][0];
+    assert_eq!(accepted["type"], "Accepted");
+    assert_eq!(accepted["status"], "False");
+    assert!(
+        accepted["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("pool-h100")),
+        "{out}"
+    );
+
+    let o = kinfctl(&["explain", "pod/x", "deploy/examples/policies"]);
+    assert_eq!(o.status.code(), Some(2));
+    let o = kinfctl(&["explain", "ipol/none", "deploy/examples/policies"]);
+    assert_eq!(o.status.code(), Some(2));
+}

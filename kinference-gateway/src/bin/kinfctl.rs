@@ -1,10 +1,14 @@
-//! `kinfctl`: policy tooling; offline, except `status` and `diff`, which read a cluster.
+//! `kinfctl`: policy tooling; offline, except `status`, `diff` and `explain KIND/NAME` without a
+//! directory, which read a cluster.
 //!
 //! - `kinfctl lint DIR`: schema and semantic checks of a directory of CRD-shaped YAML (unknown
 //!   references, unreachable/shadowed/conflicting rules, PII rules that could fail open).
 //! - `kinfctl test DIR --cases FILE`: evaluates sample requests and compares the decisions with
 //!   the expected ones (for CI in a policy repository).
 //! - `kinfctl explain DIR --request FILE [--state FILE]`: the decision for one request, rule by rule.
+//! - `kinfctl explain KIND/NAME [DIR]`: one object's apply state (`Accepted`, `RolledBack`,
+//!   `Rejected`, `Conflict`), generations and conditions: as a gateway would report them after
+//!   loading DIR, or without DIR as the gateway wrote them in the cluster (`-n NS`, `--kubeconfig`).
 //! - `kinfctl status [-n NS]...`: every object's generation, serving generation and conditions in
 //!   the cluster (kubeconfig like `kubectl`: `--kubeconfig`, `$KUBECONFIG`, `~/.kube/config`).
 //! - `kinfctl diff DIR -n NS`: what applying the directory would change in that namespace (exit 1
@@ -19,6 +23,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use kinference_crds::Complexity;
+use kinference_gateway::config_source::{files, inspect};
 use kinference_gateway::policy::classify::{request_facts, tags::TAGS_HEADER};
 use kinference_gateway::policy::engine::{
     Backend, Decision, Outcome, PoolStates, RequestFacts, evaluate,
@@ -56,15 +61,25 @@ enum Command {
         #[arg(long)]
         cases: PathBuf,
     },
-    /// Explain the decision for one request.
+    /// Explain the decision for one request (`DIR --request FILE`), or the apply state and
+    /// conditions of one object (`KIND/NAME [DIR]`; without DIR, from the cluster).
     Explain {
-        dir: PathBuf,
+        /// A policy directory (with `--request`), or `KIND/NAME` (e.g. `ipol/route`).
+        target: String,
+        /// With `KIND/NAME`: the directory to load the object from (default: the cluster).
+        dir: Option<PathBuf>,
         /// YAML/JSON file: `{tenant?, headers?, body, tags?, complexity?, prompt_tokens?}`.
         #[arg(long)]
-        request: PathBuf,
+        request: Option<PathBuf>,
         /// YAML/JSON file with pool state: `{pools: {NAME: {queue_depth, kv_cache_usage, estimated_ttft_ms, cached_tokens, available}}}`.
         #[arg(long)]
         state: Option<PathBuf>,
+        /// With `KIND/NAME` in the cluster: the namespace (default: every namespace).
+        #[arg(short, long = "namespace")]
+        namespace: Option<String>,
+        /// Kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
         #[arg(long, value_enum, default_value_t = Format::Text)]
         format: Format,
     },
@@ -108,11 +123,28 @@ fn main() -> ExitCode {
         Command::Lint { dir, format } => lint(&dir, format),
         Command::Test { dir, cases } => test(&dir, &cases),
         Command::Explain {
+            target,
             dir,
             request,
             state,
+            namespace,
+            kubeconfig,
             format,
-        } => explain(&dir, &request, state.as_deref(), format),
+        } => match (request, dir) {
+            (Some(request), None) => {
+                explain(Path::new(&target), &request, state.as_deref(), format)
+            }
+            (Some(_), Some(_)) => Err(Fatal(
+                "explain DIR --request FILE takes one directory".into(),
+            )),
+            (None, Some(dir)) => explain_object_in_dir(&target, &dir, format),
+            (None, None) => cluster::explain_object(
+                &target,
+                namespace.as_deref(),
+                kubeconfig.as_deref(),
+                format,
+            ),
+        },
         Command::Status {
             namespaces,
             kubeconfig,
@@ -284,6 +316,64 @@ fn explain(
     Ok(true)
 }
 
+/// `KIND/NAME` -> (kind, name).
+fn object_name(target: &str) -> Result<(&'static str, &str), Fatal> {
+    let (kind, name) = target
+        .split_once('/')
+        .filter(|(_, n)| !n.is_empty())
+        .ok_or_else(|| {
+            Fatal(format!(
+                "{target}: expected KIND/NAME (e.g. InferencePolicy/route or ipol/route), or DIR --request FILE"
+            ))
+        })?;
+    let kind = inspect::kind_named(kind).ok_or_else(|| {
+        Fatal(format!(
+            "{kind}: not a Kinference kind (one of {})",
+            kinference_crds::KINDS.join(", ")
+        ))
+    })?;
+    Ok((kind, name))
+}
+
+/// Prints explanations; true when every object is accepted.
+fn print_explanations(found: &[inspect::Explanation], format: Format) -> Result<bool, Fatal> {
+    match format {
+        Format::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(found).map_err(|e| Fatal(e.to_string()))?
+        ),
+        Format::Text => {
+            for e in found {
+                print!("{e}");
+            }
+        }
+    }
+    Ok(found.iter().all(|e| e.state == "Accepted"))
+}
+
+/// `explain KIND/NAME DIR`: the object's state after loading DIR as the gateway's file mode does.
+fn explain_object_in_dir(target: &str, dir: &Path, format: Format) -> Result<bool, Fatal> {
+    let (kind, name) = object_name(target)?;
+    let loaded = load_dir(dir, None).map_err(|e| Fatal(e.to_string()))?;
+    let snapshot = files::snapshot(&loaded.outcome, 1);
+    let found: Vec<_> = snapshot
+        .objects
+        .values()
+        .filter(|e| e.object.kind == kind && e.object.name == name)
+        .map(inspect::explain_entry)
+        .collect();
+    if found.is_empty() {
+        for p in loaded.problems.iter().filter(|p| p.message.contains(name)) {
+            eprintln!("{p}");
+        }
+        return Err(Fatal(format!(
+            "{kind}/{name}: not found in {}",
+            dir.display()
+        )));
+    }
+    print_explanations(&found, format)
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CasesFile {
@@ -450,7 +540,7 @@ mod cluster {
     use kinference_gateway::config_source::inspect::{self, Change};
     use kinference_gateway::config_source::kube::client;
 
-    use super::{Fatal, Format, load_dir};
+    use super::{Fatal, Format, load_dir, object_name, print_explanations};
 
     fn runtime() -> Result<tokio::runtime::Runtime, Fatal> {
         tokio::runtime::Builder::new_current_thread()
@@ -510,6 +600,32 @@ mod cluster {
             }
         }
         Ok(healthy)
+    }
+
+    /// `explain KIND/NAME`: the object's status as the gateway wrote it in the cluster.
+    pub fn explain_object(
+        target: &str,
+        namespace: Option<&str>,
+        kubeconfig: Option<&Path>,
+        format: Format,
+    ) -> Result<bool, Fatal> {
+        let (kind, name) = object_name(target)?;
+        let namespaces: Vec<String> = namespace.map(str::to_string).into_iter().collect();
+        let objects = runtime()?.block_on(async {
+            let client = client(kubeconfig).await.map_err(|e| Fatal(e.to_string()))?;
+            inspect::live_objects(&client, &namespaces)
+                .await
+                .map_err(|e| Fatal(format!("listing the objects: {e}")))
+        })?;
+        let found: Vec<_> = objects
+            .iter()
+            .filter(|(o, _)| o.kind == kind && o.name == name)
+            .map(|(o, v)| inspect::explain_live(o, v))
+            .collect();
+        if found.is_empty() {
+            return Err(Fatal(format!("{kind}/{name}: not found in the cluster")));
+        }
+        print_explanations(&found, format)
     }
 
     pub fn diff(

@@ -1,5 +1,6 @@
-//! What `kinfctl status` and `kinfctl diff` show: the objects of a live cluster, their serving
-//! generation and conditions, and what a directory of objects would change against them.
+//! What `kinfctl status`, `kinfctl diff` and `kinfctl explain KIND/NAME` show: the objects of a
+//! live cluster, their serving generation and conditions, what a directory of objects would change
+//! against them, and one object's apply state in the same words as the status and the metrics.
 
 use std::collections::BTreeMap;
 
@@ -191,4 +192,151 @@ pub fn diff(local: &[Manifest], live: &[(ObjectRef, Value)]) -> Vec<Change> {
         }
     }
     out
+}
+
+/// The kind `name` stands for: a kind (`InferencePolicy`), its plural (`inferencepolicies`) or its
+/// short name (`ipol`), in any case, as `kubectl` accepts them.
+pub fn kind_named(name: &str) -> Option<&'static str> {
+    let name = name.to_ascii_lowercase();
+    kinference_crds::KINDS.iter().copied().find(|kind| {
+        let ar = api_resource(kind);
+        kind.to_ascii_lowercase() == name
+            || ar.as_ref().is_some_and(|ar| ar.plural == name)
+            || short_name(kind) == Some(name.as_str())
+    })
+}
+
+fn short_name(kind: &str) -> Option<&'static str> {
+    Some(match kind {
+        "InferencePolicy" => "ipol",
+        "InferencePool" => "ipool",
+        "InferenceModel" => "imodel",
+        "InferenceProvider" => "iprov",
+        "InferenceTenant" => "itenant",
+        _ => return None,
+    })
+}
+
+/// One condition of an object's status.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConditionRow {
+    /// `Accepted`, `Ready` or `RolledBack`.
+    #[serde(rename = "type")]
+    pub type_: String,
+    /// `True` or `False`.
+    pub status: String,
+    /// CamelCase reason.
+    pub reason: String,
+    /// What happened (the error, the generation still serving).
+    pub message: String,
+}
+
+/// What `kinfctl explain KIND/NAME` shows: the object's apply state (the `state` label of
+/// `kinference_gateway_config_objects`), its generations and its status conditions.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Explanation {
+    /// Which object.
+    pub object: ObjectRef,
+    /// `metadata.generation` (the latest).
+    pub generation: Option<i64>,
+    /// `status.observedGeneration`: the latest generation a gateway has seen.
+    pub observed_generation: Option<i64>,
+    /// `status.activeGeneration`: the generation serving.
+    pub serving_generation: Option<i64>,
+    /// `Accepted`, `RolledBack`, `Rejected` or `Conflict` ([`super::ObjectState::name`]); `Pending`
+    /// while no gateway has written a status.
+    pub state: &'static str,
+    /// `status.conditions`.
+    pub conditions: Vec<ConditionRow>,
+}
+
+/// The apply state a status says, as [`super::ObjectState::name`] names it (None: no conditions).
+pub fn state_of(status: &Value) -> Option<&'static str> {
+    let conditions = status.get("conditions")?.as_array()?;
+    let find = |t: &str| conditions.iter().find(|c| c["type"] == t);
+    let accepted = find("Accepted")?;
+    let rolled_back = find("RolledBack").is_some_and(|c| c["status"] == "True");
+    Some(if accepted["status"] == "True" {
+        "Accepted"
+    } else if rolled_back {
+        "RolledBack"
+    } else if accepted["reason"] == "NameConflict" {
+        "Conflict"
+    } else {
+        "Rejected"
+    })
+}
+
+/// The explanation of an object as the API server returns it (its status as a gateway wrote it).
+pub fn explain_live(object: &ObjectRef, value: &Value) -> Explanation {
+    let status = value.get("status").cloned().unwrap_or(Value::Null);
+    let i = |v: &Value, p: &str| v.pointer(p).and_then(Value::as_i64);
+    let conditions = status
+        .get("conditions")
+        .and_then(Value::as_array)
+        .map(|cs| {
+            cs.iter()
+                .map(|c| {
+                    let s = |k: &str| c[k].as_str().unwrap_or_default().to_string();
+                    ConditionRow {
+                        type_: s("type"),
+                        status: s("status"),
+                        reason: s("reason"),
+                        message: s("message"),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    Explanation {
+        object: object.clone(),
+        generation: i(value, "/metadata/generation"),
+        observed_generation: i(&status, "/observedGeneration"),
+        serving_generation: i(&status, "/activeGeneration"),
+        state: state_of(&status).unwrap_or("Pending"),
+        conditions,
+    }
+}
+
+/// The explanation of an object of a snapshot: the status a gateway serving this snapshot writes
+/// ([`super::status::desired_status`]), so it reads exactly as [`explain_live`] would afterwards.
+pub fn explain_entry(e: &super::ObjectEntry) -> Explanation {
+    let value = serde_json::json!({
+        "metadata": { "generation": e.observed_generation },
+        "status": super::status::desired_status(e),
+    });
+    explain_live(&e.object, &value)
+}
+
+impl std::fmt::Display for Explanation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let g = |g: Option<i64>| g.map_or("-".to_string(), |g| g.to_string());
+        writeln!(f, "{}", self.object)?;
+        writeln!(
+            f,
+            "  state: {} (kinference_gateway_config_objects{{kind=\"{}\",state=\"{}\"}})",
+            self.state, self.object.kind, self.state
+        )?;
+        writeln!(
+            f,
+            "  generation: {}, observed: {}, serving: {}",
+            g(self.generation),
+            g(self.observed_generation),
+            g(self.serving_generation)
+        )?;
+        if self.conditions.is_empty() {
+            writeln!(
+                f,
+                "  no conditions yet: no gateway watching this namespace has written a status"
+            )?;
+        }
+        for c in &self.conditions {
+            writeln!(
+                f,
+                "  {:<10} {:<5} {:<26} {}",
+                c.type_, c.status, c.reason, c.message
+            )?;
+        }
+        Ok(())
+    }
 }

@@ -157,11 +157,14 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// The entry of `kind`/`name` (any namespace).
+    /// The entry of `kind`/`name` in whichever namespace owns the name (not one refused as a
+    /// [`ObjectState::Conflict`]): the namespace its Secrets are read from.
     pub fn entry(&self, kind: &str, name: &str) -> Option<&ObjectEntry> {
-        self.objects
-            .values()
-            .find(|e| e.object.kind == kind && e.object.name == name)
+        self.objects.values().find(|e| {
+            e.object.kind == kind
+                && e.object.name == name
+                && !matches!(e.state, ObjectState::Conflict { .. })
+        })
     }
 }
 

@@ -161,6 +161,12 @@ fn the_same_name_in_two_namespaces_is_owned_by_the_first_created_and_the_other_r
         other => panic!("expected Conflict, got {other:?}"),
     }
     assert_eq!(later.serving_generation, None);
+    // Secrets are read in the owner's namespace.
+    assert_eq!(
+        s.entry("InferenceTenant", "acme")
+            .map(|e| e.object.namespace.as_str()),
+        Some("zeta")
+    );
     let status = status::desired_status(later);
     let accepted = &status["conditions"][0];
     assert_eq!(accepted["type"], "Accepted");
@@ -278,4 +284,63 @@ fn diff_shows_creates_field_level_updates_and_deletes_but_not_defaults() {
             },
         ]
     );
+}
+
+#[test]
+fn explain_names_each_state_as_the_metric_does_and_reads_back_the_written_status() {
+    let entry = |state: ObjectState, serving: Option<i64>| ObjectEntry {
+        object: obj("InferencePolicy", "ns", "p"),
+        observed_generation: Some(3),
+        serving_generation: serving,
+        state,
+        live_status: None,
+        uid: None,
+    };
+    let states = [
+        entry(ObjectState::Accepted, Some(3)),
+        entry(
+            ObjectState::RolledBack {
+                error: "spec.rules[0].action: unknown field `rout`".into(),
+                serving_generation: Some(2),
+            },
+            Some(2),
+        ),
+        entry(
+            ObjectState::Rejected {
+                error: "spec.priority: missing".into(),
+            },
+            None,
+        ),
+        entry(
+            ObjectState::Conflict {
+                error: "taken".into(),
+                owner: obj("InferencePolicy", "other", "p"),
+            },
+            None,
+        ),
+    ];
+    for e in &states {
+        let explained = inspect::explain_entry(e);
+        assert_eq!(explained.state, e.state.name());
+        assert_eq!(explained.serving_generation, e.serving_generation);
+        assert_eq!(explained.observed_generation, Some(3));
+        // What the cluster returns once the status is written explains the same way.
+        let live = json!({"metadata": {"generation": 3}, "status": status::desired_status(e)});
+        assert_eq!(inspect::explain_live(&e.object, &live), explained);
+    }
+    let rolled = inspect::explain_entry(&states[1]).to_string();
+    assert!(rolled.contains("state: RolledBack"), "{rolled}");
+    assert!(
+        rolled.contains("rout") && rolled.contains("generation 2 keeps serving"),
+        "{rolled}"
+    );
+    let pending = inspect::explain_live(&obj("InferencePolicy", "ns", "p"), &json!({}));
+    assert_eq!(pending.state, "Pending");
+    assert_eq!(inspect::kind_named("ipol"), Some("InferencePolicy"));
+    assert_eq!(inspect::kind_named("inferencepools"), Some("InferencePool"));
+    assert_eq!(
+        inspect::kind_named("InferenceTenant"),
+        Some("InferenceTenant")
+    );
+    assert_eq!(inspect::kind_named("pod"), None);
 }
