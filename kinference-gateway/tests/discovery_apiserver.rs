@@ -163,7 +163,13 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
         ("http://10.0.1.2:8002".to_string(), MODEL.to_string()),
     ]);
     eventually("two ready pods -> two workers", || ready(&router) == both).await;
-    assert_eq!(*discovery.workers().borrow(), both);
+    let discovered: BTreeMap<String, String> = discovery
+        .workers()
+        .borrow()
+        .iter()
+        .map(|(url, w)| (url.clone(), w.model.clone()))
+        .collect();
+    assert_eq!(discovered, both);
 
     // Relabelled out of the selector: gone; relabelled back: back.
     let unlabel = json!({"metadata": {"labels": {"kinference.ai/worker": null}}});

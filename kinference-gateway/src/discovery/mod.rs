@@ -109,8 +109,8 @@ impl WorkerSink for Router {
     }
 }
 
-/// The discovered workers: URL -> model.
-pub type WorkerSet = BTreeMap<String, String>;
+/// The discovered workers by URL (with their model and pod labels).
+pub type WorkerSet = BTreeMap<String, PodWorker>;
 
 /// The discovered agents, and whether the first list has arrived.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -383,7 +383,7 @@ impl WorkerSink for LateSink {
             None => inner.queued.push((
                 PodWorker {
                     url: url.to_string(),
-                    model: String::new(),
+                    ..PodWorker::default()
                 },
                 false,
             )),
@@ -420,7 +420,7 @@ impl PodTable {
                 tracing::info!(pod = %key, worker = %w.url, model = %w.model, "worker ready");
                 self.sink.upsert(&w);
                 self.published.send_modify(|s| {
-                    s.insert(w.url.clone(), w.model.clone());
+                    s.insert(w.url.clone(), w.clone());
                 });
                 self.by_pod.insert(key, w);
             }

@@ -14,12 +14,14 @@ pub const MODEL_KEY: &str = "kinference.ai/model";
 pub const DEFAULT_HTTP_PORT: u16 = 8000;
 
 /// A worker as discovery sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodWorker {
     /// `http://<pod ip>:<http port>`.
     pub url: String,
     /// Served model.
     pub model: String,
+    /// The pod's labels: which `InferencePool` selectors pick it.
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The worker a pod is, if it should receive requests now. A pod without a model, with an
@@ -56,6 +58,7 @@ pub fn worker_of(pod: &Pod) -> Option<PodWorker> {
     Some(PodWorker {
         url: format!("http://{host}:{port}"),
         model: model.to_string(),
+        labels: meta.labels.clone().unwrap_or_default(),
     })
 }
 

@@ -23,7 +23,8 @@ fn only_running_ready_pods_with_ip_and_model_are_workers() {
         worker_of(&pod("Running", "True", Some("10.0.0.5"), labels.clone())),
         Some(PodWorker {
             url: "http://10.0.0.5:8001".into(),
-            model: "m".into()
+            model: "m".into(),
+            labels: serde_json::from_value(labels.clone()).expect("labels"),
         })
     );
     assert_eq!(
@@ -118,6 +119,7 @@ fn pod_table_emits_only_transitions() {
         Some(PodWorker {
             url: format!("http://{ip}:8000"),
             model: "m".into(),
+            ..PodWorker::default()
         })
     };
     table.set("ns/a".into(), w("10.0.0.1"));

@@ -6,6 +6,8 @@
 //!   require-local), explained rule by rule. A pure function of (policy set, facts, pool state).
 //! - [`source`]: CRD-shaped YAML from a directory (local mode), reloaded on change; an object that
 //!   fails validation is not applied and its previous version keeps serving.
+//! - [`pool_members`]: which workers are a pool's (static endpoints, and the discovered pods its
+//!   selector and GPU class pick).
 //! - [`lint`]: offline checks for `kinfctl lint` (shadowed rules, unknown references, conflicts,
 //!   PII rules that could fail open).
 //!
@@ -18,6 +20,7 @@ pub mod classify;
 pub mod engine;
 pub mod lint;
 pub mod model;
+pub mod pool_members;
 pub mod source;
 pub mod stage;
 pub mod worker_load;
