@@ -1,5 +1,6 @@
 use super::*;
 use bytes::Bytes;
+use testkit::free_port;
 use zeromq::{PubSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 fn greeting(mechanism: &str, major: u8) -> Vec<u8> {
@@ -206,13 +207,6 @@ fn endpoints_parse() {
     ] {
         assert!(Endpoint::parse(bad).is_err(), "{bad}");
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 fn rejected(m: &AgentMetrics, reason: &'static str) -> u64 {
