@@ -46,6 +46,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use std::time::{Duration, Instant};
 
+use kinference_api::tokenize::ModelTokenizer;
 use parking_lot::{Mutex, RwLock};
 use prometheus_client::registry::Registry;
 
@@ -327,6 +328,11 @@ impl Router {
     /// The routing mode.
     pub fn mode(&self) -> RoutingMode {
         self.shared.mode
+    }
+
+    /// The gateway's own tokenizer for `model` (none configured: `None`).
+    pub fn tokenizer(&self, model: &str) -> Option<Arc<ModelTokenizer>> {
+        self.shared.tokenizers.local(model).cloned()
     }
 
     /// Picks a worker for `req` and records it in the in-flight ledger.

@@ -187,6 +187,11 @@ impl Tokenizers {
         self.local.contains_key(model)
     }
 
+    /// The gateway's own tokenizer for `model`, if one is configured.
+    pub fn local(&self, model: &str) -> Option<&Arc<ModelTokenizer>> {
+        self.local.get(model)
+    }
+
     /// Tokenizes `prompt` for `model`; without a local tokenizer asks `fallback_worker`.
     pub async fn tokens(
         &self,

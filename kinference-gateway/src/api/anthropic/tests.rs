@@ -539,3 +539,45 @@ fn stream_repeating_ids_stay_one_block_and_empty_stream_has_a_text_block() {
         ]
     );
 }
+
+fn qwen2() -> kinference_api::tokenize::ModelTokenizer {
+    let dir = std::env::var_os("KINFERENCE_TOKENIZER_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2"))
+        });
+    kinference_api::tokenize::ModelTokenizer::from_dir(&dir).unwrap_or_else(|e| {
+        panic!(
+            "no tokenizer at {}: run `cargo xtask setup` ({e})",
+            dir.display()
+        )
+    })
+}
+
+#[test]
+fn count_tokens_renders_tools_and_needs_a_tokenizer() {
+    let tok = qwen2();
+    let parse = |v: Value| serde_json::from_value::<MessagesRequest>(v).expect("parses");
+    let plain =
+        parse(json!({"model": "m", "messages": [{"role": "user", "content": "Hello there"}]}));
+    let with_tools = parse(json!({"model": "m", "tools": [weather_tool()],
+        "messages": [{"role": "user", "content": "Hello there"}]}));
+    let n = count_tokens::count(Some(&tok), &plain).expect("counts");
+    // The chat template's own tokens plus the text's: exactly the worker's prompt_tokens.
+    let expected = tok
+        .encode_chat(&json!([{"role": "user", "content": "Hello there"}]))
+        .expect("encodes")
+        .len();
+    assert_eq!(n, expected);
+    assert!(count_tokens::count(Some(&tok), &with_tools).expect("counts") > n + 20);
+    let err = count_tokens::count(None, &plain).expect_err("no tokenizer");
+    assert_eq!(err.status().as_u16(), 400);
+    assert!(err.to_string().contains("tokenizer_dir"), "{err}");
+    // An image is left out of the count rather than refused.
+    let image = parse(
+        json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello there"},
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}),
+    );
+    assert_eq!(count_tokens::count(Some(&tok), &image).expect("counts"), n);
+}
