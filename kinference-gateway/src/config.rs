@@ -59,6 +59,9 @@ pub struct Args {
 
     #[command(flatten)]
     pub extproc: crate::extproc::ExtProcArgs,
+
+    #[command(flatten)]
+    pub access: crate::access::AccessArgs,
 }
 
 pub use crate::backend::worker::HttpSettings;

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use crate::access::Access;
 use crate::backend::health::{self, Prober};
 use crate::backend::worker::{HttpSettings, Upstream};
 use crate::metrics::Metrics;
@@ -28,6 +29,8 @@ pub struct Gateway {
     pub tenancy: Arc<Tenancy>,
     /// The policy stage, when `gateway.yaml` names a policy directory.
     pub policy: Option<Arc<PolicyStage>>,
+    /// Who is an admin (the admin API, debug explanations, worker addresses).
+    pub access: Access,
     /// Set on SIGTERM: `/readyz` answers 503 while the listeners still serve.
     pub draining: AtomicBool,
 }

@@ -7,6 +7,7 @@
 //! No module imports one that imports it back (`tests/module_layers.rs` keeps it so).
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod api;
 pub mod backend;
 pub mod body;

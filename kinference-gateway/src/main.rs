@@ -81,6 +81,7 @@ async fn main() -> anyhow::Result<()> {
         models: config.model_names(),
         tenancy: Arc::clone(&tenancy),
         policy,
+        access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),
     });
 

@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
+use crate::access::Peer;
 use crate::api::openai;
 use crate::errors::{GatewayError, Protocol};
 use crate::pipeline::{self, Endpoint};
@@ -51,8 +52,14 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
 
 /// Routes one admin request.
 async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+    let admin = gw
+        .access
+        .admin_port_admin(req.headers(), req.extensions().get::<Peer>());
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/metrics") => {
+            if gw.access.metrics_need_key() && !admin {
+                return unauthorized();
+            }
             let mut response = Response::new(full(gw.metrics.encode()));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -62,19 +69,7 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             );
             response
         }
-        (&Method::GET, "/admin/usage") => {
-            match gw
-                .tenancy
-                .usage_report(req.uri().query().unwrap_or(""))
-                .await
-            {
-                Ok(report) => json_response(StatusCode::OK, report.to_string()),
-                Err(message) => json_response(
-                    StatusCode::BAD_REQUEST,
-                    serde_json::json!({ "error": message }).to_string(),
-                ),
-            }
-        }
+        (&Method::GET, "/admin/usage") => usage(&gw, &req, admin).await,
         (&Method::GET, "/healthz") => text_response(StatusCode::OK, "ok\n"),
         (&Method::GET, "/readyz") => {
             if gw.ready() {
@@ -83,9 +78,48 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
                 text_response(StatusCode::SERVICE_UNAVAILABLE, "draining\n")
             }
         }
-        (&Method::GET, "/healthz/workers") => json_response(StatusCode::OK, workers_health(&gw)),
+        (&Method::GET, "/healthz/workers") if admin => {
+            json_response(StatusCode::OK, workers_health(&gw))
+        }
+        (&Method::GET, "/healthz/workers") => unauthorized(),
         _ => text_response(StatusCode::NOT_FOUND, "not found\n"),
     }
+}
+
+/// `/admin/usage`: every tenant's usage for an admin; a tenant's own for its API key (asking for
+/// another tenant's is 403); 401 for anyone else.
+async fn usage(gw: &Gateway, req: &Request<Incoming>, admin: bool) -> Response<Body> {
+    let query = req.uri().query().unwrap_or("");
+    let only = if admin {
+        None
+    } else {
+        match gw.tenancy.authenticate(req.headers()) {
+            Ok(caller) if caller.tenant().is_some() => Some(caller.name().to_string()),
+            _ => return unauthorized(),
+        }
+    };
+    match gw.tenancy.usage_report(query, only.as_deref()).await {
+        Ok(report) => json_response(StatusCode::OK, report.to_string()),
+        Err(error) => json_response(
+            error.status(),
+            serde_json::json!({ "error": error.to_string() }).to_string(),
+        ),
+    }
+}
+
+/// 401 on the admin port: the admin key (or, on `/admin/usage`, a tenant's key) is missing.
+fn unauthorized() -> Response<Body> {
+    let mut response = json_response(
+        StatusCode::UNAUTHORIZED,
+        serde_json::json!({
+            "error": "admin credential required: send the admin key (or, for /admin/usage, a tenant's API key) as `Authorization: Bearer <key>`"
+        })
+        .to_string(),
+    );
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
 }
 
 /// `/healthz/workers`: each worker's probed health, apart from `/readyz` (a gateway whose workers are
@@ -133,7 +167,7 @@ fn json_response(status: StatusCode, json: String) -> Response<Body> {
 pub enum Port {
     /// Client-facing API.
     Api,
-    /// `/metrics`, `/healthz`, `/readyz`, `/healthz/workers`.
+    /// `/metrics`, `/healthz`, `/readyz`, `/healthz/workers`, `/admin/usage`.
     Admin,
 }
 
@@ -166,7 +200,9 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let gw = Arc::clone(&gw);
-                let service = service_fn(move |req| {
+                let service = service_fn(move |mut req: Request<Incoming>| {
+                    // Who connected decides who is an admin when no admin key is set.
+                    req.extensions_mut().insert(Peer(peer));
                     let gw = Arc::clone(&gw);
                     async move {
                         Ok::<_, Infallible>(match port {

@@ -825,7 +825,10 @@ async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
     until_in_flight(&h.router, 0).await;
     let deadline = Instant::now() + Duration::from_secs(5);
     let report = loop {
-        let report = tenancy.usage_report("tenant=acme").await.expect("report");
+        let report = tenancy
+            .usage_report("tenant=acme", None)
+            .await
+            .expect("report");
         if report["total"]["requests"] == 1 || Instant::now() > deadline {
             break report;
         }

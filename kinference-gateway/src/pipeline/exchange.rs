@@ -28,7 +28,9 @@ pub struct Exchange {
     pub endpoint: Endpoint,
     /// The client's protocol (errors are answered in it).
     pub protocol: Protocol,
-    /// `x-kinference-debug: 1`: explain the decision in `x-kinference-decision`.
+    /// The caller is an admin ([`crate::access`]): it is shown the worker's address.
+    pub admin: bool,
+    /// `x-kinference-debug: 1` from an admin: explain the decision in `x-kinference-decision`.
     pub debug: bool,
     /// `x-kinference-tags` (policy classification).
     pub tags: Option<String>,
@@ -44,15 +46,18 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// An exchange for a request to `endpoint` with `headers`.
-    pub fn new(endpoint: Endpoint, headers: &HeaderMap, metrics: &Metrics) -> Self {
+    /// An exchange for a request to `endpoint` with `headers`, from an admin or not.
+    pub fn new(endpoint: Endpoint, headers: &HeaderMap, admin: bool, metrics: &Metrics) -> Self {
         let protocol = endpoint.protocol();
         Exchange {
             endpoint,
             protocol,
-            debug: headers
-                .get("x-kinference-debug")
-                .is_some_and(|v| v.as_bytes() == b"1"),
+            admin,
+            // Anyone else's debug header is ignored: explanations name workers and pools.
+            debug: admin
+                && headers
+                    .get("x-kinference-debug")
+                    .is_some_and(|v| v.as_bytes() == b"1"),
             tags: headers
                 .get(crate::policy::classify::tags::TAGS_HEADER)
                 .and_then(|v| v.to_str().ok())

@@ -215,7 +215,7 @@ pub async fn relay(
     let (style, label, input_tokens, response, mut headers) = match forwarded {
         Forwarded::Worker(decision, response) => {
             let decision = *decision;
-            let headers = worker_headers(&decision, ex.debug);
+            let headers = worker_headers(&decision, ex);
             if let Some(s) = ex.settlement() {
                 s.worker(
                     &decision.worker,
@@ -283,13 +283,16 @@ pub async fn relay(
     Ok(out)
 }
 
-/// `x-kinference-worker` (always) and `x-kinference-decision` (when debugging).
-fn worker_headers(decision: &Decision, debug: bool) -> http::HeaderMap {
+/// For admins only ([`crate::access`]): `x-kinference-worker` (the worker's internal address) and
+/// `x-kinference-decision` (when debugging).
+fn worker_headers(decision: &Decision, ex: &Exchange) -> http::HeaderMap {
     let mut headers = http::HeaderMap::new();
-    if let Ok(v) = HeaderValue::from_str(&decision.worker) {
+    if ex.admin
+        && let Ok(v) = HeaderValue::from_str(&decision.worker)
+    {
         headers.insert("x-kinference-worker", v);
     }
-    if debug
+    if ex.debug
         && let Some(v) = decision
             .explain
             .as_deref()
@@ -300,11 +303,13 @@ fn worker_headers(decision: &Decision, debug: bool) -> http::HeaderMap {
     headers
 }
 
-/// `x-kinference-worker` (the provider's base URL), `x-kinference-provider`, and the policy
-/// explanation when debugging.
+/// `x-kinference-provider`; for admins only, `x-kinference-worker` (the provider's base URL) and
+/// the policy explanation when debugging.
 fn provider_headers(client: &ProviderClient, ex: &Exchange) -> http::HeaderMap {
     let mut h = http::HeaderMap::new();
-    if let Ok(v) = HeaderValue::from_str(client.base_url()) {
+    if ex.admin
+        && let Ok(v) = HeaderValue::from_str(client.base_url())
+    {
         h.insert("x-kinference-worker", v);
     }
     if let Ok(v) = HeaderValue::from_str(client.name()) {

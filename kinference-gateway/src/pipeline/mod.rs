@@ -23,6 +23,7 @@ use std::sync::Arc;
 use http::{Request as HttpRequest, Response};
 use hyper::body::Incoming;
 
+use crate::access::Peer;
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
@@ -64,7 +65,10 @@ pub async fn handle(
     endpoint: Endpoint,
     req: HttpRequest<Incoming>,
 ) -> Response<Body> {
-    let mut ex = Exchange::new(endpoint, req.headers(), &gw.metrics);
+    let admin = gw
+        .access
+        .serving_port_admin(req.headers(), req.extensions().get::<Peer>());
+    let mut ex = Exchange::new(endpoint, req.headers(), admin, &gw.metrics);
     match run(&gw, &mut ex, req).await {
         Ok(response) => response,
         Err(error) => ex.refuse(error),

@@ -37,6 +37,7 @@ pub mod usage;
 pub use admission::Admission;
 #[cfg(test)]
 use headers::go_duration;
+pub use report::ReportError;
 #[cfg(test)]
 use report::percent_decode;
 use table::TenantTable;

@@ -40,26 +40,79 @@ pub(super) fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Why `/admin/usage` answers no report.
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// A parameter is malformed or the store cannot answer (400).
+    #[error("{0}")]
+    BadQuery(String),
+    /// A tenant asked for another tenant's usage (403).
+    #[error("a tenant's key reads only that tenant's usage, not `{0}`'s")]
+    OtherTenant(String),
+}
+
+impl ReportError {
+    /// The HTTP status.
+    pub fn status(&self) -> http::StatusCode {
+        match self {
+            ReportError::BadQuery(_) => http::StatusCode::BAD_REQUEST,
+            ReportError::OtherTenant(_) => http::StatusCode::FORBIDDEN,
+        }
+    }
+}
+
+/// `tenant`, `from` and `to` of the query.
+type Query = (Option<String>, Option<u64>, Option<u64>);
+
+fn parse_query(query: &str) -> Result<Query, ReportError> {
+    let bad = ReportError::BadQuery;
+    let mut tenant = None;
+    let mut from = None;
+    let mut to = None;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let v = percent_decode(v);
+        if v.is_empty() {
+            continue;
+        }
+        match k {
+            "tenant" => tenant = Some(v),
+            "from" => from = Some(budget::parse_time(&v).ok_or(bad(format!("bad `from`: {v}")))?),
+            "to" => to = Some(budget::parse_time(&v).ok_or(bad(format!("bad `to`: {v}")))?),
+            other => return Err(bad(format!("unknown parameter `{other}`"))),
+        }
+    }
+    Ok((tenant, from, to))
+}
+
 impl Tenancy {
     /// `GET /admin/usage?tenant=&from=&to=`: usage and cost per tenant / model / pool / provider.
     /// `from`/`to`: Unix seconds, `YYYY-MM-DD` or RFC 3339 (UTC); default: this month so far.
-    pub async fn usage_report(&self, query: &str) -> Result<serde_json::Value, String> {
-        let mut tenant = None;
-        let mut from = None;
-        let mut to = None;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_decode(v);
-            if v.is_empty() {
-                continue;
+    /// `only`: the caller is this tenant (its own API key), which sees nothing of any other.
+    pub async fn usage_report(
+        &self,
+        query: &str,
+        only: Option<&str>,
+    ) -> Result<serde_json::Value, ReportError> {
+        let (tenant, from, to) = parse_query(query)?;
+        let tenant = match (only, tenant) {
+            (Some(me), Some(asked)) if asked != me => {
+                return Err(ReportError::OtherTenant(asked));
             }
-            match k {
-                "tenant" => tenant = Some(v),
-                "from" => from = Some(budget::parse_time(&v).ok_or(format!("bad `from`: {v}"))?),
-                "to" => to = Some(budget::parse_time(&v).ok_or(format!("bad `to`: {v}"))?),
-                other => return Err(format!("unknown parameter `{other}`")),
-            }
-        }
+            (Some(me), _) => Some(me.to_string()),
+            (None, asked) => asked,
+        };
+        self.report_between(tenant, from, to)
+            .await
+            .map_err(ReportError::BadQuery)
+    }
+
+    async fn report_between(
+        &self,
+        tenant: Option<String>,
+        from: Option<u64>,
+        to: Option<u64>,
+    ) -> Result<serde_json::Value, String> {
         let now = now_ms();
         let to = to.unwrap_or(now + 60_000);
         let from = from.unwrap_or_else(|| budget::month_start_ms(now));

@@ -160,7 +160,7 @@ async fn keys_limits_budget_and_usage_end_to_end_in_process() {
     );
 
     t.flush().await;
-    let report = t.usage_report("tenant=acme").await.unwrap();
+    let report = t.usage_report("tenant=acme", None).await.unwrap();
     assert_eq!(report["total"]["requests"], 2);
     assert_eq!(report["total"]["input_uncached_tokens"], 18);
     assert_eq!(report["total"]["input_cached_tokens"], 4);
@@ -169,9 +169,28 @@ async fn keys_limits_budget_and_usage_end_to_end_in_process() {
     // A restart replays the journal: same figures, budget still spent.
     drop(t);
     let t = start(&dir, true);
-    let report = t.usage_report("tenant=acme&from=2000-01-01").await.unwrap();
+    let report = t
+        .usage_report("tenant=acme&from=2000-01-01", None)
+        .await
+        .unwrap();
     assert_eq!(report["total"]["requests"], 2);
     assert_eq!(report["total"]["output_tokens"], 15);
+    // A tenant's own view: its usage, and never another tenant's.
+    let own = t
+        .usage_report("from=2000-01-01", Some("acme"))
+        .await
+        .unwrap();
+    assert_eq!(own["total"]["requests"], 2);
+    let nobody = t
+        .usage_report("from=2000-01-01", Some("globex"))
+        .await
+        .unwrap();
+    assert_eq!(nobody["total"]["requests"], 0);
+    let other = t
+        .usage_report("tenant=acme", Some("globex"))
+        .await
+        .unwrap_err();
+    assert_eq!(other.status(), http::StatusCode::FORBIDDEN);
     let caller = t.authenticate(&with_key("sk-acme-test-key")).unwrap();
     assert!(t.admit(&caller, "m", 1, 1, Protocol::OpenAi).await.is_err());
     let _ = std::fs::remove_dir_all(&dir);
