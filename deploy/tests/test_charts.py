@@ -203,6 +203,42 @@ def test_bad_pdb_values_are_refused() -> None:
         render({"gateway": {"podDisruptionBudget": {"maxUnavailable": 1, "minAvailable": 1}}})
 
 
+def test_replicas_with_tenants_on_the_embedded_store_are_refused() -> None:
+    """N replicas on the embedded store would allow N times every limit: the chart fails loudly, unless
+    told to accept it, the limits are in Redis, or there is one replica (or no tenants at all)."""
+    tenants = {"config": {"tenancy": {"tenants_dir": "/etc/kinference/tenants"}}}
+    with pytest.raises(helm.HelmError, match=r"gateway.replicas is 2 with tenants on the embedded store.*allowPerReplicaLimits"):
+        render({"gateway": tenants})
+    with pytest.raises(helm.HelmError, match="3 times each limit"):
+        render({"gateway": {"replicas": 3, "config": {"crds": {"namespaces": ["a"]}}}})
+    accepted = {"gateway": {**tenants, "tenancy": {"allowPerReplicaLimits": True}}}
+    assert one(render(accepted), "Deployment")["spec"]["replicas"] == 2
+    redis = {"tenancy": {"tenants_dir": "/t", "store": "redis", "redis_url": "rediss://redis:6380/0"}}
+    assert one(render({"gateway": {"config": redis}}), "Deployment")["spec"]["replicas"] == 2
+    assert one(render({"gateway": {**tenants, "replicas": 1}}), "Deployment")["spec"]["replicas"] == 1
+    assert one(render({}), "Deployment")["spec"]["replicas"] == 2
+
+
+def test_admin_key_from_a_secret() -> None:
+    """The admin key reaches the gateway from a Secret; with forMetrics Prometheus presents it too."""
+    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(render({}), "Deployment")))
+    values = {
+        "gateway": {"adminKey": {"existingSecret": "kinference-admin", "forMetrics": True}},
+        "serviceMonitor": {"enabled": True},
+    }
+    objects = render(values)
+    c = container(one(objects, "Deployment"))
+    assert env_of(c)["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "kinference-admin", "key": "admin-key"}
+    }
+    assert "--admin-key-for-metrics" in c["args"]
+    monitor = one(objects, "ServiceMonitor", "kinference-gateway")
+    assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"] == {
+        "name": "kinference-admin",
+        "key": "admin-key",
+    }
+
+
 # ------------------------------------------------------------------------------------------------ CRDs
 
 
@@ -452,7 +488,8 @@ def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() ->
 
 def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease() -> None:
     crds = {"namespaces": [NAMESPACE]}
-    grants = rules_by_subject(render({"gateway": {"config": {"routing": "kinference", "crds": crds}}}))
+    gateway = {"config": {"routing": "kinference", "crds": crds}, "tenancy": {"allowPerReplicaLimits": True}}
+    grants = rules_by_subject(render({"gateway": gateway}))
     kinds = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
     cluster_mode = (
         {("kinference.ai", k, "", v) for k in kinds for v in WATCH}
