@@ -56,6 +56,10 @@ async fn main() -> anyhow::Result<()> {
     let _policy_sync = policy
         .as_ref()
         .map(|stage| stage.spawn_sync(Arc::clone(&router)));
+    // Pools with a selector pick their workers among the discovered pods.
+    if let (Some(stage), Some(discovery)) = (&policy, &_discovery) {
+        stage.follow_discovered(discovery.workers());
+    }
     let tenancy = metrics
         .with_registry(|registry| {
             kinference_gateway::tenancy::Tenancy::start(

@@ -3,8 +3,10 @@
 //! pools (with their workers) and providers, or a rejection.
 //!
 //! Local mode: pools map to workers through their static `endpoints`, and the router's worker table
-//! follows the pools on every reload ([`PolicyStage::spawn_sync`]). A pool without endpoints (a
-//! selector, in a cluster) stands for every worker serving its model.
+//! follows the pools on every reload ([`PolicyStage::spawn_sync`]). With discovery
+//! ([`PolicyStage::follow_discovered`]) a pool's `selector` picks its workers among the discovered
+//! pods by label and GPU class ([`pool_members`]); without it, a pool without endpoints stands for
+//! every worker serving its model.
 //!
 //! Pool state per pool, for this request: `available` (a healthy worker), the best worker's estimated
 //! TTFT and cached prompt tokens (the router's estimate, as [`crate::routing::Router::pick`] would
@@ -37,9 +39,11 @@ use serde_json::Value;
 
 use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates};
 use super::model::{Named, PolicySet};
+use super::pool_members;
 use super::source::{PolicyWatcher, SourceError};
 use super::worker_load::WorkerLoad;
 use crate::backend::provider::{ProviderClient, Providers};
+use crate::discovery::WorkerSet;
 use crate::errors::GatewayError;
 use crate::routing::pools::WorkerEstimate;
 use crate::routing::tokenize::PromptTokens;
@@ -161,6 +165,8 @@ pub struct PolicyStage {
     providers: Providers,
     load: WorkerLoad,
     metrics: StageMetrics,
+    /// The discovered workers (cluster, with discovery): what pools' selectors pick from.
+    discovered: std::sync::OnceLock<tokio::sync::watch::Receiver<WorkerSet>>,
 }
 
 impl std::fmt::Debug for PolicyStage {
@@ -183,6 +189,7 @@ impl PolicyStage {
             providers: Providers::new(settings.connect_timeout),
             load,
             metrics: StageMetrics::default(),
+            discovered: Default::default(),
         }))
     }
 
@@ -204,12 +211,39 @@ impl PolicyStage {
             providers,
             load,
             metrics: StageMetrics::default(),
+            discovered: Default::default(),
         })
     }
 
     /// The current policy set.
     pub fn current(&self) -> Arc<PolicySet> {
         self.watcher.current()
+    }
+
+    /// From now on a pool with a `selector` is the discovered workers it picks
+    /// ([`pool_members`]), not every worker serving its model. Set once, at start.
+    pub fn follow_discovered(&self, workers: tokio::sync::watch::Receiver<WorkerSet>) {
+        if self.discovered.set(workers).is_err() {
+            tracing::warn!("the policy stage already follows discovered workers");
+        }
+    }
+
+    /// The pool's worker URLs ([`pool_members::members`]; `None`: every worker of its model).
+    fn members(&self, pool: &InferencePoolSpec) -> Option<Vec<String>> {
+        let discovered = self.discovered.get().map(|rx| rx.borrow());
+        pool_members::members(pool, discovered.as_deref())
+    }
+
+    /// [`local_pool_workers`] with the discovered workers.
+    fn local_members(
+        &self,
+        set: &PolicySet,
+        pool: &str,
+        served: &str,
+        router: &Router,
+    ) -> Vec<String> {
+        let discovered = self.discovered.get().map(|rx| rx.borrow());
+        local_pool_workers(set, pool, served, router, discovered.as_deref())
     }
 
     /// Workers and models the pools of the current set add to the router's configuration (local
@@ -336,11 +370,9 @@ impl PolicyStage {
                             }
                             // A local-only request never goes to "any worker of the model".
                             let workers = if local_only {
-                                Some(local_pool_workers(&set, pool, &t.model, router))
+                                Some(self.local_members(&set, pool, &t.model, router))
                             } else {
-                                set.pools.get(pool).and_then(|p| {
-                                    (!p.spec.endpoints.is_empty()).then(|| endpoints(p))
-                                })
+                                set.pools.get(pool).and_then(|p| self.members(&p.spec))
                             };
                             targets.push(PlanTarget::Pool {
                                 pool: pool.clone(),
@@ -397,7 +429,7 @@ impl PolicyStage {
         let requested = set.resolve(req.model);
         let wanted = set.candidate_models(&requested);
         // Each pool is estimated with the model it would serve this request with.
-        let served_by_pool: Vec<(&String, String, Vec<String>)> = set
+        let served_by_pool: Vec<(&String, String, Option<Vec<String>>)> = set
             .pools
             .iter()
             .filter_map(|(name, pool)| {
@@ -412,7 +444,7 @@ impl PolicyStage {
                     .get(model)
                     .map_or(model.as_str(), |m| m.spec.served_name.as_str())
                     .to_string();
-                Some((name, served, endpoints(pool)))
+                Some((name, served, self.members(&pool.spec)))
             })
             .collect();
         // One estimate per served model (each has its own tokenizer and workers).
@@ -427,7 +459,7 @@ impl PolicyStage {
                     .pools
                     .iter()
                     .filter(|(_, p)| p.spec.locality == Locality::Local)
-                    .flat_map(|(name, _)| local_pool_workers(set, name, served, router))
+                    .flat_map(|(name, _)| self.local_members(set, name, served, router))
                     .collect();
                 Some(local_workers.as_slice())
             } else {
@@ -446,12 +478,12 @@ impl PolicyStage {
             by_model.insert(served.as_str(), estimates);
         }
         let mut pools = BTreeMap::new();
-        for (name, served, endpoints) in &served_by_pool {
+        for (name, served, members) in &served_by_pool {
             let workers: Vec<&WorkerEstimate> = by_model
                 .get(served.as_str())
                 .into_iter()
                 .flatten()
-                .filter(|e| endpoints.is_empty() || endpoints.contains(&e.worker))
+                .filter(|e| members.as_ref().is_none_or(|m| m.contains(&e.worker)))
                 .collect();
             pools.insert((*name).clone(), self.snapshot(&workers));
         }
@@ -518,18 +550,36 @@ fn has_require_local(set: &PolicySet) -> bool {
 }
 
 /// The workers local pool `pool` may use for `served` when the request must stay local: its
-/// endpoints; for a pool found by selector, every worker of `served` that no remote pool lists,
-/// none when a remote pool serving `served` is found by selector too (its workers cannot be told
-/// apart from the local ones: fail closed). A remote pool has none.
-fn local_pool_workers(set: &PolicySet, pool: &str, served: &str, router: &Router) -> Vec<String> {
+/// members ([`pool_members::members`]: endpoints, and with `discovered` the workers its selector
+/// picks) that no remote pool has too; without a discovered view, for a pool found by selector,
+/// every worker of `served` that no remote pool lists, none when a remote pool serving `served` is
+/// found by selector too (its workers cannot be told apart from the local ones: fail closed). A
+/// remote pool has none.
+fn local_pool_workers(
+    set: &PolicySet,
+    pool: &str,
+    served: &str,
+    router: &Router,
+    discovered: Option<&WorkerSet>,
+) -> Vec<String> {
     let Some(p) = set.pools.get(pool) else {
         return Vec::new();
     };
     if p.spec.locality != Locality::Local {
         return Vec::new();
     }
-    if !p.spec.endpoints.is_empty() {
-        return endpoints(p);
+    if let Some(members) = pool_members::members(&p.spec, discovered) {
+        let remote: Vec<String> = set
+            .pools
+            .values()
+            .filter(|r| r.spec.locality != Locality::Local)
+            .filter_map(|r| pool_members::members(&r.spec, discovered))
+            .flatten()
+            .collect();
+        return members
+            .into_iter()
+            .filter(|m| !remote.contains(m))
+            .collect();
     }
     let served_by = |pool: &Named<InferencePoolSpec>| {
         pool.spec.models.iter().any(|m| {

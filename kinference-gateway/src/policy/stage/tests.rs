@@ -4,6 +4,7 @@ use std::time::Duration;
 use serde_json::json;
 
 use super::*;
+use crate::discovery::pods::PodWorker;
 use crate::routing::{RoutingConfig, RoutingMode};
 
 fn tokenizer_dir() -> PathBuf {
@@ -254,4 +255,145 @@ fn a_pool_without_workers_reports_saturated() {
 #[test]
 fn header_values_are_visible_ascii() {
     assert_eq!(header_safe("a\nb – c"), "a?b ? c");
+}
+
+/// Two pools of the same model found by selector: `near` (Local, l40s, `tier: a`) and `far`
+/// (Remote, h100, `tier: b`), tried in that order.
+fn write_selector_pools(dir: &Path) {
+    let tok = tokenizer_dir();
+    let pool = |name: &str, tier: &str, gpu: &str, locality: &str| {
+        format!(
+            r#"apiVersion: kinference.ai/v1alpha1
+kind: InferencePool
+metadata: {{name: {name}}}
+spec:
+  models: [small]
+  gpuClass: {gpu}
+  locality: {locality}
+  selector: {{matchLabels: {{tier: {tier}}}, targetPort: 8000}}
+  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.2}}
+---
+"#
+        )
+    };
+    let text = format!(
+        r#"apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {{name: small}}
+spec:
+  servedName: small-served
+  classes: [general]
+  tokenizer: {{dir: "{tok}"}}
+---
+{near}{far}apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {{name: order}}
+spec:
+  priority: 10
+  rules:
+    - name: near-first
+      action: {{route: {{targets: [{{pool: near}}, {{pool: far}}]}}}}
+"#,
+        tok = tok.display(),
+        near = pool("near", "a", "l40s", "Local"),
+        far = pool("far", "b", "h100", "Remote"),
+    );
+    std::fs::write(dir.join("policies.yaml"), text).unwrap();
+}
+
+fn discovered_worker(url: &str, labels: &[(&str, &str)]) -> (String, PodWorker) {
+    let worker = PodWorker {
+        url: url.into(),
+        model: "small-served".into(),
+        labels: labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    };
+    (url.to_string(), worker)
+}
+
+fn pool_workers_of(plan: &Plan) -> Vec<(String, Option<Vec<String>>)> {
+    plan.targets
+        .iter()
+        .filter_map(|t| match t {
+            PlanTarget::Pool { pool, workers, .. } => Some((pool.clone(), workers.clone())),
+            PlanTarget::Provider { .. } => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn selector_pools_are_the_discovered_workers_their_labels_and_gpu_class_pick() {
+    let dir = TempDir::new("selector");
+    write_selector_pools(&dir.0);
+    let config = crate::config::GatewayConfig {
+        policy_dir: Some(dir.0.clone()),
+        ..Default::default()
+    };
+    let (_, stage) =
+        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default()).unwrap();
+    let stage = stage.unwrap();
+    let (a, b, c) = (
+        "http://10.0.0.1:8000",
+        "http://10.0.0.2:8000",
+        "http://10.0.0.3:8000",
+    );
+    let router = Router::new(RoutingConfig {
+        workers: [a, b, c]
+            .iter()
+            .map(|u| WorkerConfig {
+                url: u.to_string(),
+                model: "small-served".into(),
+            })
+            .collect(),
+        models: stage.routing_additions().1,
+        agents: vec![],
+        mode: RoutingMode::Kinference,
+    })
+    .unwrap();
+
+    // No discovered view (local mode): a selector pool stands for every worker of its model.
+    let (plan, _) = decide(&stage, &router, &chat("Hello there")).await;
+    assert_eq!(
+        pool_workers_of(&plan.unwrap()),
+        [("near".into(), None), ("far".into(), None)]
+    );
+
+    // Discovery: `c` has near's label but runs on h100, so it is nobody's.
+    let (tx, rx) = tokio::sync::watch::channel(WorkerSet::from([
+        discovered_worker(a, &[("tier", "a")]),
+        discovered_worker(b, &[("tier", "b"), (pool_members::GPU_CLASS_LABEL, "h100")]),
+        discovered_worker(c, &[("tier", "a"), (pool_members::GPU_CLASS_LABEL, "h100")]),
+    ]));
+    stage.follow_discovered(rx);
+    let (plan, _) = decide(&stage, &router, &chat("Hello there")).await;
+    assert_eq!(
+        pool_workers_of(&plan.unwrap()),
+        [
+            ("near".into(), Some(vec![a.to_string()])),
+            ("far".into(), Some(vec![b.to_string()])),
+        ]
+    );
+
+    // Personal data stays local: only near's own worker.
+    let (plan, _) = decide(&stage, &router, &chat("mail me at jane.doe@example.com")).await;
+    assert_eq!(
+        pool_workers_of(&plan.unwrap()),
+        [("near".into(), Some(vec![a.to_string()]))]
+    );
+
+    // Relabelled: `a` moves to far; near is empty: unavailable (so not planned), never "every
+    // worker of the model".
+    tx.send_replace(WorkerSet::from([
+        discovered_worker(a, &[("tier", "b")]),
+        discovered_worker(b, &[("tier", "b"), (pool_members::GPU_CLASS_LABEL, "h100")]),
+    ]));
+    let (plan, explain) = decide(&stage, &router, &chat("Hello there")).await;
+    assert_eq!(
+        pool_workers_of(&plan.unwrap()),
+        [("far".into(), Some(vec![a.to_string(), b.to_string()]))]
+    );
+    let explain = explain.unwrap();
+    assert!(explain.contains("near(unavailable"), "{explain}");
 }
