@@ -136,8 +136,38 @@ pub fn request_facts_with(
 /// what it could not read and how the external classifier answered.
 #[derive(Default)]
 pub struct Classifier {
-    external: OnceLock<external::ExternalClassifier>,
+    external: OnceLock<External>,
     metrics: ClassifierMetrics,
+}
+
+/// The external classifier as configured.
+enum External {
+    /// Asked for every request.
+    Ready(Box<external::ExternalClassifier>),
+    /// Configured, but the configuration is unusable: every request is treated as unanswered
+    /// (`pii`, fail closed), never as if no classifier were configured.
+    Broken(external::ExternalError),
+}
+
+/// `classifier` in `gateway.yaml`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifierConfig {
+    /// An external classifier asked for every request before the plan (off when absent).
+    #[serde(default)]
+    pub external: Option<external::ExternalConfig>,
+}
+
+impl ClassifierConfig {
+    /// Checks the external classifier's URL (`http://host:port/path`).
+    pub fn validate(&self) -> Result<(), String> {
+        match &self.external {
+            Some(c) => external::ExternalClassifier::from_config(c)
+                .map(drop)
+                .map_err(|e| format!("classifier.external: {e}")),
+            None => Ok(()),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -165,8 +195,20 @@ impl std::fmt::Debug for Classifier {
 }
 
 impl Classifier {
-    /// Asks `external` for every request from now on; `false` (and ignored) when one is set.
-    pub fn set_external(&self, external: external::ExternalClassifier) -> bool {
+    /// Applies `config` (once; later calls are ignored and return `false`). An external classifier
+    /// whose URL is unusable (which [`ClassifierConfig::validate`] rejects at load) fails every
+    /// request closed.
+    pub fn configure(&self, config: &ClassifierConfig) -> bool {
+        let Some(c) = &config.external else {
+            return true;
+        };
+        let external = match external::ExternalClassifier::from_config(c) {
+            Ok(client) => External::Ready(Box::new(client)),
+            Err(error) => {
+                tracing::error!(%error, "external classifier unusable: every request is treated as personal data");
+                External::Broken(error)
+            }
+        };
         self.external.set(external).is_ok()
     }
 
@@ -192,18 +234,29 @@ impl Classifier {
                 .get_or_create(&UnreadableLabels { content })
                 .inc();
         }
-        if let Some(external) = self.external.get() {
-            let tags = match external.classify(&text, &model).await {
-                Ok(tags) => {
-                    self.count_external("ok");
-                    tags
-                }
-                Err(error) => {
-                    self.count_external(error.outcome());
-                    external.fallback(&error, &model)
-                }
-            };
-            classification.tags.extend(tags);
+        match self.external.get() {
+            Some(External::Ready(external)) => {
+                let tags = match external.classify(&text, &model).await {
+                    Ok(tags) => {
+                        self.count_external("ok");
+                        tags
+                    }
+                    Err(error) => {
+                        self.count_external(error.outcome());
+                        external.fallback(&error, &model)
+                    }
+                };
+                classification.tags.extend(tags);
+            }
+            Some(External::Broken(error)) => {
+                tracing::warn!(%error, model, "external classifier unusable: treated as personal data");
+                self.count_external("error");
+                classification.tags.insert(PII_TAG.to_string());
+                classification
+                    .tags
+                    .insert(external::UNAVAILABLE_TAG.to_string());
+            }
+            None => {}
         }
         Some(facts_of(body, model, tenant, None, classification))
     }

@@ -95,3 +95,96 @@ async fn errors_follow_on_error() {
     assert!(!tags.contains("pii") && tags.contains("classifier-unavailable"));
     assert!(ExternalClassifier::new("https://x", Duration::from_secs(1), OnError::Ignore).is_err());
 }
+
+/// The metrics text of `classifier`.
+fn metrics_text(classifier: &crate::policy::classify::Classifier) -> String {
+    let mut registry = prometheus_client::registry::Registry::default();
+    classifier.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    text
+}
+
+fn config(
+    url: &str,
+    timeout_ms: u64,
+    on_error: OnError,
+) -> crate::policy::classify::ClassifierConfig {
+    crate::policy::classify::ClassifierConfig {
+        external: Some(super::ExternalConfig {
+            url: url.to_string(),
+            timeout_ms,
+            on_error,
+        }),
+    }
+}
+
+#[tokio::test]
+async fn the_classifier_is_asked_before_the_plan_and_its_tags_join_the_facts() {
+    let url = serve(200, r#"{"tags": ["medical"]}"#, Duration::ZERO).await;
+    let classifier = crate::policy::classify::Classifier::default();
+    assert!(classifier.configure(&config(&url, 2000, OnError::TagPii)));
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "my scan results"}]});
+    let (facts, _) = classifier
+        .facts(&body, None, None, &|_| None)
+        .await
+        .expect("facts");
+    assert!(facts.tags.contains("medical"), "{:?}", facts.tags);
+    assert!(!facts.tags.contains("pii"), "{:?}", facts.tags);
+    assert!(
+        metrics_text(&classifier).contains("classifier_external_requests_total{outcome=\"ok\"} 1")
+    );
+}
+
+#[tokio::test]
+async fn a_slow_or_failing_classifier_makes_the_request_local_only() {
+    let body =
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
+    let slow = serve(200, r#"{"tags": []}"#, Duration::from_secs(5)).await;
+    let failing = serve(503, "{}", Duration::ZERO).await;
+    for (url, outcome) in [(&slow, "timeout"), (&failing, "error")] {
+        let classifier = crate::policy::classify::Classifier::default();
+        classifier.configure(&config(url, 150, OnError::TagPii));
+        let started = std::time::Instant::now();
+        let (facts, _) = classifier
+            .facts(&body, None, None, &|_| None)
+            .await
+            .expect("facts");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(
+            facts.tags.contains("pii") && facts.tags.contains("classifier-unavailable"),
+            "{outcome}: {:?}",
+            facts.tags
+        );
+        let metrics = metrics_text(&classifier);
+        assert!(
+            metrics.contains(&format!(
+                "classifier_external_requests_total{{outcome=\"{outcome}\"}} 1"
+            )),
+            "{metrics}"
+        );
+    }
+    // Only an explicit `on_error: ignore` lets the request go on without the answer.
+    let open = crate::policy::classify::Classifier::default();
+    open.configure(&config(&failing, 150, OnError::Ignore));
+    let (facts, _) = open
+        .facts(&body, None, None, &|_| None)
+        .await
+        .expect("facts");
+    assert!(!facts.tags.contains("pii") && facts.tags.contains("classifier-unavailable"));
+}
+
+#[tokio::test]
+async fn an_unusable_classifier_url_fails_closed() {
+    let bad = config("https://classifier.example/v1", 100, OnError::Ignore);
+    assert!(bad.validate().is_err());
+    let classifier = crate::policy::classify::Classifier::default();
+    classifier.configure(&bad);
+    let body =
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
+    let (facts, _) = classifier
+        .facts(&body, None, None, &|_| None)
+        .await
+        .expect("facts");
+    assert!(facts.tags.contains("pii"), "{:?}", facts.tags);
+}
