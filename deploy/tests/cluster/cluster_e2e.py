@@ -48,6 +48,17 @@ NS = "kinference"
 RELEASE = "kinference"
 MODEL = "qwen2-sim"
 WORKERS = 3
+# Cluster mode (gateway.config.crds): tenants, keys, the model and its pool are objects in the namespace.
+# The workload's tenant, and a second one whose key the CRD test rotates and whose routing it pins.
+API_KEY = "sk-e2e-workload"
+PROBE_KEY_OLD = "sk-e2e-probe-1"
+PROBE_KEY_NEW = "sk-e2e-probe-2"
+SECRETS = {"e2e-workload-key": API_KEY, "e2e-probe-key": PROBE_KEY_OLD}
+# The gateway answers `x-kinference-worker` and `/healthz/workers` (worker addresses) only to an admin:
+# the key comes from a Secret (gateway.adminKey) and the test presents it.
+ADMIN_KEY = "sk-e2e-admin-0123456789"
+ADMIN = {"x-kinference-admin-key": ADMIN_KEY}
+GATEWAY_API_CRDS = REPO / "deploy" / "gateway-api" / "crds"
 
 if os.environ.get("KINFERENCE_TEST_CLUSTER") != "1":
     pytest.skip(
@@ -60,6 +71,7 @@ import helm_python as helm  # noqa: E402
 import yaml  # noqa: E402
 
 TIMINGS: dict[str, float] = {}
+FIGURES: dict[str, float] = {}
 
 
 def log(msg: str) -> None:
@@ -140,7 +152,7 @@ def render(chart: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
 def get(url: str, timeout: float = 5) -> str:
     import requests
 
-    r = requests.get(url, timeout=timeout)
+    r = requests.get(url, timeout=timeout, headers={"authorization": f"Bearer {ADMIN_KEY}"})
     r.raise_for_status()
     return r.text
 
@@ -245,10 +257,16 @@ def chart_values(tokenizer_dir: Path) -> dict[str, Any]:
             "podDisruptionBudget": {"enabled": False},
             "terminationGracePeriodSeconds": 30,
             "extraEnv": api_env,
+            "adminKey": {"existingSecret": "e2e-admin-key", "secretKey": "api-key"},
             "config": {
                 "routing": "kinference",
                 "models": [{"name": MODEL, "tokenizer_dir": "/tokenizers/qwen2"}],
+                # Cluster mode: the five kinds watched in the namespace, status written by the Lease holder.
+                "crds": {"namespaces": [NS], "lease_duration_s": 5},
             },
+            "secretNames": sorted(SECRETS),
+            # The test's tenants have no limits: each replica enforcing them on its own changes nothing.
+            "tenancy": {"allowPerReplicaLimits": True},
             "extraVolumes": [
                 {"name": "tokenizers", "hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}
             ],
@@ -263,6 +281,48 @@ def chart_values(tokenizer_dir: Path) -> dict[str, Any]:
             # KV Service (its internalTrafficPolicy field is 1.21+ anyway).
             "kvEvents": {"service": False},
             "readinessProbe": {"periodSeconds": 2, "initialDelaySeconds": 1},
+        },
+    }
+
+
+def kinference_objects() -> list[dict[str, Any]]:
+    """What the gateway serves in cluster mode: the model, one pool of every worker pod (selector), and
+    two tenants whose keys live in Secrets."""
+    meta = lambda name: {"name": name, "namespace": NS}  # noqa: E731
+    api = "kinference.ai/v1alpha1"
+    secrets = [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": meta(name), "stringData": {"api-key": key}}
+        for name, key in {**SECRETS, "e2e-admin-key": ADMIN_KEY}.items()
+    ]
+    tenants = [
+        {
+            "apiVersion": api,
+            "kind": "InferenceTenant",
+            "metadata": meta(tenant),
+            "spec": {"apiKeys": [{"secretRef": {"name": secret, "key": "api-key"}}]},
+        }
+        for tenant, secret in (("workload", "e2e-workload-key"), ("probe", "e2e-probe-key"))
+    ]
+    return [
+        *secrets,
+        {"apiVersion": api, "kind": "InferenceModel", "metadata": meta(MODEL), "spec": {"servedName": MODEL}},
+        pool("sim", selector={"matchLabels": {"kinference.ai/worker": "true"}, "targetPort": 8000}),
+        *tenants,
+    ]
+
+
+def pool(name: str, **where: Any) -> dict[str, Any]:
+    """An InferencePool of the model; `where` is `selector=` or `endpoints=`."""
+    return {
+        "apiVersion": "kinference.ai/v1alpha1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "models": [MODEL],
+            "gpuClass": "sim",
+            "locality": "Local",
+            **where,
+            "prices": {"cachedInputPerMillion": 0.0, "uncachedInputPerMillion": 0.1, "outputPerMillion": 0.2},
         },
     }
 
@@ -325,7 +385,7 @@ def install(kube: Kube, tokenizer: Path) -> None:
     while "default-token" not in kube.run("get", "secrets", "-n", NS, check=False):
         assert time.monotonic() < deadline, "no default ServiceAccount token in the namespace"
         time.sleep(0.5)
-    kube.apply([worker_deployment()])
+    kube.apply([worker_deployment(), *kinference_objects()])
     objects = render(CHARTS / "kinference", chart_values(tokenizer))
     gateway = [o for o in objects if o["kind"] == "Deployment"]
     rest = [o for o in objects if o["kind"] != "Deployment"]
@@ -391,10 +451,12 @@ def system_prompt(group: int, salt: str) -> str:
     return f"You are assistant {salt}-{group}. " + " ".join(words)
 
 
-def send_openai(base: str, system: str, question: str) -> str:
+def send_openai(base: str, system: str, question: str, key: str = API_KEY) -> str:
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=f"http://{base}/v1", api_key=key, max_retries=0, timeout=60, default_headers=ADMIN
+    )
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL,
         messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
@@ -404,10 +466,12 @@ def send_openai(base: str, system: str, question: str) -> str:
     return raw.headers.get("x-kinference-worker", "")
 
 
-def send_anthropic(base: str, system: str, question: str) -> str:
+def send_anthropic(base: str, system: str, question: str, key: str = API_KEY) -> str:
     import anthropic
 
-    client = anthropic.Anthropic(base_url=f"http://{base}", api_key="unused", max_retries=0, timeout=60)
+    client = anthropic.Anthropic(
+        base_url=f"http://{base}", api_key=key, max_retries=0, timeout=60, default_headers=ADMIN
+    )
     raw = client.messages.with_raw_response.create(
         model=MODEL, system=system, messages=[{"role": "user", "content": question}], max_tokens=8
     )
@@ -472,6 +536,7 @@ def test_routing_through_both_replicas_beats_random(cluster: Kube):
     kinference_rate = hit_rate(before, middle)
     random_rate = hit_rate(middle, after)
     log(f"prefix-cache hit rate: Kinference {kinference_rate:.3f}, random {random_rate:.3f}")
+    FIGURES["hit rate, random routing"] = random_rate
 
     # Every request reports its worker; follow-ups land on the worker that holds their prefix.
     assert all(w for _, w in routed), routed
@@ -527,7 +592,7 @@ def test_both_replicas_hold_the_same_cache_view(cluster: Kube):
 def stream_once(base: str, i: int) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"http://{base}/v1", api_key="unused", max_retries=0, timeout=30)
+    client = openai.OpenAI(base_url=f"http://{base}/v1", api_key=API_KEY, max_retries=0, timeout=30)
     stream = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": f"stream {i}: " + "tell me a story " * 20}],
@@ -629,3 +694,333 @@ def test_extproc_picker_port_is_served(cluster: Kube):
     for ip, port in addresses:
         with socket.create_connection((ip, port), timeout=5):
             pass
+
+
+# ------------------------------------------------------------------------------------------ Gateway API
+
+
+def for_kubernetes_1_20(schema: Any) -> Any:
+    """The schema less what this 1.20 apiserver cannot take: `x-kubernetes-validations` (CEL rules,
+    1.25+) and `default: ""` (1.20 turns it into null, then refuses null for a string)."""
+    if isinstance(schema, dict):
+        return {
+            k: for_kubernetes_1_20(v)
+            for k, v in schema.items()
+            if k != "x-kubernetes-validations" and not (k == "default" and v == "")
+        }
+    if isinstance(schema, list):
+        return [for_kubernetes_1_20(v) for v in schema]
+    return schema
+
+
+def test_gateway_api_example_applies_against_the_gateway_api_crds(cluster: Kube):
+    """deploy/gateway-api/ (the Gateway and HTTPRoute install.md applies) against the vendored Gateway API
+    v1.5.1 Standard CRDs: the apiserver accepts it, refuses a broken route, and the route's backend is
+    the gateway Service the chart created, on its client port."""
+    kube = cluster
+    crds = [for_kubernetes_1_20(yaml.safe_load(p.read_text())) for p in sorted(GATEWAY_API_CRDS.glob("*.yaml"))]
+    kube.apply(crds)
+    for c in crds:
+        kube.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{c['metadata']['name']}")
+    example = [
+        doc
+        for name in ("gateway.yaml", "httproute.yaml")
+        for doc in yaml.safe_load_all((REPO / "deploy" / "gateway-api" / name).read_text())
+        if doc
+    ]
+    out = kube.run("apply", "-f", "-", input=yaml.safe_dump_all(example))
+    log(f"Gateway API example applied: {out.strip()}")
+    route = kube.json("get", "httproute", "-n", NS, "kinference")
+    service = kube.json("get", "service", "-n", NS, f"{RELEASE}-gateway")
+    backend = route["spec"]["rules"][0]["backendRefs"][0]
+    assert backend["name"] == service["metadata"]["name"]
+    assert backend["port"] in [p["port"] for p in service["spec"]["ports"] if p["name"] == "http"], service
+    # The schema is enforced: a path match type the API does not have is refused.
+    broken = [o for o in example if o["kind"] == "HTTPRoute"][0]
+    broken = json.loads(json.dumps(broken))
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["rules"][0]["matches"][0]["path"]["type"] = "Prefix"
+    p = subprocess.run(
+        ["kubectl", f"--kubeconfig={kube.kubeconfig}", "apply", "--dry-run=server", "-f", "-"],
+        input=yaml.safe_dump(broken),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode != 0 and "Prefix" in p.stderr, (p.returncode, p.stderr)
+
+
+# ------------------------------------------------------------------------------------------ scaling
+
+CLIENTS = 4
+
+
+def scaling_prompt(n: int, salt: str) -> tuple[str, str]:
+    """Request n of the scaling workload: four prefix groups at a time, each asked six times, then the
+    next four begin, so new prefixes keep arriving while the worker set changes."""
+    active, repeats = 4, 6
+    group = (n // (active * repeats)) * active + n % active
+    return system_prompt(group, salt), f"question {n} of {group}?"
+
+
+def pod_urls(kube: Kube) -> set[str]:
+    """vllm-sim pods that are ready and not terminating, as the gateways name them."""
+    return {
+        f"http://{p['status']['podIP']}:8000"
+        for p in kube.pods("app=vllm-sim")
+        if is_ready(p) and not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def gateway_worker_sets(kube: Kube) -> list[set[str]]:
+    """Each gateway's candidate workers (a worker that left stays listed, as not healthy)."""
+    sets = []
+    for p in gateway_pods(kube):
+        body = json.loads(get(f"http://{p['status']['podIP']}:9090/healthz/workers"))
+        sets.append({w["url"] for w in body["workers"] if w["healthy"]})
+    return sets
+
+
+def wait_workers(kube: Kube, count: int, timeout: float = 90) -> tuple[set[str], float]:
+    """Waits until `count` workers are ready and every gateway's worker set is exactly them."""
+    t0 = time.monotonic()
+    while True:
+        urls = pod_urls(kube)
+        sets = gateway_worker_sets(kube) if len(urls) == count else []
+        if sets and all(s == urls for s in sets):
+            return urls, time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"workers {urls}, gateways see {sets}"
+        time.sleep(0.5)
+
+
+class Counters:
+    """The workers' prefix-cache counters, read every second while pods come and go: a pod's last reading
+    counts after it is gone, a new pod counts from zero."""
+
+    def __init__(self, kube: Kube):
+        self.kube = kube
+        self.start = {u: c for u, c in self.read().items()}
+        self.last = dict(self.start)
+        self.stop = False
+
+    def read(self) -> dict[str, tuple[float, float]]:
+        out = {}
+        for url in pod_urls(self.kube):
+            try:
+                text = get(f"{url}/metrics", timeout=2)
+            except Exception:  # noqa: BLE001 - a pod going away
+                continue
+            out[url] = (metric(text, "vllm:prefix_cache_hits_total"), metric(text, "vllm:prefix_cache_queries_total"))
+        return out
+
+    def follow(self) -> None:
+        while not self.stop:
+            self.last.update(self.read())
+            time.sleep(1)
+
+    def hit_rate(self) -> float:
+        self.last.update(self.read())
+        hits = sum(c[0] - self.start.get(u, (0.0, 0.0))[0] for u, c in self.last.items())
+        queries = sum(c[1] - self.start.get(u, (0.0, 0.0))[1] for u, c in self.last.items())
+        return hits / queries if queries else 0.0
+
+
+def test_workers_scaled_up_and_down_under_load(cluster: Kube):
+    """vllm-sim 3 -> 5 -> 2 while four clients send a shared-prefix workload through the gateway Service:
+    both gateways' worker sets follow the pods (no restart), the new workers get traffic, no request fails
+    beyond those the removed workers held, and the prefix-cache hit rate beats random routing of the same
+    workload on the three workers the test started with."""
+    kube = cluster
+    deployment = "deployment/vllm-sim"
+    urls, _ = wait_workers(kube, WORKERS)
+
+    # Random routing, the same workload shape: the test picks a worker at random for each request.
+    rng = random.Random(11)
+    counters = Counters(kube)
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS) as pool:
+        picks = [(n, rng.choice(sorted(urls))) for n in range(96)]
+        direct = [(url.removeprefix("http://"), *scaling_prompt(n, "scale-random")) for n, url in picks]
+        list(pool.map(lambda args: send_openai(*args), direct))
+    random_rate = counters.hit_rate()
+
+    counters = Counters(kube)
+    done = {"flag": False, "n": 0}
+    results: list[tuple[float, str]] = []
+    failures: list[tuple[float, str]] = []
+    targets = {"list": gateway_endpoints(kube)}
+
+    def client() -> None:
+        while not done["flag"]:
+            n = done["n"]
+            done["n"] += 1
+            eps = targets["list"]
+            started = time.monotonic()
+            try:
+                results.append((started, send_openai(eps[n % len(eps)], *scaling_prompt(n, "scale"))))
+            except Exception as e:  # noqa: BLE001 - every failure is recorded
+                failures.append((started, f"{type(e).__name__}: {e}"))
+
+    with concurrent.futures.ThreadPoolExecutor(CLIENTS + 1) as pool:
+        follow = pool.submit(counters.follow)
+        clients = [pool.submit(client) for _ in range(CLIENTS)]
+        try:
+            time.sleep(2)
+            kube.run("scale", "-n", NS, deployment, "--replicas=5")
+            up, TIMINGS["gateways follow 3 -> 5 workers"] = wait_workers(kube, 5)
+            time.sleep(4)
+            scaled_up = time.monotonic()
+            kube.run("scale", "-n", NS, deployment, "--replicas=2")
+            down, TIMINGS["gateways follow 5 -> 2 workers"] = wait_workers(kube, 2)
+            followed_down = time.monotonic()
+            time.sleep(3)
+        finally:
+            done["flag"] = True
+            counters.stop = True
+        for c in [*clients, follow]:
+            c.result()
+    rate = counters.hit_rate()
+
+    by_worker: dict[str, int] = {}
+    for _, w in results:
+        by_worker[w] = by_worker.get(w, 0) + 1
+    log(f"scaling: {len(results)} requests ok, {len(failures)} failed {[f[1][:120] for f in failures[:4]]}")
+    log(f"scaling: requests per worker {by_worker}")
+    log(f"scaling: prefix-cache hit rate Kinference {rate:.3f}, random on {WORKERS} workers {random_rate:.3f}")
+    FIGURES["hit rate while scaling 3 -> 5 -> 2"] = rate
+    FIGURES["hit rate, random routing, scaling workload"] = random_rate
+    new = up - urls
+    assert all(by_worker.get(u, 0) > 0 for u in new), f"new workers {new} got no request: {by_worker}"
+    # Once both gateways dropped the removed workers, nothing goes to them.
+    late = {w for t, w in results if t > followed_down}
+    assert late and late <= down, (late, down)
+    # A removed worker may fail what it held when it stopped: at most one request per client.
+    assert all(t > scaled_up for t, _ in failures), failures
+    assert len(failures) <= CLIENTS, failures
+    assert rate > random_rate + 0.05, (rate, random_rate)
+
+
+# ------------------------------------------------------------------------------------------ CRDs
+
+
+def printer_table(kube: Kube, resource: str) -> list[dict[str, str]]:
+    """`kubectl get RESOURCE -o wide` as rows of {column: cell}, cut at the header's column starts."""
+    lines = kube.run("get", resource, "-n", NS, "-o", "wide").splitlines()
+    header = lines[0]
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    names = header.split()
+    rows = []
+    for line in lines[1:]:
+        cells = [line[a:b].strip() for a, b in zip(starts, [*starts[1:], len(line) + 1])]
+        rows.append(dict(zip(names, cells)))
+    return rows
+
+
+def status_code(send: Any) -> int:
+    """The HTTP status of an SDK call (200 when it succeeds)."""
+    try:
+        send()
+        return 200
+    except Exception as e:  # noqa: BLE001 - the SDKs' status errors carry the code
+        code = getattr(e, "status_code", None)
+        if code is None:
+            raise
+        return int(code)
+
+
+def test_crds_take_effect_through_the_gateway_service(cluster: Kube):
+    """Cluster mode, as a platform team uses it: kubectl applies InferencePolicy / InferencePool objects and
+    rotates a tenant's Secret; through the gateway Service (both replicas) routing and authentication follow
+    within seconds, status.conditions are written (printer columns), a broken edit is refused with the old
+    generation still serving."""
+    import requests
+
+    kube = cluster
+    endpoints = gateway_endpoints(kube)
+    assert len(endpoints) == 2, endpoints
+
+    # Authentication is the InferenceTenants' keys from their Secrets: no key or a wrong one is refused in
+    # each client's protocol, on every replica.
+    for base in endpoints:
+        r = requests.post(f"http://{base}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = requests.post(f"http://{base}/v1/messages", json={"model": MODEL, "messages": []}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+        assert status_code(lambda: send_anthropic(base, "hello", "hi", key="sk-wrong")) == 401
+
+    # The probe tenant's prompt lands where the router puts it; a policy pins that tenant to another worker.
+    system = system_prompt(99, "crd")
+    home = send_openai(endpoints[0], system, "first", key=PROBE_KEY_OLD)
+    target = sorted(gateway_worker_sets(kube)[0] - {home})[0]
+    policy = {
+        "apiVersion": "kinference.ai/v1alpha1",
+        "kind": "InferencePolicy",
+        "metadata": {"name": "pin-probe", "namespace": NS},
+        "spec": {
+            "priority": 10,
+            "rules": [
+                {"name": "pin", "match": {"tenants": ["probe"]}, "action": {"route": {"targets": [{"pool": "pinned"}]}}}
+            ],
+        },
+    }
+    kube.apply([pool("pinned", endpoints=[{"url": target}])])
+    applied = time.monotonic()
+    kube.apply([policy])
+    deadline = applied + 10
+    while True:
+        landed = [send_openai(base, system, "pinned?", key=PROBE_KEY_OLD) for base in endpoints]
+        if all(w == target for w in landed):
+            break
+        if time.monotonic() > deadline:
+            states = kube.run("get", "inferencepolicies,inferencepools", "-n", NS, "-o", "yaml")
+            raise AssertionError(f"routing did not follow the policy: {landed}, want {target}\n{states[-3000:]}")
+    took = TIMINGS["policy applied -> both replicas route by it"] = time.monotonic() - applied
+    log(f"policy pin-probe: {home} -> {target} on both replicas in {took:.2f} s")
+
+    def policy_status(want: dict[str, str], generation: int) -> dict[str, Any]:
+        deadline = time.monotonic() + 15
+        while True:
+            obj = kube.json("get", "inferencepolicy", "-n", NS, "pin-probe")
+            st = obj.get("status", {})
+            got = {c["type"]: c["status"] for c in st.get("conditions", [])}
+            if st.get("observedGeneration") == generation and all(got.get(k) == v for k, v in want.items()):
+                return obj
+            assert time.monotonic() < deadline, f"status of pin-probe: {st}, want {want} at generation {generation}"
+            time.sleep(0.5)
+
+    # Status, written by the Lease holder (one of the two gateway pods); the printer columns show it.
+    policy_status({"Accepted": "True"}, 1)
+    holder = kube.json("get", "lease", "-n", NS, "kinference-gateway-status")["spec"]["holderIdentity"]
+    assert any(holder.startswith(p["metadata"]["name"]) for p in gateway_pods(kube)), holder
+    row = next(r for r in printer_table(kube, "inferencepolicies") if r["NAME"] == "pin-probe")
+    log(f"kubectl get inferencepolicies -o wide: {row}")
+    assert row["ACCEPTED"] == "True" and row["SERVING"] == "1", row
+
+    # A broken edit (a route to a pool that does not exist) is refused: generation 1 keeps serving.
+    broken = json.loads(json.dumps(policy))
+    broken["spec"]["rules"][0]["action"]["route"]["targets"] = [{"pool": "no-such-pool"}]
+    kube.apply([broken])
+    obj = policy_status({"RolledBack": "True"}, 2)
+    message = next(c["message"] for c in obj["status"]["conditions"] if c["type"] == "RolledBack")
+    log(f"broken edit: RolledBack: {message}")
+    assert "no-such-pool" in message and obj["status"]["activeGeneration"] == 1, obj["status"]
+    row = next(r for r in printer_table(kube, "inferencepolicies") if r["NAME"] == "pin-probe")
+    assert row["ROLLEDBACK"] == "True" and row["SERVING"] == "1" and row["OBSERVED"] == "2", row
+    assert [send_openai(base, system, "still pinned?", key=PROBE_KEY_OLD) for base in endpoints] == [target] * 2
+
+    # A rotated Secret key: the new key works and the old one is refused on both replicas, no restart.
+    restarts = [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)]
+    rotated = time.monotonic()
+    kube.apply(
+        [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "e2e-probe-key", "namespace": NS},
+          "stringData": {"api-key": PROBE_KEY_NEW}}]
+    )
+    deadline = rotated + 10
+    while True:
+        new = [status_code(lambda b=b: send_openai(b, system, "new key", key=PROBE_KEY_NEW)) for b in endpoints]
+        old = [status_code(lambda b=b: send_openai(b, system, "old key", key=PROBE_KEY_OLD)) for b in endpoints]
+        if new == [200, 200] and old == [401, 401]:
+            break
+        assert time.monotonic() < deadline, f"after the rotation: new key {new}, old key {old}"
+        time.sleep(0.2)
+    TIMINGS["Secret rotated -> new key accepted, old refused"] = time.monotonic() - rotated
+    assert [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)] == restarts
