@@ -21,6 +21,9 @@ use crate::routing::Prompt;
 use crate::routing::tokenize::PromptTokens;
 use crate::tenancy::Caller;
 
+#[cfg(test)]
+mod tests;
+
 /// One request's state through the stages.
 #[derive(Debug)]
 pub struct Exchange {
@@ -155,18 +158,8 @@ impl Request {
     /// The same request for another served model (a policy chose a pool serving a different one).
     pub fn for_model(&self, model: &str) -> Result<Request, GatewayError> {
         let (openai, body) = match &self.openai {
-            OpenAiRequest::Chat(r) => {
-                let mut r = r.clone();
-                r.model = model.to_string();
-                let body = serialize(&r)?;
-                (OpenAiRequest::Chat(r), body)
-            }
-            OpenAiRequest::Completion(r) => {
-                let mut r = r.clone();
-                r.model = model.to_string();
-                let body = serialize(&r)?;
-                (OpenAiRequest::Completion(r), body)
-            }
+            OpenAiRequest::Chat(r) => renamed(r, model)?,
+            OpenAiRequest::Completion(r) => renamed(r, model)?,
         };
         Ok(Request {
             openai,
@@ -238,42 +231,8 @@ fn typed(
     json: Option<&serde_json::Value>,
 ) -> Result<Request, GatewayError> {
     match endpoint {
-        Endpoint::ChatCompletions => {
-            let mut r: ChatCompletionRequest = read(&body, json)?;
-            r.validate()?;
-            let stream = r.stream == Some(true);
-            let (worker_body, client_wants_usage) =
-                match passthrough_body(&mut r.stream_options, stream, body.clone()) {
-                    (Some(b), wants) => (b, wants),
-                    (None, wants) => (serialize(&r)?, wants),
-                };
-            Ok(Request {
-                openai: OpenAiRequest::Chat(r),
-                body: worker_body,
-                client_body: body,
-                json: None,
-                stream,
-                client_wants_usage,
-            })
-        }
-        Endpoint::Completions => {
-            let mut r: CompletionRequest = read(&body, json)?;
-            r.validate()?;
-            let stream = r.stream == Some(true);
-            let (worker_body, client_wants_usage) =
-                match passthrough_body(&mut r.stream_options, stream, body.clone()) {
-                    (Some(b), wants) => (b, wants),
-                    (None, wants) => (serialize(&r)?, wants),
-                };
-            Ok(Request {
-                openai: OpenAiRequest::Completion(r),
-                body: worker_body,
-                client_body: body,
-                json: None,
-                stream,
-                client_wants_usage,
-            })
-        }
+        Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body, json),
+        Endpoint::Completions => openai_request::<CompletionRequest>(body, json),
         Endpoint::Messages => {
             let r: MessagesRequest = read(&body, json)?;
             let chat = r.to_chat_request()?;
@@ -287,6 +246,72 @@ fn typed(
             })
         }
     }
+}
+
+/// What the two OpenAI request types share, so one path parses, checks and renames both.
+trait OpenAiBody: serde::de::DeserializeOwned + serde::Serialize + Clone {
+    fn validate(&self) -> Result<(), GatewayError>;
+    fn stream(&self) -> bool;
+    fn stream_options(&mut self) -> &mut Option<openai::StreamOptions>;
+    fn set_model(&mut self, model: &str);
+    fn into_request(self) -> OpenAiRequest;
+}
+
+macro_rules! openai_body {
+    ($type:ty, $variant:ident) => {
+        impl OpenAiBody for $type {
+            fn validate(&self) -> Result<(), GatewayError> {
+                <$type>::validate(self)
+            }
+            fn stream(&self) -> bool {
+                self.stream == Some(true)
+            }
+            fn stream_options(&mut self) -> &mut Option<openai::StreamOptions> {
+                &mut self.stream_options
+            }
+            fn set_model(&mut self, model: &str) {
+                self.model = model.to_string();
+            }
+            fn into_request(self) -> OpenAiRequest {
+                OpenAiRequest::$variant(self)
+            }
+        }
+    };
+}
+
+openai_body!(ChatCompletionRequest, Chat);
+openai_body!(CompletionRequest, Completion);
+
+/// An OpenAI chat or completion request: read, checked, and its worker body (the client's bytes
+/// when they can be kept).
+fn openai_request<T: OpenAiBody>(
+    body: Bytes,
+    json: Option<&serde_json::Value>,
+) -> Result<Request, GatewayError> {
+    let mut r: T = read(&body, json)?;
+    r.validate()?;
+    let stream = r.stream();
+    let (worker_body, client_wants_usage) =
+        match passthrough_body(r.stream_options(), stream, body.clone()) {
+            (Some(b), wants) => (b, wants),
+            (None, wants) => (serialize(&r)?, wants),
+        };
+    Ok(Request {
+        openai: r.into_request(),
+        body: worker_body,
+        client_body: body,
+        json: None,
+        stream,
+        client_wants_usage,
+    })
+}
+
+/// `r` for `model`, and its body.
+fn renamed<T: OpenAiBody>(r: &T, model: &str) -> Result<(OpenAiRequest, Bytes), GatewayError> {
+    let mut r = r.clone();
+    r.set_model(model);
+    let body = serialize(&r)?;
+    Ok((r.into_request(), body))
 }
 
 /// The body for the worker of an OpenAI request when the client's bytes can be used (`None`: the
