@@ -28,6 +28,16 @@ from tokenizers import Tokenizer
 
 MODEL = "tiny-qwen2"
 
+# The environment of every vLLM worker: CPU, offline, lean.
+WORKER_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # lean mode: one process per worker, no busy-spinning
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 # Words for the synthetic system prompts: ordinary English, so the tokenizer sees normal text.
 WORDS = (
     "account agent answer archive balance billing cache calendar carrier change channel checkout claim "
@@ -331,14 +341,6 @@ def launch(stack: Stack, args: argparse.Namespace, mode: str, cache_blocks: int)
     )
     stack.wait_ready(agent, stack.agent_metrics, 30)
 
-    worker_env = {
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # lean mode: one process per worker, no busy-spinning
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
     worker_procs = []
     for i, p in enumerate(worker_ports):
         kv_events = {
@@ -364,7 +366,7 @@ def launch(stack: Stack, args: argparse.Namespace, mode: str, cache_blocks: int)
         ]
         if cache_blocks > 0:
             argv += ["--num-gpu-blocks-override", str(cache_blocks)]
-        worker_procs.append(stack.spawn(f"worker-{i + 1}", argv, env=worker_env))
+        worker_procs.append(stack.spawn(f"worker-{i + 1}", argv, env=WORKER_ENV))
 
     gateway_yaml = work_dir / "gateway.yaml"
     write_yaml(

