@@ -28,7 +28,7 @@ use kube::core::DynamicObject;
 use kube::{Api, Client};
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
-use testkit::Apiserver;
+use testkit::{Apiserver, ChildGuard, free_port};
 
 const NS: &str = "kinf";
 
@@ -472,23 +472,6 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     assert!(survivor.status_writes() > 0);
     let _ = std::fs::remove_dir_all(&dir);
     drop(server);
-}
-
-/// Kills the child on drop.
-struct ChildGuard(std::process::Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
 }
 
 /// POSTs a request for `small` in the OpenAI (or Anthropic) protocol: (status, error code or type).
