@@ -64,6 +64,18 @@ pub fn stop_reason(
     }
 }
 
+/// A turn that called tools and was not cut short ended for the tools, whatever the worker's
+/// `finish_reason`: vLLM says `stop` for a call forced by a named `tool_choice`.
+fn called_tools(
+    (reason, sequence): (&'static str, Option<String>),
+    called: bool,
+) -> (&'static str, Option<String>) {
+    match reason {
+        "end_turn" | "stop_sequence" if called => ("tool_use", None),
+        _ => (reason, sequence),
+    }
+}
+
 /// A new message id in Anthropic's style, derived from the worker's response id.
 pub fn message_id(upstream_id: &str) -> String {
     let tail = upstream_id
@@ -139,6 +151,7 @@ pub fn message_from_chat(
         choice.and_then(|c| c.finish_reason.as_deref()),
         choice.and_then(|c| c.stop_reason.as_ref()),
     );
+    let (reason, sequence) = called_tools((reason, sequence), !calls.is_empty());
     let usage = MessageUsage::from(response.usage.unwrap_or_default());
     Ok(json!({
         "id": message_id(&response.id),
@@ -364,6 +377,7 @@ impl StreamTranslator {
         self.close(out);
         let (reason, sequence) =
             stop_reason(self.finish_reason.as_deref(), self.matched_stop.as_ref());
+        let (reason, sequence) = called_tools((reason, sequence), self.open_tool_id.is_some());
         let usage = match self.usage {
             Some(u) => MessageUsage::from(u),
             None => MessageUsage {

@@ -412,6 +412,14 @@ fn non_stream_tool_calls_and_reasoning_become_blocks() {
     );
     assert_eq!(message["stop_reason"], "tool_use");
 
+    // vLLM answers a call forced by a named tool_choice with finish_reason `stop`.
+    let mut forced = chat.clone();
+    forced.choices[0].finish_reason = Some("stop".into());
+    assert_eq!(
+        message_from_chat(&forced, "m").expect("translates")["stop_reason"],
+        "tool_use"
+    );
+
     let bad: ChatCompletionResponse = serde_json::from_value(json!({"id": "x", "choices": [{"index": 0,
         "message": {"content": null, "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}]},
         "finish_reason": "tool_calls"}]}))
