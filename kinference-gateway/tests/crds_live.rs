@@ -43,6 +43,25 @@ async fn client(server: &Apiserver) -> Client {
     Client::try_from(config).expect("client")
 }
 
+/// A fresh apiserver with `namespaces` created and the CRDs installed, and a client for it; `None`
+/// when no apiserver can run here ([`Apiserver::start`]).
+async fn apiserver_with(namespaces: &[&str]) -> Option<(Apiserver, Client)> {
+    let server = Apiserver::start("crds-bin")?;
+    let kube = client(&server).await;
+    let api: Api<Namespace> = Api::all(kube.clone());
+    for name in namespaces {
+        let namespace = serde_json::from_value(
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}),
+        )
+        .expect("ns");
+        api.create(&PostParams::default(), &namespace)
+            .await
+            .expect("namespace");
+    }
+    install_crds(&kube).await;
+    Some((server, kube))
+}
+
 async fn install_crds(client: &Client) {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
     for (_, crd) in kinference_crds::all_crds() {
@@ -187,22 +206,9 @@ fn condition(obj: &DynamicObject, type_: &str) -> Option<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     let _serial = SERIAL.lock().await;
-    let Some(server) = Apiserver::start("crds-bin") else {
+    let Some((server, kube)) = apiserver_with(&[NS]).await else {
         return;
     };
-    let kube = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(kube.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(
-                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
-            )
-            .expect("ns"),
-        )
-        .await
-        .expect("namespace");
-    install_crds(&kube).await;
 
     // The objects, before the replicas start (the first list sees them).
     put_secret(&kube, "acme-key", "sk-acme-old").await;
@@ -551,22 +557,9 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_crds() {
     let _serial = SERIAL.lock().await;
-    let Some(server) = Apiserver::start("crds-bin") else {
+    let Some((server, kube)) = apiserver_with(&[NS]).await else {
         return;
     };
-    let kube = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(kube.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(
-                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
-            )
-            .expect("ns"),
-        )
-        .await
-        .expect("namespace");
-    install_crds(&kube).await;
     apply(
         &kube,
         json!({
