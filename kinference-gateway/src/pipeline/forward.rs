@@ -53,6 +53,9 @@ pub async fn planned(
                         if let Some(stage) = &gw.policy {
                             stage.count_sent(target, plan.burst);
                         }
+                        if let Some(s) = ex.settlement() {
+                            s.served(req.model());
+                        }
                         if ex.debug {
                             decision.explain = Some(format!(
                                 "{}; router: {}",

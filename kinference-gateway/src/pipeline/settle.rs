@@ -108,6 +108,14 @@ impl Settlement {
         }
     }
 
+    /// The plan's pool serves `model` (the served name behind an alias or class, or another
+    /// model): the tenant's per-model limits and price follow it.
+    pub fn served(&mut self, model: &str) {
+        if let Some(admission) = &mut self.admission {
+            admission.serving(model);
+        }
+    }
+
     /// A provider took the request as `model` (its model name): billed at its price.
     pub fn provider(&mut self, client: &ProviderClient, model: &str) {
         self.labels.worker = client.label();

@@ -23,7 +23,13 @@ pub struct Admission {
     id: String,
     tenant: String,
     labels: TenantModel,
+    /// The served model (once known: the one name or alias resolved, or the model routed to); the
+    /// requested name until then. Prices and the usage record follow it.
     model: String,
+    /// The tenant's limits and settings (none when the gateway is open).
+    limited: Option<Arc<Tenant>>,
+    /// What was asked of the buckets at admission.
+    demand: Demand,
     /// Buckets debited at admission, with the amounts debited (input corrected after routing).
     takes: Vec<Take>,
     headers: Vec<(&'static str, String)>,
@@ -98,6 +104,44 @@ impl Admission {
             adjust.push(delta);
         }
         self.tenancy.adjust(adjust);
+    }
+
+    /// The request is served by `served` (a policy resolved its alias or class, or chose a pool of
+    /// another model): its per-model buckets and its price follow that model. Buckets of the other
+    /// models it was admitted against are refunded; a model it was not admitted against is charged
+    /// now, into debt if need be, so the next request for it waits.
+    pub fn serving(&mut self, served: &str) {
+        if let Some(tenant) = &self.limited {
+            let demand = Demand {
+                input: self
+                    .gateway_prompt_tokens
+                    .map_or(self.demand.input, |n| n as f64),
+                ..self.demand
+            };
+            let wanted = limits::model_takes(&tenant.name, &tenant.settings, served, demand);
+            let mut adjust = Vec::new();
+            let mut kept = Vec::new();
+            for t in std::mem::take(&mut self.takes) {
+                if t.per_model && !wanted.iter().any(|w| w.key == t.key) {
+                    let mut refund = t.clone();
+                    refund.amount = -t.amount;
+                    adjust.push(refund);
+                } else {
+                    kept.push(t);
+                }
+            }
+            for mut w in wanted {
+                if !kept.iter().any(|t| t.key == w.key) {
+                    w.amount = w.amount.min(w.capacity);
+                    adjust.push(w.clone());
+                    kept.push(w);
+                }
+            }
+            self.takes = kept;
+            self.tenancy.adjust(adjust);
+        }
+        self.model = served.to_string();
+        self.labels.model = self.tenancy.model_label(served);
     }
 
     /// A provider serves the request (cloud burst): it is billed at `prices` (the provider's price
@@ -201,15 +245,28 @@ impl Tenancy {
         protocol: Protocol,
     ) -> Result<Admission, GatewayError> {
         let now = now_ms();
+        // The served models the name may stand for (an alias: one; a class: each of its models).
+        let candidates = self.table.read().served.candidates(model);
+        let served = match candidates.as_slice() {
+            [one] => one.as_str(),
+            _ => model,
+        };
+        let demand = Demand {
+            requests: 1.0,
+            input: input_estimate as f64,
+            output: output_reservation as f64,
+        };
         let mut admission = Admission {
             tenancy: Arc::clone(self),
             id: format!("{:032x}", rand::random::<u128>()),
             tenant: caller.name().to_string(),
             labels: TenantModel {
                 tenant: caller.label().to_string(),
-                model: self.model_label(model),
+                model: self.model_label(served),
             },
-            model: model.to_string(),
+            model: served.to_string(),
+            limited: caller.tenant.clone(),
+            demand,
             takes: Vec::new(),
             headers: Vec::new(),
             started: Instant::now(),
@@ -228,17 +285,23 @@ impl Tenancy {
         let Some(tenant) = caller.tenant.clone() else {
             return Ok(admission.armed());
         };
-        let takes = limits::takes(
+        // Tenant-wide buckets, and the per-model ones of every model the request may be served by.
+        let first = candidates.first().map_or(model, String::as_str);
+        let mut takes = limits::takes(
             &tenant.name,
             tenant.limits.as_ref(),
             &tenant.settings,
-            model,
-            Demand {
-                requests: 1.0,
-                input: input_estimate as f64,
-                output: output_reservation as f64,
-            },
+            first,
+            demand,
         );
+        for other in candidates.iter().skip(1) {
+            takes.extend(limits::model_takes(
+                &tenant.name,
+                &tenant.settings,
+                other,
+                demand,
+            ));
+        }
         let budget = tenant
             .budget
             .as_ref()
@@ -315,7 +378,11 @@ impl Tenancy {
                     })
                     .inc();
                 let scope = if take.per_model {
-                    format!(" for model `{model}`")
+                    let limited = candidates
+                        .iter()
+                        .find(|c| take.key.contains(&format!("}}:{c}:")))
+                        .map_or(model, String::as_str);
+                    format!(" for model `{limited}`")
                 } else {
                     String::new()
                 };

@@ -67,6 +67,9 @@ impl Tenancy {
             .iter()
             .map(|(n, m)| (n.clone(), m.spec.served_name.clone()))
             .collect::<HashMap<_, _>>();
+        for (name, model) in &set.models {
+            table.served.add(name, &model.spec);
+        }
         for (i, (name, t)) in set.tenants.iter().enumerate() {
             let namespace = snapshot
                 .entry("InferenceTenant", name)

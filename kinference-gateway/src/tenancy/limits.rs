@@ -89,7 +89,8 @@ impl Demand {
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TenantSettings {
-    /// Limits per requested model, on top of the tenant-wide ones.
+    /// Limits per served model (keyed by the name the workers serve: a request by alias or class
+    /// counts against the model that serves it), on top of the tenant-wide ones.
     #[serde(default)]
     pub models: BTreeMap<String, ModelLimits>,
     /// Bucket capacity in seconds of the rate (default 60: a full minute's worth may come at once).
@@ -174,29 +175,55 @@ pub fn takes(
     model: &str,
     demand: Demand,
 ) -> Vec<Take> {
-    let burst = settings.burst_seconds.filter(|b| *b > 0.0).unwrap_or(60.0);
-    let mut out = Vec::new();
     let tenant_wide = tenant_limits.map(ModelLimits::from);
-    let scopes = [
-        (tenant_wide.as_ref(), "*", false),
-        (settings.models.get(model), model, true),
-    ];
-    for (limits, scope, per_model) in scopes {
-        let Some(limits) = limits else { continue };
-        for dim in [Dim::Requests, Dim::InputTokens, Dim::OutputTokens] {
-            let Some(per_minute) = limits.per_minute(dim) else {
-                continue;
-            };
-            let rate_per_s = per_minute as f64 / 60.0;
-            out.push(Take {
-                key: format!("kinf:rl:{{{tenant}}}:{scope}:{}", dim.as_str()),
-                dim,
-                per_model,
-                rate_per_s,
-                capacity: (rate_per_s * burst).max(1.0),
-                amount: demand.get(dim),
-            });
-        }
+    let mut out = scope_takes(tenant, tenant_wide.as_ref(), settings, "*", false, demand);
+    out.extend(model_takes(tenant, settings, model, demand));
+    out
+}
+
+/// The tenant + model buckets of `model` alone (empty when the tenant has no limits for it).
+pub fn model_takes(
+    tenant: &str,
+    settings: &TenantSettings,
+    model: &str,
+    demand: Demand,
+) -> Vec<Take> {
+    scope_takes(
+        tenant,
+        settings.models.get(model),
+        settings,
+        model,
+        true,
+        demand,
+    )
+}
+
+fn scope_takes(
+    tenant: &str,
+    limits: Option<&ModelLimits>,
+    settings: &TenantSettings,
+    scope: &str,
+    per_model: bool,
+    demand: Demand,
+) -> Vec<Take> {
+    let burst = settings.burst_seconds.filter(|b| *b > 0.0).unwrap_or(60.0);
+    let Some(limits) = limits else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for dim in [Dim::Requests, Dim::InputTokens, Dim::OutputTokens] {
+        let Some(per_minute) = limits.per_minute(dim) else {
+            continue;
+        };
+        let rate_per_s = per_minute as f64 / 60.0;
+        out.push(Take {
+            key: format!("kinf:rl:{{{tenant}}}:{scope}:{}", dim.as_str()),
+            dim,
+            per_model,
+            rate_per_s,
+            capacity: (rate_per_s * burst).max(1.0),
+            amount: demand.get(dim),
+        });
     }
     out
 }

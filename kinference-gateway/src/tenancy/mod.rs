@@ -30,6 +30,7 @@ pub mod keys;
 pub mod limits;
 pub mod metrics;
 mod report;
+mod served;
 pub mod store;
 mod table;
 pub mod usage;

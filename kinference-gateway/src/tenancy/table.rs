@@ -10,6 +10,7 @@ use kinference_crds::{InferencePoolSpec, TokenPrices};
 
 use super::keys::{self, KeyRing};
 use super::metrics::{self, TenantStatus};
+use super::served::ServedModels;
 use super::{Caller, Tenancy, Tenant};
 use crate::errors::GatewayError;
 
@@ -21,6 +22,8 @@ pub(super) struct TenantTable {
     /// Pools for pricing: (name, spec), and InferenceModel name -> served name.
     pub(super) pools: Vec<(String, InferencePoolSpec)>,
     pub(super) served_names: HashMap<String, String>,
+    /// Requested names (model, alias, class) -> served models, for limits and prices.
+    pub(super) served: ServedModels,
     /// A fingerprint of what was loaded (tenant names, key digests), to log changes only.
     pub(super) fingerprint: Vec<u8>,
     /// A tenant source is configured: an empty table refuses requests (503) instead of opening.
@@ -191,8 +194,12 @@ impl Tenancy {
             }
             for (name, model) in &set.models {
                 table
+                    .fingerprint
+                    .extend_from_slice(format!("{name}{:?}", model.spec).as_bytes());
+                table
                     .served_names
                     .insert(name.clone(), model.spec.served_name.clone());
+                table.served.add(name, &model.spec);
             }
             if is_tenants {
                 for (name, t) in &set.tenants {

@@ -2,7 +2,7 @@ use http::{HeaderMap, HeaderValue};
 
 use super::*;
 use crate::api::openai::Usage;
-use crate::errors::Protocol;
+use crate::errors::{GatewayError, Protocol};
 
 const TENANTS: &str = r#"
 apiVersion: kinference.ai/v1alpha1
@@ -203,4 +203,113 @@ fn helpers() {
     assert_eq!(go_duration(360.0), "6m0s");
     assert_eq!(percent_decode("a%20b+c%3A"), "a b c:");
     assert_eq!(percent_decode("%zz%"), "%zz%");
+}
+
+/// Two models of one class, one with an alias; acme may send one request a minute to `small`.
+const MODELS_AND_TENANT: &str = r#"
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {name: small}
+spec:
+  servedName: Org/Small-8B
+  aliases: [small-latest]
+  classes: [general]
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {name: large}
+spec:
+  servedName: Org/Large-32B
+  classes: [general]
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceTenant
+metadata: {name: acme}
+spec:
+  apiKeys:
+    - secretRef: {name: acme, key: api-key}
+"#;
+
+fn start_with_models(dir: &Path) -> Arc<Tenancy> {
+    std::fs::create_dir_all(dir.join("secrets/acme")).unwrap();
+    std::fs::write(dir.join("tenants.yaml"), MODELS_AND_TENANT).unwrap();
+    std::fs::write(dir.join("secrets/acme/api-key"), "sk-acme-test-key\n").unwrap();
+    let mut config = TenancyConfig {
+        tenants_dir: Some(dir.join("tenants.yaml")),
+        secrets_dir: Some(dir.join("secrets")),
+        ..TenancyConfig::default()
+    };
+    let one_a_minute = limits::ModelLimits {
+        requests_per_minute: Some(1),
+        ..Default::default()
+    };
+    config.tenants.insert(
+        "acme".into(),
+        TenantSettings {
+            models: [("Org/Small-8B".to_string(), one_a_minute)].into(),
+            ..TenantSettings::default()
+        },
+    );
+    let mut registry = Registry::default();
+    Tenancy::start(
+        config,
+        &dir.join("gateway.yaml"),
+        None,
+        vec!["Org/Small-8B".into(), "Org/Large-32B".into()],
+        &mut registry,
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn per_model_limits_follow_the_served_model_whatever_name_was_asked() {
+    let base = std::env::temp_dir().join(format!("kinf-served-{}", std::process::id()));
+    let admit = |t: Arc<Tenancy>, model: &'static str| async move {
+        let caller = t.authenticate(&with_key("sk-acme-test-key")).unwrap();
+        t.admit(&caller, model, 10, 10, Protocol::OpenAi).await
+    };
+    let limited = |r: Result<Admission, GatewayError>| match r {
+        Err(GatewayError::RateLimited { message, .. }) => {
+            assert!(message.contains("`Org/Small-8B`"), "{message}");
+            true
+        }
+        Err(other) => panic!("unexpected error {other}"),
+        Ok(_) => false,
+    };
+
+    // Each pair spends the minute's one request one way and asks again another way: refused.
+    let names = ["Org/Small-8B", "small", "small-latest"];
+    for (i, first) in names.iter().enumerate() {
+        for (j, second) in names.iter().enumerate() {
+            let t = start_with_models(&base.join(format!("{i}{j}")));
+            let a = admit(Arc::clone(&t), first).await.expect("first request");
+            drop(a);
+            assert!(
+                limited(admit(Arc::clone(&t), second).await),
+                "{first} then {second}"
+            );
+        }
+    }
+
+    // A class may land on the limited model: it is admitted only while that model has room, and
+    // once routed elsewhere the limited model's share comes back.
+    let t = start_with_models(&base.join("class"));
+    let mut by_class = admit(Arc::clone(&t), "general")
+        .await
+        .expect("class admitted");
+    assert!(limited(admit(Arc::clone(&t), "small").await));
+    by_class.serving("Org/Large-32B");
+    assert!(!limited(admit(Arc::clone(&t), "small").await));
+    drop(by_class);
+
+    // Routed to the limited model without having been admitted for it (a policy's fallback to
+    // another model): charged there, so the next request for it waits.
+    let t = start_with_models(&base.join("fallback"));
+    let mut other = admit(Arc::clone(&t), "large")
+        .await
+        .expect("large admitted");
+    other.serving("Org/Small-8B");
+    assert!(limited(admit(Arc::clone(&t), "small-latest").await));
+    drop(other);
+    let _ = std::fs::remove_dir_all(&base);
 }
