@@ -61,6 +61,12 @@ pub struct Args {
     pub extproc: crate::extproc::ExtProcArgs,
 
     #[command(flatten)]
+    pub overload: crate::overload::OverloadSettings,
+
+    #[command(flatten)]
+    pub health: crate::backend::health::HealthSettings,
+
+    #[command(flatten)]
     pub access: crate::access::AccessArgs,
 }
 

@@ -135,6 +135,21 @@ pub enum GatewayError {
     /// every request (503) rather than serve it unauthenticated.
     #[error("{0}")]
     TenantsUnavailable(String),
+    /// The gateway is at its connection or in-flight limit and sheds the request before reading
+    /// its body (503 with `Retry-After`; Anthropic `overloaded_error`).
+    #[error("the gateway is overloaded ({reason}); retry after {retry_after_s} s")]
+    Overloaded {
+        /// `connections`, `queue_full` or `queue_timeout`.
+        reason: &'static str,
+        /// `Retry-After`, in seconds.
+        retry_after_s: u64,
+    },
+    /// The client did not send its whole body within the read deadline (408); its slot is freed.
+    #[error("the request body did not arrive within {timeout_ms} ms")]
+    BodyTimeout {
+        /// The deadline in milliseconds.
+        timeout_ms: u64,
+    },
 }
 
 impl From<RouteError> for GatewayError {
@@ -142,6 +157,15 @@ impl From<RouteError> for GatewayError {
         match e {
             RouteError::UnknownModel(m) => GatewayError::UnknownModel(m),
             RouteError::NoHealthyWorker(m) => GatewayError::NoHealthyWorker(m),
+        }
+    }
+}
+
+impl From<crate::overload::Refused> for GatewayError {
+    fn from(refused: crate::overload::Refused) -> Self {
+        GatewayError::Overloaded {
+            reason: refused.reason,
+            retry_after_s: refused.retry_after_s,
         }
     }
 }
@@ -177,6 +201,8 @@ impl GatewayError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             GatewayError::PolicyRejected { status, .. } => *status,
+            GatewayError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
         }
     }
 
@@ -199,6 +225,8 @@ impl GatewayError {
             GatewayError::LimitsUnavailable => "limits_unavailable",
             GatewayError::TenantsUnavailable(_) => "tenants_unavailable",
             GatewayError::PolicyRejected { .. } => "policy_rejected",
+            GatewayError::Overloaded { .. } => "overloaded",
+            GatewayError::BodyTimeout { .. } => "body_timeout",
         }
     }
 
@@ -213,7 +241,7 @@ impl GatewayError {
             403 => "permission_error",
             429 => "rate_limit_error",
             503 => "service_unavailable_error",
-            504 => "timeout_error",
+            408 | 504 => "timeout_error",
             _ => "api_error",
         }
     }
@@ -232,6 +260,8 @@ impl GatewayError {
             GatewayError::LimitsUnavailable => Some("limits_unavailable"),
             GatewayError::TenantsUnavailable(_) => Some("tenants_unavailable"),
             GatewayError::PolicyRejected { code, .. } => Some(*code),
+            GatewayError::Overloaded { .. } => Some("overloaded"),
+            GatewayError::BodyTimeout { .. } => Some("request_timeout"),
             _ => None,
         }
     }
@@ -245,7 +275,7 @@ impl GatewayError {
             413 => "request_too_large",
             429 => "rate_limit_error",
             503 | 529 => "overloaded_error",
-            504 => "timeout_error",
+            408 | 504 => "timeout_error",
             _ => "api_error",
         }
     }
@@ -291,6 +321,11 @@ impl GatewayError {
                     response.headers_mut().insert(*name, v);
                 }
             }
+        }
+        if let GatewayError::Overloaded { retry_after_s, .. } = self {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
         }
         response
     }

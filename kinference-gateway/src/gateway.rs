@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::access::Access;
-use crate::backend::health::{self, Prober};
+use crate::backend::health::{Health, Prober};
 use crate::backend::worker::{HttpSettings, Upstream};
 use crate::metrics::Metrics;
 use crate::policy::stage::PolicyStage;
@@ -31,22 +31,20 @@ pub struct Gateway {
     pub policy: Option<Arc<PolicyStage>>,
     /// Who is an admin (the admin API, debug explanations, worker addresses).
     pub access: Access,
+    /// Each worker's health (probes, hysteresis, outliers); tells the router whom it may pick.
+    pub health: Arc<Health>,
+    /// Connection and in-flight limits.
+    pub overload: crate::overload::Overload,
     /// Set on SIGTERM: `/readyz` answers 503 while the listeners still serve.
     pub draining: AtomicBool,
 }
 
 impl Gateway {
-    /// Records a worker's health with the router (which then skips it or not) and in the metrics.
-    pub fn set_health(&self, worker: &str, healthy: bool) {
-        health::set_health(&self.router, &self.metrics, worker, healthy);
-    }
-
     /// The prober of the workers' `/health`, with the configured timings.
     pub fn prober(&self) -> Prober {
         Prober {
-            router: Arc::clone(&self.router),
+            health: Arc::clone(&self.health),
             upstream: self.upstream.clone(),
-            metrics: self.metrics.clone(),
             interval: self.settings.health_interval(),
             timeout: self.settings.health_timeout(),
         }

@@ -18,6 +18,7 @@ pub mod errors;
 pub mod extproc;
 pub mod gateway;
 pub mod metrics;
+pub mod overload;
 pub mod pipeline;
 pub mod policy;
 pub mod routing;

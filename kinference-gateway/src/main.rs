@@ -77,6 +77,17 @@ async fn main() -> anyhow::Result<()> {
     if let Some(c) = cluster.as_mut() {
         metrics.with_registry(|registry| c.source.register_metrics(registry));
     }
+    let overload = metrics.with_registry(|registry| {
+        kinference_gateway::overload::Overload::new(args.overload.clone(), registry)
+    });
+    let health = metrics.with_registry(|registry| {
+        kinference_gateway::backend::health::Health::new(
+            args.health.clone(),
+            Arc::clone(&router),
+            metrics.clone(),
+            registry,
+        )
+    });
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
         upstream: Upstream::new(&args.http),
@@ -85,6 +96,8 @@ async fn main() -> anyhow::Result<()> {
         models: config.model_names(),
         tenancy: Arc::clone(&tenancy),
         policy,
+        health: Arc::new(health),
+        overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),
     });

@@ -12,11 +12,13 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 
 use crate::access::Peer;
 use crate::api::openai;
 use crate::errors::{GatewayError, Protocol};
+use crate::overload::ConnectionGuard;
+use crate::overload::io::StallGuard;
 use crate::pipeline::{self, Endpoint};
 
 pub use crate::body::{Body, full};
@@ -35,11 +37,7 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             );
         }
         (method, path) => {
-            let protocol = if path.starts_with("/v1/messages") {
-                Protocol::Anthropic
-            } else {
-                Protocol::OpenAi
-            };
+            let protocol = protocol_of(path);
             return GatewayError::NotFound {
                 method: method.to_string(),
                 path: path.to_string(),
@@ -199,6 +197,10 @@ pub async fn serve(
                     }
                 };
                 let _ = stream.set_nodelay(true);
+                let Some(place) = connection_place(&gw, port, stream) else {
+                    continue;
+                };
+                let stream = place.stream;
                 let gw = Arc::clone(&gw);
                 let service = service_fn(move |mut req: Request<Incoming>| {
                     // Who connected decides who is an admin when no admin key is set.
@@ -212,7 +214,9 @@ pub async fn serve(
                     }
                 });
                 let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), service));
+                let open = place.open;
                 tokio::spawn(async move {
+                    let _open = open;
                     if let Err(error) = conn.await {
                         tracing::debug!(%peer, %error, "connection ended with an error");
                     }
@@ -229,6 +233,54 @@ pub async fn serve(
         () = tokio::time::sleep(drain) => {
             tracing::warn!(?port, ?drain, "connections still open after the drain timeout; closing them");
         }
+    }
+}
+
+/// An accepted connection with its place under the port's connection limit.
+struct Place {
+    stream: StallGuard<TcpStream>,
+    open: ConnectionGuard,
+}
+
+/// A place for `stream` under its port's connection limit, its writes guarded by the client write
+/// deadline. Past the limit: one quick 503 (in the client's protocol on the API port) and the
+/// connection is closed, or closed at once when too many are being answered so already.
+fn connection_place(gw: &Arc<Gateway>, port: Port, stream: TcpStream) -> Option<Place> {
+    let limit = match port {
+        Port::Api => &gw.overload.api,
+        Port::Admin => &gw.overload.admin,
+    };
+    if let Some(open) = limit.try_open() {
+        let stream = StallGuard::new(stream, gw.settings.client_write_timeout());
+        return Some(Place { stream, open });
+    }
+    let refused = gw.overload.connection_refused();
+    // Without a place to answer, dropping the stream closes it.
+    let answering = limit.try_refuse()?;
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .keep_alive(false)
+        .header_read_timeout(Duration::from_secs(2));
+    let service = service_fn(move |req: Request<Incoming>| async move {
+        Ok::<_, Infallible>(match port {
+            Port::Api => GatewayError::from(refused).into_response(protocol_of(req.uri().path())),
+            Port::Admin => text_response(StatusCode::SERVICE_UNAVAILABLE, "overloaded\n"),
+        })
+    });
+    let conn = http.serve_connection(TokioIo::new(stream), service);
+    tokio::spawn(async move {
+        let _answering = answering;
+        let _ = conn.await;
+    });
+    None
+}
+
+/// The protocol a request to `path` speaks (its errors are answered in it).
+fn protocol_of(path: &str) -> Protocol {
+    if path.starts_with("/v1/messages") {
+        Protocol::Anthropic
+    } else {
+        Protocol::OpenAi
     }
 }
 

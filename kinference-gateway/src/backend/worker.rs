@@ -172,6 +172,24 @@ pub struct HttpSettings {
     #[arg(long, env = "KINFERENCE_BODY_LIMIT_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub body_limit_bytes: usize,
 
+    /// Deadline for reading a whole request body, in milliseconds; a client that has not sent it
+    /// by then gets 408 and its in-flight slot is freed.
+    #[arg(
+        long,
+        env = "KINFERENCE_BODY_READ_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub body_read_timeout_ms: u64,
+
+    /// Longest a write to a client may stay blocked (the client stopped reading), in milliseconds;
+    /// then the connection is cut and the upstream request cancelled.
+    #[arg(
+        long,
+        env = "KINFERENCE_CLIENT_WRITE_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
+    pub client_write_timeout_ms: u64,
+
     /// Timeout for opening a TCP connection to a worker, in milliseconds. A worker that does not
     /// accept within it is treated like one that refuses (marked unhealthy, request retried once).
     #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS", default_value_t = 2_000)]
@@ -224,6 +242,14 @@ impl HttpSettings {
     /// Health probe timeout as a [`Duration`].
     pub fn health_timeout(&self) -> Duration {
         Duration::from_millis(self.health_timeout_ms)
+    }
+    /// Request-body read deadline as a [`Duration`].
+    pub fn body_read_timeout(&self) -> Duration {
+        Duration::from_millis(self.body_read_timeout_ms)
+    }
+    /// Client write-stall deadline as a [`Duration`].
+    pub fn client_write_timeout(&self) -> Duration {
+        Duration::from_millis(self.client_write_timeout_ms)
     }
 }
 

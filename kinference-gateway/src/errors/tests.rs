@@ -111,3 +111,32 @@ fn response_carries_status_and_json() {
         HeaderValue::from_static("application/json")
     );
 }
+
+#[test]
+fn a_shed_request_is_a_503_in_the_clients_protocol_with_retry_after() {
+    let shed = GatewayError::Overloaded {
+        reason: "queue_timeout",
+        retry_after_s: 2,
+    };
+    for protocol in [Protocol::OpenAi, Protocol::Anthropic] {
+        let response = shed.into_response(protocol);
+        assert_eq!(response.status(), 503);
+        assert_eq!(response.headers()["retry-after"], "2");
+    }
+    let openai = shed.body(Protocol::OpenAi);
+    assert_eq!(openai["error"]["code"], "overloaded");
+    assert_eq!(openai["error"]["type"], "service_unavailable_error");
+    let anthropic = shed.body(Protocol::Anthropic);
+    assert_eq!(anthropic["error"]["type"], "overloaded_error");
+
+    let slow = GatewayError::BodyTimeout { timeout_ms: 500 };
+    assert_eq!(slow.status(), 408);
+    assert_eq!(
+        slow.body(Protocol::OpenAi)["error"]["type"],
+        "timeout_error"
+    );
+    assert_eq!(
+        slow.body(Protocol::Anthropic)["error"]["type"],
+        "timeout_error"
+    );
+}

@@ -172,8 +172,13 @@ impl Request {
     }
 }
 
-/// Stage "read": the body, bounded by the configured limit (413 beyond it).
-pub async fn read_body(req: HttpRequest<Incoming>, limit: usize) -> Result<Bytes, GatewayError> {
+/// Stage "read": the body, bounded by the configured limit (413 beyond it) and by the read
+/// deadline (408 after it: a slow client does not hold its slot).
+pub async fn read_body(
+    req: HttpRequest<Incoming>,
+    limit: usize,
+    deadline: std::time::Duration,
+) -> Result<Bytes, GatewayError> {
     let declared = req
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -182,7 +187,13 @@ pub async fn read_body(req: HttpRequest<Incoming>, limit: usize) -> Result<Bytes
     if declared.is_some_and(|n| n > limit) {
         return Err(GatewayError::BodyTooLarge { limit });
     }
-    match Limited::new(req.into_body(), limit).collect().await {
+    let collect = Limited::new(req.into_body(), limit).collect();
+    let Ok(collected) = tokio::time::timeout(deadline, collect).await else {
+        return Err(GatewayError::BodyTimeout {
+            timeout_ms: deadline.as_millis() as u64,
+        });
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             Err(GatewayError::BodyTooLarge { limit })
