@@ -43,6 +43,8 @@ MAIN_CHART = CHARTS / "kinference"
 CRD_CHART = CHARTS / "kinference-crds"
 RELEASE = "kinference"
 NAMESPACE = "kinference"
+# The gateway's workload kind by default: a StatefulSet, each pod with its usage journal's claim.
+GATEWAY = "StatefulSet"
 WORKER_NAMESPACE = "inference"
 KUBE_VERSION = "1.33.0"
 # Kinds kubernetes-validate has no schema for (custom objects).
@@ -175,7 +177,7 @@ def test_crds_pass_kubernetes_validate(tmp_path: Path) -> None:
 
 def test_kubernetes_validate_rejects_an_unknown_field(tmp_path: Path) -> None:
     """The validation above would catch a typo: a misspelt field in a rendered Deployment fails."""
-    deployment = copy.deepcopy(one(render({}), "Deployment"))
+    deployment = copy.deepcopy(one(render({}), GATEWAY))
     container(deployment)["readinesProbe"] = container(deployment).pop("readinessProbe")
     with pytest.raises(AssertionError, match="readinesProbe"):
         kubernetes_validate([deployment], tmp_path, "broken")
@@ -212,22 +214,22 @@ def test_replicas_with_tenants_on_the_embedded_store_are_refused() -> None:
     with pytest.raises(helm.HelmError, match="3 times each limit"):
         render({"gateway": {"replicas": 3, "config": {"crds": {"namespaces": ["a"]}}}})
     accepted = {"gateway": {**tenants, "tenancy": {"allowPerReplicaLimits": True}}}
-    assert one(render(accepted), "Deployment")["spec"]["replicas"] == 2
+    assert one(render(accepted), GATEWAY)["spec"]["replicas"] == 2
     redis = {"tenancy": {"tenants_dir": "/t", "store": "redis", "redis_url": "rediss://redis:6380/0"}}
-    assert one(render({"gateway": {"config": redis}}), "Deployment")["spec"]["replicas"] == 2
-    assert one(render({"gateway": {**tenants, "replicas": 1}}), "Deployment")["spec"]["replicas"] == 1
-    assert one(render({}), "Deployment")["spec"]["replicas"] == 2
+    assert one(render({"gateway": {"config": redis}}), GATEWAY)["spec"]["replicas"] == 2
+    assert one(render({"gateway": {**tenants, "replicas": 1}}), GATEWAY)["spec"]["replicas"] == 1
+    assert one(render({}), GATEWAY)["spec"]["replicas"] == 2
 
 
 def test_admin_key_from_a_secret() -> None:
     """The admin key reaches the gateway from a Secret; with forMetrics Prometheus presents it too."""
-    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(render({}), "Deployment")))
+    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(render({}), GATEWAY)))
     values = {
         "gateway": {"adminKey": {"existingSecret": "kinference-admin", "forMetrics": True}},
         "serviceMonitor": {"enabled": True},
     }
     objects = render(values)
-    c = container(one(objects, "Deployment"))
+    c = container(one(objects, GATEWAY))
     assert env_of(c)["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "kinference-admin", "key": "admin-key"}
     }
@@ -272,7 +274,7 @@ def test_crd_chart_copies_equal_the_generated_crds() -> None:
 
 def test_gateway_deployment() -> None:
     objects = render({})
-    deployment = one(objects, "Deployment", "kinference-gateway")
+    deployment = one(objects, GATEWAY, "kinference-gateway")
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     c = container(deployment)
@@ -289,7 +291,7 @@ def test_gateway_deployment() -> None:
     assert picker["spec"]["ports"] == [
         {"name": "grpc", "port": 9002, "targetPort": "extproc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}
     ]
-    off = container(one(render({"gateway": {"extproc": {"enabled": False}}}), "Deployment", "kinference-gateway"))
+    off = container(one(render({"gateway": {"extproc": {"enabled": False}}}), GATEWAY, "kinference-gateway"))
     assert not [a for a in off["args"] if a.startswith("--extproc")]
     assert {p["name"] for p in off["ports"]} == {"http", "admin"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
@@ -320,17 +322,54 @@ def test_gateway_config_map_is_the_gateway_yaml() -> None:
         "agent_grpc_port": 7070,
     }
     # The pods roll when the file changes.
-    deployment = one(render(ALL_FEATURES), "Deployment", "kinference-gateway")
+    deployment = one(render(ALL_FEATURES), GATEWAY, "kinference-gateway")
     before = deployment["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     changed = copy.deepcopy(ALL_FEATURES)
     changed["gateway"]["config"]["routing"] = "least-outstanding"
-    after = one(render(changed), "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    after = one(render(changed), GATEWAY)["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
     assert before != after
+
+
+def test_usage_journal_on_a_claim_per_pod_by_default() -> None:
+    """The usage journal is never an unbounded emptyDir: by default each gateway pod gets its own claim (a
+    StatefulSet), of the configured size; without persistence it is a size-limited emptyDir, refused when
+    tenants' budgets are on the embedded store."""
+    journal = "/var/lib/kinference/usage/kinference-usage.jsonl"
+    objects = render({"gateway": {"usage": {"persistence": {"size": "5Gi", "storageClassName": "fast"}}}})
+    gateway = one(objects, "StatefulSet", "kinference-gateway")
+    assert gateway["spec"]["serviceName"] == "kinference-gateway"
+    [claim] = gateway["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "usage"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["spec"]["storageClassName"] == "fast" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    mounts = {m["name"]: m["mountPath"] for m in container(gateway)["volumeMounts"]}
+    assert mounts["usage"] == "/var/lib/kinference/usage"
+    assert "usage" not in {v["name"] for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert config["tenancy"]["usage_journal"] == journal
+
+    # An explicit journal path is kept.
+    own = {"gateway": {"config": {"tenancy": {"usage_journal": "/data/u.jsonl"}}}}
+    config = yaml.safe_load(one(render(own), "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert config["tenancy"]["usage_journal"] == "/data/u.jsonl"
+
+    # Without persistence: a Deployment, the journal on an emptyDir limited to the size.
+    off = {"usage": {"persistence": {"enabled": False, "size": "2Gi"}}}
+    deployment = one(render({"gateway": off}), "Deployment", "kinference-gateway")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["usage"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    assert not find(render({"gateway": off}), "StatefulSet")
+    # ... refused with tenants on the embedded store (budgets lost at every restart), allowed with Redis.
+    tenants = {"tenancy": {"tenants_dir": "/etc/kinference/tenants"}}
+    with pytest.raises(helm.HelmError, match="usage journal .* would be lost at every restart"):
+        render({"gateway": {**off, "replicas": 1, "config": tenants}})
+    redis = {"tenancy": {"tenants_dir": "/t", "store": "redis", "redis_url": "redis://redis:6379/0"}}
+    assert one(render({"gateway": {**off, "config": redis}}), "Deployment")["spec"]["replicas"] == 2
 
 
 def test_gateway_service_pdb_and_replicas() -> None:
     objects = render(ALL_FEATURES)
-    assert one(objects, "Deployment")["spec"]["replicas"] == 3
+    assert one(objects, GATEWAY)["spec"]["replicas"] == 3
     service = one(objects, "Service", "kinference-gateway")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
         "http": (80, "http"),
@@ -812,7 +851,7 @@ def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
 
 def test_apiserver_dry_run_rejects_a_broken_object(kube: Kube) -> None:
     """The dry run really validates: a Deployment whose selector does not match its pod labels is refused."""
-    deployment = copy.deepcopy(one(render({}), "Deployment"))
+    deployment = copy.deepcopy(one(render({}), GATEWAY))
     deployment["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "other"
     result = kube.run("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(deployment), check=False)
     assert result.returncode != 0 and "selector" in result.stderr, result.stderr
@@ -881,7 +920,7 @@ def crate_source(crate: str) -> str:
 @pytest.mark.parametrize("variant", ["defaults", "all-features", "agent-without-ebpf"])
 @pytest.mark.parametrize(
     "kind,binary,crate",
-    [("Deployment", "kinference-gateway", "kinference-gateway"), ("DaemonSet", "kinference-agent", "kinference-agent")],
+    [(GATEWAY, "kinference-gateway", "kinference-gateway"), ("DaemonSet", "kinference-agent", "kinference-agent")],
 )
 def test_every_flag_and_variable_is_one_the_binary_reads(variant: str, kind: str, binary: str, crate: str) -> None:
     """Each arg is a flag of `<binary> --help`; each env var is a flag's `[env: ...]`, read by the crate's
@@ -895,7 +934,7 @@ def test_every_flag_and_variable_is_one_the_binary_reads(variant: str, kind: str
     flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", text))
     helped_env = set(re.findall(r"\[env: ([A-Z0-9_]+)=", text))
     source = crate_source(crate)
-    extra_args = set(values.get("gateway" if kind == "Deployment" else "agent", {}).get("extraArgs", []))
+    extra_args = set(values.get("gateway" if kind == GATEWAY else "agent", {}).get("extraArgs", []))
     for arg in c.get("args", []):
         flag = arg.split("=", 1)[0]
         assert flag in flags, f"{binary} has no flag {flag} (chart arg {arg!r}; user extraArgs {extra_args})"

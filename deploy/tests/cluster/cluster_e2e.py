@@ -59,6 +59,9 @@ SECRETS = {"e2e-workload-key": API_KEY, "e2e-probe-key": PROBE_KEY_OLD}
 ADMIN_KEY = "sk-e2e-admin-0123456789"
 ADMIN = {"x-kinference-admin-key": ADMIN_KEY}
 GATEWAY_API_CRDS = REPO / "deploy" / "gateway-api" / "crds"
+# The gateway's usage journals: one hostPath PersistentVolume per replica (no provisioner in this cluster).
+USAGE_CLASS = "e2e-usage"
+GATEWAY = f"statefulset/{RELEASE}-gateway"
 
 if os.environ.get("KINFERENCE_TEST_CLUSTER") != "1":
     pytest.skip(
@@ -100,6 +103,8 @@ def setns(path: str) -> None:
 class Kube:
     def __init__(self, kubeconfig: str):
         self.kubeconfig = kubeconfig
+        # Host directory of the gateways' usage volumes (set by the fixture).
+        self.usage_dir = Path()
 
     def run(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
         cmd = ["kubectl", f"--kubeconfig={self.kubeconfig}", *args]
@@ -267,6 +272,8 @@ def chart_values(tokenizer_dir: Path) -> dict[str, Any]:
             "secretNames": sorted(SECRETS),
             # The test's tenants have no limits: each replica enforcing them on its own changes nothing.
             "tenancy": {"allowPerReplicaLimits": True},
+            # Each pod's usage journal on its own claim, bound to the hostPath volumes the test makes.
+            "usage": {"persistence": {"storageClassName": USAGE_CLASS, "size": "64Mi"}},
             "extraVolumes": [
                 {"name": "tokenizers", "hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}
             ],
@@ -309,6 +316,31 @@ def kinference_objects() -> list[dict[str, Any]]:
         pool("sim", selector={"matchLabels": {"kinference.ai/worker": "true"}, "targetPort": 8000}),
         *tenants,
     ]
+
+
+def usage_volumes(root: Path) -> list[dict[str, Any]]:
+    """One PersistentVolume per gateway replica for the chart's usage claims, on host directories the
+    gateway's user (65532) can write."""
+    volumes = []
+    for i in range(2):
+        path = root / f"usage-{i}"
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, 65532, 65532)
+        volumes.append(
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"e2e-usage-{i}"},
+                "spec": {
+                    "capacity": {"storage": "64Mi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "storageClassName": USAGE_CLASS,
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "hostPath": {"path": str(path), "type": "Directory"},
+                },
+            }
+        )
+    return volumes
 
 
 def pool(name: str, **where: Any) -> dict[str, Any]:
@@ -358,8 +390,9 @@ def cluster(tmp_path_factory):
         setns(f"/var/run/netns/{NETNS}")
         kube = Kube(kubeconfig)
         t0 = time.monotonic()
-        install(kube, tokenizer)
+        install(kube, tokenizer, d / "usage")
         TIMINGS["install"] = time.monotonic() - t0
+        kube.usage_dir = d / "usage"
         yield kube
     finally:
         try:
@@ -370,9 +403,10 @@ def cluster(tmp_path_factory):
             if os.environ.get("KINFERENCE_KEEP_CLUSTER") != "1":
                 subprocess.run(["bash", str(CLUSTER / "stop.sh"), str(d)])
             log("timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMINGS.items()))
+            log("figures: " + ", ".join(f"{k} {v:.3f}" for k, v in FIGURES.items()))
 
 
-def install(kube: Kube, tokenizer: Path) -> None:
+def install(kube: Kube, tokenizer: Path, usage: Path) -> None:
     crds = render(CHARTS / "kinference-crds", {})
     crds += [yaml.safe_load(p.read_text()) for p in sorted((CHARTS / "kinference-crds" / "crds").glob("*.yaml"))]
     kube.apply(crds)
@@ -385,10 +419,10 @@ def install(kube: Kube, tokenizer: Path) -> None:
     while "default-token" not in kube.run("get", "secrets", "-n", NS, check=False):
         assert time.monotonic() < deadline, "no default ServiceAccount token in the namespace"
         time.sleep(0.5)
-    kube.apply([worker_deployment(), *kinference_objects()])
+    kube.apply([worker_deployment(), *kinference_objects(), *usage_volumes(usage)])
     objects = render(CHARTS / "kinference", chart_values(tokenizer))
-    gateway = [o for o in objects if o["kind"] == "Deployment"]
-    rest = [o for o in objects if o["kind"] != "Deployment"]
+    gateway = [o for o in objects if o["kind"] == "StatefulSet"]
+    rest = [o for o in objects if o["kind"] != "StatefulSet"]
     kube.apply(rest)
     kube.wait_ready("app=vllm-sim", WORKERS)
     kube.wait_ready("app.kubernetes.io/component=agent", 1)
@@ -605,9 +639,10 @@ def stream_once(base: str, i: int) -> None:
 
 def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
     """`kubectl rollout restart` of the gateway while 4 clients stream without pause. Like kube-proxy, the
-    clients follow the Service's ready endpoints (re-read every 0.5 s); no request may fail."""
+    clients follow the Service's ready endpoints (re-read every 0.5 s); no request may fail. Each new pod
+    replays the usage journal its predecessor wrote on the pod's claim."""
     kube = cluster
-    old = {p["metadata"]["name"] for p in gateway_pods(kube)}
+    old = {p["metadata"]["uid"] for p in gateway_pods(kube)}
     endpoints = {"list": gateway_endpoints(kube)}
     stop = time.monotonic() + 240
     done = {"flag": False}
@@ -641,11 +676,11 @@ def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
         clients = [pool.submit(client, k) for k in range(4)]
         time.sleep(3)
         t0 = time.monotonic()
-        kube.run("rollout", "restart", "-n", NS, f"deployment/{RELEASE}-gateway")
-        kube.run("rollout", "status", "-n", NS, f"deployment/{RELEASE}-gateway", "--timeout=200s", timeout=210)
+        kube.run("rollout", "restart", "-n", NS, GATEWAY)
+        kube.run("rollout", "status", "-n", NS, GATEWAY, "--timeout=200s", timeout=210)
         while time.monotonic() < stop:
-            names = {p["metadata"]["name"] for p in kube.pods("app.kubernetes.io/component=gateway")}
-            if not names & old:
+            uids = {p["metadata"]["uid"] for p in kube.pods("app.kubernetes.io/component=gateway")}
+            if not uids & old:
                 break
             time.sleep(1)
         TIMINGS["rollout restart"] = time.monotonic() - t0
@@ -656,6 +691,19 @@ def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
     log(f"rollout restart: {count['n']} streams, {len(failures)} failed: {failures[:5]}")
     assert count["n"] > 20
     assert not failures, failures[:10]
+
+    # The usage journals survived the restart: each new pod replayed what the old one wrote.
+    replayed = {}
+    for p in gateway_pods(kube):
+        logs = re.sub(r"\x1b\[[0-9;]*m", "", kube.run("logs", "-n", NS, p["metadata"]["name"]))  # no colours
+        m = re.search(r"usage journal replayed.*?replayed=(\d+)", logs)
+        replayed[p["metadata"]["name"]] = int(m.group(1)) if m else None
+    journals = list(kube.usage_dir.glob("usage-*/*.jsonl"))
+    records = sum(len(j.read_bytes().splitlines()) for j in journals)
+    size = sum(j.stat().st_size for j in journals)
+    log(f"usage journals replayed after the restart: {replayed}; on the volumes: {records} records, {size} bytes")
+    assert all(n for n in replayed.values()), replayed
+    FIGURES["usage journal bytes per record"] = size / max(records, 1)
 
 
 def test_agent_pod_replaced_gateways_follow(cluster: Kube):
