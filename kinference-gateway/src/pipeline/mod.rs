@@ -83,7 +83,18 @@ async fn run(
 ) -> Result<Response<Body>, GatewayError> {
     // Before the body is read: an unknown caller costs the gateway nothing.
     let caller = gw.tenancy.authenticate(req.headers())?;
-    let body = exchange::read_body(req, gw.settings.body_limit_bytes).await?;
+    // Still before the body: past the in-flight limit a request is shed before it costs memory.
+    if let Some(slot) = gw.overload.admit(caller.priority()).await?
+        && let Some(s) = ex.settlement()
+    {
+        s.hold(slot);
+    }
+    let body = exchange::read_body(
+        req,
+        gw.settings.body_limit_bytes,
+        gw.settings.body_read_timeout(),
+    )
+    .await?;
     // Under policies the JSON is kept for the plan stage (the body is parsed once).
     let request = exchange::parse_as(ex.endpoint, body, gw.policy.is_some())?;
     if let Some(s) = ex.settlement() {
