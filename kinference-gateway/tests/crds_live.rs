@@ -11,16 +11,21 @@
 //! within 5 s (printed); deleting a provider removes it from the serving set.
 
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use http::{HeaderMap, HeaderValue, StatusCode};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::api::core::v1::{Namespace, Pod, Secret};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kinference_gateway::config_source::cluster::Cluster;
 use kinference_gateway::config_source::kube::{KubeSourceConfig, api_resource};
 use kinference_gateway::config_source::{ObjectState, Snapshot};
+use kinference_gateway::discovery::{Discovery, KubernetesConfig, WorkerSink};
+use kinference_gateway::policy::stage::{PlanTarget, PolicyStage, StageRequest, StageSettings};
 use kinference_gateway::policy::{PoolStates, evaluate};
+use kinference_gateway::routing::tokenize::PromptTokens;
+use kinference_gateway::routing::{ModelConfig, Prompt, Router, RoutingConfig, RoutingTuning};
 use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
@@ -31,6 +36,8 @@ use serde_json::{Value, json};
 use testkit::{Apiserver, ChildGuard, free_port};
 
 const NS: &str = "kinf";
+/// A second watched namespace (sorts before NS: the owner of a name is not the first in order).
+const OTHER_NS: &str = "another";
 
 /// One apiserver at a time: two at once (plus the gateways) starve a 2-core machine.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -87,8 +94,9 @@ async fn apply(client: &Client, object: Value) {
         .as_str()
         .expect("name")
         .to_string();
+    let ns = object["metadata"]["namespace"].as_str().unwrap_or(NS);
     let ar = api_resource(&kind).expect("known kind");
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &ar);
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
     api.patch(
         &name,
         &PatchParams::apply("test").force(),
@@ -557,7 +565,7 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_crds() {
     let _serial = SERIAL.lock().await;
-    let Some((server, kube)) = apiserver_with(&[NS]).await else {
+    let Some((server, kube)) = apiserver_with(&[NS, OTHER_NS]).await else {
         return;
     };
     apply(
@@ -577,7 +585,7 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     std::fs::write(
         &config,
         format!(
-            "crds:\n  namespaces: [{NS}]\n  kubeconfig: {}\n  lease_duration_s: 3\ntenancy:\n  usage_journal: {}\n",
+            "crds:\n  namespaces: [{NS}, {OTHER_NS}]\n  kubeconfig: {}\n  lease_duration_s: 3\ntenancy:\n  usage_journal: {}\n",
             server.kubeconfig().display(),
             dir.join("usage.jsonl").display()
         ),
@@ -591,11 +599,24 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
             .arg("--config")
             .arg(&config)
             .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(dir.join("gateway.log")).expect("log"))
+            .stdout(std::fs::File::create(dir.join("gateway.log")).expect("log"))
+            .stderr(std::process::Stdio::null())
             .spawn()
             .expect("gateway"),
     );
+
+    let kinfctl = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_kinfctl"))
+            .args(args)
+            .arg("--kubeconfig")
+            .arg(server.kubeconfig())
+            .output()
+            .expect("kinfctl");
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
 
     // No tenant in the cluster: closed, 503 in both protocols, never served openly.
     eventually("gateway up", Duration::from_secs(30), || async {
@@ -632,6 +653,53 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
         (401, "authentication_error".into())
     );
 
+    // The same tenant name in the other watched namespace, created later: refused with a
+    // NameConflict condition; its key never authenticates, the owner's keeps working. Creation
+    // times have whole seconds (a tie goes to the namespace first by name, here the other one):
+    // wait for the next second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let mut impostor = tenant("acme", "acme-key");
+    impostor["metadata"]["namespace"] = json!(OTHER_NS);
+    let secrets: Api<Secret> = Api::namespaced(kube.clone(), OTHER_NS);
+    secrets
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": "acme-key"}, "stringData": {"api-key": "sk-impostor"}}))
+            .expect("secret"),
+        )
+        .await
+        .expect("secret");
+    apply(&kube, impostor).await;
+    let ar = api_resource("InferenceTenant").expect("kind");
+    let other: Api<DynamicObject> = Api::namespaced_with(kube.clone(), OTHER_NS, &ar);
+    eventually("NameConflict written", Duration::from_secs(10), || async {
+        other
+            .get("acme")
+            .await
+            .is_ok_and(|t| condition(&t, "Accepted").is_some_and(|c| c["reason"] == "NameConflict"))
+    })
+    .await;
+    assert_eq!(call(api, Some("sk-impostor"), false).await.0, 401);
+    assert_ne!(call(api, Some("sk-acme-old"), false).await.0, 401);
+    let (code, text) = kinfctl(&["explain", "itenant/acme"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains(&format!("InferenceTenant/{NS}/acme\n  state: Accepted")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "InferenceTenant/{OTHER_NS}/acme\n  state: Conflict"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("NameConflict"), "{text}");
+    other
+        .delete("acme", &DeleteParams::default())
+        .await
+        .expect("delete");
+
     // A broken edit of the tenant: its last good generation keeps serving, no key still 401.
     let mut broken = tenant("acme", "acme-key");
     broken["spec"]["apiKeys"] = json!([{}]);
@@ -651,6 +719,15 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     )
     .await;
     assert!(metrics < Duration::from_secs(5));
+    // kinfctl explain says the same, from the status the gateway wrote.
+    eventually("kinfctl explain shows the rollback", Duration::from_secs(10), || async {
+        let (code, text) = kinfctl(&["explain", "InferenceTenant/acme", "-n", NS]);
+        code == Some(1)
+            && text.contains("state: RolledBack")
+            && text.contains("kinference_gateway_config_objects{kind=\"InferenceTenant\",state=\"RolledBack\"}")
+            && text.contains("RolledBack True")
+    })
+    .await;
 
     // An applied policy changes the decision within 2 s (end to end, through the binary).
     let applied = Instant::now();
@@ -686,18 +763,6 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     );
 
     // kinfctl status: the gateway (lease holder) wrote every object's conditions.
-    let kinfctl = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_kinfctl"))
-            .args(args)
-            .arg("--kubeconfig")
-            .arg(server.kubeconfig())
-            .output()
-            .expect("kinfctl");
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
-        )
-    };
     let deadline = Instant::now() + Duration::from_secs(10);
     let text = loop {
         let (code, text) = kinfctl(&["status", "-n", NS]);
@@ -744,4 +809,191 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     assert!(!text.contains("InferencePool/pool-a (created)"), "{text}");
     assert!(!text.contains("InferenceModel/small"), "unchanged: {text}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A ready worker pod with `labels` (plus the discovery label and the model), as the kubelet
+/// reports it.
+async fn ready_worker_pod(pods: &Api<Pod>, name: &str, ip: &str, labels: Value) {
+    let mut all = json!({"kinference.ai/worker": "true", "kinference.ai/model": "small-served"});
+    if let (Some(a), Some(l)) = (all.as_object_mut(), labels.as_object()) {
+        a.extend(l.clone());
+    }
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": all,
+            "annotations": {"kinference.ai/http-port": "8000"}},
+        "spec": {"nodeName": "gpu-node", "containers": [{"name": "vllm", "image": "vllm"}]}
+    }))
+    .expect("pod");
+    pods.create(&PostParams::default(), &pod)
+        .await
+        .expect("create pod");
+    let status = json!({"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "True"}]}});
+    pods.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .expect("pod status");
+}
+
+/// The workers of each pool the stage plans for a chat request to `small`.
+async fn planned_pools(stage: &PolicyStage, router: &Router) -> Vec<(String, Vec<String>)> {
+    let body = json!({"model": "small", "messages": [{"role": "user", "content": "hello"}]});
+    let messages = body["messages"].clone();
+    let tokens = PromptTokens::default();
+    let req = StageRequest {
+        body: &body,
+        model: "small",
+        prompt: Prompt::Chat(&messages),
+        tenant: None,
+        tags_header: None,
+        debug: false,
+        tokens: &tokens,
+    };
+    let Ok(plan) = stage.decide(router, req, &mut None).await else {
+        return Vec::new();
+    };
+    plan.targets
+        .iter()
+        .filter_map(|t| match t {
+            PlanTarget::Pool { pool, workers, .. } => {
+                Some((pool.clone(), workers.clone().unwrap_or_default()))
+            }
+            PlanTarget::Provider { .. } => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
+    let _serial = SERIAL.lock().await;
+    let Some(server) = Apiserver::start("crds-pools") else {
+        return;
+    };
+    let kube = client(&server).await;
+    let namespaces: Api<Namespace> = Api::all(kube.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
+            )
+            .expect("ns"),
+        )
+        .await
+        .expect("namespace");
+    install_crds(&kube).await;
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2");
+    apply(
+        &kube,
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "small", "namespace": NS},
+            "spec": {"servedName": "small-served", "tokenizer": {"dir": tokenizer}}
+        }),
+    )
+    .await;
+    // Two pools of the same model, told apart by label and GPU class.
+    for (name, tier, gpu) in [("near", "a", "l40s"), ("far", "b", "h100")] {
+        apply(&kube, json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {"models": ["small"], "gpuClass": gpu,
+                "selector": {"matchLabels": {"tier": tier}, "targetPort": 8000},
+                "prices": {"cachedInputPerMillion": 0.0, "uncachedInputPerMillion": 0.1, "outputPerMillion": 0.2}}
+        }))
+        .await;
+    }
+    apply(
+        &kube,
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferencePolicy",
+            "metadata": {"name": "order", "namespace": NS},
+            "spec": {"priority": 1, "rules": [{"name": "near-first",
+                "action": {"route": {"targets": [{"pool": "near"}, {"pool": "far"}]}}}]}
+        }),
+    )
+    .await;
+
+    // The gateway's parts as main.rs wires them: the CRDs, discovery feeding the router, the stage.
+    let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-pools")).await;
+    let router = Arc::new(
+        Router::with_tuning(
+            RoutingConfig {
+                models: vec![ModelConfig {
+                    name: "small-served".into(),
+                    tokenizer_dir: Some(tokenizer.into()),
+                }],
+                ..Default::default()
+            },
+            RoutingTuning {
+                connect_agents: false,
+                ..Default::default()
+            },
+        )
+        .expect("router"),
+    );
+    let discovery_config: KubernetesConfig =
+        serde_json::from_value(json!({"namespaces": [NS]})).expect("kubernetes config");
+    let discovery = Discovery::start(
+        kube.clone(),
+        &discovery_config,
+        Arc::clone(&router) as Arc<dyn WorkerSink>,
+    );
+    let settings = StageSettings {
+        dir: Default::default(),
+        reload_interval: Duration::from_secs(1),
+        load_interval: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    stage.follow_discovered(discovery.workers());
+
+    // Pods: w1 is near's; w2 far's; w3 has near's label but runs on h100: nobody's.
+    let pods: Api<Pod> = Api::namespaced(kube.clone(), NS);
+    ready_worker_pod(&pods, "w1", "10.0.2.1", json!({"tier": "a"})).await;
+    ready_worker_pod(
+        &pods,
+        "w2",
+        "10.0.2.2",
+        json!({"tier": "b", "kinference.ai/gpu-class": "h100"}),
+    )
+    .await;
+    ready_worker_pod(
+        &pods,
+        "w3",
+        "10.0.2.3",
+        json!({"tier": "a", "kinference.ai/gpu-class": "h100"}),
+    )
+    .await;
+    let (w1, w2) = ("http://10.0.2.1:8000", "http://10.0.2.2:8000");
+    let expected = vec![
+        ("near".to_string(), vec![w1.to_string()]),
+        ("far".to_string(), vec![w2.to_string()]),
+    ];
+    eventually("pools pick their pods", Duration::from_secs(10), || async {
+        planned_pools(&stage, &router).await == expected
+    })
+    .await;
+
+    // Relabelled: w1 moves to far; near has no pod, so it is unavailable and not planned.
+    let relabelled = Instant::now();
+    pods.patch(
+        "w1",
+        &PatchParams::default(),
+        &Patch::Merge(&json!({"metadata": {"labels": {"tier": "b"}}})),
+    )
+    .await
+    .expect("relabel");
+    let expected = vec![("far".to_string(), vec![w1.to_string(), w2.to_string()])];
+    eventually("relabel moves the pod", Duration::from_secs(5), || async {
+        planned_pools(&stage, &router).await == expected
+    })
+    .await;
+    println!(
+        "FIGURE pod relabelled -> pool membership changed in the plan in {} ms",
+        relabelled.elapsed().as_millis()
+    );
+    drop(discovery);
+    drop(cluster);
+    drop(server);
 }

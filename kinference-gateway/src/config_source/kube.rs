@@ -221,7 +221,15 @@ async fn apply_loop(
         if changed {
             let synced = scopes.iter().all(|s| listed.contains(s));
             let snapshot = applier.build(synced);
+            let before = Arc::clone(&tx.borrow());
             for e in snapshot.objects.values() {
+                // Once per new state or generation, not on every snapshot.
+                let seen = before.objects.get(&e.object).is_some_and(|b| {
+                    b.state == e.state && b.observed_generation == e.observed_generation
+                });
+                if seen {
+                    continue;
+                }
                 if let Some(error) = e.state.error() {
                     tracing::warn!(object = %e.object, generation = ?e.observed_generation, %error, state = e.state.name(),
                         "configuration object not applied");

@@ -366,7 +366,8 @@ impl Applier {
     }
 
     /// The object that owns each kind and name: of several in different namespaces, the one created
-    /// first (then the first namespace in name order), whatever its validity, so the choice is the
+    /// first (`creationTimestamp` has whole seconds: a tie goes to the first namespace in name
+    /// order), whatever its validity, so the choice is the
     /// same on every replica and does not flip when the owner gets a bad generation. Deleting the
     /// owner hands the name to the next one.
     fn owners(&self) -> BTreeMap<ObjectKey, &ObjectRef> {
