@@ -308,6 +308,18 @@ def test_gateway_deployment() -> None:
     assert "hostPID" not in pod and "hostNetwork" not in pod
 
 
+def test_gateway_overload_limits_become_flags() -> None:
+    args = container(one(render({}), GATEWAY, "kinference-gateway"))["args"]
+    assert "--max-in-flight=4096" in args and "--max-connections=20000" in args
+    assert "--body-read-timeout-ms=30000" in args and "--client-write-timeout-ms=30000" in args
+    tuned = {"gateway": {"overload": {"maxInFlight": 64, "queueTimeoutMs": 100}}}
+    args = container(one(render(tuned), GATEWAY, "kinference-gateway"))["args"]
+    assert "--max-in-flight=64" in args and "--overload-queue-timeout-ms=100" in args
+    # A reserve of half or more would leave low-priority tenants no slot at all.
+    with pytest.raises(helm.HelmError, match="schema"):
+        render({"gateway": {"overload": {"priorityReservePercent": 50}}})
+
+
 def test_gateway_config_map_is_the_gateway_yaml() -> None:
     config_map = one(render(ALL_FEATURES), "ConfigMap", "kinference-gateway")
     config = yaml.safe_load(config_map["data"]["gateway.yaml"])
