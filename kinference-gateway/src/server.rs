@@ -15,6 +15,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::access::Peer;
+use crate::api::anthropic::{self, MessagesRequest};
 use crate::api::openai;
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::ConnectionGuard;
@@ -30,6 +31,7 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (&Method::POST, "/v1/chat/completions") => Endpoint::ChatCompletions,
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
         (&Method::POST, "/v1/messages") => Endpoint::Messages,
+        (&Method::POST, "/v1/messages/count_tokens") => return count_tokens(&gw, req).await,
         (&Method::GET, "/v1/models") => {
             return json_response(
                 StatusCode::OK,
@@ -46,6 +48,39 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         }
     };
     pipeline::handle(gw, endpoint, req).await
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's size from the gateway's own tokenizer, for an
+/// authenticated caller (no admission: nothing is generated); errors in Anthropic's shape.
+async fn count_tokens(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+    let counted = async {
+        gw.tenancy.authenticate(req.headers())?;
+        let body = pipeline::exchange::read_body(
+            req,
+            gw.settings.body_limit_bytes,
+            gw.settings.body_read_timeout(),
+        )
+        .await?;
+        let request: MessagesRequest = openai::parse_body(&body)?;
+        let tokenizer = gw.router.tokenizer(&request.model);
+        if tokenizer.is_none() && !gw.models.contains(&request.model) {
+            return Err(GatewayError::UnknownModel(request.model));
+        }
+        // A long prompt takes milliseconds to render and encode: off the reactor.
+        tokio::task::spawn_blocking(move || {
+            anthropic::count_tokens::count(tokenizer.as_deref(), &request)
+        })
+        .await
+        .map_err(|e| GatewayError::invalid("messages", format!("count_tokens: {e}")))?
+    }
+    .await;
+    match counted {
+        Ok(n) => json_response(
+            StatusCode::OK,
+            anthropic::count_tokens::response_body(n).to_string(),
+        ),
+        Err(error) => error.into_response(Protocol::Anthropic),
+    }
 }
 
 /// Routes one admin request.

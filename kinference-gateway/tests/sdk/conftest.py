@@ -148,10 +148,12 @@ class Cluster:
         return Worker(url, process)
 
     def gateway(self, workers: list[Worker], *flags: str, extra_worker_urls: tuple[str, ...] = (),
-                wait_ready: bool = True) -> Gateway:
+                wait_ready: bool = True, tokenizer: bool = True) -> Gateway:
+        """A gateway in front of `workers`; `tokenizer=False` configures the model without its tokenizer."""
         port, admin_port = free_port(), free_port()
         config = self.workdir / f"gateway-{port}.yaml"
-        lines = [f"models:\n  - name: {MODEL}\n    tokenizer_dir: {TOKENIZER_DIR}\nworkers:"]
+        tokenizer_line = f"\n    tokenizer_dir: {TOKENIZER_DIR}" if tokenizer else ""
+        lines = [f"models:\n  - name: {MODEL}{tokenizer_line}\nworkers:"]
         for url in [w.url for w in workers] + list(extra_worker_urls):
             lines.append(f"  - url: {url}\n    model: {MODEL}")
         lines.append("routing: least-outstanding")

@@ -61,8 +61,8 @@ def test_anthropic_bad_fields_are_bad_request(gateway):
     assert e.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         ant(gateway).messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
-    assert "image" in e.value.body["error"]["message"]
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "AAAA"}}]}])
+    assert "document" in e.value.body["error"]["message"]
 
 
 def test_anthropic_missing_max_tokens_is_bad_request(gateway):
