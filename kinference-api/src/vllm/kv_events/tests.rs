@@ -1,7 +1,12 @@
 use super::encode::{EncodeOptions, EventFormat, encode_batch};
 use super::*;
 use proptest::prelude::*;
+use rmp::Marker;
+use rmp::encode as mp;
 use serde_json::Value;
+
+/// Test inputs are written with `rmp`, an encoder independent of the one under test.
+const VEC: &str = "writing msgpack to a Vec";
 
 const FIXTURES: &[&str] = &["events-run1.jsonl", "events-run2.jsonl"];
 
@@ -25,9 +30,11 @@ enum Width {
 
 fn w_array(out: &mut Vec<u8>, n: usize, w: Width) {
     match w {
-        Width::Minimal => encode::array_len(out, n as u32),
+        Width::Minimal => {
+            mp::write_array_len(out, n as u32).expect(VEC);
+        }
         Width::Wide => {
-            out.push(0xdd);
+            out.push(Marker::Array32.to_u8());
             out.extend_from_slice(&(n as u32).to_be_bytes());
         }
     }
@@ -35,10 +42,12 @@ fn w_array(out: &mut Vec<u8>, n: usize, w: Width) {
 
 fn w_map(out: &mut Vec<u8>, n: usize, w: Width) {
     match w {
-        Width::Minimal => encode::map_len(out, n as u32),
+        Width::Minimal => {
+            mp::write_map_len(out, n as u32).expect(VEC);
+        }
         Width::Wide => {
             // msgspec writes map16 for structs of more than 15 fields even with fewer entries.
-            out.push(0xde);
+            out.push(Marker::Map16.to_u8());
             out.extend_from_slice(&(n as u16).to_be_bytes());
         }
     }
@@ -47,19 +56,18 @@ fn w_map(out: &mut Vec<u8>, n: usize, w: Width) {
 /// Generic JSON -> msgpack, as msgspec would encode the same Python values.
 fn json_to_msgpack(out: &mut Vec<u8>, v: &Value, w: Width) {
     match v {
-        Value::Null => out.push(0xc0),
-        Value::Bool(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        Value::Null => mp::write_nil(out).expect(VEC),
+        Value::Bool(b) => mp::write_bool(out, *b).expect(VEC),
         Value::Number(n) => {
             if let Some(u) = n.as_u64() {
-                encode::uint(out, u);
+                mp::write_uint(out, u).expect(VEC);
             } else if let Some(i) = n.as_i64() {
-                encode::int(out, i);
+                mp::write_sint(out, i).expect(VEC);
             } else {
-                out.push(0xcb);
-                out.extend_from_slice(&n.as_f64().expect("number").to_be_bytes());
+                mp::write_f64(out, n.as_f64().expect("number")).expect(VEC);
             }
         }
-        Value::String(s) => encode::str(out, s),
+        Value::String(s) => mp::write_str(out, s).expect(VEC),
         Value::Array(a) => {
             w_array(out, a.len(), w);
             a.iter().for_each(|x| json_to_msgpack(out, x, w));
@@ -67,7 +75,7 @@ fn json_to_msgpack(out: &mut Vec<u8>, v: &Value, w: Width) {
         Value::Object(m) => {
             w_map(out, m.len(), w);
             for (k, x) in m {
-                encode::str(out, k);
+                mp::write_str(out, k).expect(VEC);
                 json_to_msgpack(out, x, w);
             }
         }
@@ -100,8 +108,7 @@ fn encode_json_batch(batch: &Value, format: EventFormat, w: Width) -> Vec<u8> {
     let a = batch.as_array().expect("batch is an array");
     let mut out = Vec::new();
     w_array(&mut out, 3, w);
-    out.push(0xcb);
-    out.extend_from_slice(&a[0].as_f64().expect("ts").to_be_bytes());
+    mp::write_f64(&mut out, a[0].as_f64().expect("ts")).expect(VEC);
     let events = a[1].as_array().expect("events");
     w_array(&mut out, events.len(), w);
     for ev in events {
@@ -111,7 +118,7 @@ fn encode_json_batch(batch: &Value, format: EventFormat, w: Width) -> Vec<u8> {
                 let tag = ev["type"].as_str().expect("type");
                 let fields = array_fields(tag);
                 w_array(&mut out, 1 + fields.len(), w);
-                encode::str(&mut out, tag);
+                mp::write_str(&mut out, tag).expect(VEC);
                 for f in fields {
                     json_to_msgpack(&mut out, ev.get(*f).unwrap_or(&Value::Null), w);
                 }
@@ -247,17 +254,17 @@ fn encoder_round_trips_every_event_kind_in_both_formats() {
 #[test]
 fn bin_hashes_use_the_last_eight_bytes_big_endian() {
     let mut out = Vec::new();
-    encode::array_len(&mut out, 3);
-    out.push(0x00); // ts as an int
-    encode::array_len(&mut out, 1);
-    encode::map_len(&mut out, 2);
-    encode::str(&mut out, "block_hashes");
-    encode::array_len(&mut out, 2);
-    out.extend_from_slice(&[0xc4, 10, 0xff, 0xff, 1, 2, 3, 4, 5, 6, 7, 8]);
-    out.extend_from_slice(&[0xc4, 2, 0x01, 0x02]);
-    encode::str(&mut out, "type");
-    encode::str(&mut out, "BlockRemoved");
-    out.push(0xc0);
+    mp::write_array_len(&mut out, 3).expect(VEC);
+    mp::write_uint(&mut out, 0).expect(VEC); // ts as an int
+    mp::write_array_len(&mut out, 1).expect(VEC);
+    mp::write_map_len(&mut out, 2).expect(VEC);
+    mp::write_str(&mut out, "block_hashes").expect(VEC);
+    mp::write_array_len(&mut out, 2).expect(VEC);
+    mp::write_bin(&mut out, &[0xff, 0xff, 1, 2, 3, 4, 5, 6, 7, 8]).expect(VEC);
+    mp::write_bin(&mut out, &[0x01, 0x02]).expect(VEC);
+    mp::write_str(&mut out, "type").expect(VEC);
+    mp::write_str(&mut out, "BlockRemoved").expect(VEC);
+    mp::write_nil(&mut out).expect(VEC);
     let batch = decode_batch(&out).expect("decodes");
     assert_eq!(
         batch.events,
