@@ -38,8 +38,13 @@ fn unsupported_parts_and_roles_are_refused_before_sending() {
     let image = chat(json!({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}));
     assert!(anthropic_request(&image, "c", false).is_err());
-    let tool = chat(json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}));
-    assert!(anthropic_request(&tool, "c", false).is_err());
+    let legacy = chat(json!({"model": "m", "messages": [{"role": "function", "content": "x"}]}));
+    assert!(anthropic_request(&legacy, "c", false).is_err());
+    let bad_arguments = chat(
+        json!({"model": "m", "messages": [{"role": "assistant", "content": null,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]}),
+    );
+    assert!(anthropic_request(&bad_arguments, "c", false).is_err());
     let plain = chat(json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}));
     let out = anthropic_request(&plain, "c", false).unwrap();
     assert_eq!(out["max_tokens"], super::translate::DEFAULT_MAX_TOKENS);
@@ -179,4 +184,109 @@ fn provider_clients_never_print_their_key_and_follow_spec_changes() {
             "{err}"
         );
     });
+}
+
+#[test]
+fn tools_calls_and_results_become_anthropic_blocks() {
+    let r = chat(json!({
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+            {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "5 C"}]},
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "tool_choice": "required",
+        "parallel_tool_calls": false,
+        "user": "u-1",
+    }));
+    let out = anthropic_request(&r, "claude", false).unwrap();
+    assert_eq!(
+        out["messages"],
+        json!([
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "c1", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "c2", "name": "get_weather", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "c1", "content": "18 C"},
+                {"type": "tool_result", "tool_use_id": "c2", "content": "5 C"}]},
+        ])
+    );
+    assert_eq!(
+        out["tools"],
+        json!([{"name": "get_weather", "description": "Weather",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}])
+    );
+    assert_eq!(
+        out["tool_choice"],
+        json!({"type": "any", "disable_parallel_tool_use": true})
+    );
+    assert_eq!(out["metadata"], json!({"user_id": "u-1"}));
+    let named = chat(
+        json!({"model": "m", "messages": [{"role": "user", "content": "x"}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+    );
+    assert_eq!(
+        anthropic_request(&named, "c", false).unwrap()["tool_choice"],
+        json!({"type": "tool", "name": "f"})
+    );
+}
+
+#[test]
+fn anthropic_tool_use_becomes_openai_tool_calls_whole_and_streamed() {
+    let message = json!({"id": "msg_1", "model": "claude", "stop_reason": "tool_use",
+        "content": [{"type": "thinking", "thinking": "Need data."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}],
+        "usage": {"input_tokens": 5, "output_tokens": 3}});
+    let chat = chat_from_anthropic(&message);
+    let parsed: ChatCompletionResponse = serde_json::from_value(chat.clone()).unwrap();
+    let reply = &parsed.choices[0].message;
+    assert_eq!(reply.content, None);
+    assert_eq!(reply.reasoning(), Some("Need data."));
+    let call = &reply.tool_calls.as_ref().unwrap()[0];
+    assert_eq!(call.id.as_deref(), Some("toolu_1"));
+    let function = call.function.as_ref().unwrap();
+    assert_eq!(function.name.as_deref(), Some("get_weather"));
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(function.arguments.as_deref().unwrap()).unwrap(),
+        json!({"city": "Paris"})
+    );
+    assert_eq!(chat["choices"][0]["finish_reason"], "tool_calls");
+
+    let mut stream = AnthropicStream::new();
+    let mut calls = Vec::new();
+    for event in [
+        json!({"type": "message_start", "message": {"id": "msg_2", "model": "c", "usage": {"input_tokens": 4}}}),
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Checking."}}),
+        json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {}}}),
+        json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"city\": "}}),
+        json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "\"Oslo\"}"}}),
+        json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}),
+    ] {
+        for chunk in stream.event(event.to_string().as_bytes()).chunks {
+            let chunk: StreamChunk = serde_json::from_value(chunk).unwrap();
+            for choice in chunk.choices {
+                if let Some(tool_calls) = choice.delta.and_then(|d| d.tool_calls) {
+                    calls.extend(tool_calls);
+                }
+                if let Some(reason) = choice.finish_reason {
+                    assert_eq!(reason, "tool_calls");
+                }
+            }
+        }
+    }
+    assert_eq!(calls.len(), 3);
+    assert_eq!(calls[0].id.as_deref(), Some("toolu_9"));
+    assert!(calls.iter().all(|c| c.index == Some(0)));
+    let arguments: String = calls
+        .iter()
+        .filter_map(|c| c.function.as_ref()?.arguments.clone())
+        .collect();
+    assert_eq!(arguments, "{\"city\": \"Oslo\"}");
 }

@@ -2,7 +2,9 @@
 //! provider's protocol, answers come back as OpenAI chat completions (whole) or chunks (streams),
 //! which the pipeline's existing translators then turn into the client's protocol. An OpenAI client
 //! bursting to an Anthropic provider thus gets OpenAI answers, and an Anthropic client gets Anthropic
-//! ones whichever provider served it.
+//! ones whichever provider served it. Tools cross both ways: `tools`, `tool_choice`, `tool_calls`
+//! and `tool` messages become Anthropic tools, `tool_use` and `tool_result` blocks, and the
+//! provider's `tool_use` blocks (whole, or streamed as `input_json_delta`) come back as `tool_calls`.
 
 use serde_json::{Map, Value, json};
 
@@ -55,13 +57,15 @@ pub fn anthropic_request(
         .as_array()
         .ok_or_else(|| Untranslatable("`messages` is not an array".into()))?;
     let mut system = Vec::new();
-    let mut turns = Vec::new();
+    let mut turns: Vec<Value> = Vec::new();
     for m in messages {
         let role = m.get("role").and_then(Value::as_str).unwrap_or("user");
         let text = content_text(m.get("content").unwrap_or(&Value::Null))?;
         match role {
             "system" | "developer" => system.push(text),
-            "user" | "assistant" => turns.push(json!({"role": role, "content": text})),
+            "user" => turns.push(json!({"role": role, "content": text})),
+            "assistant" => turns.push(assistant_turn(m, text)?),
+            "tool" => tool_result(m, text, &mut turns),
             other => {
                 return Err(Untranslatable(format!(
                     "messages with role {other:?} cannot be sent to an Anthropic provider"
@@ -96,10 +100,130 @@ pub fn anthropic_request(
         }
         _ => {}
     }
+    if let Some(tools) = extra.get("tools").and_then(Value::as_array) {
+        let tools = tools
+            .iter()
+            .map(anthropic_tool)
+            .collect::<Result<Vec<_>, _>>()?;
+        if !tools.is_empty() {
+            body.insert("tools".into(), Value::Array(tools));
+        }
+    }
+    if let Some(choice) = anthropic_tool_choice(extra)? {
+        body.insert("tool_choice".into(), choice);
+    }
+    if let Some(user) = extra.get("user").and_then(Value::as_str) {
+        body.insert("metadata".into(), json!({"user_id": user}));
+    }
     if stream {
         body.insert("stream".into(), true.into());
     }
     Ok(Value::Object(body))
+}
+
+/// An assistant message: its text, and its `tool_calls` as `tool_use` blocks.
+fn assistant_turn(message: &Value, text: String) -> Result<Value, Untranslatable> {
+    let calls = message.get("tool_calls").and_then(Value::as_array);
+    let Some(calls) = calls.filter(|c| !c.is_empty()) else {
+        return Ok(json!({"role": "assistant", "content": text}));
+    };
+    let mut blocks = Vec::with_capacity(calls.len() + 1);
+    if !text.is_empty() {
+        blocks.push(json!({"type": "text", "text": text}));
+    }
+    for call in calls {
+        let name = call.pointer("/function/name").and_then(Value::as_str);
+        let arguments = call.pointer("/function/arguments").and_then(Value::as_str);
+        let input = match arguments.map(str::trim).filter(|a| !a.is_empty()) {
+            None => json!({}),
+            Some(a) => match serde_json::from_str::<Value>(a) {
+                Ok(input @ Value::Object(_)) => input,
+                _ => {
+                    return Err(Untranslatable(format!(
+                        "tool call arguments {a:?} are not a JSON object"
+                    )));
+                }
+            },
+        };
+        blocks.push(json!({
+            "type": "tool_use",
+            "id": call.get("id").cloned().unwrap_or(Value::Null),
+            "name": name.unwrap_or(""),
+            "input": input,
+        }));
+    }
+    Ok(json!({"role": "assistant", "content": blocks}))
+}
+
+/// A `tool` message as a `tool_result` block, joined to the user turn of the results before it
+/// (Anthropic wants every result of a turn's calls in the one user turn that follows).
+fn tool_result(message: &Value, text: String, turns: &mut Vec<Value>) {
+    let block = json!({
+        "type": "tool_result",
+        "tool_use_id": message.get("tool_call_id").cloned().unwrap_or(Value::Null),
+        "content": text,
+    });
+    let results_turn = turns.last_mut().filter(|t| {
+        t["role"] == "user"
+            && t["content"]
+                .as_array()
+                .is_some_and(|b| b.iter().all(|b| b["type"] == "tool_result"))
+    });
+    match results_turn.and_then(|t| t["content"].as_array_mut()) {
+        Some(blocks) => blocks.push(block),
+        None => turns.push(json!({"role": "user", "content": [block]})),
+    }
+}
+
+/// An OpenAI function tool as an Anthropic client tool.
+fn anthropic_tool(tool: &Value) -> Result<Value, Untranslatable> {
+    let kind = tool
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("function");
+    let function = tool.get("function").filter(|_| kind == "function");
+    let Some(name) = function.and_then(|f| f.get("name")).and_then(Value::as_str) else {
+        return Err(Untranslatable(format!(
+            "tools of type {kind:?} without a function name cannot be sent to an Anthropic provider"
+        )));
+    };
+    let mut out = json!({
+        "name": name,
+        "input_schema": function
+            .and_then(|f| f.get("parameters"))
+            .filter(|p| p.is_object())
+            .cloned()
+            .unwrap_or_else(|| json!({"type": "object"})),
+    });
+    if let Some(description) = function.and_then(|f| f.get("description")) {
+        out["description"] = description.clone();
+    }
+    Ok(out)
+}
+
+/// OpenAI's `tool_choice` and `parallel_tool_calls` as Anthropic's `tool_choice`.
+fn anthropic_tool_choice(extra: &Map<String, Value>) -> Result<Option<Value>, Untranslatable> {
+    let mut choice = match extra.get("tool_choice") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(c)) if c == "auto" => Some(json!({"type": "auto"})),
+        Some(Value::String(c)) if c == "required" => Some(json!({"type": "any"})),
+        Some(Value::String(c)) if c == "none" => Some(json!({"type": "none"})),
+        Some(c) => match c.pointer("/function/name").and_then(Value::as_str) {
+            Some(name) => Some(json!({"type": "tool", "name": name})),
+            None => {
+                return Err(Untranslatable(format!(
+                    "tool_choice {c} cannot be sent to an Anthropic provider"
+                )));
+            }
+        },
+    };
+    if extra.get("parallel_tool_calls") == Some(&Value::Bool(false)) {
+        let choice = choice.get_or_insert_with(|| json!({"type": "auto"}));
+        if choice["type"] != "none" {
+            choice["disable_parallel_tool_use"] = true.into();
+        }
+    }
+    Ok(choice)
 }
 
 /// Anthropic's `stop_reason` as OpenAI's `finish_reason`.
@@ -133,19 +257,47 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// A whole Anthropic message as an OpenAI chat completion.
-pub fn chat_from_anthropic(message: &Value) -> Value {
-    let text: String = message
+/// The blocks of `message` of type `kind`.
+fn blocks<'a>(message: &'a Value, kind: &'a str) -> impl Iterator<Item = &'a Value> {
+    message
         .get("content")
         .and_then(Value::as_array)
-        .map(|blocks| {
-            blocks
-                .iter()
-                .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
-                .filter_map(|b| b.get("text").and_then(Value::as_str))
-                .collect()
+        .into_iter()
+        .flatten()
+        .filter(move |b| b.get("type").and_then(Value::as_str) == Some(kind))
+}
+
+/// A whole Anthropic message as an OpenAI chat completion (`tool_use` blocks as `tool_calls`,
+/// `thinking` as `reasoning_content`).
+pub fn chat_from_anthropic(message: &Value) -> Value {
+    let text: String = blocks(message, "text")
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .collect();
+    let reasoning: String = blocks(message, "thinking")
+        .filter_map(|b| b.get("thinking").and_then(Value::as_str))
+        .collect();
+    let tool_calls: Vec<Value> = blocks(message, "tool_use")
+        .map(|b| {
+            json!({
+                "id": b.get("id").cloned().unwrap_or(Value::Null),
+                "type": "function",
+                "function": {
+                    "name": b.get("name").cloned().unwrap_or(Value::Null),
+                    "arguments": b.get("input").unwrap_or(&json!({})).to_string(),
+                },
+            })
         })
-        .unwrap_or_default();
+        .collect();
+    let mut reply = json!({"role": "assistant", "content": text});
+    if !tool_calls.is_empty() {
+        if text.is_empty() {
+            reply["content"] = Value::Null;
+        }
+        reply["tool_calls"] = Value::Array(tool_calls);
+    }
+    if !reasoning.is_empty() {
+        reply["reasoning_content"] = reasoning.into();
+    }
     let usage = message.get("usage").cloned().unwrap_or(Value::Null);
     let id = message.get("id").and_then(Value::as_str).unwrap_or("msg");
     json!({
@@ -155,7 +307,7 @@ pub fn chat_from_anthropic(message: &Value) -> Value {
         "model": message.get("model").cloned().unwrap_or(Value::Null),
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": reply,
             "finish_reason": finish_reason(message.get("stop_reason").and_then(Value::as_str)),
             "stop_reason": message.get("stop_sequence").cloned().unwrap_or(Value::Null),
             "logprobs": null,
@@ -189,6 +341,9 @@ pub struct AnthropicStream {
     input: (u64, u64, u64),
     output: u64,
     stop_sequence: Value,
+    /// The provider's block index of each `tool_use` block, in order: a call's OpenAI `index` is
+    /// its position here.
+    tool_blocks: Vec<u64>,
 }
 
 impl Default for AnthropicStream {
@@ -207,6 +362,7 @@ impl AnthropicStream {
             input: (0, 0, 0),
             output: 0,
             stop_sequence: Value::Null,
+            tool_blocks: Vec::new(),
         }
     }
 
@@ -249,12 +405,46 @@ impl AnthropicStream {
                 step.chunks
                     .push(self.chunk(json!({"role": "assistant", "content": ""}), None));
             }
+            Some("content_block_start") => {
+                let block = event.get("content_block").unwrap_or(&Value::Null);
+                if block.get("type").and_then(Value::as_str) == Some("tool_use") {
+                    self.tool_blocks.push(u(&event, "index"));
+                    let call = json!({
+                        "index": self.tool_blocks.len() - 1,
+                        "id": block.get("id").cloned().unwrap_or(Value::Null),
+                        "type": "function",
+                        "function": {"name": block.get("name").cloned().unwrap_or(Value::Null), "arguments": ""},
+                    });
+                    step.chunks
+                        .push(self.chunk(json!({"tool_calls": [call]}), None));
+                }
+            }
             Some("content_block_delta") => {
                 let delta = event.get("delta").cloned().unwrap_or(Value::Null);
-                if delta.get("type").and_then(Value::as_str) == Some("text_delta")
-                    && let Some(text) = delta.get("text").and_then(Value::as_str)
-                {
-                    step.chunks.push(self.chunk(json!({"content": text}), None));
+                match delta.get("type").and_then(Value::as_str) {
+                    Some("text_delta") => {
+                        if let Some(text) = delta.get("text").and_then(Value::as_str) {
+                            step.chunks.push(self.chunk(json!({"content": text}), None));
+                        }
+                    }
+                    Some("thinking_delta") => {
+                        if let Some(thinking) = delta.get("thinking").and_then(Value::as_str) {
+                            step.chunks
+                                .push(self.chunk(json!({"reasoning_content": thinking}), None));
+                        }
+                    }
+                    Some("input_json_delta") => {
+                        let block = u(&event, "index");
+                        let call = self.tool_blocks.iter().position(|b| *b == block);
+                        if let (Some(call), Some(piece)) =
+                            (call, delta.get("partial_json").and_then(Value::as_str))
+                        {
+                            let call = json!({"index": call, "function": {"arguments": piece}});
+                            step.chunks
+                                .push(self.chunk(json!({"tool_calls": [call]}), None));
+                        }
+                    }
+                    _ => {}
                 }
             }
             Some("message_delta") => {
@@ -289,7 +479,7 @@ impl AnthropicStream {
                         .to_string(),
                 );
             }
-            _ => {} // ping, content_block_start, content_block_stop
+            _ => {} // ping, content_block_stop
         }
         step
     }
