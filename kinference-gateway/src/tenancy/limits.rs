@@ -96,8 +96,8 @@ pub struct TenantSettings {
     /// Bucket capacity in seconds of the rate (default 60: a full minute's worth may come at once).
     #[serde(default)]
     pub burst_seconds: Option<f64>,
-    /// What to do when the shared store (Redis) cannot be reached: `open` (admit, the default) or
-    /// `closed` (503).
+    /// What to do when the shared store (Redis) cannot be reached or answer in time: `closed` (503,
+    /// the default: a limit is never silently lifted) or `open` (admit without limits).
     #[serde(default)]
     pub on_store_unavailable: FailMode,
 }
@@ -143,9 +143,9 @@ impl ModelLimits {
 #[serde(rename_all = "lowercase")]
 pub enum FailMode {
     /// Admit without limits (and count it in `kinference_gateway_tenant_limit_store_errors_total`).
-    #[default]
     Open,
-    /// Refuse with 503 until the store is back.
+    /// Refuse with 503 until the store is back (the default).
+    #[default]
     Closed,
 }
 

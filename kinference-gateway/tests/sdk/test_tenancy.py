@@ -290,8 +290,7 @@ def test_limits_hold_within_5_percent_through_two_replicas_sharing_redis(tmp_pat
         tenants, secrets = write_tenants(tmp_path)
         workers = [cluster.worker(), cluster.worker()]
         tenancy = (f"tenants_dir: {tenants}\nsecrets_dir: {secrets}\nstore: redis\nredis_url: {redis.url}\n"
-                   "tenants:\n  limited: {burst_seconds: 1}\n  tokens: {burst_seconds: 1}\n"
-                   "  strict: {on_store_unavailable: closed}")
+                   "tenants:\n  limited: {burst_seconds: 1, on_store_unavailable: open}\n  tokens: {burst_seconds: 1}")
         gws = [start_gateway(cluster, workers, tenancy + f"\nusage_journal: {tmp_path}/usage-{i}.jsonl", f"replica{i}")
                for i in range(2)]
         results = {}
@@ -342,7 +341,7 @@ def test_limits_hold_within_5_percent_through_two_replicas_sharing_redis(tmp_pat
         assert usage["source"] == "redis"
         assert usage["total"]["requests"] == req["ok"]
 
-        # Redis gone: a fail-open tenant is served, a fail-closed one gets 503.
+        # Redis gone: a tenant set to fail open is served, one on the default (closed) gets 503.
         redis.stop()
         r = requests.post(f"{gws[1].url}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS['limited']}"},
                           json={"model": MODEL, "messages": MSG, "max_tokens": 2}, timeout=30)
