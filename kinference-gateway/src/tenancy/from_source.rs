@@ -105,6 +105,7 @@ impl Tenancy {
                 limits: t.spec.limits.clone(),
                 budget: t.spec.budget.clone(),
                 settings: self.config.tenants.get(name).cloned().unwrap_or_default(),
+                priority: t.spec.priority,
             }));
         }
         if table.fingerprint == self.table.read().fingerprint {

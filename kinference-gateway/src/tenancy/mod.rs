@@ -55,7 +55,7 @@ use serde::Deserialize;
 
 use limits::{LocalBuckets, TenantSettings};
 use metrics::TenancyMetrics;
-use store::{Journal, RedisStore};
+use store::{Journal, JournalConfig, RedisStore, StoreMetrics};
 use usage::Aggregates;
 
 /// Where the rate-limit buckets and the shared usage live.
@@ -75,6 +75,10 @@ fn default_redis_timeout_ms() -> u64 {
 
 fn default_output_reservation() -> u64 {
     256
+}
+
+fn default_redis_pending_max() -> usize {
+    store::DEFAULT_REDIS_PENDING_MAX
 }
 
 fn default_reload_ms() -> u64 {
@@ -105,6 +109,12 @@ pub struct TenancyConfig {
     /// The usage journal (default: `kinference-usage.jsonl` beside `gateway.yaml`).
     #[serde(default)]
     pub usage_journal: Option<PathBuf>,
+    /// The journal's rotation, compaction, retention and full-disk behaviour.
+    #[serde(default)]
+    pub journal: JournalConfig,
+    /// Most usage records waiting for Redis; past it the oldest are dropped (and counted).
+    #[serde(default = "default_redis_pending_max")]
+    pub redis_pending_max: usize,
     /// Output tokens reserved at admission for requests without `max_tokens`.
     #[serde(default = "default_output_reservation")]
     pub default_output_reservation: u64,
@@ -128,6 +138,8 @@ impl Default for TenancyConfig {
             redis_url: None,
             redis_timeout_ms: default_redis_timeout_ms(),
             usage_journal: None,
+            journal: JournalConfig::default(),
+            redis_pending_max: default_redis_pending_max(),
             default_output_reservation: default_output_reservation(),
             tenants: BTreeMap::new(),
             prices: BTreeMap::new(),
@@ -149,6 +161,8 @@ pub struct Tenant {
     pub budget: Option<Budget>,
     /// Gateway-side settings.
     pub settings: TenantSettings,
+    /// Who is shed first when the gateway is overloaded.
+    pub priority: kinference_crds::TenantPriority,
 }
 
 /// Who is calling.
@@ -166,6 +180,13 @@ impl Caller {
     /// The tenant, when one authenticated.
     pub fn tenant(&self) -> Option<&Tenant> {
         self.tenant.as_deref()
+    }
+
+    /// The tenant's priority under overload (medium when the gateway is open).
+    pub fn priority(&self) -> kinference_crds::TenantPriority {
+        self.tenant
+            .as_ref()
+            .map_or_else(Default::default, |t| t.priority)
     }
 
     fn label(&self) -> &str {
@@ -223,6 +244,8 @@ impl Tenancy {
             .clone()
             .map(|p| if p.is_relative() { base.join(p) } else { p })
             .unwrap_or_else(|| base.join("kinference-usage.jsonl"));
+        let store_metrics = StoreMetrics::default();
+        store_metrics.register(registry);
         let redis = match config.store {
             StoreKind::Embedded => None,
             StoreKind::Redis => {
@@ -230,16 +253,20 @@ impl Tenancy {
                     .redis_url
                     .as_deref()
                     .ok_or_else(|| TenancyError::Config("store: redis needs redis_url".into()))?;
-                Some(RedisStore::new(
+                Some(RedisStore::bounded(
                     url,
                     Duration::from_millis(config.redis_timeout_ms.max(1)),
+                    config.redis_pending_max,
+                    store_metrics.clone(),
                 )?)
             }
         };
         let (forward_tx, forward_rx) = tokio::sync::mpsc::unbounded_channel();
         let forward = redis.as_ref().map(|_| forward_tx);
-        let (journal, replayed, journal_path) = match Journal::open(&journal_path, forward.clone())
-        {
+        let open = |path: &Path, forward| {
+            Journal::open(path, &config.journal, store_metrics.clone(), forward)
+        };
+        let (journal, replayed, journal_path) = match open(&journal_path, forward.clone()) {
             Ok((j, r)) => (j, r, journal_path),
             // The default place (beside gateway.yaml) may be read-only, e.g. a ConfigMap mount:
             // keep serving with a journal in the temp directory, and say that usage is not durable.
@@ -247,7 +274,7 @@ impl Tenancy {
                 let fallback = std::env::temp_dir().join("kinference-usage.jsonl");
                 tracing::warn!(%error, fallback = %fallback.display(),
                     "usage journal not writable beside gateway.yaml; set tenancy.usage_journal to a persistent volume");
-                let (j, r) = Journal::open(&fallback, forward)?;
+                let (j, r) = open(&fallback, forward)?;
                 (j, r, fallback)
             }
             Err(error) => return Err(error.into()),
@@ -256,9 +283,14 @@ impl Tenancy {
             tokio::spawn(Arc::clone(r).forward_usage(forward_rx));
         }
         let metrics = TenancyMetrics::register(registry);
-        let mut aggregates = Aggregates::default();
+        let kept_ms = config.journal.keep_periods.max(1) * config.journal.period.ms();
+        let mut aggregates = Aggregates::new(kept_ms);
         let spend = budget::Spend::default();
-        for r in &replayed {
+        for p in &replayed.periods {
+            spend.add(&p.group.tenant, p.start_ms, p.totals.cost);
+            aggregates.add_totals(p.start_ms, p.group.clone(), &p.totals);
+        }
+        for r in &replayed.records {
             aggregates.add(r);
             spend.add(&r.tenant, r.ts_ms, r.cost);
         }
@@ -278,7 +310,8 @@ impl Tenancy {
             followed: std::sync::atomic::AtomicBool::new(false),
         });
         tenancy.reload(true);
-        tracing::info!(journal = %journal_path.display(), replayed = replayed.len(),
+        tracing::info!(journal = %journal_path.display(), records = replayed.records.len(),
+            periods = replayed.periods.len(),
             store = ?tenancy.config.store, "usage journal replayed");
         let weak = Arc::downgrade(&tenancy);
         let every = Duration::from_millis(tenancy.config.reload_interval_ms.max(100));

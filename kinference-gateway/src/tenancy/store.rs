@@ -1,15 +1,15 @@
-//! Where tenancy state lives: the embedded usage journal (default) and Redis (several replicas).
+//! Where tenancy state lives: the embedded usage journal (default, [`journal`]) and Redis (several
+//! replicas).
 //!
-//! **Journal** (the embedded usage store): one JSON line per finished request, appended by one writer
-//! task and `fdatasync`ed in small batches (at most [`JOURNAL_BATCH`] records or
-//! [`JOURNAL_FLUSH`] after the first one), replayed at start-up. Why a journal and not a database: a
-//! finished request is an immutable fact, written once and never updated, so an append-only file is
-//! the whole storage engine we need: one sequential write per batch, crash-safe by construction (a
-//! torn last line is detected and ignored on replay), readable with `jq`, no dependency. Every record
-//! carries the request's id (128 random bits made by the gateway); replay keeps the first record of
-//! an id, so a record can never count twice even if a future writer retries. The window at risk on a
-//! hard crash (SIGKILL, power loss) is the batch not yet synced: at most [`JOURNAL_FLUSH`] of
-//! requests. A graceful stop (SIGTERM) drains and syncs everything.
+//! **Journal** (the embedded usage store): one JSON line per finished request, appended and
+//! `fdatasync`ed in small batches, rotated and compacted into per-period totals ([`journal`]). Why a
+//! journal and not a database: a finished request is an immutable fact, written once and never
+//! updated, so an append-only file is the whole storage engine we need: one sequential write per
+//! batch, crash-safe by construction, readable with `jq`, no dependency. Every record carries the
+//! request's id (128 random bits made by the gateway); replay keeps the first record of an id, so a
+//! record never counts twice when a write is retried. The window at risk on a hard crash (SIGKILL,
+//! power loss) is the batch not yet synced: at most [`JOURNAL_FLUSH`] of requests. A graceful stop
+//! (SIGTERM) drains and syncs everything.
 //!
 //! **Redis** (`tenancy.store: redis`): token buckets and monthly spend shared by all replicas, each
 //! admission one Lua script (atomic: check every bucket and the budget, then debit all or none),
@@ -18,26 +18,37 @@
 //! whose answer was lost) never counts it twice. Every call has a timeout
 //! (`tenancy.redis_timeout_ms`); what happens to admissions when Redis cannot be reached is each
 //! tenant's `on_store_unavailable` (open: admit; closed: 503). Usage records that cannot be sent
-//! stay queued in memory and are retried (they are in the local journal either way). Redis Cluster
-//! is not supported (scripts touch keys of several slots); use one primary (with replicas/Sentinel).
+//! stay queued in memory and are retried, at most `tenancy.redis_pending_max` of them: past that
+//! the oldest are dropped from the queue and counted
+//! (`kinference_gateway_usage_redis_pending_dropped_total`). A dropped record is still in this
+//! replica's journal, but the shared aggregates and monthly spend in Redis never see it. Redis
+//! Cluster is not supported (scripts touch keys of several slots); use one primary (with
+//! replicas/Sentinel).
+
+pub mod journal;
 
 use std::collections::VecDeque;
-use std::io::{BufRead, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::LazyLock;
 use std::time::Duration;
 
+use kinference_api::metrics::Described;
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, oneshot};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::mpsc;
 
 use super::limits::{Level, Take, Verdict};
 use super::usage::UsageRecord;
 
-/// Records per journal batch (one write + one fdatasync).
-pub const JOURNAL_BATCH: usize = 512;
-/// Longest time a record waits for its batch to be synced.
-pub const JOURNAL_FLUSH: Duration = Duration::from_millis(20);
+pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig, OnUnrecorded};
+
+/// Records waiting for Redis by default (`tenancy.redis_pending_max`).
+pub const DEFAULT_REDIS_PENDING_MAX: usize = 100_000;
 
 /// Store failures.
 #[derive(Debug, thiserror::Error)]
@@ -55,173 +66,117 @@ pub enum StoreError {
     Redis(String),
 }
 
-enum JournalMsg {
-    Record(UsageRecord),
-    Flush(oneshot::Sender<()>),
+/// What went wrong with the journal (the `error` label).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub enum JournalError {
+    /// A batch could not be written or synced (a full disk, an I/O error).
+    Write,
+    /// A torn last line, cut off at start.
+    TornTail,
+    /// An unreadable line in the middle of a segment, skipped.
+    CorruptLine,
+    /// The current segment could not be sealed.
+    Rotation,
+    /// A sealed segment could not be compacted.
+    Compaction,
 }
 
-/// The append-only usage journal's writer handle.
-#[derive(Debug, Clone)]
-pub struct Journal {
-    tx: mpsc::UnboundedSender<JournalMsg>,
-}
-
-impl std::fmt::Debug for JournalMsg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("JournalMsg")
-    }
-}
-
-impl Journal {
-    /// Reads every record of `path` (created if missing, with its directory), deduplicated by request
-    /// id, then starts the writer task. `after_sync` gets each synced batch (Redis forwarding).
-    pub fn open(
-        path: &Path,
-        after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
-    ) -> Result<(Journal, Vec<UsageRecord>), StoreError> {
-        let err = |source| StoreError::Journal {
-            path: path.to_owned(),
-            source,
-        };
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(err)?;
-        }
-        let records = replay(path).map_err(err)?;
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .open(path)
-            .map_err(err)?;
-        // A torn last line (crash mid-write) must not swallow the next record: start a new line.
-        if ends_without_newline(&mut file).map_err(err)? {
-            file.write_all(b"\n")
-                .and_then(|()| file.sync_data())
-                .map_err(err)?;
-        }
-        let (tx, rx) = mpsc::unbounded_channel();
-        let path = path.to_owned();
-        std::thread::Builder::new()
-            .name("usage-journal".into())
-            .spawn(move || writer(file, path, rx, after_sync))
-            .map_err(err)?;
-        Ok((Journal { tx }, records))
-    }
-
-    /// Queues a record (written and synced within [`JOURNAL_FLUSH`]).
-    pub fn append(&self, record: UsageRecord) {
-        if self.tx.send(JournalMsg::Record(record)).is_err() {
-            tracing::error!("usage journal writer is gone; a usage record was lost");
-        }
-    }
-
-    /// Waits until everything queued so far is on disk.
-    pub async fn flush(&self) {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(JournalMsg::Flush(tx)).is_ok() {
-            let _ = rx.await;
+impl JournalError {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JournalError::Write => "write",
+            JournalError::TornTail => "torn_tail",
+            JournalError::CorruptLine => "corrupt_line",
+            JournalError::Rotation => "rotation",
+            JournalError::Compaction => "compaction",
         }
     }
 }
 
-fn ends_without_newline(file: &mut std::fs::File) -> std::io::Result<bool> {
-    use std::io::{Read, Seek, SeekFrom};
-    let len = file.metadata()?.len();
-    if len == 0 {
-        return Ok(false);
-    }
-    file.seek(SeekFrom::Start(len - 1))?;
-    let mut last = [0u8; 1];
-    file.read_exact(&mut last)?;
-    Ok(last[0] != b'\n')
+/// `{error}`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct JournalErrorLabel {
+    error: &'static str,
 }
 
-/// The records of a journal file, first record of each id only; a torn or corrupt line is skipped.
-pub fn replay(path: &Path) -> std::io::Result<Vec<UsageRecord>> {
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    let mut seen = std::collections::HashSet::new();
-    let mut out = Vec::new();
-    let mut skipped = 0usize;
-    for line in std::io::BufReader::new(file).split(b'\n') {
-        let line = line?;
-        if line.trim_ascii().is_empty() {
-            continue;
-        }
-        match serde_json::from_slice::<UsageRecord>(&line) {
-            Ok(r) => {
-                if seen.insert(r.id.clone()) {
-                    out.push(r);
-                }
-            }
-            Err(_) => skipped += 1,
-        }
-    }
-    if skipped > 0 {
-        tracing::warn!(path = %path.display(), skipped, "usage journal: unreadable lines skipped (a torn write at a crash)");
-    }
-    Ok(out)
+/// The usage stores' health metrics (`kinference_gateway_usage_*`). Clones share the series.
+#[derive(Debug, Clone, Default)]
+pub struct StoreMetrics {
+    journal_errors: Family<JournalErrorLabel, Counter>,
+    journal_lost: Counter,
+    journal_buffered: Gauge,
+    journal_refused: Counter,
+    redis_pending: Gauge,
+    redis_dropped: Counter,
 }
 
-fn writer(
-    mut file: std::fs::File,
-    path: PathBuf,
-    mut rx: mpsc::UnboundedReceiver<JournalMsg>,
-    after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
-) {
-    let mut buf = Vec::with_capacity(64 * 1024);
-    loop {
-        // Block for the first message, then take what arrives within the flush window.
-        let Some(first) = rx.blocking_recv() else {
-            return;
-        };
-        let mut batch = Vec::new();
-        let mut waiters = Vec::new();
-        let deadline = std::time::Instant::now() + JOURNAL_FLUSH;
-        let mut next = Some(first);
-        loop {
-            match next.take() {
-                Some(JournalMsg::Record(r)) => batch.push(r),
-                Some(JournalMsg::Flush(w)) => {
-                    waiters.push(w);
-                    break;
-                }
-                None => {}
-            }
-            if batch.len() >= JOURNAL_BATCH {
-                break;
-            }
-            match rx.try_recv() {
-                Ok(m) => next = Some(m),
-                Err(mpsc::error::TryRecvError::Empty) => {
-                    if std::time::Instant::now() >= deadline {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Err(mpsc::error::TryRecvError::Disconnected) => break,
-            }
-        }
-        if !batch.is_empty() {
-            buf.clear();
-            for r in &batch {
-                // Serializing a plain struct into a Vec cannot fail.
-                let _ = serde_json::to_writer(&mut buf, r);
-                buf.push(b'\n');
-            }
-            if let Err(error) = file.write_all(&buf).and_then(|()| file.sync_data()) {
-                tracing::error!(path = %path.display(), %error, records = batch.len(), "usage journal write failed");
-            }
-            if let Some(tx) = &after_sync {
-                let _ = tx.send(batch);
-            }
-        }
-        for w in waiters {
-            let _ = w.send(());
-        }
+impl StoreMetrics {
+    /// Registers the series under `kinference_gateway_usage_*`.
+    pub fn register(&self, registry: &mut Registry) {
+        let r = registry.sub_registry_with_prefix("kinference_gateway_usage");
+        r.register(
+            "journal_errors",
+            "Usage journal failures: write (a batch not written: full disk, I/O error), torn_tail, corrupt_line, rotation, compaction",
+            Described(self.journal_errors.clone()),
+        );
+        r.register(
+            "journal_records_lost",
+            "Usage records never written: the journal's buffer or queue overflowed while the disk failed",
+            self.journal_lost.clone(),
+        );
+        r.register(
+            "journal_buffered_records",
+            "Usage records held in memory because the journal cannot be written",
+            self.journal_buffered.clone(),
+        );
+        r.register(
+            "journal_refused_requests",
+            "Requests refused (503) while the journal could not be written, of tenants with on_usage_unrecorded: refuse",
+            self.journal_refused.clone(),
+        );
+        r.register(
+            "redis_pending_records",
+            "Usage records waiting to be applied in Redis",
+            self.redis_pending.clone(),
+        );
+        r.register(
+            "redis_pending_dropped",
+            "Usage records dropped from the Redis queue past tenancy.redis_pending_max (still in the local journal)",
+            self.redis_dropped.clone(),
+        );
+    }
+
+    fn journal_error(&self, error: JournalError) {
+        self.journal_errors
+            .get_or_create(&JournalErrorLabel {
+                error: error.as_str(),
+            })
+            .inc();
+    }
+
+    /// Journal failures of one kind so far.
+    pub fn journal_errors(&self, error: JournalError) -> u64 {
+        self.journal_errors
+            .get_or_create(&JournalErrorLabel {
+                error: error.as_str(),
+            })
+            .get()
+    }
+
+    /// Records lost by the journal so far.
+    pub fn journal_lost(&self) -> u64 {
+        self.journal_lost.get()
+    }
+
+    /// Requests refused while the journal failed, so far.
+    pub fn journal_refused(&self) -> u64 {
+        self.journal_refused.get()
+    }
+
+    /// Records dropped from the Redis queue so far.
+    pub fn redis_dropped(&self) -> u64 {
+        self.redis_dropped.get()
     }
 }
 
@@ -335,6 +290,9 @@ pub struct RedisStore {
     retry_at: Mutex<Option<std::time::Instant>>,
     timeout: Duration,
     pending: Mutex<VecDeque<UsageRecord>>,
+    /// At most this many records wait for Redis; past it the oldest are dropped.
+    pending_max: usize,
+    metrics: StoreMetrics,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -347,8 +305,24 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// A store for `url` (connects lazily; an unreachable Redis is not a start-up error).
+    /// A store for `url` (connects lazily; an unreachable Redis is not a start-up error), with
+    /// the default queue bound and unregistered metrics.
     pub fn new(url: &str, timeout: Duration) -> Result<Arc<Self>, StoreError> {
+        Self::bounded(
+            url,
+            timeout,
+            DEFAULT_REDIS_PENDING_MAX,
+            StoreMetrics::default(),
+        )
+    }
+
+    /// A store for `url` holding at most `pending_max` records not yet applied.
+    pub fn bounded(
+        url: &str,
+        timeout: Duration,
+        pending_max: usize,
+        metrics: StoreMetrics,
+    ) -> Result<Arc<Self>, StoreError> {
         let client = redis::Client::open(url).map_err(|e| StoreError::Redis(e.to_string()))?;
         Ok(Arc::new(RedisStore {
             client,
@@ -356,6 +330,8 @@ impl RedisStore {
             retry_at: Mutex::new(None),
             timeout,
             pending: Mutex::new(VecDeque::new()),
+            pending_max: pending_max.max(1),
+            metrics,
         }))
     }
 
@@ -473,13 +449,30 @@ impl RedisStore {
         loop {
             tokio::select! {
                 batch = rx.recv() => match batch {
-                    Some(b) => self.pending.lock().extend(b),
+                    Some(b) => self.enqueue(b),
                     None => { self.drain().await; return; }
                 },
                 _ = tick.tick() => {}
             }
             self.drain().await;
         }
+    }
+
+    /// Queues records for Redis, dropping (and counting) the oldest past `pending_max`.
+    fn enqueue(&self, records: Vec<UsageRecord>) {
+        let mut pending = self.pending.lock();
+        pending.extend(records);
+        let over = pending.len().saturating_sub(self.pending_max);
+        if over > 0 {
+            pending.drain(..over);
+            self.metrics.redis_dropped.inc_by(over as u64);
+            tracing::warn!(
+                dropped = over,
+                max = self.pending_max,
+                "usage records dropped from the redis queue (redis unreachable too long); they stay in the local journal"
+            );
+        }
+        self.metrics.redis_pending.set(pending.len() as i64);
     }
 
     async fn drain(&self) {
@@ -489,7 +482,9 @@ impl RedisStore {
             };
             match self.record(&next).await {
                 Ok(_) => {
-                    self.pending.lock().pop_front();
+                    let mut pending = self.pending.lock();
+                    pending.pop_front();
+                    self.metrics.redis_pending.set(pending.len() as i64);
                 }
                 Err(error) => {
                     let queued = self.pending.lock().len();

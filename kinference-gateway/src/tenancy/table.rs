@@ -251,6 +251,7 @@ impl Tenancy {
                 limits: spec.limits.clone(),
                 budget: spec.budget.clone(),
                 settings: self.config.tenants.get(name).cloned().unwrap_or_default(),
+                priority: spec.priority,
             }));
         }
         Some(table)

@@ -7,7 +7,7 @@
 //! gateway's: its prompt token count and the text chunks it relayed; such records say
 //! `"estimated": true`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use kinference_crds::TokenPrices;
 use serde::{Deserialize, Serialize};
@@ -117,6 +117,27 @@ pub struct Group {
 }
 
 impl Group {
+    /// The group of a record.
+    pub fn of(r: &UsageRecord) -> Group {
+        Group {
+            tenant: r.tenant.clone(),
+            model: r.model.clone(),
+            pool: r.pool.clone(),
+            provider: r.provider.clone(),
+        }
+    }
+
+    /// Where groups past [`MAX_GROUPS`] are counted.
+    pub fn other() -> Group {
+        let other = || "other".to_string();
+        Group {
+            tenant: other(),
+            model: other(),
+            pool: other(),
+            provider: other(),
+        }
+    }
+
     /// Parses [`UsageRecord::group_field`].
     pub fn from_field(field: &str) -> Option<Group> {
         let mut parts = field.split(SEP);
@@ -129,36 +150,118 @@ impl Group {
     }
 }
 
-/// In-memory aggregates per minute and group (what replay and live requests build).
-#[derive(Debug, Default)]
+/// Distinct groups the in-memory aggregates keep apart; records of further groups are summed
+/// under [`Group::other`]. Tenants, models, pools and providers are configured sets, so this is
+/// reached only by a configuration far larger than any seen.
+pub const MAX_GROUPS: usize = 10_000;
+
+/// Minutes kept at minute resolution; older ones are summed into their hour.
+const MINUTES_KEPT: u64 = 24 * 60;
+
+const MINUTE_MS: u64 = 60_000;
+const HOUR_MS: u64 = 3_600_000;
+
+/// In-memory aggregates per group: per minute for the last day, per hour before that (what replay
+/// and live requests build). Bounded: at most [`MAX_GROUPS`] groups, one day of minutes, and
+/// `keep_ms` of hours (older hours are dropped, as the journal's compaction drops old periods).
+#[derive(Debug)]
 pub struct Aggregates {
     /// Minute (Unix ms / 60000) -> group -> totals.
     minutes: BTreeMap<u64, BTreeMap<Group, Totals>>,
+    /// Hour (Unix ms / 3600000) -> group -> totals.
+    hours: BTreeMap<u64, BTreeMap<Group, Totals>>,
+    groups: HashSet<Group>,
+    keep_hours: u64,
+}
+
+impl Default for Aggregates {
+    fn default() -> Self {
+        Aggregates::new(62 * 24 * HOUR_MS)
+    }
 }
 
 impl Aggregates {
+    /// Empty aggregates that keep `keep_ms` of history.
+    pub fn new(keep_ms: u64) -> Self {
+        Aggregates {
+            minutes: BTreeMap::new(),
+            hours: BTreeMap::new(),
+            groups: HashSet::new(),
+            keep_hours: keep_ms.div_ceil(HOUR_MS).max(1),
+        }
+    }
+
     /// Adds one record.
     pub fn add(&mut self, r: &UsageRecord) {
-        let group = Group {
-            tenant: r.tenant.clone(),
-            model: r.model.clone(),
-            pool: r.pool.clone(),
-            provider: r.provider.clone(),
-        };
+        let group = self.bounded(Group::of(r));
+        let minute = r.ts_ms / MINUTE_MS;
+        let new_minute = !self.minutes.contains_key(&minute);
         self.minutes
-            .entry(r.ts_ms / 60_000)
+            .entry(minute)
             .or_default()
             .entry(group)
             .or_default()
             .add(r);
+        if new_minute {
+            self.coarsen();
+        }
     }
 
-    /// Totals per group of records with `from_ms <= ts < to_ms` (to the minute), optionally of one
-    /// tenant.
+    /// Adds the compacted totals of a period starting at `start_ms` (counted in its first hour).
+    pub fn add_totals(&mut self, start_ms: u64, group: Group, totals: &Totals) {
+        let group = self.bounded(group);
+        self.hours
+            .entry(start_ms / HOUR_MS)
+            .or_default()
+            .entry(group)
+            .or_default()
+            .merge(totals);
+        self.coarsen();
+    }
+
+    /// `group`, or [`Group::other`] once [`MAX_GROUPS`] others are known.
+    fn bounded(&mut self, group: Group) -> Group {
+        if self.groups.contains(&group) {
+            return group;
+        }
+        if self.groups.len() < MAX_GROUPS {
+            self.groups.insert(group.clone());
+            return group;
+        }
+        Group::other()
+    }
+
+    /// Sums minutes older than a day into hours and drops hours older than `keep_hours`.
+    fn coarsen(&mut self) {
+        let Some(&newest) = self.minutes.keys().next_back() else {
+            return;
+        };
+        let oldest_minute = newest.saturating_sub(MINUTES_KEPT - 1);
+        while let Some(entry) = self.minutes.first_entry() {
+            if *entry.key() >= oldest_minute {
+                break;
+            }
+            let (minute, groups) = entry.remove_entry();
+            let hour = self.hours.entry(minute * MINUTE_MS / HOUR_MS).or_default();
+            for (g, t) in groups {
+                hour.entry(g).or_default().merge(&t);
+            }
+        }
+        let newest_hour =
+            (newest * MINUTE_MS / HOUR_MS).max(self.hours.keys().next_back().copied().unwrap_or(0));
+        let oldest_hour = newest_hour.saturating_sub(self.keep_hours - 1);
+        self.hours.retain(|h, _| *h >= oldest_hour);
+    }
+
+    /// Totals per group of records with `from_ms <= ts < to_ms`: to the minute over the last day,
+    /// to the hour before it. Optionally of one tenant.
     pub fn query(&self, tenant: Option<&str>, from_ms: u64, to_ms: u64) -> BTreeMap<Group, Totals> {
         let mut out: BTreeMap<Group, Totals> = BTreeMap::new();
-        let (from, to) = (from_ms / 60_000, to_ms.div_ceil(60_000));
-        for (_, groups) in self.minutes.range(from..to.max(from)) {
+        let (from, to) = (from_ms / MINUTE_MS, to_ms.div_ceil(MINUTE_MS));
+        let (from_h, to_h) = (from_ms / HOUR_MS, to_ms.div_ceil(HOUR_MS));
+        let minutes = self.minutes.range(from..to.max(from));
+        let hours = self.hours.range(from_h..to_h.max(from_h));
+        for (_, groups) in minutes.chain(hours) {
             for (g, t) in groups {
                 if tenant.is_some_and(|want| want != g.tenant) {
                     continue;
@@ -167,6 +270,11 @@ impl Aggregates {
             }
         }
         out
+    }
+
+    /// Time buckets held (minutes and hours): what bounds this structure's memory.
+    pub fn buckets(&self) -> usize {
+        self.minutes.len() + self.hours.len()
     }
 }
 

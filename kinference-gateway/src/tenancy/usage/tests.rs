@@ -81,3 +81,31 @@ fn group_fields_round_trip() {
         ("acme", "m", "p", "")
     );
 }
+
+#[test]
+fn aggregates_stay_bounded_in_time_and_groups_and_keep_every_total() {
+    let hour = 3_600_000;
+    // Three days of a request every minute, two hours of history kept past the last day.
+    let mut agg = Aggregates::new(26 * hour);
+    let minutes = 3 * 24 * 60;
+    for m in 0..minutes {
+        agg.add(&record(&m.to_string(), "a", m * 60_000, 1, 0, 0));
+    }
+    assert!(agg.buckets() <= 24 * 60 + 26, "{} buckets", agg.buckets());
+    // The last 26 hours are all there, summed to the hour before the last day.
+    let kept = agg.query(None, (minutes * 60_000) - 26 * hour, minutes * 60_000);
+    assert_eq!(kept.values().map(|t| t.requests).sum::<u64>(), 26 * 60);
+
+    // Past MAX_GROUPS distinct groups, new ones are summed under `other`; nothing is lost.
+    let mut agg = Aggregates::default();
+    for i in 0..MAX_GROUPS + 5 {
+        agg.add(&record(&i.to_string(), &format!("t{i}"), 0, 1, 0, 0));
+    }
+    let all = agg.query(None, 0, 60_000);
+    assert_eq!(all.len(), MAX_GROUPS + 1);
+    assert_eq!(all[&Group::other()].requests, 5);
+    assert_eq!(
+        all.values().map(|t| t.requests).sum::<u64>(),
+        MAX_GROUPS as u64 + 5
+    );
+}
