@@ -779,7 +779,8 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
         text.lines().any(|l| l.starts_with("InferencePolicy")
             && l.contains("block")
             && l.contains("serving 1")
-            && l.contains("Accepted=True")),
+            && l.contains("Accepted=True")
+            && l.contains("state=Accepted")),
         "{text}"
     );
 

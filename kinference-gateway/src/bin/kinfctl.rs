@@ -578,7 +578,7 @@ mod cluster {
             healthy &= cond("Accepted") == "True" && !rolled_back;
             if let Format::Text = format {
                 println!(
-                    "{:<18} {:<12} {:<24} gen {:<3} observed {:<3} serving {:<3} Accepted={} Ready={} RolledBack={}",
+                    "{:<18} {:<12} {:<24} gen {:<3} observed {:<3} serving {:<3} Accepted={} Ready={} RolledBack={} state={}",
                     r.object.kind,
                     r.object.namespace,
                     r.object.name,
@@ -588,6 +588,7 @@ mod cluster {
                     cond("Accepted"),
                     cond("Ready"),
                     cond("RolledBack"),
+                    r.state,
                 );
                 if let Some((_, message)) = r
                     .conditions

@@ -26,6 +26,8 @@ pub struct StatusRow {
     pub active_generation: Option<i64>,
     /// `type` -> (`status`, `message`).
     pub conditions: BTreeMap<String, (String, String)>,
+    /// The apply state, as the metric names it ([`state_of`]; `Pending` without a status yet).
+    pub state: &'static str,
 }
 
 /// The live objects of the five kinds in `namespaces` (all namespaces when empty).
@@ -90,6 +92,7 @@ pub fn status_row(object: &ObjectRef, value: &Value) -> StatusRow {
         observed_generation: i("/status/observedGeneration"),
         active_generation: i("/status/activeGeneration"),
         conditions,
+        state: value.get("status").and_then(state_of).unwrap_or("Pending"),
     }
 }
 

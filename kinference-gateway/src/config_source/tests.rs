@@ -327,6 +327,7 @@ fn explain_names_each_state_as_the_metric_does_and_reads_back_the_written_status
         // What the cluster returns once the status is written explains the same way.
         let live = json!({"metadata": {"generation": 3}, "status": status::desired_status(e)});
         assert_eq!(inspect::explain_live(&e.object, &live), explained);
+        assert_eq!(inspect::status_row(&e.object, &live).state, e.state.name());
     }
     let rolled = inspect::explain_entry(&states[1]).to_string();
     assert!(rolled.contains("state: RolledBack"), "{rolled}");
