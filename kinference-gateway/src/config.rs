@@ -110,6 +110,10 @@ pub struct GatewayConfig {
     /// [`crate::config_source`].
     #[serde(default)]
     pub crds: Option<crate::config_source::kube::KubeSourceConfig>,
+    /// The request classifiers under policies: `external` (an HTTP classifier asked before every
+    /// plan; a timeout or error keeps the request local); see [`crate::policy::classify`].
+    #[serde(default)]
+    pub classifier: crate::policy::classify::ClassifierConfig,
 }
 
 /// Errors loading the configuration file.
@@ -164,8 +168,10 @@ impl GatewayConfig {
         serde_yaml::from_str(text)
     }
 
-    /// Checks that workers have usable URLs and serve declared models (when models are declared).
+    /// Checks that workers have usable URLs and serve declared models (when models are declared),
+    /// and that an external classifier has a usable URL.
     pub fn validate(&self) -> Result<(), String> {
+        self.classifier.validate()?;
         for worker in &self.workers {
             let uri: http::Uri = worker
                 .url
@@ -232,6 +238,7 @@ pub fn with_policy_stage(
     let source =
         crate::config_source::files::start(settings.dir.clone(), settings.reload_interval)?;
     let stage = PolicyStage::start_with(source.into_policy_sets(), &settings, None);
+    stage.classifier().configure(&config.classifier);
     Ok((with_pool_endpoints(config, &stage), Some(stage)))
 }
 
@@ -271,5 +278,6 @@ pub fn with_cluster_policy_stage(
     let credentials = cluster.credentials();
     let sets = cluster.source.policy_sets();
     let stage = PolicyStage::start_with(sets, &settings, Some(credentials));
+    stage.classifier().configure(&config.classifier);
     (with_pool_endpoints(config, &stage), stage)
 }

@@ -708,6 +708,19 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
         ),
     ];
+    // A token-id prompt without personal data leaves too: the gateway decoded it with the model's
+    // tokenizer (undecoded ids would have kept it local).
+    let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_dir().join("tokenizer.json"))
+        .expect("tokenizer");
+    let ids = tokenizer.encode("Once upon a time", false).unwrap();
+    let controls = [
+        controls.to_vec(),
+        vec![(
+            "/v1/completions",
+            json!({"model": MODEL, "max_tokens": 4, "prompt": ids.get_ids()}),
+        )],
+    ]
+    .concat();
     for (path, body) in &controls {
         for (route, counter, marker) in [
             ("to-remote", &remote_count, "from the remote pool"),
@@ -724,8 +737,6 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
     let provider_before = provider_count.bytes.load(Ordering::SeqCst);
     let sim_before = served_by_sim(&client, sim).await;
 
-    let tokenizer = tokenizers::Tokenizer::from_file(tokenizer_dir().join("tokenizer.json"))
-        .expect("tokenizer");
     let mut rng = StdRng::seed_from_u64(seed);
     let cases: Vec<Case> = (0..count).map(|_| generate(&mut rng, &tokenizer)).collect();
     let started = Instant::now();

@@ -37,7 +37,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use serde_json::Value;
 
-use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates};
+use super::classify::Classifier;
+use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts};
 use super::model::{Named, PolicySet};
 use super::pool_members;
 use super::source::{PolicyWatcher, SourceError};
@@ -167,6 +168,8 @@ pub struct PolicyStage {
     metrics: StageMetrics,
     /// The discovered workers (cluster, with discovery): what pools' selectors pick from.
     discovered: std::sync::OnceLock<tokio::sync::watch::Receiver<WorkerSet>>,
+    /// The built-in classifiers and the external one, when configured.
+    classifier: Classifier,
 }
 
 impl std::fmt::Debug for PolicyStage {
@@ -190,6 +193,7 @@ impl PolicyStage {
             load,
             metrics: StageMetrics::default(),
             discovered: Default::default(),
+            classifier: Classifier::default(),
         }))
     }
 
@@ -212,6 +216,7 @@ impl PolicyStage {
             load,
             metrics: StageMetrics::default(),
             discovered: Default::default(),
+            classifier: Classifier::default(),
         })
     }
 
@@ -282,6 +287,7 @@ impl PolicyStage {
     /// Registers `kinference_gateway_policy_*`.
     pub fn register_metrics(&self, registry: &mut Registry) {
         let sub = registry.sub_registry_with_prefix("kinference_gateway");
+        self.classifier.register_metrics(sub);
         sub.register(
             "policy_decisions",
             "Policy decisions by deciding policy and rule (empty: the default route) and outcome (route, burst, reject)",
@@ -310,6 +316,36 @@ impl PolicyStage {
             .inc();
     }
 
+    /// The classifiers (`classifier` in `gateway.yaml` configures the external one).
+    pub fn classifier(&self) -> &Classifier {
+        &self.classifier
+    }
+
+    /// Stage "classify", before any byte of the request goes anywhere (no `/tokenize` either):
+    /// every classifier over the whole body, token-id prompts decoded with the tokenizers of the
+    /// models the request may be served by, then the external classifier when configured.
+    async fn classify(
+        &self,
+        set: &PolicySet,
+        router: &Router,
+        req: StageRequest<'_>,
+    ) -> Result<RequestFacts, GatewayError> {
+        let served = served_names(set, req.model);
+        // Every tokenizer's reading: ids mean different text to different vocabularies.
+        let decode = |ids: &[u32]| {
+            let texts: Vec<String> = served
+                .iter()
+                .filter_map(|m| router.tokenizer(m)?.decode(ids).ok())
+                .collect();
+            (!texts.is_empty()).then(|| texts.join("\n\n"))
+        };
+        self.classifier
+            .facts(req.body, req.tenant, req.tags_header, &decode)
+            .await
+            .map(|(facts, _)| facts)
+            .ok_or_else(|| GatewayError::invalid("model", "`model` must be a string"))
+    }
+
     /// Decides where `req` may go. A rejection comes back as the error to answer with, and the
     /// explanation (debug) in `explain` either way.
     pub async fn decide(
@@ -318,10 +354,8 @@ impl PolicyStage {
         req: StageRequest<'_>,
         explain_out: &mut Option<String>,
     ) -> Result<Plan, GatewayError> {
-        let (mut facts, _classification) =
-            super::classify::request_facts(req.body, req.tenant, req.tags_header, None)
-                .ok_or_else(|| GatewayError::invalid("model", "`model` must be a string"))?;
         let set = self.current();
+        let mut facts = self.classify(&set, router, req).await?;
         let may_be_local_only = facts.tags.contains(engine::PII_TAG) || has_require_local(&set);
         let states = self.pool_states(&set, router, req, may_be_local_only).await;
         facts.prompt_tokens = Some(req.tokens.size(req.prompt));
@@ -608,6 +642,23 @@ fn local_pool_workers(
         .into_iter()
         .filter(|w| w.model == served && !listed.contains(&w.url))
         .map(|w| w.url)
+        .collect()
+}
+
+/// The served names a requested model (name, alias or class) may be served as; the name itself
+/// when the set does not know it.
+fn served_names(set: &PolicySet, requested: &str) -> Vec<String> {
+    let models = set.candidate_models(&set.resolve(requested));
+    if models.is_empty() {
+        return vec![requested.to_string()];
+    }
+    models
+        .iter()
+        .map(|m| {
+            set.models
+                .get(m)
+                .map_or(m.clone(), |m| m.spec.served_name.clone())
+        })
         .collect()
 }
 
