@@ -312,6 +312,7 @@ def test_gateway_overload_limits_become_flags() -> None:
     args = container(one(render({}), GATEWAY, "kinference-gateway"))["args"]
     assert "--max-in-flight=4096" in args and "--max-connections=20000" in args
     assert "--body-read-timeout-ms=30000" in args and "--client-write-timeout-ms=30000" in args
+    assert "--upstream-max-connections-per-worker=1024" in args
     tuned = {"gateway": {"overload": {"maxInFlight": 64, "queueTimeoutMs": 100}}}
     args = container(one(render(tuned), GATEWAY, "kinference-gateway"))["args"]
     assert "--max-in-flight=64" in args and "--overload-queue-timeout-ms=100" in args

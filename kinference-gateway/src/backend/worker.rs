@@ -2,8 +2,15 @@
 //! translation of transport failures into [`GatewayError`]s.
 //!
 //! Connections are kept alive and reused (the pool is what keeps the gateway's added latency well
-//! under a millisecond); Nagle is off so small SSE chunks leave at once.
+//! under a millisecond); Nagle is off so small SSE chunks leave at once. The pool is bounded per
+//! worker ([`BoundedConnector`]): past `--upstream-max-connections-per-worker` a request waits for
+//! one of that worker's connections to come free instead of opening another.
 
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -12,15 +19,17 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::errors::GatewayError;
 
 /// Pooled HTTP/1.1 client for worker requests.
 #[derive(Clone, Debug)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<BoundedConnector, Full<Bytes>>,
     probe: Client<HttpConnector, Empty<Bytes>>,
     first_byte_timeout: Duration,
     idle_timeout: Duration,
@@ -33,10 +42,15 @@ impl Upstream {
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(settings.connect_timeout()));
         connector.set_keepalive(Some(Duration::from_secs(30)));
+        let bounded = BoundedConnector::new(
+            connector.clone(),
+            settings.upstream_max_connections_per_worker,
+            settings.first_byte_timeout(),
+        );
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(settings.pool_max_idle_per_host)
             .pool_idle_timeout(Duration::from_secs(60))
-            .build(connector.clone());
+            .build(bounded);
         let probe = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(2)
             .build(connector);
@@ -117,6 +131,125 @@ impl Upstream {
                 Ok(status)
             }
         }
+    }
+}
+
+/// An [`HttpConnector`] that opens at most `limit` connections to each worker at once. A
+/// connection holds its place until it closes; while a worker is at its limit, a new connection
+/// waits, and the client's pool hands the waiting request the first connection that comes back.
+/// The pool then finishes the abandoned connect in the background; `wait` (the first-byte timeout,
+/// which ends the request itself first) bounds how long such a connect may wait for a place.
+#[derive(Clone, Debug)]
+pub struct BoundedConnector {
+    inner: HttpConnector,
+    limit: usize,
+    wait: Duration,
+    per_worker: Arc<parking_lot::Mutex<HashMap<String, Arc<Semaphore>>>>,
+}
+
+impl BoundedConnector {
+    /// `inner`, bounded to `limit` connections per worker (`host:port`; at least one), a new one
+    /// waiting at most `wait` for a place.
+    pub fn new(inner: HttpConnector, limit: usize, wait: Duration) -> Self {
+        BoundedConnector {
+            inner,
+            limit: limit.clamp(1, Semaphore::MAX_PERMITS),
+            wait,
+            per_worker: Arc::default(),
+        }
+    }
+
+    /// The places of `dst`'s worker (made on first use; a fleet's worth of entries).
+    fn places(&self, dst: &http::Uri) -> Arc<Semaphore> {
+        let key = dst
+            .authority()
+            .map_or_else(String::new, |a| a.as_str().to_string());
+        let mut per_worker = self.per_worker.lock();
+        Arc::clone(
+            per_worker
+                .entry(key)
+                .or_insert_with(|| Arc::new(Semaphore::new(self.limit))),
+        )
+    }
+}
+
+type ConnectFuture = Pin<
+    Box<dyn Future<Output = Result<BoundedIo, Box<dyn std::error::Error + Send + Sync>>> + Send>,
+>;
+
+impl tower_service::Service<http::Uri> for BoundedConnector {
+    type Response = BoundedIo;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Future = ConnectFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        tower_service::Service::<http::Uri>::poll_ready(&mut self.inner, cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, dst: http::Uri) -> Self::Future {
+        let places = self.places(&dst);
+        let mut inner = self.inner.clone();
+        let wait = self.wait;
+        Box::pin(async move {
+            let place = tokio::time::timeout(wait, places.acquire_owned())
+                .await
+                .map_err(|_| "every connection to the worker stayed busy")??;
+            let io = tower_service::Service::call(&mut inner, dst).await?;
+            Ok(BoundedIo { io, _place: place })
+        })
+    }
+}
+
+/// A worker connection holding its place under the per-worker limit until it closes.
+#[derive(Debug)]
+pub struct BoundedIo {
+    io: TokioIo<TcpStream>,
+    _place: OwnedSemaphorePermit,
+}
+
+impl Connection for BoundedIo {
+    fn connected(&self) -> Connected {
+        self.io.connected()
+    }
+}
+
+impl hyper::rt::Read for BoundedIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for BoundedIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 }
 
@@ -220,6 +353,15 @@ pub struct HttpSettings {
     /// Idle pooled connections kept per worker (connection reuse keeps the added latency low).
     #[arg(long, env = "KINFERENCE_POOL_MAX_IDLE_PER_HOST", default_value_t = 256)]
     pub pool_max_idle_per_host: usize,
+
+    /// Most open connections to one worker (busy and idle); past it a request waits for one of
+    /// them to come free, bounded by the first-byte timeout.
+    #[arg(
+        long,
+        env = "KINFERENCE_UPSTREAM_MAX_CONNECTIONS_PER_WORKER",
+        default_value_t = 1_024
+    )]
+    pub upstream_max_connections_per_worker: usize,
 }
 
 impl HttpSettings {
@@ -264,3 +406,6 @@ impl Default for HttpSettings {
         Only::parse_from(["kinference-gateway"]).http
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -166,18 +166,28 @@ async fn to_worker(
             path: ex.endpoint.upstream_path(),
         };
         match backend::send(&gw.upstream, target, outgoing(request)).await {
-            Ok(response) if response.status().is_success() => return Ok((decision, response)),
-            Ok(response) => return Err(rejection(gw, &decision.worker, response).await),
+            Ok(response) if response.status().is_success() => {
+                gw.health.observe(&decision.worker, true);
+                return Ok((decision, response));
+            }
+            Ok(response) => {
+                let worker_fault = response.status().is_server_error();
+                gw.health.observe(&decision.worker, !worker_fault);
+                return Err(rejection(gw, &decision.worker, response).await);
+            }
             Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
                 tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker unreachable; marking it unhealthy");
-                gw.set_health(&decision.worker, false);
+                gw.health.connect_failed(&decision.worker);
                 if refused.is_some() {
                     return Err(error);
                 }
                 gw.metrics.retry();
                 refused = Some(error);
             }
-            Err(SendError::Failed(error)) => return Err(error),
+            Err(SendError::Failed(error)) => {
+                gw.health.observe(&decision.worker, false);
+                return Err(error);
+            }
             Err(SendError::Unusable(detail)) => {
                 return Err(GatewayError::BadUpstream {
                     worker: decision.worker.clone(),

@@ -14,6 +14,7 @@ use crate::backend::provider::ProviderClient;
 use crate::backend::relay::Meter;
 use crate::errors::Protocol;
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
+use crate::overload::gate::Slot;
 use crate::routing::InFlight;
 use crate::tenancy::Admission;
 
@@ -30,6 +31,8 @@ pub struct Settlement {
     last_text: Option<Instant>,
     ticket: Option<InFlight>,
     admission: Option<Admission>,
+    /// The request's place under the gateway's in-flight limit, freed with the settlement.
+    _slot: Option<Slot>,
     _in_flight: InFlightGuard,
     settled: bool,
 }
@@ -59,6 +62,7 @@ impl Settlement {
             last_text: None,
             ticket: None,
             admission: None,
+            _slot: None,
             _in_flight: metrics.in_flight(),
             settled: false,
         }
@@ -72,6 +76,11 @@ impl Settlement {
     /// The model the client asked for (metric label).
     pub fn model(&mut self, model: &str) {
         self.labels.model = model.to_string();
+    }
+
+    /// The request's in-flight slot, held until the answer's last byte (or the client leaves).
+    pub fn hold(&mut self, slot: Slot) {
+        self._slot = Some(slot);
     }
 
     /// The tenant's admission, settled with the request.
