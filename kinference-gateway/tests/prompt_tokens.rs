@@ -318,68 +318,86 @@ fn personal_requests() -> Vec<(&'static str, Value)> {
     ]
 }
 
-#[tokio::test]
-async fn the_prompt_is_tokenized_once_and_personal_data_never_reaches_the_remote_pool() {
-    let Some((_sim, sim_port)) = start_sim().await else {
-        return;
-    };
+/// A gateway in front of both pools, and what their workers received.
+struct Setup {
+    api: u16,
+    client: Client<HttpConnector, Full<Bytes>>,
+    /// `/tokenize` calls that reached the local pool's `vllm-sim`.
+    local_tokenize: Arc<AtomicUsize>,
+    /// What reached the remote pool's worker.
+    remote: Arc<Received>,
+    _processes: (ChildGuard, ChildGuard),
+    _dir: TempDir,
+}
+
+/// `vllm-sim` behind its tap, the remote stand-in, and the gateway; the local pool lists its
+/// worker (`selector: false`), or is found by selector while `gateway.yaml` gives the router both
+/// workers of the model. `None` without `vllm-sim`.
+async fn setup(selector: bool) -> Option<Setup> {
+    let (sim, sim_port) = start_sim().await?;
     let local_tokenize = Arc::new(AtomicUsize::new(0));
     let local = tap(sim_port, Arc::clone(&local_tokenize)).await;
     let received = Arc::new(Received::default());
     let remote = remote_worker(Arc::clone(&received)).await;
-    let dir = TempDir::new("endpoints");
-    let policies = write_policies(&dir.0, remote, Some(local));
-    let (_gateway, api, admin) = support::spawn_gateway(&write_config(&dir.0, &policies, &[]));
+    let dir = TempDir::new(if selector { "selector" } else { "endpoints" });
+    let (policies, workers) = if selector {
+        (write_policies(&dir.0, remote, None), vec![local, remote])
+    } else {
+        (write_policies(&dir.0, remote, Some(local)), vec![])
+    };
+    let (gateway, api, admin) = support::spawn_gateway(&write_config(&dir.0, &policies, &workers));
     let client = http_client();
     wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    Some(Setup {
+        api,
+        client,
+        local_tokenize,
+        remote: received,
+        _processes: (sim, gateway),
+        _dir: dir,
+    })
+}
 
+#[tokio::test]
+async fn the_prompt_is_tokenized_once_and_personal_data_never_reaches_the_remote_pool() {
+    let Some(s) = setup(false).await else {
+        return;
+    };
     // Personal data: served by the local pool, tokenized once there, not a byte to the remote pool.
     let requests = personal_requests();
     for (path, body) in &requests {
-        let (status, answer) = post(&client, api, path, body).await;
+        let (status, answer) = post(&s.client, s.api, path, body).await;
         assert_eq!(status, http::StatusCode::OK, "{path}: {answer}");
         assert!(!answer.contains("remote"), "{path}: {answer}");
     }
-    assert_eq!(received.bytes.load(Ordering::SeqCst), 0);
-    assert_eq!(local_tokenize.load(Ordering::SeqCst), requests.len());
+    assert_eq!(s.remote.bytes.load(Ordering::SeqCst), 0);
+    assert_eq!(s.local_tokenize.load(Ordering::SeqCst), requests.len());
 
     // Without personal data either pool may serve and tokenize, still once per request.
     let plain = 4;
     for i in 0..plain {
         let body = json!({"model": MODEL, "max_tokens": 4,
                           "messages": [{"role": "user", "content": format!("Count to {i}")}]});
-        let (status, answer) = post(&client, api, "/v1/chat/completions", &body).await;
+        let (status, answer) = post(&s.client, s.api, "/v1/chat/completions", &body).await;
         assert_eq!(status, http::StatusCode::OK, "{answer}");
     }
     let tokenized =
-        local_tokenize.load(Ordering::SeqCst) + received.tokenize.load(Ordering::SeqCst);
+        s.local_tokenize.load(Ordering::SeqCst) + s.remote.tokenize.load(Ordering::SeqCst);
     assert_eq!(tokenized, requests.len() + plain);
 }
 
 #[tokio::test]
 async fn a_local_pool_found_by_selector_never_falls_back_to_a_remote_worker() {
-    let Some((_sim, sim_port)) = start_sim().await else {
+    let Some(s) = setup(true).await else {
         return;
     };
-    let local_tokenize = Arc::new(AtomicUsize::new(0));
-    let local = tap(sim_port, Arc::clone(&local_tokenize)).await;
-    let received = Arc::new(Received::default());
-    let remote = remote_worker(Arc::clone(&received)).await;
-    let dir = TempDir::new("selector");
-    let policies = write_policies(&dir.0, remote, None);
-    // The router knows both workers of the model; only the remote pool lists its own.
-    let config = write_config(&dir.0, &policies, &[local, remote]);
-    let (_gateway, api, admin) = support::spawn_gateway(&config);
-    let client = http_client();
-    wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
-
     let requests = personal_requests();
     for _ in 0..2 {
         for (path, body) in &requests {
-            let (status, answer) = post(&client, api, path, body).await;
+            let (status, answer) = post(&s.client, s.api, path, body).await;
             assert_eq!(status, http::StatusCode::OK, "{path}: {answer}");
         }
     }
-    assert_eq!(received.bytes.load(Ordering::SeqCst), 0);
-    assert_eq!(local_tokenize.load(Ordering::SeqCst), 2 * requests.len());
+    assert_eq!(s.remote.bytes.load(Ordering::SeqCst), 0);
+    assert_eq!(s.local_tokenize.load(Ordering::SeqCst), 2 * requests.len());
 }
