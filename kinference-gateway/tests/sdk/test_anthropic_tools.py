@@ -165,6 +165,18 @@ def test_images_reach_the_worker(gateway):
     # The simulator renders each image as its vision placeholder: the prompt grew.
     assert prompt_tokens(with_images.usage) > prompt_tokens(plain.usage)
 
+    # A screenshot a tool returned reaches the worker too (in a user message after the tool's text).
+    call = {"type": "tool_use", "id": "toolu_shot", "name": "screenshot", "input": {}}
+    def after_result(result_content):
+        return ant.messages.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": "Take a screenshot."}, {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_shot",
+                                          "content": result_content}]}])
+    text_only = after_result([{"type": "text", "text": "Here it is."}])
+    shot = after_result([{"type": "text", "text": "Here it is."},
+                         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}])
+    assert prompt_tokens(shot.usage) > prompt_tokens(text_only.usage)
+
 
 def test_thinking_cache_control_metadata_and_stop_sequences(gateway):
     ant = client(gateway)
@@ -194,8 +206,8 @@ def test_errors_stay_in_anthropics_shape(gateway):
         dict(messages=[ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
                                                               "input": {"city": "Paris"}}]},
                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
-                           {"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                        "data": PNG}}]}]}]),
+                           {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                                           "data": "report"}}]}]}]),
         dict(thinking={"type": "enabled", "budget_tokens": 64}, messages=[ASK]),
     ]
     for case in cases:

@@ -6,7 +6,7 @@
 //! | `text` blocks | the message's text, joined by newlines (as vLLM joins text parts) |
 //! | `image` blocks (base64 or URL) | `image_url` parts (base64 as a `data:` URL) |
 //! | `tool_use` blocks of an assistant turn | `tool_calls` of the assistant message |
-//! | `tool_result` blocks of a user turn | `role: tool` messages, before the turn's other content |
+//! | `tool_result` blocks of a user turn | `role: tool` messages, before the turn's other content (their images in it) |
 //! | `thinking` blocks of earlier turns | dropped (the model's template re-renders no reasoning) |
 //! | `tools`, `tool_choice` | `tools` (functions), `tool_choice`, `parallel_tool_calls` |
 //! | `thinking` | `chat_template_kwargs.enable_thinking` |
@@ -477,6 +477,9 @@ fn user_turn(i: usize, content: &Content, out: &mut Vec<Value>) -> Result<(), Ga
         Content::Blocks(blocks) => blocks,
     };
     let mut parts = Vec::new();
+    // Images a tool returned (a screenshot): OpenAI's tool messages carry text only, so they go
+    // to the worker in the user message that follows the results.
+    let mut result_images = Vec::new();
     let mut has_image = false;
     let mut has_tool_result = false;
     for (j, block) in blocks.iter().enumerate() {
@@ -492,11 +495,10 @@ fn user_turn(i: usize, content: &Content, out: &mut Vec<Value>) -> Result<(), Ga
                 is_error,
             } => {
                 has_tool_result = true;
-                out.push(json!({
-                    "role": "tool",
-                    "tool_call_id": tool_use_id,
-                    "content": tool_result_text(i, j, content.as_ref(), is_error.unwrap_or(false))?,
-                }));
+                let (text, images) =
+                    tool_result_content(i, j, content.as_ref(), is_error.unwrap_or(false))?;
+                out.push(json!({"role": "tool", "tool_call_id": tool_use_id, "content": text}));
+                result_images.extend(images);
             }
             // Earlier reasoning is context the template drops anyway.
             ContentBlock::Thinking { .. } | ContentBlock::RedactedThinking {} => {}
@@ -509,6 +511,10 @@ fn user_turn(i: usize, content: &Content, out: &mut Vec<Value>) -> Result<(), Ga
                 ));
             }
         }
+    }
+    if !result_images.is_empty() {
+        has_image = true;
+        parts.splice(0..0, result_images);
     }
     if parts.is_empty() && has_tool_result {
         return Ok(());
@@ -561,14 +567,15 @@ fn assistant_turn(i: usize, content: &Content) -> Result<Value, GatewayError> {
     Ok(message)
 }
 
-/// A `tool_result`'s content as the text of a `tool` message. OpenAI has no error flag, so a failed
-/// tool's text says so for the model to read.
-fn tool_result_text(
+/// A `tool_result`'s content: the text of its `tool` message and its images as `image_url` parts.
+/// OpenAI has no error flag, so a failed tool's text says so for the model to read.
+fn tool_result_content(
     i: usize,
     j: usize,
     content: Option<&Content>,
     is_error: bool,
-) -> Result<String, GatewayError> {
+) -> Result<(String, Vec<Value>), GatewayError> {
+    let mut images = Vec::new();
     let text = match content {
         None => String::new(),
         Some(Content::Text(text)) => text.clone(),
@@ -577,11 +584,12 @@ fn tool_result_text(
             for block in blocks {
                 match block {
                     ContentBlock::Text { text } => texts.push(text.as_str()),
+                    ContentBlock::Image { source } => images.push(image_part(source)),
                     other => {
                         return Err(invalid(
                             "messages",
                             format!(
-                                "messages[{i}].content[{j}].content: `{}` blocks in a tool result are not supported (a worker's tool messages carry text only)",
+                                "messages[{i}].content[{j}].content: `{}` blocks in a tool result are not supported (text and images are)",
                                 other.kind()
                             ),
                         ));
@@ -591,11 +599,12 @@ fn tool_result_text(
             texts.join("\n")
         }
     };
-    Ok(if is_error {
+    let text = if is_error {
         format!("Error: {text}")
     } else {
         text
-    })
+    };
+    Ok((text, images))
 }
 
 /// An image block as an OpenAI `image_url` part (inline data as a `data:` URL).

@@ -112,8 +112,8 @@ fn rejections_are_clear_400s() {
         ),
         (
             json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image", "source": {"type": "url", "url": "u"}}]}]}]}),
-            "text only",
+                {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "thinking", "thinking": "x"}]}]}]}),
+            "text and images are",
         ),
     ];
     for (json, needle) in cases {
@@ -588,4 +588,28 @@ fn count_tokens_renders_tools_and_needs_a_tokenizer() {
         {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]}),
     );
     assert_eq!(count_tokens::count(Some(&tok), &image).expect("counts"), n);
+}
+
+#[test]
+fn images_a_tool_returned_follow_its_result_in_a_user_message() {
+    let chat = request(json!({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "s1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "s1", "content": [
+                {"type": "text", "text": "Here it is."},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]},
+            {"type": "text", "text": "What do you see?"}]}
+    ]}))
+    .expect("translates");
+    assert_eq!(
+        chat.messages[2],
+        json!({"role": "tool", "tool_call_id": "s1", "content": "Here it is."})
+    );
+    assert_eq!(
+        chat.messages[3],
+        json!({"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+            {"type": "text", "text": "What do you see?"}]})
+    );
 }
