@@ -131,6 +131,12 @@ pub enum GatewayError {
         "rate limits cannot be checked right now (the shared limit store is unreachable); retry shortly"
     )]
     LimitsUnavailable,
+    /// The usage journal cannot be written (a full disk) and the tenant's `on_usage_unrecorded`
+    /// is `refuse` (503).
+    #[error(
+        "usage cannot be recorded right now (the gateway's usage journal cannot be written); retry shortly"
+    )]
+    UsageUnrecorded,
     /// Tenants are configured but no valid tenant set has ever been loaded: the gateway refuses
     /// every request (503) rather than serve it unauthenticated.
     #[error("{0}")]
@@ -197,9 +203,9 @@ impl GatewayError {
             GatewayError::RateLimited { .. } | GatewayError::BudgetExceeded { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
-            GatewayError::LimitsUnavailable | GatewayError::TenantsUnavailable(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            GatewayError::LimitsUnavailable
+            | GatewayError::TenantsUnavailable(_)
+            | GatewayError::UsageUnrecorded => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PolicyRejected { status, .. } => *status,
             GatewayError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
@@ -223,6 +229,7 @@ impl GatewayError {
             GatewayError::RateLimited { .. } => "rate_limited",
             GatewayError::BudgetExceeded { .. } => "budget_exceeded",
             GatewayError::LimitsUnavailable => "limits_unavailable",
+            GatewayError::UsageUnrecorded => "usage_unrecorded",
             GatewayError::TenantsUnavailable(_) => "tenants_unavailable",
             GatewayError::PolicyRejected { .. } => "policy_rejected",
             GatewayError::Overloaded { .. } => "overloaded",
@@ -258,6 +265,7 @@ impl GatewayError {
             GatewayError::RateLimited { .. } => Some("rate_limit_exceeded"),
             GatewayError::BudgetExceeded { .. } => Some("insufficient_quota"),
             GatewayError::LimitsUnavailable => Some("limits_unavailable"),
+            GatewayError::UsageUnrecorded => Some("usage_unrecorded"),
             GatewayError::TenantsUnavailable(_) => Some("tenants_unavailable"),
             GatewayError::PolicyRejected { code, .. } => Some(*code),
             GatewayError::Overloaded { .. } => Some("overloaded"),

@@ -9,7 +9,7 @@ use kinference_crds::{BudgetAction, TokenPrices};
 use super::headers::rate_headers;
 use super::limits::{self, Demand, Dim, FailMode, Take, Verdict};
 use super::metrics::{self, TenantBackend, TenantCache, TenantLimit, TenantModel, TenantStatus};
-use super::store::{self, RedisVerdict};
+use super::store::{self, OnUnrecorded, RedisVerdict};
 use super::usage::{self, UsageRecord};
 use super::{Caller, Tenancy, Tenant, budget, now_ms};
 use crate::api::openai::Usage;
@@ -282,6 +282,9 @@ impl Tenancy {
             // Armed (false) only when admitted: a refused request has nothing to settle.
             settled: true,
         };
+        if !self.journal.healthy() {
+            self.refuse_unrecorded(caller)?;
+        }
         let Some(tenant) = caller.tenant.clone() else {
             return Ok(admission.armed());
         };
@@ -398,6 +401,22 @@ impl Tenancy {
                 })
             }
         }
+    }
+
+    /// While the usage journal cannot be written: refuses the caller (counted) when its
+    /// `on_usage_unrecorded` (or the journal's default, for every tenant without one and the open
+    /// gateway) is `refuse`.
+    fn refuse_unrecorded(&self, caller: &Caller) -> Result<(), GatewayError> {
+        let mode = caller
+            .tenant
+            .as_ref()
+            .and_then(|t| t.settings.on_usage_unrecorded)
+            .unwrap_or(self.config.journal.on_usage_unrecorded);
+        if mode == OnUnrecorded::Serve {
+            return Ok(());
+        }
+        self.journal.refused();
+        Err(GatewayError::UsageUnrecorded)
     }
 
     fn budget_spent(&self, tenant: &Tenant, spent: f64, limit: f64, now: u64) -> GatewayError {

@@ -100,6 +100,10 @@ pub struct TenantSettings {
     /// the default: a limit is never silently lifted) or `open` (admit without limits).
     #[serde(default)]
     pub on_store_unavailable: FailMode,
+    /// What to do while the usage journal cannot be written (a full disk): `serve` or `refuse`
+    /// (503). Default: `tenancy.journal.on_usage_unrecorded`.
+    #[serde(default)]
+    pub on_usage_unrecorded: Option<super::store::OnUnrecorded>,
 }
 
 /// Per-minute limits of one tenant + model.

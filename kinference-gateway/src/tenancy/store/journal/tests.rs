@@ -359,3 +359,156 @@ fn the_example_alert_rules_name_only_metrics_the_gateway_exports() {
         );
     }
 }
+
+/// Set in the child that runs [`a_full_disk_refuses_tenants_that_say_refuse_and_serves_the_others`].
+const FULL_DISK_TENANCY_DIR: &str = "KINFERENCE_TEST_TENANCY_FULL_DISK_DIR";
+
+const TWO_TENANTS: &str = r#"
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceTenant
+metadata:
+  name: strict
+spec:
+  apiKeys:
+    - secretRef: {name: strict, key: api-key}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferenceTenant
+metadata:
+  name: lenient
+spec:
+  apiKeys:
+    - secretRef: {name: lenient, key: api-key}
+"#;
+
+#[test]
+fn a_full_disk_refuses_tenants_that_say_refuse_and_serves_the_others() {
+    if let Some(dir) = std::env::var_os(FULL_DISK_TENANCY_DIR) {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        return runtime.block_on(full_disk_tenancy_child(PathBuf::from(dir)));
+    }
+    if !prlimit_available() {
+        return;
+    }
+    let dir = scratch("tenancy-full");
+    std::fs::create_dir_all(&dir).unwrap();
+    run_with_file_size_limit(
+        "tenancy::store::journal::tests::a_full_disk_refuses_tenants_that_say_refuse_and_serves_the_others",
+        FULL_DISK_BYTES,
+        (FULL_DISK_TENANCY_DIR, &dir),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// In the child: two tenants, `strict` (`on_usage_unrecorded: refuse`) and `lenient` (the default,
+/// `serve`), on a 16 KiB "disk".
+async fn full_disk_tenancy_child(dir: PathBuf) {
+    use crate::errors::Protocol;
+    use crate::tenancy::limits::TenantSettings;
+    use crate::tenancy::{Tenancy, TenancyConfig};
+
+    std::fs::write(dir.join("tenants.yaml"), TWO_TENANTS).unwrap();
+    for name in ["strict", "lenient"] {
+        std::fs::create_dir_all(dir.join("secrets").join(name)).unwrap();
+        std::fs::write(
+            dir.join("secrets").join(name).join("api-key"),
+            format!("sk-{name}-key"),
+        )
+        .unwrap();
+    }
+    let mut config = TenancyConfig {
+        tenants_dir: Some(dir.join("tenants.yaml")),
+        secrets_dir: Some(dir.join("secrets")),
+        usage_journal: Some(dir.join("usage.jsonl")),
+        journal: JournalConfig {
+            max_buffered_records: 50,
+            ..JournalConfig::default()
+        },
+        ..TenancyConfig::default()
+    };
+    config.tenants.insert(
+        "strict".into(),
+        TenantSettings {
+            on_usage_unrecorded: Some(OnUnrecorded::Refuse),
+            ..TenantSettings::default()
+        },
+    );
+    let mut registry = prometheus_client::registry::Registry::default();
+    let t = Tenancy::start(
+        config,
+        &dir.join("gateway.yaml"),
+        None,
+        vec!["m".into()],
+        &mut registry,
+    )
+    .unwrap();
+    let key = |name: &str| {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            "authorization",
+            format!("Bearer sk-{name}-key").parse().unwrap(),
+        );
+        t.authenticate(&h).unwrap()
+    };
+    let (strict, lenient) = (key("strict"), key("lenient"));
+    let usage = crate::api::openai::Usage {
+        prompt_tokens: 1000,
+        completion_tokens: 10,
+        total_tokens: 1010,
+        prompt_tokens_details: None,
+    };
+    let serve = |caller| {
+        let t = Arc::clone(&t);
+        async move {
+            let mut a = t.admit(caller, "m", 1000, 10, Protocol::OpenAi).await?;
+            a.routed("http://worker", "least_loaded", Some(1000));
+            a.settle(200, Some(&usage));
+            t.flush().await;
+            Ok::<(), crate::errors::GatewayError>(())
+        }
+    };
+    // Both are served while the disk has room; the lenient one fills it.
+    serve(&strict).await.unwrap();
+    let mut served = 0;
+    while t.journal.healthy() {
+        assert!(served < 1000, "a 16 KiB file limit never failed a write");
+        serve(&lenient).await.unwrap();
+        served += 1;
+    }
+    // Full: `strict` gets 503 in its protocol, `lenient` is still served and its record buffered.
+    let refused = t
+        .admit(&strict, "m", 1, 1, Protocol::OpenAi)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        refused.body(Protocol::OpenAi)["error"]["code"],
+        "usage_unrecorded"
+    );
+    let refused = t
+        .admit(&strict, "m", 1, 1, Protocol::Anthropic)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.body(Protocol::Anthropic)["error"]["type"],
+        "overloaded_error"
+    );
+    serve(&lenient).await.unwrap();
+    let mut exported = String::new();
+    prometheus_client::encoding::text::encode(&mut exported, &registry).unwrap();
+    let value = |series: &str| -> f64 {
+        exported
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{exported}"))
+    };
+    assert!(value("kinference_gateway_usage_journal_errors_total{error=\"write\"}") >= 2.0);
+    assert_eq!(
+        value("kinference_gateway_usage_journal_refused_requests_total"),
+        2.0
+    );
+    assert!(value("kinference_gateway_usage_journal_buffered_records") >= 1.0);
+    // The in-memory view still counts every served request, recorded or not.
+    let report = t.usage_report("", None).await.unwrap();
+    assert_eq!(report["total"]["requests"], served + 2);
+}
