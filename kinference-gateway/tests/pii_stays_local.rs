@@ -631,16 +631,114 @@ async fn served_by_sim(client: &Client<HttpConnector, Full<Bytes>>, sim: u16) ->
         .sum()
 }
 
+/// A running gateway in front of `vllm-sim` (local pool), the stand-in remote pool and provider.
+struct Rig {
+    client: Client<HttpConnector, Full<Bytes>>,
+    /// `http://127.0.0.1:<api port>`.
+    base: String,
+    admin: u16,
+    sim: u16,
+    remote: Arc<Counter>,
+    provider: Arc<Counter>,
+    dir: PathBuf,
+    _sim: ChildGuard,
+    _gateway: ChildGuard,
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Rig {
+    /// Starts everything; `extra_yaml` is appended to `gateway.yaml`. `None` (after
+    /// `testkit::require`) without a built `vllm-sim`.
+    async fn start(extra_yaml: &str) -> Option<Rig> {
+        let sim_bin = testkit::bin_dir().join("vllm-sim");
+        if !testkit::require(
+            sim_bin.exists(),
+            "vllm-sim",
+            format_args!("{} not built", sim_bin.display()),
+        ) {
+            return None;
+        }
+        let sim = free_port();
+        let sim_child = ChildGuard(
+            Command::new(&sim_bin)
+                .args(["--host", "127.0.0.1", "--port", &sim.to_string()])
+                .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
+                .arg(tokenizer_dir())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start vllm-sim"),
+        );
+        let remote = Arc::new(Counter::default());
+        let provider = Arc::new(Counter::default());
+        let remote_addr = standin("remote pool", Arc::clone(&remote)).await;
+        let provider_addr = standin("provider", Arc::clone(&provider)).await;
+        let dir = std::env::temp_dir().join(format!(
+            "kinference-pii-local-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = write_config(&dir, sim, remote_addr, provider_addr);
+        let mut yaml = std::fs::read_to_string(&config).unwrap();
+        yaml.push_str(extra_yaml);
+        std::fs::write(&config, yaml).unwrap();
+        let (api, admin) = (free_port(), free_port());
+        let log = std::fs::File::create(dir.join("gateway.log")).unwrap();
+        let gateway = ChildGuard(
+            Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+                .args(["--listen", &format!("127.0.0.1:{api}")])
+                .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+                .arg("--config")
+                .arg(&config)
+                .env(KEY_ENV, "sk-standin")
+                .env("RUST_LOG", "warn")
+                .env("NO_COLOR", "1")
+                .stdout(log)
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start kinference-gateway"),
+        );
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        wait_ok(&client, &format!("http://127.0.0.1:{sim}/health")).await;
+        wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
+        Some(Rig {
+            client,
+            base: format!("http://127.0.0.1:{api}"),
+            admin,
+            sim,
+            remote,
+            provider,
+            dir,
+            _sim: sim_child,
+            _gateway: gateway,
+        })
+    }
+
+    /// The gateway's log so far.
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("gateway.log")).unwrap_or_default()
+    }
+
+    /// The admin port's `/metrics`.
+    async fn metrics(&self) -> String {
+        let request = hyper::Request::get(format!("http://127.0.0.1:{}/metrics", self.admin))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let response = self.client.request(request).await.expect("/metrics");
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
-    let sim_bin = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim_bin.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim_bin.display()),
-    ) {
-        return;
-    }
     let seed: u64 = std::env::var("KINFERENCE_PII_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -649,47 +747,11 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(1000);
-
-    let sim = free_port();
-    let _sim = ChildGuard(
-        Command::new(&sim_bin)
-            .args(["--host", "127.0.0.1", "--port", &sim.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
-    let remote_count = Arc::new(Counter::default());
-    let provider_count = Arc::new(Counter::default());
-    let remote = standin("remote pool", Arc::clone(&remote_count)).await;
-    let provider = standin("provider", Arc::clone(&provider_count)).await;
-    let dir = std::env::temp_dir().join(format!(
-        "kinference-pii-local-{}-{:x}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = write_config(&dir, sim, remote, provider);
-    let (api, admin) = (free_port(), free_port());
-    let _gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{api}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .arg("--config")
-            .arg(&config)
-            .env(KEY_ENV, "sk-standin")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start kinference-gateway"),
-    );
-    let client: Client<HttpConnector, Full<Bytes>> =
-        Client::builder(TokioExecutor::new()).build_http();
-    wait_ok(&client, &format!("http://127.0.0.1:{sim}/health")).await;
-    wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
-    let base = format!("http://127.0.0.1:{api}");
+    let Some(rig) = Rig::start("").await else {
+        return;
+    };
+    let (client, base, sim) = (&rig.client, &rig.base, rig.sim);
+    let (remote_count, provider_count) = (&rig.remote, &rig.provider);
 
     // Controls: without personal data every route leaves the premises, so the counters can move.
     let controls = [
@@ -727,7 +789,7 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
             ("to-provider", &provider_count, "from the provider"),
         ] {
             let before = counter.bytes.load(Ordering::SeqCst);
-            let (status, answer) = send(&client, &base, path, route, body).await;
+            let (status, answer) = send(client, base, path, route, body).await;
             assert_eq!(status, 200, "control {path} {route}: {answer}");
             assert!(answer.contains(marker), "control {path} {route}: {answer}");
             assert!(counter.bytes.load(Ordering::SeqCst) > before);
@@ -735,41 +797,37 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
     }
     let remote_before = remote_count.bytes.load(Ordering::SeqCst);
     let provider_before = provider_count.bytes.load(Ordering::SeqCst);
-    let sim_before = served_by_sim(&client, sim).await;
+    let sim_before = served_by_sim(client, sim).await;
 
     let mut rng = StdRng::seed_from_u64(seed);
     let cases: Vec<Case> = (0..count).map(|_| generate(&mut rng, &tokenizer)).collect();
     let started = Instant::now();
     let failures: Vec<String> = futures::stream::iter(cases.iter().enumerate())
-        .map(|(i, case)| {
-            let (client, base) = (&client, &base);
-            async move {
-                let (status, answer) = send(client, base, case.path, case.route, &case.body).await;
-                let streamed = case.body.get("stream").is_some();
-                let complete =
-                    !streamed || answer.contains("[DONE]") || answer.contains("message_stop");
-                let served_locally = status == 200
-                    && complete
-                    && !answer.contains("from the remote pool")
-                    && !answer.contains("from the provider");
-                (!served_locally).then(|| {
-                    format!(
-                        "case {i} ({} {} via {}): {status} {}",
-                        case.path,
-                        case.what,
-                        case.route,
-                        answer.chars().take(300).collect::<String>()
-                    )
-                })
-            }
+        .map(|(i, case)| async move {
+            let (status, answer) = send(client, base, case.path, case.route, &case.body).await;
+            let streamed = case.body.get("stream").is_some();
+            let complete =
+                !streamed || answer.contains("[DONE]") || answer.contains("message_stop");
+            let served_locally = status == 200
+                && complete
+                && !answer.contains("from the remote pool")
+                && !answer.contains("from the provider");
+            (!served_locally).then(|| {
+                format!(
+                    "case {i} ({} {} via {}): {status} {}",
+                    case.path,
+                    case.what,
+                    case.route,
+                    answer.chars().take(300).collect::<String>()
+                )
+            })
         })
         .buffer_unordered(CONCURRENCY)
         .filter_map(|f| async move { f })
         .collect()
         .await;
     let elapsed = started.elapsed();
-    let sim_served = served_by_sim(&client, sim).await - sim_before;
-    let _ = std::fs::remove_dir_all(&dir);
+    let sim_served = served_by_sim(client, sim).await - sim_before;
     println!(
         "pii property: {count} cases (seed {seed}) in {:.2} s ({:.0} ms per 100 cases); \
          remote pool and provider received {} and {} bytes; vllm-sim served {sim_served}",
@@ -797,4 +855,110 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
         failures[..failures.len().min(8)].join("\n")
     );
     assert_eq!(sim_served as usize, count, "vllm-sim served every case");
+}
+
+/// An external classifier on loopback: text with `stall` is answered after 3 s, `broken` with
+/// HTTP 500, `project-x` with the `pii` tag, anything else with no tags. Keeps the texts it got.
+async fn classifier(texts: Arc<parking_lot::Mutex<Vec<String>>>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let texts = Arc::clone(&texts);
+            tokio::spawn(async move {
+                let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let texts = Arc::clone(&texts);
+                    async move {
+                        let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                        let asked: Value =
+                            serde_json::from_slice(&body.unwrap_or_default()).unwrap_or_default();
+                        let text = asked["text"].as_str().unwrap_or("").to_string();
+                        texts.lock().push(text.clone());
+                        let mut response = hyper::Response::new(Full::new(Bytes::from(
+                            if text.contains("project-x") {
+                                r#"{"tags": ["pii"]}"#
+                            } else {
+                                r#"{"tags": []}"#
+                            },
+                        )));
+                        if text.contains("stall") {
+                            tokio::time::sleep(Duration::from_secs(3)).await;
+                        } else if text.contains("broken") {
+                            *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+                        }
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_or_failing_external_classifier_keeps_requests_local() {
+    let texts = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let external = classifier(Arc::clone(&texts)).await;
+    let yaml = format!(
+        "classifier:\n  external:\n    url: http://{external}/classify\n    timeout_ms: 300\n"
+    );
+    let Some(rig) = Rig::start(&yaml).await else {
+        return;
+    };
+    let ask = |content: &str| json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": content}]});
+    let chat = "/v1/chat/completions";
+    // Answered without tags: the burst policy sends it to the provider.
+    let (status, answer) = send(
+        &rig.client,
+        &rig.base,
+        chat,
+        "to-provider",
+        &ask("What is the capital of France?"),
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("from the provider"), "{answer}");
+    assert!(texts.lock()[0].contains("What is the capital of France?"));
+    let provider_bytes = rig.provider.bytes.load(Ordering::SeqCst);
+
+    // Stalled past the timeout, failed, or tagged pii by the classifier: served locally.
+    for content in [
+        "stall: what is the capital of France?",
+        "broken: what is the capital of France?",
+        "What is the status of project-x?",
+    ] {
+        let started = Instant::now();
+        let (status, answer) =
+            send(&rig.client, &rig.base, chat, "to-provider", &ask(content)).await;
+        assert_eq!(status, 200, "{content}: {answer}");
+        assert!(!answer.contains("from the provider"), "{content}: {answer}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{content}: waited for the classifier"
+        );
+    }
+    assert_eq!(rig.provider.bytes.load(Ordering::SeqCst), provider_bytes);
+    assert_eq!(
+        texts.lock().len(),
+        4,
+        "the classifier is asked for every request"
+    );
+
+    let metrics = rig.metrics().await;
+    for line in [
+        "kinference_gateway_classifier_external_requests_total{outcome=\"ok\"} 2",
+        "kinference_gateway_classifier_external_requests_total{outcome=\"timeout\"} 1",
+        "kinference_gateway_classifier_external_requests_total{outcome=\"error\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from /metrics");
+    }
+    let log = rig.log();
+    assert_eq!(
+        log.matches("external classifier unavailable").count(),
+        2,
+        "{log}"
+    );
 }
