@@ -4,7 +4,9 @@
 //! - Hysteresis: a worker is ejected after `--health-unhealthy-threshold` consecutive failed
 //!   probes (one slow probe ejects nothing) and comes back after `--health-healthy-threshold`
 //!   consecutive good ones. The first probe of a worker decides at once, so nothing routes to a
-//!   worker that was down when the gateway started. A refused connection from real traffic ejects
+//!   worker that was down when the gateway started, and until a worker has once been healthy one
+//!   good probe brings it in (as Envoy does at start-up): a fleet still loading joins as soon as it
+//!   answers. A refused connection from real traffic ejects
 //!   at once (nothing listens there; the request is retried elsewhere) and needs the same good
 //!   probes to return.
 //! - Outlier detection: a worker whose real requests fail (5xx, broken connections, timeouts) at
@@ -131,8 +133,12 @@ struct StateLabels {
 /// What is known of one worker.
 #[derive(Debug)]
 struct Tracked {
+    /// Probed at least once (the first probe decides at once).
+    probed: bool,
     /// Out by probes (or a refused connection).
     down: bool,
+    /// Has been in service once (before that, one good probe brings it in).
+    served: bool,
     consecutive_failures: u32,
     consecutive_successes: u32,
     /// Flagged by its error rate (since when), whether or not the cap let it be ejected.
@@ -147,7 +153,9 @@ struct Tracked {
 impl Tracked {
     fn new(now: Instant) -> Self {
         Tracked {
+            probed: false,
             down: false,
+            served: false,
             consecutive_failures: 0,
             consecutive_successes: 0,
             outlier_since: None,
@@ -203,21 +211,25 @@ impl Health {
         let now = Instant::now();
         {
             let mut workers = self.workers.lock();
-            let first = !workers.contains_key(worker);
             let t = workers
                 .entry(worker.to_string())
                 .or_insert_with(|| Tracked::new(now));
-            if first {
+            if !t.probed {
+                t.probed = true;
                 t.down = !ok;
+                t.served = ok;
             } else if ok {
                 t.consecutive_failures = 0;
                 if t.down {
                     t.consecutive_successes += 1;
-                    if t.consecutive_successes >= self.settings.health_healthy_threshold {
+                    if !t.served
+                        || t.consecutive_successes >= self.settings.health_healthy_threshold
+                    {
                         t.down = false;
                         t.consecutive_successes = 0;
                     }
                 }
+                t.served |= !t.down;
             } else {
                 t.consecutive_successes = 0;
                 t.consecutive_failures += 1;

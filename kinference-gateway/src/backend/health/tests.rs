@@ -90,6 +90,9 @@ fn the_first_probe_decides_and_a_refused_connection_ejects_at_once() {
         !routable(&router, "http://w0"),
         "down at start: out at once"
     );
+    // Never in service yet: its first good probe brings it in (a fleet still loading).
+    health.probe("http://w0", true);
+    assert!(routable(&router, "http://w0"));
     health.probe("http://w1", true);
     health.connect_failed("http://w1");
     assert_eq!(state(&health, "http://w1"), WorkerState::Ejected);
@@ -193,4 +196,14 @@ fn a_single_worker_is_never_ejected_as_an_outlier() {
     }
     assert_eq!(state(&health, "http://w0"), WorkerState::Spared);
     assert!(routable(&router, "http://w0"));
+}
+
+#[test]
+fn the_first_probe_decides_for_every_worker_whichever_answers_first() {
+    let (health, router, _) = health(2, HealthSettings::default());
+    // w1's probe lands first and publishes every worker's state; w0's first probe still decides.
+    health.probe("http://w1", true);
+    health.probe("http://w0", false);
+    assert!(!routable(&router, "http://w0"));
+    assert!(routable(&router, "http://w1"));
 }
