@@ -41,12 +41,22 @@ pub enum StartError {
     },
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    #[error("gRPC mTLS: {0}")]
+    Tls(#[from] kinference_api::tls::TlsFileError),
     #[error("starting the node signals (eBPF, NVML): {0}")]
     Signals(#[from] tokio::task::JoinError),
 }
 
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartError> {
+    // mTLS on the gRPC port when its three files are given: a missing or bad file stops the start.
+    let grpc_tls = kinference_api::tls::ServerTlsFiles::from_flags(
+        args.grpc_tls_cert.as_ref(),
+        args.grpc_tls_key.as_ref(),
+        args.grpc_tls_client_ca.as_ref(),
+    )
+    .map(|files| files.config())
+    .transpose()?;
     // Fail fast on a bad file at start; later edits that do not parse are only logged.
     WorkersFile::load(&args.workers)?;
 
@@ -149,7 +159,11 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
     );
     // Listening, signals started, discovery running: gateways may connect.
     ready.store(true, Ordering::Release);
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = grpc_tls {
+        server = server.tls_config(tls)?;
+    }
+    server
         .http2_max_header_list_size(HTTP_MAX_HEADER_BYTES as u32)
         .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))

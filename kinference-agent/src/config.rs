@@ -105,6 +105,27 @@ pub struct Args {
     #[arg(long, default_value_t = 256)]
     pub grpc_max_connections: usize,
 
+    /// mTLS on the gRPC port: this agent's certificate (PEM). With `--grpc-tls-key` and
+    /// `--grpc-tls-client-ca`, only gateways presenting a certificate of that CA may connect.
+    #[arg(long, env = "KINFERENCE_AGENT_GRPC_TLS_CERT", requires_all = ["grpc_tls_key", "grpc_tls_client_ca"])]
+    pub grpc_tls_cert: Option<std::path::PathBuf>,
+
+    /// mTLS on the gRPC port: this agent's private key (PEM).
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_GRPC_TLS_KEY",
+        requires = "grpc_tls_cert"
+    )]
+    pub grpc_tls_key: Option<std::path::PathBuf>,
+
+    /// mTLS on the gRPC port: the CA that signs the gateways' client certificates (PEM).
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_GRPC_TLS_CLIENT_CA",
+        requires = "grpc_tls_cert"
+    )]
+    pub grpc_tls_client_ca: Option<std::path::PathBuf>,
+
     /// Largest gRPC message the agent sends (a snapshot of every worker's keys), in bytes. Requests are
     /// bounded at 64 KiB (a `WatchRequest` is a few bytes).
     #[arg(long, default_value_t = 256 << 20)]

@@ -4,10 +4,12 @@
 //!   `token_ids` (agent) and from a tokenized prompt (gateway), so vLLM's hash settings never matter.
 //! - [`summary`]: the gRPC server-streaming API the agent serves and every gateway replica watches.
 //! - [`vllm`]: vLLM's wire formats (KV-event batches, `/metrics`), for the agent and the simulator.
+//! - [`tls`]: mutual TLS for the gRPC connections (agent stream, ext_proc).
 #![forbid(unsafe_code)]
 
 pub mod block_keys;
 pub mod metrics;
+pub mod tls;
 pub mod vllm;
 
 /// Generated protobuf and tonic code for `kinference.v1` (see `proto/kinference/v1/agent.proto`).

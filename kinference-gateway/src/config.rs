@@ -68,6 +68,59 @@ pub struct Args {
 
     #[command(flatten)]
     pub access: crate::access::AccessArgs,
+
+    #[command(flatten)]
+    pub agent_tls: AgentTlsArgs,
+}
+
+/// Mutual TLS to the node agents' gRPC stream (the agents' `--grpc-tls-*`).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct AgentTlsArgs {
+    /// mTLS to the agents: the CA of their certificates (PEM). With `--agent-tls-cert` and
+    /// `--agent-tls-key` (this gateway's client certificate), agents are dialled over TLS.
+    #[arg(long, env = "KINFERENCE_AGENT_TLS_CA", requires_all = ["agent_tls_cert", "agent_tls_key"])]
+    pub agent_tls_ca: Option<PathBuf>,
+
+    /// mTLS to the agents: this gateway's client certificate (PEM).
+    #[arg(long, env = "KINFERENCE_AGENT_TLS_CERT", requires = "agent_tls_ca")]
+    pub agent_tls_cert: Option<PathBuf>,
+
+    /// mTLS to the agents: this gateway's private key (PEM).
+    #[arg(long, env = "KINFERENCE_AGENT_TLS_KEY", requires = "agent_tls_ca")]
+    pub agent_tls_key: Option<PathBuf>,
+
+    /// mTLS to the agents: the DNS name their certificates carry (agents are dialled by pod IP).
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_TLS_SERVER_NAME",
+        default_value = "kinference-agent"
+    )]
+    pub agent_tls_server_name: String,
+}
+
+impl AgentTlsArgs {
+    /// The client configuration when the files are given; a file that cannot be read or parsed is
+    /// a start-up error.
+    pub fn config(&self) -> Result<Option<tonic::transport::ClientTlsConfig>, String> {
+        let (Some(ca), Some(cert), Some(key)) = (
+            &self.agent_tls_ca,
+            &self.agent_tls_cert,
+            &self.agent_tls_key,
+        ) else {
+            return Ok(None);
+        };
+        let files = kinference_api::tls::ClientTlsFiles {
+            ca: ca.clone(),
+            cert: cert.clone(),
+            key: key.clone(),
+            server_name: self.agent_tls_server_name.clone(),
+        };
+        let config = files.config().map_err(|e| e.to_string())?;
+        tonic::transport::Endpoint::from_static("https://agent.invalid")
+            .tls_config(config.clone())
+            .map_err(|e| format!("agent mTLS: {e}"))?;
+        Ok(Some(config))
+    }
 }
 
 pub use crate::backend::worker::HttpSettings;

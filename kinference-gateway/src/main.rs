@@ -40,9 +40,15 @@ async fn main() -> anyhow::Result<()> {
         None => kinference_gateway::config::with_policy_stage(config, &args.http)
             .context("loading the policy directory")?,
     };
+    let agent_tls = args
+        .agent_tls
+        .config()
+        .map_err(anyhow::Error::msg)
+        .context("loading the agents' mTLS files")?;
     let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(
         config.routing_config(),
         config.kubernetes.as_ref(),
+        agent_tls,
     )
     .await
     .context("building the router")?;

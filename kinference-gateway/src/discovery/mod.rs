@@ -31,7 +31,7 @@ use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::routing::{BuildError, Router, RoutingConfig};
+use crate::routing::{BuildError, Router, RoutingConfig, RoutingTuning};
 use pods::{PodWorker, pod_key, worker_of};
 
 /// How long the gateway waits at start for the first list of agents (and of worker pods).
@@ -264,11 +264,13 @@ impl Discovery {
 pub async fn router_with_discovery(
     routing: RoutingConfig,
     kubernetes: Option<&KubernetesConfig>,
+    agent_tls: Option<tonic::transport::ClientTlsConfig>,
 ) -> Result<(Arc<Router>, Option<Discovery>), DiscoveryError> {
     let mut routing = routing;
     let fixed: BTreeSet<String> = routing.agents.iter().cloned().collect();
     let Some(kube_config) = kubernetes else {
-        return Ok((Arc::new(Router::new(routing)?), None));
+        let router = Router::with_agent_tls(routing, RoutingTuning::default(), agent_tls)?;
+        return Ok((Arc::new(router), None));
     };
     let client = Client::try_default().await?;
     // The router is built after the agents are known but discovery needs it as the worker sink:
@@ -284,7 +286,11 @@ pub async fn router_with_discovery(
             routing.agents.push(url);
         }
     }
-    let router = Arc::new(Router::new(routing)?);
+    let router = Arc::new(Router::with_agent_tls(
+        routing,
+        RoutingTuning::default(),
+        agent_tls,
+    )?);
     late.attach(Arc::clone(&router) as Arc<dyn WorkerSink>);
     discovery.initial_workers(AGENT_SYNC_TIMEOUT).await;
     discovery.follow_agents_into(&router, fixed);

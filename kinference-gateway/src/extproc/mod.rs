@@ -69,6 +69,27 @@ pub struct ExtProcArgs {
     /// Largest request body the handler buffers, in bytes; larger bodies get 413.
     #[arg(long, env = "KINFERENCE_EXTPROC_BODY_LIMIT_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub extproc_body_limit_bytes: usize,
+
+    /// mTLS on the ext_proc port: the handler's certificate (PEM). With `--extproc-tls-key` and
+    /// `--extproc-tls-client-ca`, only a proxy presenting a certificate of that CA may connect.
+    #[arg(long, env = "KINFERENCE_EXTPROC_TLS_CERT", requires_all = ["extproc_tls_key", "extproc_tls_client_ca"])]
+    pub extproc_tls_cert: Option<std::path::PathBuf>,
+
+    /// mTLS on the ext_proc port: the handler's private key (PEM).
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_TLS_KEY",
+        requires = "extproc_tls_cert"
+    )]
+    pub extproc_tls_key: Option<std::path::PathBuf>,
+
+    /// mTLS on the ext_proc port: the CA that signs the proxy's client certificate (PEM).
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_TLS_CLIENT_CA",
+        requires = "extproc_tls_cert"
+    )]
+    pub extproc_tls_client_ca: Option<std::path::PathBuf>,
 }
 
 /// The handler's settings.
@@ -445,7 +466,22 @@ pub async fn serve_handler(
     handler: Handler,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    tonic::transport::Server::builder()
+    serve_handler_tls(listener, handler, None, shutdown).await
+}
+
+/// [`serve_handler`], with mutual TLS when `tls` is given (clients without a certificate of its CA
+/// are refused during the handshake).
+pub async fn serve_handler_tls(
+    listener: TcpListener,
+    handler: Handler,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    server
         .tcp_nodelay(true)
         .add_service(ExtProcService::with_handler(handler).into_server())
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
@@ -462,11 +498,25 @@ pub async fn spawn(
     let Some(addr) = args.extproc_listen else {
         return Ok(None);
     };
+    let tls = kinference_api::tls::ServerTlsFiles::from_flags(
+        args.extproc_tls_cert.as_ref(),
+        args.extproc_tls_key.as_ref(),
+        args.extproc_tls_client_ca.as_ref(),
+    )
+    .map(|files| files.config())
+    .transpose()
+    .map_err(|e| std::io::Error::other(format!("ext_proc mTLS: {e}")))?;
+    // A certificate or key that does not parse stops the start, not only the handler later.
+    if let Some(tls) = &tls {
+        tonic::transport::Server::builder()
+            .tls_config(tls.clone())
+            .map_err(|e| std::io::Error::other(format!("ext_proc mTLS: {e}")))?;
+    }
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(listen = %listener.local_addr()?, "ext_proc inference handler listening");
     let handler = Handler::governed(gw, Settings::from(args));
     Ok(Some(tokio::spawn(async move {
-        if let Err(error) = serve_handler(listener, handler, shutdown).await {
+        if let Err(error) = serve_handler_tls(listener, handler, tls, shutdown).await {
             tracing::error!(%error, "ext_proc inference handler stopped");
         }
     })))

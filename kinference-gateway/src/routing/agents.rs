@@ -120,8 +120,18 @@ async fn watch(
     url: &str,
     got_message: &mut bool,
 ) -> Result<(), WatchError> {
-    let endpoint = Endpoint::from_shared(url.to_string())
-        .map_err(|e| WatchError::Endpoint(e.to_string()))?
+    let endpoint = match &shared.agent_tls {
+        None => Endpoint::from_shared(url.to_string()),
+        Some(_) => Endpoint::from_shared(url.replacen("http://", "https://", 1)),
+    }
+    .map_err(|e| WatchError::Endpoint(e.to_string()))?;
+    let endpoint = match &shared.agent_tls {
+        None => endpoint,
+        Some(tls) => endpoint
+            .tls_config(tls.clone())
+            .map_err(|e| WatchError::Endpoint(e.to_string()))?,
+    };
+    let endpoint = endpoint
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         // Keepalive notices a vanished agent whose connection never closed.

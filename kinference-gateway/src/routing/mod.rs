@@ -146,6 +146,8 @@ struct Shared {
     /// When a missing kernel view was last logged.
     last_kernel_log: Mutex<Option<Instant>>,
     gateway_id: String,
+    /// Mutual TLS to the agents (`--agent-tls-*`): their `http://` URLs are dialled as `https://`.
+    agent_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 impl Shared {
@@ -267,6 +269,15 @@ impl Router {
 
     /// Builds a router with explicit tuning. Starts one task per agent (inside the current runtime).
     pub fn with_tuning(config: RoutingConfig, tuning: RoutingTuning) -> Result<Self, BuildError> {
+        Self::with_agent_tls(config, tuning, None)
+    }
+
+    /// [`Router::with_tuning`], watching the agents over mutual TLS when `agent_tls` is given.
+    pub fn with_agent_tls(
+        config: RoutingConfig,
+        tuning: RoutingTuning,
+        agent_tls: Option<tonic::transport::ClientTlsConfig>,
+    ) -> Result<Self, BuildError> {
         if config.workers.len() > kv_index::MAX_WORKERS {
             return Err(BuildError::TooManyWorkers(config.workers.len()));
         }
@@ -309,6 +320,7 @@ impl Router {
             last_degraded_log: Mutex::new(None),
             last_kernel_log: Mutex::new(None),
             gateway_id: format!("kinference-gateway-{}", std::process::id()),
+            agent_tls,
             tuning,
         });
         let mut tasks = Vec::new();

@@ -1,0 +1,358 @@
+//! Mutual TLS on the two gRPC connections, end to end, with certificates made here by `openssl`: the
+//! real `kinference-agent` serving its summary stream with `--grpc-tls-*`, and the real gateway serving
+//! ext_proc with `--extproc-tls-*` while it watches that agent with `--agent-tls-*`.
+//!
+//! - a client presenting a certificate of the CA streams (the agent's snapshot arrives; the ext_proc
+//!   handler answers), and the gateway reports the agent connected over TLS;
+//! - a client without a certificate, with one of another CA, or in plaintext is refused.
+//!
+//! Needs `openssl`; under `CI=true` a missing one fails.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+use kinference_api::summary::WatchRequest;
+use kinference_api::summary::node_agent_client::NodeAgentClient;
+use testkit::{ChildGuard, bin_dir, free_port};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let status = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("openssl runs");
+    assert!(status.success(), "openssl {args:?}");
+}
+
+/// A self-signed CA `name`.
+fn ca(dir: &Path, name: &str) {
+    let (key, crt, subj) = (
+        format!("{name}.key"),
+        format!("{name}.crt"),
+        format!("/CN={name}"),
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-subj",
+            &subj,
+        ],
+    );
+}
+
+/// A certificate `name` for DNS name `dns`, signed by CA `by`.
+fn leaf(dir: &Path, name: &str, dns: &str, by: &str) {
+    let (key, csr, crt) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.crt"),
+    );
+    let (ca_crt, ca_key, ext) = (
+        format!("{by}.crt"),
+        format!("{by}.key"),
+        format!("{name}.ext"),
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &csr,
+            "-subj",
+            &format!("/CN={dns}"),
+        ],
+    );
+    std::fs::write(dir.join(&ext), format!("subjectAltName=DNS:{dns}\n")).unwrap();
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &ca_crt,
+            "-CAkey",
+            &ca_key,
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+        ],
+    );
+}
+
+fn pem(dir: &Path, file: &str) -> Vec<u8> {
+    std::fs::read(dir.join(file)).expect("PEM file")
+}
+
+/// A TLS client config trusting `ca.crt` for `server`, presenting `identity` (a certificate name).
+fn client_tls(dir: &Path, server: &str, identity: Option<&str>) -> ClientTlsConfig {
+    let mut tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pem(dir, "ca.crt")))
+        .domain_name(server);
+    if let Some(name) = identity {
+        tls = tls.identity(Identity::from_pem(
+            pem(dir, &format!("{name}.crt")),
+            pem(dir, &format!("{name}.key")),
+        ));
+    }
+    tls
+}
+
+/// Opens a Watch stream to the agent on `port` and reads its first message.
+async fn watch(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://127.0.0.1:{port}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+    }
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut stream = NodeAgentClient::new(channel)
+        .watch(WatchRequest {
+            gateway_id: "mtls-test".into(),
+        })
+        .await
+        .map_err(|e| format!("watch: {e}"))?
+        .into_inner();
+    match tokio::time::timeout(Duration::from_secs(10), stream.message()).await {
+        Ok(Ok(Some(_))) => Ok(()),
+        Ok(Ok(None)) => Err("stream ended".into()),
+        Ok(Err(e)) => Err(format!("message: {e}")),
+        Err(_) => Err("no message in 10 s".into()),
+    }
+}
+
+/// Sends request headers on a new ext_proc stream to `port` and reads the answer.
+async fn ext_proc(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint = Endpoint::from_shared(format!("{scheme}://127.0.0.1:{port}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+    }
+    let channel = endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let header = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        raw_value: v.as_bytes().to_vec(),
+        ..Default::default()
+    };
+    let headers = ProcessingRequest {
+        request: Some(PReq::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":method", "POST"),
+                    header(":path", "/v1/chat/completions"),
+                ],
+            }),
+            end_of_stream: false,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mut answers = ExternalProcessorClient::new(channel)
+        .process(tokio_stream::iter([headers]))
+        .await
+        .map_err(|e| format!("process: {e}"))?
+        .into_inner();
+    match tokio::time::timeout(Duration::from_secs(10), answers.message()).await {
+        Ok(Ok(Some(_))) => Ok(()),
+        Ok(Ok(None)) => Err("stream ended".into()),
+        Ok(Err(e)) => Err(format!("message: {e}")),
+        Err(_) => Err("no answer in 10 s".into()),
+    }
+}
+
+fn wait_listening(port: u16, child: &mut ChildGuard, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            panic!("{what} exited with {status}");
+        }
+        assert!(Instant::now() < deadline, "{what} never listened on {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[tokio::test]
+async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
+    let agent_bin = bin_dir().join("kinference-agent");
+    let have_openssl = ["/usr/bin/openssl", "/usr/local/bin/openssl"]
+        .iter()
+        .any(|p| Path::new(p).exists());
+    if !testkit::require(
+        have_openssl,
+        "openssl",
+        "not installed (apt-get install -y openssl)",
+    ) || !testkit::require(
+        agent_bin.exists(),
+        "kinference-agent",
+        format_args!("{} not built", agent_bin.display()),
+    ) {
+        return;
+    }
+    let dir: PathBuf = std::env::temp_dir().join(format!("kinference-mtls-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    ca(&dir, "ca");
+    ca(&dir, "other-ca");
+    leaf(&dir, "agent", "kinference-agent", "ca");
+    leaf(&dir, "gateway", "kinference-gateway", "ca");
+    leaf(&dir, "rogue", "kinference-gateway", "other-ca");
+    let path = |f: &str| dir.join(f).display().to_string();
+
+    // The agent, mTLS on its gRPC port.
+    std::fs::write(dir.join("workers.yaml"), "workers: []\n").unwrap();
+    let (grpc, agent_metrics) = (free_port(), free_port());
+    let mut agent = ChildGuard(
+        Command::new(&agent_bin)
+            .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
+            .args(["--metrics-listen", &format!("127.0.0.1:{agent_metrics}")])
+            .args(["--workers", &path("workers.yaml")])
+            .args(["--grpc-tls-cert", &path("agent.crt")])
+            .args(["--grpc-tls-key", &path("agent.key")])
+            .args(["--grpc-tls-client-ca", &path("ca.crt")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting kinference-agent"),
+    );
+    wait_listening(grpc, &mut agent, "kinference-agent");
+    watch(
+        grpc,
+        Some(client_tls(&dir, "kinference-agent", Some("gateway"))),
+    )
+    .await
+    .expect("a gateway certificate of the CA streams");
+    for (case, tls) in [
+        (
+            "no client certificate",
+            Some(client_tls(&dir, "kinference-agent", None)),
+        ),
+        (
+            "another CA's certificate",
+            Some(client_tls(&dir, "kinference-agent", Some("rogue"))),
+        ),
+        ("plaintext", None),
+    ] {
+        assert!(watch(grpc, tls).await.is_err(), "{case} was let in");
+    }
+
+    // The gateway: ext_proc with mTLS, watching the agent with its client certificate.
+    std::fs::write(
+        dir.join("gateway.yaml"),
+        format!("workers: []\nagents: [\"http://127.0.0.1:{grpc}\"]\nrouting: kinference\n"),
+    )
+    .unwrap();
+    let (api, admin, extproc) = (free_port(), free_port(), free_port());
+    let mut gateway = ChildGuard(
+        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{api}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .args(["--config", &path("gateway.yaml")])
+            .args(["--extproc-listen", &format!("127.0.0.1:{extproc}")])
+            .args(["--extproc-tls-cert", &path("gateway.crt")])
+            .args(["--extproc-tls-key", &path("gateway.key")])
+            .args(["--extproc-tls-client-ca", &path("ca.crt")])
+            .args(["--agent-tls-ca", &path("ca.crt")])
+            .args(["--agent-tls-cert", &path("gateway.crt")])
+            .args(["--agent-tls-key", &path("gateway.key")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting kinference-gateway"),
+    );
+    wait_listening(extproc, &mut gateway, "kinference-gateway");
+    // The proxy's certificate is the gateway's own here: any certificate of the CA will do.
+    ext_proc(
+        extproc,
+        Some(client_tls(&dir, "kinference-gateway", Some("gateway"))),
+    )
+    .await
+    .expect("a proxy certificate of the CA is answered");
+    for (case, tls) in [
+        (
+            "no client certificate",
+            Some(client_tls(&dir, "kinference-gateway", None)),
+        ),
+        (
+            "another CA's certificate",
+            Some(client_tls(&dir, "kinference-gateway", Some("rogue"))),
+        ),
+        ("plaintext", None),
+    ] {
+        assert!(ext_proc(extproc, tls).await.is_err(), "{case} was let in");
+    }
+
+    // The gateway's own Watch stream to the agent runs over mTLS.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let connected =
+        format!("kinference_routing_agent_connected{{agent=\"http://127.0.0.1:{grpc}\"}} 1");
+    loop {
+        let metrics = reqwest_free_get(admin, "/metrics").await;
+        if metrics.contains(&connected) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never connected to the agent over mTLS"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// One plain HTTP/1.1 GET on loopback: the body (empty on any failure).
+async fn reqwest_free_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await;
+    String::from_utf8_lossy(&buf).into_owned()
+}
