@@ -86,6 +86,7 @@ ALL_FEATURES: dict[str, Any] = {
         "staticWorkers": [{"url": "http://10.0.0.5:8000", "model": "qwen2.5-7b"}],
     },
     "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "mtls": {"agentSecret": "agent-mtls", "gatewaySecret": "gateway-mtls", "extproc": True},
 }
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -239,6 +240,31 @@ def test_admin_key_from_a_secret() -> None:
         "name": "kinference-admin",
         "key": "admin-key",
     }
+
+
+def test_mtls_from_secrets() -> None:
+    """Both gRPC connections take their certificates from Secrets: the agent serves with its own and
+    requires the gateways'; the gateway dials with its own and, with mtls.extproc, serves ext_proc with it."""
+    assert not any(a.startswith(("--grpc-tls", "--agent-tls", "--extproc-tls"))
+                   for kind in ("DaemonSet", GATEWAY) for a in container(one(render({}), kind))["args"])
+    values = {"mtls": {"agentSecret": "agent-mtls", "gatewaySecret": "gateway-mtls", "extproc": True}}
+    objects = render(values)
+    agent, gateway = one(objects, "DaemonSet"), one(objects, GATEWAY)
+    tls = "/var/run/kinference/tls"
+    assert {f"--grpc-tls-cert={tls}/tls.crt", f"--grpc-tls-key={tls}/tls.key",
+            f"--grpc-tls-client-ca={tls}/ca.crt"} <= set(container(agent)["args"])
+    assert {f"--agent-tls-ca={tls}/ca.crt", f"--agent-tls-cert={tls}/tls.crt", f"--agent-tls-key={tls}/tls.key",
+            "--agent-tls-server-name=kinference-agent", f"--extproc-tls-cert={tls}/tls.crt",
+            f"--extproc-tls-client-ca={tls}/ca.crt"} <= set(container(gateway)["args"])
+    for workload, secret in ((agent, "agent-mtls"), (gateway, "gateway-mtls")):
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["mtls"]["secret"]["secretName"] == secret
+        mounts = {m["name"]: m for m in container(workload)["volumeMounts"]}
+        assert mounts["mtls"]["mountPath"] == tls and mounts["mtls"]["readOnly"]
+    with pytest.raises(helm.HelmError, match="set both mtls.agentSecret and mtls.gatewaySecret"):
+        render({"mtls": {"agentSecret": "agent-mtls"}})
+    with pytest.raises(helm.HelmError, match="mtls.extproc needs mtls.gatewaySecret"):
+        render({"mtls": {"extproc": True}})
 
 
 # ------------------------------------------------------------------------------------------------ CRDs
