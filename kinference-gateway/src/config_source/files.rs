@@ -1,4 +1,5 @@
-//! Local mode: the [`ConfigSource`] fed by a directory of CRD-shaped YAML, polled for changes.
+//! Local mode: the [`ConfigSource`] fed by a directory (or one file) of CRD-shaped YAML, polled for
+//! changes. The policy stage and tenancy both read their local configuration through it.
 //!
 //! Reading and per-object validation are [`crate::policy::source::load_dir`]'s (each document on
 //! its own, an unreadable document keeps the previous version of the objects its file held); this
@@ -18,11 +19,46 @@ use crate::policy::source::{Loaded, SourceError, load_dir};
 /// Starts watching `dir`: loads it now (an error only if it cannot be read) and re-reads it every
 /// `interval` when a file changed.
 pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceError> {
-    let mut seen = fingerprint(&dir);
+    let seen = fingerprint(&dir);
     let loaded = load_dir(&dir, None)?;
     log_load(&loaded, None);
-    let mut revision = 1;
-    let first = snapshot(&loaded.outcome, revision);
+    Ok(watch_from(
+        dir,
+        interval,
+        seen,
+        snapshot(&loaded.outcome, 1),
+    ))
+}
+
+/// [`start`] for a consumer that fails closed (tenancy): a path that cannot be read yet is no
+/// error; the source publishes an unsynced, empty snapshot until it can be read.
+pub fn start_or_wait(dir: PathBuf, interval: Duration) -> ConfigSource {
+    let seen = fingerprint(&dir);
+    let first = match load_dir(&dir, None) {
+        Ok(loaded) => {
+            log_load(&loaded, None);
+            snapshot(&loaded.outcome, 1)
+        }
+        Err(error) => {
+            tracing::error!(%error, "configuration unreadable; what depends on it is refused until it loads");
+            Snapshot {
+                revision: 1,
+                synced: false,
+                ..Snapshot::default()
+            }
+        }
+    };
+    watch_from(dir, interval, seen, first)
+}
+
+/// Publishes `first`, then a new snapshot whenever a file under `dir` changes.
+fn watch_from(
+    dir: PathBuf,
+    interval: Duration,
+    mut seen: Vec<(PathBuf, u64, Option<SystemTime>)>,
+    first: Snapshot,
+) -> ConfigSource {
+    let mut revision = first.revision;
     let (tx, rx) = watch::channel(Arc::new(first));
     let task = tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
@@ -33,6 +69,7 @@ pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceErr
                 return;
             }
             let now = fingerprint(&dir);
+            // A path missing at start has no fingerprint until it appears.
             if now == seen {
                 continue;
             }
@@ -45,12 +82,12 @@ pub fn start(dir: PathBuf, interval: Duration) -> Result<ConfigSource, SourceErr
                     tx.send_replace(Arc::new(snapshot(&loaded.outcome, revision)));
                 }
                 Err(error) => {
-                    tracing::warn!(%error, "policy directory unreadable; the current set keeps serving");
+                    tracing::warn!(%error, "configuration files unreadable; the current set keeps serving");
                 }
             }
         }
     });
-    Ok(ConfigSource::new(rx, vec![task]))
+    ConfigSource::new(rx, vec![task])
 }
 
 /// Logs a load's problems and each object whose state changed since `before`.
@@ -119,9 +156,15 @@ pub fn snapshot(outcome: &BuildOutcome, revision: u64) -> Snapshot {
     }
 }
 
-/// Every YAML file under `dir` with its size and mtime.
+/// Every YAML file under `dir` (or `dir` itself, a file) with its size and mtime.
 fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, Option<SystemTime>)> {
     let mut out = Vec::new();
+    if dir.is_file() {
+        let meta = std::fs::metadata(dir).ok();
+        let len = meta.as_ref().map_or(0, |m| m.len());
+        out.push((dir.to_path_buf(), len, meta.and_then(|m| m.modified().ok())));
+        return out;
+    }
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&d) else {

@@ -345,3 +345,37 @@ fn explain_names_each_state_as_the_metric_does_and_reads_back_the_written_status
     );
     assert_eq!(inspect::kind_named("pod"), None);
 }
+
+#[tokio::test]
+async fn a_tenants_file_missing_at_start_is_unsynced_until_it_appears_then_followed() {
+    let dir = std::env::temp_dir().join(format!(
+        "kinference-files-source-{}-{:x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let file = dir.join("tenants.yaml");
+    let source = files::start_or_wait(file.clone(), std::time::Duration::from_millis(20));
+    assert!(!source.current().synced, "nothing to read yet: unsynced");
+    let tenant = |name: &str| {
+        format!(
+            "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec: {{apiKeys: [{{env: KEY}}]}}\n"
+        )
+    };
+    std::fs::write(&file, tenant("acme")).expect("write");
+    assert!(source.wait_synced(std::time::Duration::from_secs(5)).await);
+    assert!(source.current().set.tenants.contains_key("acme"));
+    // A broken edit keeps the last good version (the file is one object's only source).
+    let mut rx = source.subscribe();
+    std::fs::write(
+        &file,
+        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: acme\n",
+    )
+    .expect("write");
+    tokio::time::timeout(std::time::Duration::from_secs(5), rx.changed())
+        .await
+        .expect("reloaded")
+        .expect("open");
+    assert!(source.current().set.tenants.contains_key("acme"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -155,6 +155,10 @@ fn objects_from(set: &PolicySet, files: &BTreeSet<PathBuf>) -> Vec<ObjectKey> {
 }
 
 fn yaml_files(dir: &Path) -> Result<Vec<PathBuf>, SourceError> {
+    // A single file named directly (e.g. `tenancy.tenants_dir: tenants.yaml`) is read as is.
+    if dir.is_file() {
+        return Ok(vec![dir.to_path_buf()]);
+    }
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {

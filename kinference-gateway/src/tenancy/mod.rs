@@ -58,6 +58,8 @@ use metrics::TenancyMetrics;
 use store::{Journal, JournalConfig, RedisStore, StoreMetrics};
 use usage::Aggregates;
 
+use crate::config_source;
+
 /// Where the rate-limit buckets and the shared usage live.
 #[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -209,7 +211,6 @@ pub enum TenancyError {
 #[derive(Debug)]
 pub struct Tenancy {
     config: TenancyConfig,
-    policy_dir: Option<PathBuf>,
     table: RwLock<Arc<TenantTable>>,
     local: LocalBuckets,
     redis: Option<Arc<RedisStore>>,
@@ -229,8 +230,9 @@ fn now_ms() -> u64 {
 }
 
 impl Tenancy {
-    /// Loads tenants and keys, opens the usage journal (replaying it), connects the store lazily,
-    /// registers the metrics and starts the reload task (on the current tokio runtime).
+    /// Loads tenants and keys (local mode: `tenants_dir` and the pools of `policy_dir`, each
+    /// followed through a [`config_source::files`] source), opens the usage journal (replaying
+    /// it), connects the store lazily and registers the metrics (on the current tokio runtime).
     pub fn start(
         config: TenancyConfig,
         config_path: &Path,
@@ -297,7 +299,6 @@ impl Tenancy {
         let required = config.tenants_dir.is_some();
         let tenancy = Arc::new(Tenancy {
             config,
-            policy_dir,
             // Until a first load succeeds: closed (503) when a tenant source is configured.
             table: RwLock::new(Arc::new(TenantTable::empty(required))),
             local: LocalBuckets::default(),
@@ -309,23 +310,20 @@ impl Tenancy {
             models,
             followed: std::sync::atomic::AtomicBool::new(false),
         });
-        tenancy.reload(true);
+        // Local mode: the tenants (and the pools' prices) through the same kind of configuration
+        // source as the cluster's, fed by the files; a cluster source replaces it ([`Tenancy::follow`]).
+        let every = Duration::from_millis(tenancy.config.reload_interval_ms.max(100));
+        let tenants_path = tenancy.config.tenants_dir.clone();
+        let tenants = tenants_path
+            .clone()
+            .map(|p| config_source::files::start_or_wait(p, every));
+        let policy = policy_dir
+            .filter(|d| Some(d) != tenants_path.as_ref())
+            .map(|p| config_source::files::start_or_wait(p, every));
+        tenancy.follow_files(tenants, policy, every);
         tracing::info!(journal = %journal_path.display(), records = replayed.records.len(),
             periods = replayed.periods.len(),
             store = ?tenancy.config.store, "usage journal replayed");
-        let weak = Arc::downgrade(&tenancy);
-        let every = Duration::from_millis(tenancy.config.reload_interval_ms.max(100));
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                match weak.upgrade() {
-                    Some(t) => t.reload(false),
-                    None => return,
-                }
-            }
-        });
         Ok(tenancy)
     }
 
