@@ -1,0 +1,367 @@
+//! `overload-bench`: does the gateway keep serving well-behaved clients while hostile ones hold
+//! connections? (Issue 21: 10,000 idle connections plus 200 slow-body clients against one gateway,
+//! well-behaved clients' p50 within 2x of an unloaded run.)
+//!
+//! Starts one `vllm-sim` (preset `fast`, scaled time) and one `kinference-gateway` with its default
+//! limits, measures a well-behaved workload (non-streaming chat requests at a fixed concurrency)
+//! unloaded, then opens the idle connections (connected, never a byte) and the slow-body clients
+//! (a request head and one body byte a second, never the whole body) and measures the same
+//! workload again. Prints p50/p99 of both runs, their ratio, the gateway's resident memory before
+//! and under load, its open-connection and in-flight gauges, and how long `/metrics` took on the
+//! admin port under load.
+//!
+//! ```text
+//! cargo build --release -p kinference-bench -p kinference-gateway
+//! target/release/overload-bench --idle 10000 --slow 200
+//! ```
+//! Needs a file-descriptor limit above idle + slow (`ulimit -n`), for this process and the gateway.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use kinference_bench::stats::percentile_duration as percentile;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// Well-behaved latency with hostile connections held open.
+#[derive(Debug, Parser)]
+#[command(name = "overload-bench")]
+struct Args {
+    /// Directory with `vllm-sim` and `kinference-gateway` (default: this binary's directory).
+    #[arg(long, env = "KINFERENCE_BIN_DIR")]
+    bin_dir: Option<PathBuf>,
+    /// Tokenizer directory for the simulator (default: `<repo>/.assets/qwen2`).
+    #[arg(long, env = "KINFERENCE_TOKENIZER_DIR")]
+    tokenizer_dir: Option<PathBuf>,
+    /// Idle connections (connected, nothing sent).
+    #[arg(long, default_value_t = 10_000)]
+    idle: usize,
+    /// Slow-body clients (head sent, then one body byte a second).
+    #[arg(long, default_value_t = 200)]
+    slow: usize,
+    /// Concurrency of the well-behaved clients.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Well-behaved requests per run.
+    #[arg(long, default_value_t = 800)]
+    requests: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: u32,
+    /// The simulator's time scale (wall seconds per model second).
+    #[arg(long, default_value_t = 0.01)]
+    time_scale: f64,
+}
+
+/// A child process killed when dropped (also on panic or early return).
+struct Guard(Child, &'static str);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, String)> {
+    let request = Request::get(url).body(Full::new(Bytes::new()))?;
+    let response = tokio::time::timeout(Duration::from_secs(5), client.request(request)).await??;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+async fn wait_ready(client: &HttpClient, url: &str, child: &mut Guard) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Some(status) = child.0.try_wait()? {
+            bail!("{} exited with {status} before {url} answered", child.1);
+        }
+        if matches!(get(client, url).await, Ok((200, _))) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("{url} not ready within 60 s")
+}
+
+/// `requests` well-behaved requests at `concurrency`: the latencies, and how many failed.
+async fn workload(
+    client: &HttpClient,
+    url: &str,
+    body: &Bytes,
+    concurrency: usize,
+    requests: usize,
+) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let failed = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::with_capacity(concurrency);
+    for _ in 0..concurrency {
+        let (client, url, body, next, failed) = (
+            client.clone(),
+            url.to_string(),
+            body.clone(),
+            next.clone(),
+            failed.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            while next.fetch_add(1, Ordering::Relaxed) < requests {
+                let request = Request::builder()
+                    .method(Method::POST)
+                    .uri(&url)
+                    .header("content-type", "application/json")
+                    .body(Full::new(body.clone()))?;
+                let start = Instant::now();
+                let response = client.request(request).await?;
+                let status = response.status();
+                let answer = response.into_body().collect().await?.to_bytes();
+                if status.is_success() {
+                    out.push(start.elapsed());
+                } else if failed.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!(
+                        "first failure: {status} {}",
+                        String::from_utf8_lossy(&answer)
+                    );
+                }
+            }
+            anyhow::Ok(out)
+        }));
+    }
+    let mut all = Vec::with_capacity(requests);
+    for task in tasks {
+        all.extend(task.await??);
+    }
+    all.sort_unstable();
+    Ok((all, failed.load(Ordering::Relaxed)))
+}
+
+/// Resident memory of `pid` in MiB (Linux).
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// The first sample of `name` in a Prometheus exposition.
+fn sample(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin_dir = match &args.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("binary directory")?
+            .to_path_buf(),
+    };
+    let tokenizer = args
+        .tokenizer_dir
+        .clone()
+        .unwrap_or_else(|| repo_root().join(".assets/qwen2"));
+    let workdir = std::env::temp_dir().join(format!("overload-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir)?;
+
+    let (sim_port, gw_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+    let worker = format!("http://127.0.0.1:{sim_port}");
+    let mut sim = Guard(
+        Command::new(bin_dir.join("vllm-sim"))
+            .args(["--host", "127.0.0.1", "--port", &sim_port.to_string()])
+            .args(["--model", "qwen2-sim", "--preset", "fast"])
+            .args(["--time-scale", &args.time_scale.to_string()])
+            .args(["--max-num-seqs", "256"])
+            .arg("--tokenizer-dir")
+            .arg(&tokenizer)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
+        "vllm-sim",
+    );
+    let config = workdir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: qwen2-sim\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: least-outstanding\n"
+        ),
+    )?;
+    let mut gateway = Guard(
+        Command::new(bin_dir.join("kinference-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{gw_port}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
+            .arg("--config")
+            .arg(&config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| {
+                format!("starting {}", bin_dir.join("kinference-gateway").display())
+            })?,
+        "kinference-gateway",
+    );
+    let client = client();
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
+    wait_ready(&client, &format!("{admin}/readyz"), &mut gateway).await?;
+    // Ready is not the same as having probed the worker up (the gateway may have started first).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !get(&client, &format!("{admin}/healthz/workers"))
+        .await
+        .is_ok_and(|(_, body)| body.contains(r#""healthy":1"#))
+    {
+        if Instant::now() > deadline {
+            bail!("the gateway never saw its worker healthy");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let gw_pid = gateway.0.id();
+
+    let url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
+    let body = Bytes::from(
+        serde_json::json!({
+            "model": "qwen2-sim",
+            "messages": [{"role": "user", "content": "Say something about overload."}],
+            "max_tokens": args.max_tokens,
+        })
+        .to_string(),
+    );
+    // Warm-up, then the unloaded run.
+    workload(&client, &url, &body, args.concurrency, args.concurrency * 8).await?;
+    let rss_idle = rss_mib(gw_pid);
+    let (unloaded, unloaded_failed) =
+        workload(&client, &url, &body, args.concurrency, args.requests).await?;
+
+    // The hostile load: idle connections, then slow bodies trickling a byte a second.
+    let opened = Instant::now();
+    let mut idle = Vec::with_capacity(args.idle);
+    for _ in 0..args.idle {
+        idle.push(TcpStream::connect(("127.0.0.1", gw_port)).await?);
+    }
+    let slow_body = body.len() + 1_000;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {slow_body}\r\n\r\n"
+    );
+    let mut slow = Vec::with_capacity(args.slow);
+    for _ in 0..args.slow {
+        let mut s = TcpStream::connect(("127.0.0.1", gw_port)).await?;
+        s.write_all(head.as_bytes()).await?;
+        slow.push(tokio::spawn(async move {
+            loop {
+                if s.write_all(b" ").await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }));
+    }
+    let open_time = opened.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let metrics_started = Instant::now();
+    let (_, metrics) = get(&client, &format!("{admin}/metrics")).await?;
+    let metrics_time = metrics_started.elapsed();
+    let (loaded, loaded_failed) =
+        workload(&client, &url, &body, args.concurrency, args.requests).await?;
+    let rss_loaded = rss_mib(gw_pid);
+    let (_, after) = get(&client, &format!("{admin}/metrics")).await?;
+
+    let (u50, u99) = (percentile(&unloaded, 50.0), percentile(&unloaded, 99.0));
+    let (l50, l99) = (percentile(&loaded, 50.0), percentile(&loaded, 99.0));
+    println!(
+        "overload-bench: vllm-sim --preset fast --time-scale {}, {} well-behaved requests at concurrency {}, max_tokens {}; hostile: {} idle connections + {} slow-body clients (opened in {:.1} s)",
+        args.time_scale,
+        args.requests,
+        args.concurrency,
+        args.max_tokens,
+        args.idle,
+        args.slow,
+        open_time.as_secs_f64()
+    );
+    println!();
+    println!("| run | p50 | p99 | failed | gateway RSS |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| unloaded | {:.2} ms | {:.2} ms | {unloaded_failed} | {rss_idle:.0} MiB |",
+        ms(u50),
+        ms(u99)
+    );
+    println!(
+        "| {} idle + {} slow-body | {:.2} ms | {:.2} ms | {loaded_failed} | {rss_loaded:.0} MiB |",
+        args.idle,
+        args.slow,
+        ms(l50),
+        ms(l99)
+    );
+    println!();
+    println!(
+        "p50 ratio loaded/unloaded: {:.2}x (target <= 2x); p99 ratio {:.2}x",
+        l50.as_secs_f64() / u50.as_secs_f64(),
+        l99.as_secs_f64() / u99.as_secs_f64()
+    );
+    println!(
+        "under load: open_connections{{port=\"api\"}} {}, overload_in_flight {} (the slow bodies), admin /metrics answered in {:.1} ms; shed so far {}",
+        sample(
+            &metrics,
+            "kinference_gateway_open_connections{port=\"api\"}"
+        ),
+        sample(&metrics, "kinference_gateway_overload_in_flight"),
+        ms(metrics_time),
+        sample(&after, "kinference_gateway_shed_total").max(0.0)
+    );
+    drop(idle);
+    for task in slow {
+        task.abort();
+    }
+    Ok(())
+}
