@@ -465,12 +465,16 @@ impl RedisStore {
         let over = pending.len().saturating_sub(self.pending_max);
         if over > 0 {
             pending.drain(..over);
-            self.metrics.redis_dropped.inc_by(over as u64);
-            tracing::warn!(
-                dropped = over,
-                max = self.pending_max,
-                "usage records dropped from the redis queue (redis unreachable too long); they stay in the local journal"
-            );
+            // Logged when dropping begins, then once per 10,000 records dropped.
+            let before = self.metrics.redis_dropped.inc_by(over as u64);
+            let after = before + over as u64;
+            if before == 0 || before / 10_000 != after / 10_000 {
+                tracing::warn!(
+                    dropped = after,
+                    max = self.pending_max,
+                    "usage records dropped from the redis queue (redis unreachable too long); they stay in the local journal"
+                );
+            }
         }
         self.metrics.redis_pending.set(pending.len() as i64);
     }

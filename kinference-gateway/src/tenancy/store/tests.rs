@@ -30,3 +30,46 @@ fn admission_answers_parse() {
     );
     assert_eq!(parse_admit(&["ok".into()], 1), None);
 }
+
+#[tokio::test]
+async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
+    // Nothing listens on the port: every record stays queued, up to the bound.
+    let port = testkit::free_port();
+    let metrics = StoreMetrics::default();
+    let store = RedisStore::bounded(
+        &format!("redis://127.0.0.1:{port}"),
+        Duration::from_millis(50),
+        100,
+        metrics.clone(),
+    )
+    .unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
+    let record = |i: usize| UsageRecord {
+        id: format!("r{i}"),
+        ts_ms: 1,
+        tenant: "t".into(),
+        model: "m".into(),
+        pool: String::new(),
+        provider: String::new(),
+        status: 200,
+        requests: 1,
+        input_uncached: 1,
+        input_cached: 0,
+        output: 1,
+        cost: 0.0,
+        estimated: false,
+    };
+    for batch in 0..3 {
+        tx.send((0..50).map(|i| record(batch * 50 + i)).collect())
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while metrics.redis_dropped() < 50 {
+        assert!(std::time::Instant::now() < deadline, "nothing dropped");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.pending(), 100);
+    assert_eq!(metrics.redis_dropped(), 50);
+    forward.abort();
+}
