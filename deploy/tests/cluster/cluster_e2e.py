@@ -1109,3 +1109,12 @@ def test_crds_take_effect_through_the_gateway_service(cluster: Kube):
         time.sleep(0.2)
     TIMINGS["Secret rotated -> new key accepted, old refused"] = time.monotonic() - rotated
     assert [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)] == restarts
+
+    # Deleting the policy and the pool gives the pinned worker back to the router's own choice: it is still
+    # a discovered worker pod, so it stays a candidate.
+    kube.run("delete", "-n", NS, "inferencepolicy/pin-probe", "inferencepool/pinned")
+    time.sleep(2)
+    urls = pod_urls(kube)
+    sets = gateway_worker_sets(kube)
+    log(f"after deleting the pinned pool: pods {urls}, gateways' healthy workers {sets}")
+    assert all(s == urls for s in sets), (urls, sets)
