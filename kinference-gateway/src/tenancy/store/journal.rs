@@ -379,7 +379,12 @@ impl Writer {
         {
             Ok(()) => {
                 self.len += buf.len() as u64;
-                self.torn = false;
+                if self.torn {
+                    // The uncut bytes of the failed write lie before this batch: count them too,
+                    // so that a later cut never reaches into whole lines.
+                    self.len = self.file.metadata().map_or(self.len, |m| m.len());
+                    self.torn = false;
+                }
                 let written: Vec<UsageRecord> = self.buffer.drain(..).collect();
                 metrics.journal_buffered.set(0);
                 if !self.shared.healthy.swap(true, Ordering::Relaxed) {
