@@ -55,7 +55,8 @@ pub fn destination_metadata(endpoint: &str) -> Struct {
 }
 
 /// The answer to the last request-body chunk once a worker is chosen: the destination header (the
-/// route cache is cleared so Envoy re-evaluates the route with it) and the `envoy.lb` metadata.
+/// route cache is cleared so Envoy re-evaluates the route with it) and the `envoy.lb` metadata. The
+/// admin key a client may have sent (`x-kinference-admin-key`) is removed: it never reaches a worker.
 pub fn routed(endpoint: &str, worker: &str) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
@@ -65,7 +66,7 @@ pub fn routed(endpoint: &str, worker: &str) -> ProcessingResponse {
                         set_header(DESTINATION_HEADER, endpoint),
                         set_header(WORKER_HEADER, worker),
                     ],
-                    remove_headers: Vec::new(),
+                    remove_headers: vec![crate::access::ADMIN_KEY_HEADER.to_string()],
                 }),
                 clear_route_cache: true,
                 ..Default::default()

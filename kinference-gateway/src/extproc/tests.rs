@@ -79,7 +79,9 @@ fn routed_reply_sets_header_and_lb_metadata() {
     };
     let common = body.response.expect("common response");
     assert!(common.clear_route_cache);
-    let set = common.header_mutation.expect("mutation").set_headers;
+    let mutation = common.header_mutation.expect("mutation");
+    assert_eq!(mutation.remove_headers, ["x-kinference-admin-key"]);
+    let set = mutation.set_headers;
     let dest = set
         .iter()
         .filter_map(|h| h.header.as_ref())
