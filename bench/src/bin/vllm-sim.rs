@@ -74,6 +74,10 @@ struct Args {
     /// Leave `usage.prompt_tokens_details` null (vLLM without --enable-prompt-tokens-details).
     #[arg(long)]
     no_prompt_tokens_details: bool,
+    /// Refuse `auto` tool choice as vLLM does without --enable-auto-tool-choice (named and
+    /// `required` choices still work).
+    #[arg(long)]
+    no_auto_tool_choice: bool,
 }
 
 impl Args {
@@ -102,6 +106,7 @@ impl Args {
             max_model_len: self.max_model_len,
             seed: self.seed,
             prompt_tokens_details: !self.no_prompt_tokens_details,
+            auto_tool_choice: !self.no_auto_tool_choice,
             kv_events,
         }
     }

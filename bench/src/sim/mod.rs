@@ -43,6 +43,8 @@ pub struct SimConfig {
     pub max_model_len: usize,
     pub seed: u64,
     pub prompt_tokens_details: bool,
+    /// Tool calls with `tool_choice` auto (vLLM's `--enable-auto-tool-choice`).
+    pub auto_tool_choice: bool,
     pub kv_events: Option<KvEventsConfig>,
 }
 
@@ -131,6 +133,7 @@ pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Runnin
         max_model_len: cfg.max_model_len,
         num_blocks: cfg.num_blocks,
         prompt_tokens_details: cfg.prompt_tokens_details,
+        auto_tool_choice: cfg.auto_tool_choice,
         token_text: vocab.into_iter().collect(),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

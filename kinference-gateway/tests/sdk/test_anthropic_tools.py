@@ -252,3 +252,21 @@ def test_openai_sdk_tools_through_the_chat_api(gateway):
         *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "18 C"}])
     assert follow.choices[0].finish_reason == "length" and follow.choices[0].message.content
+
+
+def test_a_worker_without_a_tool_parser_refuses_in_anthropics_shape(cluster):
+    """vLLM started without --enable-auto-tool-choice refuses `auto` tool choice with 400; the client sees
+    that refusal as an Anthropic error, streamed or not. A named tool still works there (vLLM constrains
+    the output to the tool's schema)."""
+    gw = cluster.gateway([cluster.worker("--no-auto-tool-choice")])
+    ant = client(gw)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        ant.messages.create(model=MODEL, max_tokens=32, tools=[WEATHER], messages=[ASK])
+    assert e.value.body["type"] == "error"
+    assert "enable-auto-tool-choice" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        with ant.messages.stream(model=MODEL, max_tokens=32, tools=[WEATHER], messages=[ASK]) as stream:
+            list(stream)
+    named = ant.messages.create(model=MODEL, max_tokens=64, tools=[WEATHER], messages=[ASK],
+                                tool_choice={"type": "tool", "name": "get_weather"})
+    assert named.stop_reason == "tool_use"

@@ -58,6 +58,8 @@ pub struct AppState {
     pub max_model_len: usize,
     pub num_blocks: usize,
     pub prompt_tokens_details: bool,
+    /// Whether `auto` tool choice is enabled (vLLM's `--enable-auto-tool-choice`).
+    pub auto_tool_choice: bool,
     /// Text of each token the engine can generate.
     pub token_text: HashMap<u32, String>,
     pub started: u64,
@@ -220,7 +222,11 @@ async fn route(
             generate(state, r, false).await
         }
         "/v1/chat/completions" if post => {
-            let r = openai::parse_chat(&read_json(req).await?)?;
+            let body = read_json(req).await?;
+            if !state.auto_tool_choice && tools::wants_auto(&body) {
+                return Err(ApiError::bad(tools::AUTO_REFUSED));
+            }
+            let r = openai::parse_chat(&body)?;
             generate(state, r, true).await
         }
         "/v1/completions/render" if post => {

@@ -127,3 +127,19 @@ fn a_streamed_call_opens_then_carries_every_argument_piece() {
     assert_eq!(arguments, call.arguments);
     assert!(deltas.len() > 3, "the arguments come in several pieces");
 }
+
+#[test]
+fn auto_tool_choice_is_what_a_worker_without_a_parser_refuses() {
+    use super::tools::wants_auto;
+    let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+    assert!(wants_auto(&json!({"tools": tools})));
+    assert!(wants_auto(&json!({"tools": tools, "tool_choice": "auto"})));
+    assert!(!wants_auto(
+        &json!({"tools": tools, "tool_choice": "required"})
+    ));
+    assert!(!wants_auto(
+        &json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    ));
+    assert!(!wants_auto(&json!({"tools": [], "tool_choice": "auto"})));
+    assert!(!wants_auto(&json!({"messages": []})));
+}

@@ -66,6 +66,24 @@ impl PlannedCall {
     }
 }
 
+/// vLLM's answer (400) to `auto` tool choice when it was started without a tool parser.
+pub const AUTO_REFUSED: &str =
+    "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set";
+
+/// Whether `body` has tools and lets the model choose (`tool_choice` `auto` or absent).
+pub fn wants_auto(body: &Value) -> bool {
+    let has_tools = body
+        .get("tools")
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    let auto = match body.get("tool_choice") {
+        None | Some(Value::Null) => true,
+        Some(Value::String(c)) => c == "auto",
+        Some(_) => false,
+    };
+    has_tools && auto
+}
+
 /// The call the simulated model makes for a chat request `body`, if any (the rule in the module doc).
 pub fn plan(body: &Value) -> Option<PlannedCall> {
     let tools: Vec<&Value> = body.get("tools")?.as_array()?.iter().collect();
