@@ -8,7 +8,9 @@
 //!   Anthropic `overloaded_error`) and `Retry-After`;
 //! - near the limit a low-priority tenant is shed while a high-priority one is still admitted;
 //! - a client that hangs up mid-stream cancels its upstream request (the simulator's
-//!   `vllm:num_requests_running` drops at once, not when the generation would have ended).
+//!   `vllm:num_requests_running` drops at once, not when the generation would have ended);
+//! - a client that stops reading (connection open) is cut after `--client-write-timeout-ms` once
+//!   the socket buffers are full, and its upstream request is cancelled the same way.
 
 mod support;
 
@@ -25,6 +27,11 @@ const MODEL: &str = "overload-model";
 /// A `vllm-sim` worker at a realistic decode speed (about 30 tokens a second), and its port;
 /// `None` (skipped) when the simulator is not built.
 async fn worker() -> Option<(ChildGuard, u16)> {
+    worker_at(1.0).await
+}
+
+/// [`worker`] with its clock scaled (`0.1`: ten times faster).
+async fn worker_at(time_scale: f64) -> Option<(ChildGuard, u16)> {
     let sim = testkit::bin_dir().join("vllm-sim");
     if !testkit::require(
         sim.exists(),
@@ -38,6 +45,7 @@ async fn worker() -> Option<(ChildGuard, u16)> {
         Command::new(&sim)
             .args(["--host", "127.0.0.1", "--port", &port.to_string()])
             .args(["--model", MODEL, "--preset", "l40s-27b-fp8"])
+            .args(["--time-scale", &time_scale.to_string()])
             .arg("--tokenizer-dir")
             .arg(tokenizer_dir())
             .stdout(Stdio::null())
@@ -387,4 +395,67 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_upstream_request() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(in_flight(admin).await, 0.0);
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_cut_after_the_write_deadline_and_its_upstream_cancelled() {
+    // Fifty times real speed: the socket buffers fill within seconds; the whole answer would take
+    // 20 s (a cut one is told apart by its 499 below).
+    let Some((_worker, worker_port)) = worker_at(0.02).await else {
+        return;
+    };
+    let dir = scratch("stall");
+    let (_gw, api, admin) =
+        gateway(&dir, worker_port, "", &["--client-write-timeout-ms=500"]).await;
+
+    // A small receive window, so the gateway's writes block soon after the client stops reading.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut stream = socket
+        .connect(std::net::SocketAddr::from(([127, 0, 0, 1], api)))
+        .await
+        .expect("connect");
+    // Long answers with long lines: the socket buffers fill within seconds.
+    let body = format!(
+        r#"{{"model":"{MODEL}","stream":true,"max_tokens":30000,"ignore_eos":true,"messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "stall ".repeat(20)
+    );
+    stream
+        .write_all(
+            format!(
+                "{}{body}",
+                post_head("/v1/chat/completions", None, body.len())
+            )
+            .as_bytes(),
+        )
+        .await
+        .expect("send");
+    let mut first = [0u8; 512];
+    let n = tokio::time::timeout(Duration::from_secs(20), stream.read(&mut first))
+        .await
+        .expect("no first bytes")
+        .expect("read");
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    assert_eq!(running(worker_port).await, 1.0);
+
+    // Now the client reads nothing, and keeps its connection open.
+    let stopped = Instant::now();
+    while running(worker_port).await > 0.0 {
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "the worker still generates for a client that reads nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(in_flight(admin).await, 0.0);
+    // Cut, not finished: the request is counted as abandoned (499), not as a 200.
+    let metrics = get(admin, "/metrics").await.expect("metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kinference_gateway_requests_total")
+                && l.contains("status=\"499\"")),
+        "{metrics}"
+    );
+    drop(stream);
 }
