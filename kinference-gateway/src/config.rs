@@ -2,8 +2,8 @@
 //!
 //! Flags hold the process-level knobs (listen addresses, body limit, upstream timeouts, health probing);
 //! the YAML file holds the cluster view in local mode (models, workers, agents, routing mode, policies).
-//! Other engineers add fields to [`GatewayConfig`]; unknown keys are ignored so that a file written for a
-//! newer gateway (or shared with the agent's worker list) still loads.
+//! Unknown or misspelt keys are errors naming the file, the line and the nearest valid key (see
+//! [`yaml`]): a typo must not silently fall back to a default.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -125,8 +125,11 @@ impl AgentTlsArgs {
 
 pub use crate::backend::worker::HttpSettings;
 
+pub mod yaml;
+
 /// The `gateway.yaml` file (local mode).
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GatewayConfig {
     /// Served models.
     #[serde(default)]
@@ -180,8 +183,8 @@ pub enum ConfigError {
         /// The cause.
         source: std::io::Error,
     },
-    /// The file is not valid YAML for [`GatewayConfig`].
-    #[error("parsing {path}: {source}")]
+    /// The file is not valid YAML for [`GatewayConfig`] (an unknown key included).
+    #[error("{}", yaml::describe(path, 1, source))]
     Parse {
         /// The file.
         path: PathBuf,

@@ -57,3 +57,41 @@ fn http_defaults_match_flag_defaults() {
     let args = Args::parse_from(["kinference-gateway", "--idle-timeout-ms", "5"]);
     assert_eq!(args.http.idle_timeout(), Duration::from_millis(5));
 }
+
+#[test]
+fn a_misspelt_key_names_the_file_line_column_and_the_nearest_key() {
+    let path = std::env::temp_dir().join(format!("kinference-strict-{}.yaml", std::process::id()));
+    std::fs::write(
+        &path,
+        "routing: kinference\nworkers:\n  - url: http://127.0.0.1:8001\n    modle: m\n",
+    )
+    .expect("write");
+    let message = GatewayConfig::load(&path).unwrap_err().to_string();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(
+        message,
+        format!(
+            "unknown key `modle` at {}:4:5; did you mean `model`?",
+            path.display()
+        )
+    );
+    // Top level and nested blocks alike.
+    for (yaml, key, nearest) in [
+        ("policy_dri: p\n", "policy_dri", "policy_dir"),
+        ("tenancy:\n  redis_ur: x\n", "redis_ur", "redis_url"),
+        ("kubernetes:\n  namespace: [a]\n", "namespace", "namespaces"),
+        (
+            "classifier:\n  external:\n    urll: http://x\n",
+            "urll",
+            "url",
+        ),
+    ] {
+        let e = GatewayConfig::from_yaml(yaml).unwrap_err();
+        let message = yaml::describe(std::path::Path::new("gateway.yaml"), 1, &e);
+        assert!(
+            message.starts_with(&format!("unknown key `{key}` at gateway.yaml:"))
+                && message.ends_with(&format!("did you mean `{nearest}`?")),
+            "{yaml}: {message}"
+        );
+    }
+}

@@ -39,6 +39,7 @@ pub const AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The `kubernetes:` block of `gateway.yaml` (written by the chart's gateway ConfigMap).
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
     /// Namespaces where worker pods are watched.
     #[serde(default)]
