@@ -288,9 +288,26 @@ impl GatewayError {
         }
     }
 
+    /// What the client is told: the error's text, except that a worker's address stays in the
+    /// gateway's logs (internal addresses are for admins only).
+    pub fn client_message(&self) -> String {
+        match self {
+            GatewayError::WorkerUnreachable { .. } => {
+                "the worker chosen for the request is unreachable".into()
+            }
+            GatewayError::BadUpstream { .. } => {
+                "the worker chosen for the request answered something the gateway cannot use".into()
+            }
+            GatewayError::UpstreamTimeout { what, .. } => {
+                format!("the worker chosen for the request timed out ({what})")
+            }
+            other => other.to_string(),
+        }
+    }
+
     /// The JSON error body in the client's protocol.
     pub fn body(&self, protocol: Protocol) -> serde_json::Value {
-        let message = self.to_string();
+        let message = self.client_message();
         match protocol {
             Protocol::OpenAi => {
                 let param = match self {

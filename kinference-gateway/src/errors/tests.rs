@@ -140,3 +140,31 @@ fn a_shed_request_is_a_503_in_the_clients_protocol_with_retry_after() {
         "timeout_error"
     );
 }
+
+#[test]
+fn worker_addresses_stay_out_of_client_errors() {
+    let worker = "http://10.1.2.3:8000".to_string();
+    for error in [
+        GatewayError::WorkerUnreachable {
+            worker: worker.clone(),
+            detail: "connection refused".into(),
+        },
+        GatewayError::BadUpstream {
+            worker: worker.clone(),
+            detail: "status 500: boom".into(),
+        },
+        GatewayError::UpstreamTimeout {
+            worker: worker.clone(),
+            what: "first byte",
+        },
+    ] {
+        // The log line keeps the address; the client's body and stream event do not.
+        assert!(error.to_string().contains("10.1.2.3"));
+        for protocol in [Protocol::OpenAi, Protocol::Anthropic] {
+            let body = error.body(protocol).to_string();
+            assert!(!body.contains("10.1.2.3"), "{body}");
+            let event = String::from_utf8_lossy(&error.stream_event(protocol)).into_owned();
+            assert!(!event.contains("10.1.2.3"), "{event}");
+        }
+    }
+}
