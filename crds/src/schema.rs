@@ -204,8 +204,21 @@ fn check(schema: &Value, value: &Value, path: &str, errors: &mut Vec<SchemaError
             } else if let Some(extra) = additional.filter(|a| a.is_object()) {
                 check(extra, child, &child_path, errors);
             } else if properties.is_some() {
-                // The apiserver would silently prune it; offline a typo deserves a loud error.
-                push(errors, &child_path, "unknown field".into());
+                // The apiserver would silently prune it; offline a typo deserves a loud error, worded
+                // as serde words it so that readers can suggest the nearest valid key.
+                let expected: Vec<String> = properties
+                    .into_iter()
+                    .flat_map(|p| p.keys())
+                    .map(|k| format!("`{k}`"))
+                    .collect();
+                push(
+                    errors,
+                    &child_path,
+                    format!(
+                        "unknown field `{key}`, expected one of {}",
+                        expected.join(", ")
+                    ),
+                );
             }
         }
     }

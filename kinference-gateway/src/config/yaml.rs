@@ -27,6 +27,20 @@ pub fn describe(file: &Path, first_line: usize, e: &serde_yaml::Error) -> String
     }
 }
 
+/// `message` with serde's "unknown field `x`, expected one of ..." tail replaced by the nearest
+/// valid key (or the list, when none is close); other messages unchanged.
+pub fn with_hint(message: &str) -> String {
+    match (unknown_key(message), message.find("unknown field `")) {
+        (Some(unknown), Some(start)) => format!(
+            "{}unknown field `{}`; {}",
+            &message[..start],
+            unknown.key,
+            unknown.hint()
+        ),
+        _ => message.to_string(),
+    }
+}
+
 /// serde_yaml's message without its trailing " at line L column C" (the position is given apart).
 fn cause(e: &serde_yaml::Error) -> String {
     let message = e.to_string();
@@ -121,6 +135,13 @@ mod tests {
         assert_eq!(far.nearest(), None);
         assert_eq!(far.hint(), "valid keys here: `url`, `model`");
         assert_eq!(unknown_key("invalid type: string"), None);
+        assert_eq!(
+            with_hint(
+                "spec.rules[0].match.tenant: unknown field `tenant`, expected one of `tenants`"
+            ),
+            "spec.rules[0].match.tenant: unknown field `tenant`; did you mean `tenants`?"
+        );
+        assert_eq!(with_hint("must be at least 1"), "must be at least 1");
     }
 
     #[test]

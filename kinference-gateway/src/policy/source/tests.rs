@@ -136,3 +136,21 @@ async fn the_watcher_reloads_on_change_and_rolls_back_bad_versions() {
         watcher.states()
     );
 }
+
+#[test]
+fn a_misspelt_key_in_a_policy_or_tenant_file_names_its_line_and_the_nearest_key() {
+    let text = "apiVersion: kinference.ai/v1alpha1\nkind: InferencePolicy\nmetadata: {name: p}\nspec:\n  priorty: 1\n  rules: [{name: r, action: {requireLocal: {}}}]\n---\napiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: t, labels: {team: a}}\nstatus: {observedGeneration: 1}\nspec:\n  apiKeys: [{env: K}]\n  allowedModel: [m]\n";
+    let parsed = parse_file(Path::new("p.yaml"), text);
+    let problems: Vec<String> = parsed.problems.iter().map(ToString::to_string).collect();
+    // The misspelt key is also a missing required one.
+    assert_eq!(problems.len(), 3, "{problems:?}");
+    assert_eq!(
+        problems[1],
+        "p.yaml:5: InferencePolicy/p: spec.priorty: unknown field `priorty`; did you mean `priority`?"
+    );
+    // `metadata` and `status` stay accepted on the objects; only the spec's key is refused.
+    assert_eq!(
+        problems[2],
+        "p.yaml:14: InferenceTenant/t: spec.allowedModel: unknown field `allowedModel`; did you mean `allowedModels`?"
+    );
+}
