@@ -63,6 +63,7 @@ struct LoadSent {
     running: u32,
     waiting: u32,
     kv_usage: f32,
+    num_gpu_blocks: u32,
     ok: bool,
     kernel: Option<KernelFigures>,
     at: Instant,
@@ -158,6 +159,7 @@ impl Broadcaster {
                 running: wire_load.running,
                 waiting: wire_load.waiting,
                 kv_usage: wire_load.kv_usage,
+                num_gpu_blocks: wire_load.num_gpu_blocks,
                 ok: wire_load.metrics_ok,
                 kernel: load.kernel,
                 at: now,
@@ -210,15 +212,21 @@ impl Broadcaster {
                         send = true;
                     }
                     let load_changed = a.load.is_none_or(|p| {
-                        (p.running, p.waiting, p.kv_usage, p.ok, p.kernel)
-                            != (
-                                sent.running,
-                                sent.waiting,
-                                sent.kv_usage,
-                                sent.ok,
-                                sent.kernel,
-                            )
-                            || now.duration_since(p.at) >= LOAD_REFRESH
+                        (
+                            p.running,
+                            p.waiting,
+                            p.kv_usage,
+                            p.num_gpu_blocks,
+                            p.ok,
+                            p.kernel,
+                        ) != (
+                            sent.running,
+                            sent.waiting,
+                            sent.kv_usage,
+                            sent.num_gpu_blocks,
+                            sent.ok,
+                            sent.kernel,
+                        ) || now.duration_since(p.at) >= LOAD_REFRESH
                     });
                     if load_changed {
                         wd.load = Some(wire_load);
@@ -308,6 +316,7 @@ fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {
         running: load.running,
         waiting: load.waiting,
         kv_usage: load.kv_usage,
+        num_gpu_blocks: load.num_gpu_blocks.unwrap_or(0),
         metrics_age_ms: load.scraped_at.map_or(u32::MAX, |t| {
             now.duration_since(t).as_millis().min(u32::MAX as u128) as u32
         }),

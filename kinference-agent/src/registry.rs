@@ -29,6 +29,8 @@ pub struct Load {
     pub metrics_ok: bool,
     /// Block size from `vllm:cache_config_info`, when the worker reports it.
     pub block_size: Option<u32>,
+    /// KV cache capacity in blocks (`num_gpu_blocks` of `vllm:cache_config_info`), when reported.
+    pub num_gpu_blocks: Option<u32>,
     /// Publisher timestamp (Unix seconds) of the newest batch applied.
     pub last_event_ts: Option<f64>,
     /// The kernel's view of the worker's port (eBPF); `None` when eBPF is off or does not watch it.

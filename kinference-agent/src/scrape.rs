@@ -100,6 +100,7 @@ pub async fn run(
                 load.kv_usage,
                 load.metrics_ok,
                 load.block_size,
+                load.num_gpu_blocks,
             );
             match &result {
                 Ok(v) => {
@@ -107,6 +108,7 @@ pub async fn run(
                     load.waiting = v.waiting.map_or(0, |x| x.max(0.0) as u32);
                     load.kv_usage = v.kv_usage.unwrap_or(0.0) as f32;
                     load.block_size = v.block_size.or(load.block_size);
+                    load.num_gpu_blocks = v.num_gpu_blocks.or(load.num_gpu_blocks);
                     load.scraped_at = Some(Instant::now());
                     load.metrics_ok = true;
                 }
@@ -119,6 +121,7 @@ pub async fn run(
                     load.kv_usage,
                     load.metrics_ok,
                     load.block_size,
+                    load.num_gpu_blocks,
                 )
         };
         match result {

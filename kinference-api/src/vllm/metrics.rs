@@ -1,10 +1,12 @@
 //! vLLM's Prometheus `/metrics`: the few series that describe a worker's load and cache.
 //!
 //! Only four series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11) and the `block_size` label of
-//! `vllm:cache_config_info`. With several engines (data parallel) counts are summed and usage is the
-//! maximum. The text comes from a worker, so nothing in it may panic or poison a figure: malformed lines,
-//! non-finite values and a zero block size are skipped. See `docs/vllm-interfaces.md`.
+//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11) and the `block_size` and
+//! `num_gpu_blocks` labels of `vllm:cache_config_info`. With several engines (data parallel) counts are
+//! summed, usage is the maximum and capacity the minimum (each engine has its own cache: the router
+//! plans against the tightest one). The text comes from a worker, so nothing in it may panic or
+//! poison a figure: malformed lines, non-finite values, a zero block size and a capacity vLLM has not
+//! profiled yet (`num_gpu_blocks="None"`) are skipped. See `docs/vllm-interfaces.md`.
 
 /// The load figures read from one scrape.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -13,6 +15,8 @@ pub struct VllmLoad {
     pub waiting: Option<f64>,
     pub kv_usage: Option<f64>,
     pub block_size: Option<u32>,
+    /// KV cache capacity in blocks (`num_gpu_blocks`); `None` before vLLM has profiled its memory.
+    pub num_gpu_blocks: Option<u32>,
 }
 
 /// Parses the Prometheus text exposition format, keeping only the series above. Malformed lines are
@@ -46,6 +50,15 @@ pub fn parse(text: &str) -> VllmLoad {
                     .filter(|&bs: &u32| bs > 0)
                 {
                     load.block_size = Some(bs);
+                }
+                // "None" until the engine has profiled its memory; 0 would be no cache at all.
+                if let Some(blocks) = sample
+                    .label("num_gpu_blocks")
+                    .and_then(|v| v.parse().ok())
+                    .filter(|&blocks: &u32| blocks > 0)
+                {
+                    load.num_gpu_blocks =
+                        Some(load.num_gpu_blocks.map_or(blocks, |b| b.min(blocks)));
                 }
             }
             _ => {}

@@ -14,7 +14,8 @@ fn parses_the_real_vllm_scrape() {
             running: Some(0.0),
             waiting: Some(0.0),
             kv_usage: Some(0.0),
-            block_size: Some(32)
+            block_size: Some(32),
+            num_gpu_blocks: Some(32768),
         }
     );
 }
@@ -38,6 +39,26 @@ vllm:cache_config_info{block_size="16",engine="0",x="a\\b"} 1.0
     assert_eq!(load.waiting, Some(7.0), "the malformed sample is skipped");
     assert_eq!(load.kv_usage, Some(0.75));
     assert_eq!(load.block_size, Some(16));
+    assert_eq!(
+        load.num_gpu_blocks, None,
+        "no num_gpu_blocks label: capacity unknown"
+    );
+}
+
+#[test]
+fn capacity_is_the_smallest_engines_and_none_until_profiled() {
+    let text =
+        "vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"None\"} 1.0\n";
+    assert_eq!(
+        parse(text).num_gpu_blocks,
+        None,
+        "vLLM writes None before profiling"
+    );
+    assert_eq!(parse(text).block_size, Some(16));
+    let text = "vllm:cache_config_info{engine=\"0\",num_gpu_blocks=\"4096\"} 1.0\n\
+                vllm:cache_config_info{engine=\"1\",num_gpu_blocks=\"2048\"} 1.0\n\
+                vllm:cache_config_info{engine=\"2\",num_gpu_blocks=\"0\"} 1.0\n";
+    assert_eq!(parse(text).num_gpu_blocks, Some(2048));
 }
 
 #[test]
