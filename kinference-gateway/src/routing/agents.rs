@@ -252,6 +252,8 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
         running: l.running,
         waiting: l.waiting,
         kv_usage: l.kv_usage,
+        // 0: an older agent, or vLLM has not profiled its memory yet.
+        kv_capacity_blocks: (l.num_gpu_blocks > 0).then_some(l.num_gpu_blocks),
         metrics_ok: l.metrics_ok,
         kernel: l.kernel_ok.then_some(KernelQueue {
             in_flight: l.kernel_in_flight,

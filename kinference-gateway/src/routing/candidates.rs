@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kinference_api::{BlockKey, KeyHasher};
 
 use super::estimate::{
-    self, EngineQueue, Inputs, KernelMissing, Ledger, Queue, QueueSignal, Rates,
+    self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates,
 };
 use super::kv_index::WorkerId;
 use super::workers::{Load, Worker};
@@ -36,15 +36,25 @@ pub(super) struct Candidate {
     pub(super) run: usize,
     /// Blocks of any prompt the index believes the worker holds (how full its cache is).
     pub(super) held_blocks: usize,
+    /// The worker's cache as this request will find it; `None`: capacity unknown (the run counts in full).
+    pub(super) kv_room: Option<KvRoom>,
 }
 
 impl Candidate {
+    /// Leading blocks of the prompt still cached when the request is scheduled: the run, less what the
+    /// queue ahead will evict when the cache is short of room.
+    pub(super) fn surviving_run(&self) -> usize {
+        self.kv_room
+            .map_or(self.run, |room| room.surviving(self.run))
+    }
+
     /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
     pub(super) fn inputs(&self, prompt_tokens: usize) -> Inputs {
         Inputs {
             prompt_tokens,
             // vLLM always computes at least the last prompt token, so a full hit still prefills one.
-            cached_tokens: (self.run * self.block_size).min(prompt_tokens.saturating_sub(1)),
+            cached_tokens: (self.surviving_run() * self.block_size)
+                .min(prompt_tokens.saturating_sub(1)),
             queue_tokens: self.queue.queue_tokens,
             running: self.queue.running,
         }
@@ -109,9 +119,19 @@ impl Shared {
                 };
                 let (queue, signal) =
                     estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
+                let block_size = st.block_size.unwrap_or(tuning.default_block_size).max(1);
+                let kv_room = scraped.and_then(|l| {
+                    let capacity = l.kv_capacity_blocks?;
+                    Some(KvRoom::new(
+                        capacity,
+                        l.kv_usage,
+                        queue.queue_tokens,
+                        block_size,
+                    ))
+                });
                 Candidate {
                     worker: Arc::clone(w),
-                    block_size: st.block_size.unwrap_or(tuning.default_block_size).max(1),
+                    block_size,
                     live,
                     in_flight: st.in_flight,
                     scraped,
@@ -121,6 +141,7 @@ impl Shared {
                     rates: estimate::blended(&st.rates, &fleet, now),
                     run: 0,
                     held_blocks: 0,
+                    kv_room,
                 }
             })
             .collect()

@@ -45,6 +45,25 @@
 //! `kernel=ebpf_off`, `kernel=stale`), counts in `kinference_routing_kernel_view_missing_total{reason}`
 //! and is logged (at most once a minute per reason).
 //!
+//! ## Memory pressure: a cached prefix about to be evicted ([`KvRoom`])
+//!
+//! vLLM keeps a finished request's blocks as cached but free, and evicts free blocks least recently used
+//! first whenever it allocates new ones (a request's blocks are freed tail first, so a prefix loses its
+//! last blocks first). When the conversations on a worker outgrow its cache, a prefix the index still
+//! lists can be gone by the time the request is scheduled: the multi-turn benchmark at concurrency 32
+//! sent requests to a "holder" predicted to have 4-6k tokens cached that had kept 0-2k.
+//!
+//! Where the agent reports the worker's capacity (`num_gpu_blocks`), the estimate sizes the room left for
+//! cached prefixes when this request is scheduled: `free = capacity - in use - queued`, where *in use* is
+//! held by running requests (`kv_cache_usage_perc x capacity`, not evictable) and *queued* is what the
+//! requests ahead of it will allocate (the queue's prefill tokens, [`Queue::queue_tokens`], in blocks;
+//! our own ones are the in-flight tickets' uncached prompts). Only `min(run, free)` leading blocks of the
+//! request's cached run count as cached. The rule is optimistic on purpose (it takes the prefix as the
+//! most recently used blocks of the cache, the last to go): it discounts only a prefix the cache cannot
+//! hold in any order, so it changes no decision on a worker with room to spare. Without a capacity (an
+//! older agent, vLLM not profiled yet, no fresh scrape) the run counts in full, as before, and the
+//! decision's explanation says `kv=capacity_unknown`.
+//!
 //! ## The choice
 //!
 //! Each candidate's cost is its estimated TTFT plus the delay its uncached prefill imposes on other
@@ -252,6 +271,47 @@ pub struct Inputs {
     pub queue_tokens: f64,
     /// Requests running (decoding or prefilling) on the worker.
     pub running: usize,
+}
+
+/// A worker's KV cache in blocks, as the request's cached prefix will find it when it is scheduled (see
+/// "Memory pressure" in the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvRoom {
+    /// The cache's capacity (`num_gpu_blocks`).
+    pub capacity: usize,
+    /// Held by running requests (`kv_cache_usage_perc x capacity`): not evictable.
+    pub in_use: usize,
+    /// What the requests queued ahead of this one will allocate.
+    pub queued: usize,
+}
+
+impl KvRoom {
+    /// The room from the worker's figures: `kv_usage` (0..1), and the queue ahead in prefill tokens.
+    pub fn new(capacity: u32, kv_usage: f32, queue_tokens: f64, block_size: usize) -> Self {
+        let capacity = capacity as usize;
+        let usage = if kv_usage.is_finite() {
+            f64::from(kv_usage).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        Self {
+            capacity,
+            in_use: (usage * capacity as f64).round() as usize,
+            queued: (queue_tokens.max(0.0) / block_size.max(1) as f64).ceil() as usize,
+        }
+    }
+
+    /// Blocks left for cached prefixes once the queue ahead has taken its own.
+    pub fn free(&self) -> usize {
+        self.capacity
+            .saturating_sub(self.in_use)
+            .saturating_sub(self.queued)
+    }
+
+    /// Of a cached run of `run` leading blocks, how many are still there when the request is scheduled.
+    pub fn surviving(&self, run: usize) -> usize {
+        run.min(self.free())
+    }
 }
 
 /// One candidate's estimate.

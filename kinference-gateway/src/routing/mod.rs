@@ -706,7 +706,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={} held_blocks={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -721,6 +721,18 @@ impl Router {
                     c.queue.others,
                     c.queue.others_waiting,
                     c.held_blocks,
+                    c.kv_room.map_or_else(
+                        || "capacity_unknown".to_string(),
+                        |r| format!(
+                            "capacity:{} in_use:{} queued:{} free:{} run:{}->{}",
+                            r.capacity,
+                            r.in_use,
+                            r.queued,
+                            r.free(),
+                            c.run,
+                            c.surviving_run()
+                        )
+                    ),
                 );
             }
             s

@@ -578,3 +578,59 @@ async fn agents_added_and_removed_at_runtime_bring_and_take_their_cache_view() {
     assert!(w0(&router).agent_live);
     assert_eq!(w0(&router).cached_blocks, 3);
 }
+
+#[tokio::test]
+async fn a_worker_with_no_room_for_the_prefix_loses_it_in_the_estimate() {
+    // w0 holds the prompt's prefix but its cache is all held by 8 running requests (63 of 64 blocks):
+    // the prefix is evicted before the request runs. With the capacity unknown it still draws the
+    // request, and the explanation says why.
+    let system = system_prompt();
+    let keys = keys_of(&system);
+    let prompt = format!("{system}Where is parcel 1234?");
+    let route = |num_gpu_blocks: u32| {
+        let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+        attach_agent(&router);
+        let full = pb::WorkerLoad {
+            kv_usage: 0.99,
+            num_gpu_blocks,
+            ..load(8, 0)
+        };
+        let idle = pb::WorkerLoad {
+            num_gpu_blocks,
+            ..load(0, 0)
+        };
+        agents::apply(
+            &router.shared,
+            0,
+            snapshot(
+                1,
+                vec![
+                    worker_state("http://w0", keys.clone(), full),
+                    worker_state("http://w1", vec![], idle),
+                ],
+            ),
+        );
+        router
+    };
+    let unknown = route(0);
+    let d = unknown.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    assert_eq!(
+        (d.worker.as_str(), d.reason),
+        ("http://w0", "cache_hit"),
+        "{explain}"
+    );
+    assert!(explain.contains("kv=capacity_unknown"), "{explain}");
+
+    let known = route(64);
+    let d = known.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    assert_eq!(d.worker, "http://w1", "{explain}");
+    assert!(
+        explain.contains(&format!(
+            "kv=capacity:64 in_use:63 queued:0 free:1 run:{}->1",
+            keys.len()
+        )),
+        "{explain}"
+    );
+}

@@ -19,6 +19,8 @@ pub struct Load {
     pub waiting: u32,
     /// `vllm:kv_cache_usage_perc` (0..1).
     pub kv_usage: f32,
+    /// KV cache capacity in blocks (`num_gpu_blocks`), when the worker reports it.
+    pub kv_capacity_blocks: Option<u32>,
     /// Whether the scrape behind `running`/`waiting` succeeded.
     pub metrics_ok: bool,
     /// The kernel's view of the worker's port, all clients (eBPF), when the agent has one.

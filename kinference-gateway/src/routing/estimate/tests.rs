@@ -796,3 +796,74 @@ fn a_prompt_cold_everywhere_is_chosen_as_by_ttft() {
         assert_eq!(pick(&cfg()), pick(&greedy), "{queues:?}");
     }
 }
+
+#[test]
+fn kv_room_counts_capacity_less_in_use_less_what_the_queue_ahead_allocates() {
+    // 2,048 blocks, 90% held by running requests, 2,000 prefill tokens queued (125 blocks of 16).
+    let room = KvRoom::new(2048, 0.9, 2000.0, 16);
+    assert_eq!((room.in_use, room.queued, room.free()), (1843, 125, 80));
+    assert_eq!(
+        room.surviving(340),
+        80,
+        "only the room left keeps leading blocks"
+    );
+    assert_eq!(room.surviving(50), 50, "a run that fits survives whole");
+    // Over-full (the queue alone outgrows the room) and garbage usage never underflow.
+    assert_eq!(KvRoom::new(2048, 0.99, 2000.0, 16).surviving(340), 0);
+    assert_eq!(KvRoom::new(2048, f32::NAN, 0.0, 16).free(), 2048);
+    assert_eq!(KvRoom::new(2048, 7.0, 0.0, 16).free(), 0);
+}
+
+/// A 6,000-token conversation turn: worker 0 holds 340 blocks (5,440 tokens) of its prefix with 2,000
+/// prefill tokens queued ahead; worker 1 holds nothing and is idle. Both run 10 requests.
+fn pressure_choice(holder_room: Option<KvRoom>) -> (usize, Why) {
+    let c = cfg();
+    let rates = Rates::prior(&c);
+    let run = 340;
+    let cached = holder_room.map_or(run, |r| r.surviving(run)) * 16;
+    let holder = estimate(
+        &rates,
+        &Inputs {
+            prompt_tokens: 6000,
+            cached_tokens: cached,
+            queue_tokens: 2000.0,
+            running: 10,
+        },
+        &c,
+    );
+    let cold = estimate(
+        &rates,
+        &Inputs {
+            prompt_tokens: 6000,
+            cached_tokens: 0,
+            queue_tokens: 0.0,
+            running: 10,
+        },
+        &c,
+    );
+    let scored = [holder, cold].map(|e| Scored {
+        cost_s: e.cost_s,
+        load: 10,
+        cached_tokens: 0,
+        held_blocks: 0,
+    });
+    choose(&scored, &c, &mut StdRng::seed_from_u64(1)).unwrap()
+}
+
+#[test]
+fn a_prefix_the_queue_ahead_will_evict_stops_drawing_the_request() {
+    // Capacity unknown: the run counts in full (today's behaviour). Holder: work 2,000 + 160 + 560 =
+    // 2,720 tokens, 0.56 s + 0.06 s externality; cold worker: 6,160 tokens, 1.25 s + 0.60 s.
+    assert_eq!(pressure_choice(None).0, 0);
+    // Room to spare (half the cache in use): nothing is discounted, same choice.
+    assert_eq!(
+        pressure_choice(Some(KvRoom::new(2048, 0.5, 2000.0, 16))).0,
+        0
+    );
+    // 95% in use: 1,946 blocks held + 125 queued exceed 2,048, so the queue ahead evicts the whole
+    // prefix; the holder now costs 8,160 tokens (1.65 s) + 0.60 s, more than the cold worker.
+    assert_eq!(
+        pressure_choice(Some(KvRoom::new(2048, 0.95, 2000.0, 16))),
+        (1, Why::LeastLoaded)
+    );
+}
