@@ -253,6 +253,7 @@ impl Health {
             t.consecutive_successes = 0;
             t.consecutive_failures += 1;
         }
+        self.apply();
         self.observe(worker, false);
     }
 

@@ -96,6 +96,7 @@ fn the_first_probe_decides_and_a_refused_connection_ejects_at_once() {
     health.probe("http://w1", true);
     health.connect_failed("http://w1");
     assert_eq!(state(&health, "http://w1"), WorkerState::Ejected);
+    assert!(!routable(&router, "http://w1"), "the router still picks it");
 }
 
 fn outlier_settings() -> HealthSettings {
