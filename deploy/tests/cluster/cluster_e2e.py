@@ -1118,3 +1118,135 @@ def test_crds_take_effect_through_the_gateway_service(cluster: Kube):
     sets = gateway_worker_sets(kube)
     log(f"after deleting the pinned pool: pods {urls}, gateways' healthy workers {sets}")
     assert all(s == urls for s in sets), (urls, sets)
+
+
+# ------------------------------------------------------------------------------------------ a second agent
+
+# One kubelet only (see README.md): the "new node" is a second agent Pod on this node, selected by the agent
+# Service like the DaemonSet's, with one vllm-sim worker that only it follows (a worker label the DaemonSet's
+# selector does not match). To the gateways that is what a new GPU node is: a new agent endpoint whose
+# workers no other agent reports.
+SECOND = "kinference.ai/worker=second"
+
+
+def second_worker() -> dict[str, Any]:
+    """One vllm-sim pod labelled for the second agent only (the DaemonSet's agent and the gateways' pod
+    discovery select `kinference.ai/worker=true`); the gateways know it from an InferencePool by URL."""
+    d = json.loads(json.dumps(worker_deployment()))
+    d["metadata"]["name"] = "vllm-sim-second"
+    d["spec"]["replicas"] = 1
+    d["spec"]["selector"] = {"matchLabels": {"app": "vllm-sim-second"}}
+    d["spec"]["template"]["metadata"]["labels"] = {
+        "app": "vllm-sim-second",
+        "kinference.ai/worker": "second",
+        "kinference.ai/model": MODEL,
+    }
+    return d
+
+
+def second_agent(kube: Kube) -> dict[str, Any]:
+    """The chart's agent pod (the live DaemonSet's template) as a one-replica Deployment following only
+    the second worker. A Deployment's pods have their ReplicaSet as controller, so the DaemonSet, whose
+    selector they also match, does not adopt (and delete) them. eBPF is off: the DaemonSet's agent
+    already loads the node's programs."""
+    ds = kube.json("get", "daemonsets", "-n", NS, "-l", "app.kubernetes.io/component=agent")["items"][0]
+    template = ds["spec"]["template"]
+    labels = {**template["metadata"]["labels"], "e2e.kinference.ai/agent": "second"}
+    container = template["spec"]["containers"][0]
+    env = [e for e in container["env"] if e["name"] != "KINFERENCE_AGENT_WORKER_SELECTOR"]
+    container["env"] = [
+        *env,
+        {"name": "KINFERENCE_AGENT_WORKER_SELECTOR", "value": SECOND},
+        {"name": "KINFERENCE_DISABLE_EBPF", "value": "1"},
+    ]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "kinference-agent-second", "namespace": NS},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": template["spec"]},
+        },
+    }
+
+
+def gateway_views(kube: Kube, agent: str) -> list[tuple[float, float]]:
+    """Each gateway's (connected to `agent`: 1, 0, or -1 when it does not know it; index pairs)."""
+    out = []
+    for p in gateway_pods(kube):
+        text = get(f"http://{p['status']['podIP']}:9090/metrics")
+        known = samples(text, "kinference_routing_agent_connected")
+        connected = next((v for labels, v in known if labels.get("agent") == agent), -1.0)
+        out.append((connected, metric(text, "kinference_routing_index_pairs")))
+    return out
+
+
+def agent_live(kube: Kube, worker: str) -> list[bool]:
+    """Whether each gateway has a live agent reporting `worker`'s cache and load (`/healthz/workers`)."""
+    out = []
+    for p in gateway_pods(kube):
+        body = json.loads(get(f"http://{p['status']['podIP']}:9090/healthz/workers"))
+        out.append(any(w["url"] == worker and w["agent_live"] for w in body["workers"]))
+    return out
+
+
+def test_second_agent_endpoint_joins_and_leaves(cluster: Kube):
+    """A second agent endpoint appears while the gateways run: both replicas connect to it within seconds,
+    no restart, and take its worker (which only it reports) as agent-reported; prompts cached on that
+    worker reach both replicas' indexes and route there through both; deleting the agent disconnects both
+    replicas, which forget its worker's keys and its agent."""
+    kube = cluster
+    restarts = [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)]
+    kube.apply([second_worker()])
+    ip = kube.wait_ready("app=vllm-sim-second", 1, timeout=60)[0]["status"]["podIP"]
+    worker = f"http://{ip}:8000"
+    kube.apply([pool("second", endpoints=[{"url": worker}])])
+    deadline = time.monotonic() + 20
+    while not all(worker in s for s in gateway_worker_sets(kube)):
+        assert time.monotonic() < deadline, f"the gateways do not list {worker}: {gateway_worker_sets(kube)}"
+        time.sleep(0.5)
+    assert agent_live(kube, worker) == [False, False], "an agent reports the second worker before its own"
+
+    t0 = time.monotonic()
+    kube.apply([second_agent(kube)])
+    agent = f"http://{kube.wait_ready('e2e.kinference.ai/agent=second', 1, timeout=60)[0]['status']['podIP']}:7070"
+    ready = time.monotonic()
+    while (views := gateway_views(kube, agent)) and not all(c == 1 for c, _ in views):
+        assert time.monotonic() < ready + 15, f"gateways not connected to the second agent {agent}: {views}"
+        time.sleep(0.2)
+    TIMINGS["second agent Ready -> both gateways connected"] = time.monotonic() - ready
+    log(f"second agent {agent}: pod created -> both gateways connected in {time.monotonic() - t0:.1f} s")
+    deadline = time.monotonic() + 5
+    while (live := agent_live(kube, worker)) != [True, True]:
+        assert time.monotonic() < deadline, f"the second agent's worker is not agent-reported: {live}"
+        time.sleep(0.2)
+
+    # Prompts cached on the new worker directly (the gateways have not seen them): its events reach only the
+    # second agent, and from it both gateways' indexes.
+    primed = [system_prompt(g, "second-agent") for g in range(3)]
+    for system in primed:
+        send_openai(f"{ip}:8000", system, "prime")
+    deadline = time.monotonic() + 10
+    while not all(pairs > before for (_, pairs), (_, before) in zip(gateway_views(kube, agent), views)):
+        assert time.monotonic() < deadline, f"the new worker's keys did not reach both gateways: {views}"
+        time.sleep(0.2)
+    endpoints = gateway_endpoints(kube)
+    landed = [send_openai(base, system, "routed?") for system in primed for base in endpoints]
+    # The idle new worker also gets prompts cached nowhere (measured: six of six), so this alone does not
+    # show cache-aware routing; the index check above shows the cache view.
+    log(f"second agent: primed prompts on {landed}")
+    assert landed == [worker] * len(landed), (worker, landed)
+
+    # The agent deleted: both gateways retire it (the metric goes) and forget its worker's keys.
+    with_agent = gateway_views(kube, agent)
+    deleted = time.monotonic()
+    kube.run("delete", "-n", NS, "deployment/kinference-agent-second")
+    while (views := gateway_views(kube, agent)) and not all(c == -1 for c, _ in views):
+        assert time.monotonic() < deleted + 15, f"gateways still know the deleted agent {agent}: {views}"
+        time.sleep(0.2)
+    TIMINGS["second agent deleted -> both gateways dropped it"] = time.monotonic() - deleted
+    assert all(pairs < before for (_, pairs), (_, before) in zip(views, with_agent)), (with_agent, views)
+    assert agent_live(kube, worker) == [False, False]
+    kube.run("delete", "-n", NS, "deployment/vllm-sim-second", "inferencepool/second")
+    assert [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)] == restarts
