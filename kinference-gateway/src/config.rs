@@ -44,6 +44,17 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_CONFIG", default_value = "gateway.yaml")]
     pub config: PathBuf,
 
+    /// A running OpenAI-compatible worker (vLLM) to route to, e.g. `http://127.0.0.1:8000`; repeat it
+    /// for more. Its model is learned from its `/v1/models`. With `--worker`, a missing `--config`
+    /// file is not an error (everything else keeps its default).
+    #[arg(long = "worker", value_name = "URL")]
+    pub workers: Vec<String>,
+
+    /// Tokenizer directory (`tokenizer.json`) of the models learned from `--worker`; without it the
+    /// router asks the worker's `POST /tokenize`.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer_dir: Option<PathBuf>,
+
     /// Seconds between SIGTERM (when `/readyz` turns 503) and closing the listening sockets, so that
     /// load balancers and Service endpoints stop sending new requests first.
     #[arg(long, env = "KINFERENCE_SHUTDOWN_DELAY_SECONDS", default_value_t = 5)]
@@ -125,6 +136,7 @@ impl AgentTlsArgs {
 
 pub use crate::backend::worker::HttpSettings;
 
+pub mod workers_flag;
 pub mod yaml;
 
 /// The `gateway.yaml` file (local mode).

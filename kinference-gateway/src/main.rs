@@ -19,7 +19,18 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    let config = GatewayConfig::load(&args.config)?;
+    let config = if !args.workers.is_empty() && !args.config.exists() {
+        GatewayConfig::default()
+    } else {
+        GatewayConfig::load(&args.config)?
+    };
+    let config = kinference_gateway::config::workers_flag::with_flag_workers(
+        config,
+        &args.workers,
+        args.tokenizer_dir.as_ref(),
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
     // Cluster mode (`crds:`): the five kinds watched in the API server, status written, keys from
     // Secrets. Local mode: the policy stage over a policy directory. Either way the pools'
     // endpoints join the router's workers.
@@ -118,6 +129,16 @@ async fn main() -> anyhow::Result<()> {
     let admin = server::bind(args.admin_listen).await?;
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),
         routing = %config.routing, "kinference-gateway started");
+    // Which signals routing has per worker: KV events and load from node agents, or only the
+    // gateway's own in-flight counts.
+    let signals = if config.agents.is_empty() && config.kubernetes.is_none() {
+        "none (in-flight counts only)"
+    } else {
+        "kv-events (node agents)"
+    };
+    for worker in &config.workers {
+        tracing::info!(worker = %worker.url, model = %worker.model, signals, "routing signals");
+    }
 
     // One probe round before serving: no request (and no /readyz) sees an unprobed worker as healthy.
     let prober = gw.prober();
