@@ -674,6 +674,11 @@ impl Rig {
                 .spawn()
                 .expect("start vllm-sim"),
         );
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        // Up before the gateway starts: its first health probe decides whether the local pool
+        // can serve at all.
+        wait_ok(&client, &format!("http://127.0.0.1:{sim}/health")).await;
         let remote = Arc::new(Counter::default());
         let provider = Arc::new(Counter::default());
         let remote_addr = standin("remote pool", Arc::clone(&remote)).await;
@@ -704,9 +709,6 @@ impl Rig {
                 .spawn()
                 .expect("start kinference-gateway"),
         );
-        let client: Client<HttpConnector, Full<Bytes>> =
-            Client::builder(TokioExecutor::new()).build_http();
-        wait_ok(&client, &format!("http://127.0.0.1:{sim}/health")).await;
         wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
         Some(Rig {
             client,
