@@ -276,6 +276,12 @@ fn openai_api_tokenize_metrics_and_errors() {
         assert!(metrics.contains(name), "missing {name}");
     }
     assert!(metrics.contains("block_size=\"16\""));
+    // Its capacity as the node agent reads it (vLLM's label; the default --num-blocks).
+    let load = kinference_api::vllm::metrics::parse(&metrics);
+    assert_eq!(
+        (load.block_size, load.num_gpu_blocks),
+        (Some(16), Some(4096))
+    );
     assert!(metrics.contains(
         "vllm:request_success_total{engine=\"0\",finished_reason=\"length\",model_name=\"qwen2-sim\"} 5.0"
     ));
