@@ -223,12 +223,19 @@ impl Classifier {
     ) -> Option<(RequestFacts, Classification)> {
         let model = body.get("model")?.as_str()?.to_string();
         let (mut classification, text) = classify_content(body, tags_header, decode);
-        for what in &classification.unreadable {
-            let content = if what == "token_ids" {
-                "token_ids"
-            } else {
-                "binary"
-            };
+        // Once per request and kind of content, however many images or prompts it holds.
+        let contents: BTreeSet<&'static str> = classification
+            .unreadable
+            .iter()
+            .map(|what| {
+                if what == "token_ids" {
+                    "token_ids"
+                } else {
+                    "binary"
+                }
+            })
+            .collect();
+        for content in contents {
             self.metrics
                 .unreadable
                 .get_or_create(&UnreadableLabels { content })

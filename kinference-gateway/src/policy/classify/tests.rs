@@ -96,3 +96,30 @@ fn request_facts_carry_model_tenant_tags_and_token_counts() {
     assert_eq!(c.pii.len(), 1);
     assert!(super::request_facts(&json!({"messages": []}), None, None, None).is_none());
 }
+
+#[tokio::test]
+async fn unreadable_content_is_counted_once_per_request_and_kind() {
+    let classifier = super::Classifier::default();
+    let png = "data:image/png;base64,iVBORw0KGgo=";
+    let body = json!({"model": "m", "prompt": [1, 2], "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": png}},
+        {"type": "image_url", "image_url": {"url": png}}]}]});
+    let (facts, c) = classifier
+        .facts(&body, None, None, &|_| None)
+        .await
+        .expect("facts");
+    assert_eq!(c.unreadable, ["image/png", "image/png", "token_ids"]);
+    assert!(facts.tags.contains("pii") && facts.tags.contains("unreadable"));
+    let mut registry = prometheus_client::registry::Registry::default();
+    classifier.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+    assert!(
+        text.contains("classifier_unreadable_requests_total{content=\"binary\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("classifier_unreadable_requests_total{content=\"token_ids\"} 1"),
+        "{text}"
+    );
+}
