@@ -136,6 +136,8 @@ impl AgentTlsArgs {
 
 pub use crate::backend::worker::HttpSettings;
 
+#[cfg(test)]
+mod reference;
 pub mod workers_flag;
 pub mod yaml;
 
