@@ -845,7 +845,7 @@ def pod_urls(kube: Kube) -> set[str]:
 
 
 def gateway_worker_sets(kube: Kube) -> list[set[str]]:
-    """Each gateway's candidate workers (a worker that left stays listed, as not healthy)."""
+    """Each gateway's candidate workers: the healthy ones it lists (a worker that left is no longer listed)."""
     sets = []
     for p in gateway_pods(kube):
         body = json.loads(get(f"http://{p['status']['podIP']}:9090/healthz/workers"))

@@ -20,7 +20,7 @@
 //! Each worker's state is the gauge `kinference_gateway_worker_health{worker,state}` (1 for its
 //! state, 0 for the others) and every transition is logged.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ use tokio::time::Instant;
 
 use super::worker::Upstream;
 use crate::metrics::Metrics;
-use crate::routing::Router;
+use crate::routing::{Router, WorkerView};
 
 /// Hysteresis and outlier detection (flags of `kinference-gateway`).
 #[derive(Debug, Clone, clap::Args)]
@@ -316,6 +316,28 @@ impl Health {
         }
     }
 
+    /// Drops the record and state gauges of every worker the router no longer lists (discovery
+    /// removed it): a worker that comes back at the same URL, a new pod with a reused IP, starts afresh.
+    fn forget_unlisted(&self, listed: &[WorkerView]) {
+        let listed: HashSet<&str> = listed.iter().map(|w| w.url.as_str()).collect();
+        let mut forgotten = Vec::new();
+        self.workers.lock().retain(|url, _| {
+            let keep = listed.contains(url.as_str());
+            if !keep {
+                forgotten.push(url.clone());
+            }
+            keep
+        });
+        for worker in forgotten {
+            for s in WorkerState::ALL {
+                self.states.remove(&StateLabels {
+                    worker: worker.clone(),
+                    state: s.as_str(),
+                });
+            }
+        }
+    }
+
     fn window(&self) -> Duration {
         Duration::from_millis(self.settings.outlier_window_ms)
     }
@@ -440,10 +462,11 @@ impl Prober {
         }
     }
 
-    /// Probes every worker once, concurrently (bounded by the probe timeout), then ends the
-    /// outlier ejections that are over.
+    /// Forgets the workers that left, probes every worker once, concurrently (bounded by the probe
+    /// timeout), then ends the outlier ejections that are over.
     pub async fn probe_all(&self) {
         let workers = self.health.router.workers();
+        self.health.forget_unlisted(&workers);
         let probes = workers.iter().map(|w| self.probe_one(&w.url));
         futures::future::join_all(probes).await;
         self.health.expire();

@@ -752,7 +752,8 @@ impl Router {
         }
     }
 
-    /// Every known worker.
+    /// Every worker the router may route to: configured, or discovered and not removed since (a
+    /// removed worker is listed again when discovery or an agent brings it back).
     pub fn workers(&self) -> Vec<WorkerView> {
         let now = Instant::now();
         let fresh = self.shared.fresh_agents(now);
@@ -761,18 +762,18 @@ impl Router {
         table
             .all()
             .iter()
-            .map(|w| {
+            .filter_map(|w| {
                 let st = w.state.lock();
-                WorkerView {
+                (!st.gone).then(|| WorkerView {
                     url: w.url.clone(),
                     model: w.model.clone(),
-                    healthy: !st.gone && st.healthy,
+                    healthy: st.healthy,
                     in_flight: st.in_flight,
                     agent_live: st
                         .agent
                         .is_some_and(|a| fresh.get(a).copied().unwrap_or(false)),
                     cached_blocks: index.worker_blocks(w.id),
-                }
+                })
             })
             .collect()
     }

@@ -50,6 +50,26 @@ async fn least_outstanding_spreads_and_tickets_release() {
     );
 }
 
+#[test]
+fn a_removed_worker_is_no_longer_listed_until_it_comes_back() {
+    let router = Router::new(config(RoutingMode::Kinference)).unwrap();
+    assert!(router.upsert_worker("http://discovered", "m"));
+    let urls = |r: &Router| r.workers().into_iter().map(|w| w.url).collect::<Vec<_>>();
+    assert_eq!(
+        urls(&router),
+        ["http://w1", "http://w2", "http://discovered"]
+    );
+    router.remove_worker("http://discovered");
+    // Configured workers stay whatever discovery says.
+    router.remove_worker("http://w1");
+    assert_eq!(urls(&router), ["http://w1", "http://w2"]);
+    assert!(router.upsert_worker("http://discovered", "m"));
+    assert_eq!(
+        urls(&router),
+        ["http://w1", "http://w2", "http://discovered"]
+    );
+}
+
 #[tokio::test]
 async fn unknown_model_is_an_error() {
     let router = Router::new(config(RoutingMode::Kinference)).unwrap();
@@ -416,15 +436,10 @@ async fn deltas_snapshots_and_epochs_update_the_index() {
             ..Default::default()
         }]),
     );
-    assert_eq!(blocks("http://d1"), Some(0));
-    assert!(
-        !router
-            .workers()
-            .iter()
-            .find(|w| w.url == "http://d1")
-            .unwrap()
-            .healthy
-    );
+    // Reported gone: not listed any more (nor a candidate), and its keys are out of the index.
+    assert_eq!(blocks("http://d1"), None);
+    let d1 = router.shared.workers.read().get("http://d1").unwrap().id;
+    assert!(!router.shared.index.read().contains(100, d1));
     // The agent restarted: its new snapshot replaces everything it said before.
     agents::apply(
         &router.shared,

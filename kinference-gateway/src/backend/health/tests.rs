@@ -208,3 +208,23 @@ fn the_first_probe_decides_for_every_worker_whichever_answers_first() {
     assert!(!routable(&router, "http://w0"));
     assert!(routable(&router, "http://w1"));
 }
+
+#[test]
+fn a_worker_that_left_is_forgotten_and_a_new_one_at_its_address_starts_afresh() {
+    let (health, router, metrics) = health(1, HealthSettings::default());
+    assert!(router.upsert_worker("http://pod", "m"));
+    health.probe("http://pod", true);
+    health.connect_failed("http://pod");
+    assert_eq!(state(&health, "http://pod"), WorkerState::Ejected);
+    router.remove_worker("http://pod");
+    health.forget_unlisted(&router.workers());
+    let text = metrics.encode();
+    assert!(
+        !text.contains(r#"kinference_gateway_worker_health{worker="http://pod""#),
+        "{text}"
+    );
+    // A new pod with the same IP: its first good probe brings it in (the old pod needed two).
+    assert!(router.upsert_worker("http://pod", "m"));
+    health.probe("http://pod", true);
+    assert!(routable(&router, "http://pod"));
+}
