@@ -256,3 +256,29 @@ fn explain_an_object_offline_shows_its_state_and_conditions() {
     let o = kinfctl(&["explain", "ipol/none", "deploy/examples/policies"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn a_misspelt_key_in_a_cases_file_names_its_position_and_the_nearest_key() {
+    let cases = std::env::temp_dir().join(format!("kinfctl-typo-{}.yaml", std::process::id()));
+    std::fs::write(
+        &cases,
+        "cases:\n  - name: typo\n    request:\n      body: {model: m}\n    expct: {outcome: route}\n",
+    )
+    .expect("write cases");
+    let o = kinfctl(&[
+        "test",
+        "deploy/examples/policies",
+        "--cases",
+        cases.to_str().expect("utf-8 path"),
+    ]);
+    let _ = std::fs::remove_file(&cases);
+    let all = format!("{}{}", stdout(&o), String::from_utf8_lossy(&o.stderr));
+    assert_eq!(o.status.code(), Some(2), "{all}");
+    assert!(
+        all.contains(&format!(
+            "unknown key `expct` at {}:5:5; did you mean `expect`?",
+            cases.display()
+        )),
+        "{all}"
+    );
+}
