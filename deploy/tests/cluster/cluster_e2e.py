@@ -853,6 +853,14 @@ def gateway_worker_sets(kube: Kube) -> list[set[str]]:
     return sets
 
 
+def gateway_listed(kube: Kube) -> list[set[str]]:
+    """Every worker each gateway lists in `/healthz/workers`, healthy or not."""
+    return [
+        {w["url"] for w in json.loads(get(f"http://{p['status']['podIP']}:9090/healthz/workers"))["workers"]}
+        for p in gateway_pods(kube)
+    ]
+
+
 def wait_workers(kube: Kube, count: int, timeout: float = 90) -> tuple[set[str], float]:
     """Waits until `count` workers are ready and every gateway's worker set is exactly them."""
     t0 = time.monotonic()
@@ -1248,5 +1256,11 @@ def test_second_agent_endpoint_joins_and_leaves(cluster: Kube):
     TIMINGS["second agent deleted -> both gateways dropped it"] = time.monotonic() - deleted
     assert all(pairs < before for (_, pairs), (_, before) in zip(views, with_agent)), (with_agent, views)
     assert agent_live(kube, worker) == [False, False]
+    # The worker and its pool deleted too: both gateways stop listing it (no stale unhealthy entry).
+    removed = time.monotonic()
     kube.run("delete", "-n", NS, "deployment/vllm-sim-second", "inferencepool/second")
+    while any(worker in listed for listed in gateway_listed(kube)):
+        assert time.monotonic() < removed + 15, f"a gateway still lists {worker}: {gateway_listed(kube)}"
+        time.sleep(0.2)
+    TIMINGS["second worker deleted -> no gateway lists it"] = time.monotonic() - removed
     assert [p["status"]["containerStatuses"][0]["restartCount"] for p in gateway_pods(kube)] == restarts
