@@ -14,7 +14,7 @@ use kinference_agent::kv_events::encode::{EncodeOptions, EventFormat, encode_bat
 use kinference_agent::kv_events::{EventBatch, KvEvent, Medium};
 use kinference_api::KeyHasher;
 use kinference_api::summary::node_agent_client::NodeAgentClient;
-use kinference_api::summary::{Summary, WatchRequest, summary::Kind};
+use kinference_api::summary::{Summary, WatchRequest, WorkerLoad, summary::Kind};
 use parking_lot::Mutex;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -357,6 +357,8 @@ pub struct Watch {
     pub kinds: Vec<&'static str>,
     pub epoch: u64,
     pub block_size: HashMap<String, u32>,
+    /// Each worker's KV capacity in blocks, as its latest load reported it (absent: never, or 0).
+    pub capacity: HashMap<String, u32>,
 }
 
 impl Watch {
@@ -377,6 +379,13 @@ impl Watch {
             kinds: Vec::new(),
             epoch: 0,
             block_size: HashMap::new(),
+            capacity: HashMap::new(),
+        }
+    }
+
+    fn note_capacity(&mut self, worker: &str, load: Option<&WorkerLoad>) {
+        if let Some(blocks) = load.map(|l| l.num_gpu_blocks).filter(|&b| b > 0) {
+            self.capacity.insert(worker.to_string(), blocks);
         }
     }
 
@@ -393,6 +402,7 @@ impl Watch {
                 self.view.clear();
                 for w in s.workers {
                     self.block_size.insert(w.worker_id.clone(), w.block_size);
+                    self.note_capacity(&w.worker_id, w.load.as_ref());
                     self.view.insert(w.worker_id, w.keys.into_iter().collect());
                 }
             }
@@ -406,6 +416,7 @@ impl Watch {
                     if w.block_size != 0 {
                         self.block_size.insert(w.worker_id.clone(), w.block_size);
                     }
+                    self.note_capacity(&w.worker_id, w.load.as_ref());
                     let set = self.view.entry(w.worker_id).or_default();
                     if w.cleared {
                         set.clear();
