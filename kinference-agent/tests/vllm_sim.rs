@@ -143,7 +143,7 @@ async fn agent_follows_the_simulators_cache_exactly() {
     }
     assert_eq!(watch.block_size.get(&url), Some(&16));
     // The simulator's capacity (its default --num-blocks), from its cache_config_info as vLLM writes it.
-    while watch.capacity.get(&url).is_none() && Instant::now() < deadline {
+    while !watch.capacity.contains_key(&url) && Instant::now() < deadline {
         watch.step(Duration::from_millis(200)).await;
     }
     assert_eq!(watch.capacity.get(&url), Some(&4096));
