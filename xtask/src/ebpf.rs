@@ -1,6 +1,6 @@
 //! `cargo xtask build-ebpf`: builds the eBPF object that the agent embeds.
 //!
-//! The program crate (`kinference-ebpf/`, its own cargo workspace) builds with nightly for
+//! The program crate (`kinference-ebpf/`, its own cargo workspace) builds with a pinned nightly for
 //! `bpfel-unknown-none` and links with `bpf-linker` (LLVM 22). This task finds those pieces, installs what
 //! is missing when it can (nightly's `rust-src`, LLVM 22 through apt when root, bpf-linker through
 //! `cargo install`), says exactly what is missing when it cannot, builds, and copies the object to
@@ -16,6 +16,10 @@ pub const OBJECT_RELATIVE: &str = "target/ebpf/kinference.bpf.o";
 const BPF_LINKER_VERSION: &str = "0.13.0";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const LLVM_APT_PACKAGES: [&str; 2] = ["llvm-22-dev", "libpolly-22-dev"];
+/// The nightly that builds the program, pinned: rustc's LLVM must be the one bpf-linker links (22), and a
+/// floating `nightly` moves to LLVM 23 (bpf-linker then fails with "Invalid record"). `rustup toolchain
+/// install nightly` elsewhere (the fuzz step) no longer changes the eBPF build.
+const NIGHTLY: &str = "nightly-2026-06-15";
 
 #[derive(clap::Args)]
 pub struct BuildArgs {
@@ -48,7 +52,7 @@ pub fn build(args: BuildArgs) -> anyhow::Result<()> {
     let mut cmd = Command::new("cargo");
     cmd.current_dir(&crate_dir)
         .args([
-            "+nightly",
+            &format!("+{NIGHTLY}"),
             "build",
             "-Z",
             "build-std=core",
@@ -156,42 +160,37 @@ fn ensure_nightly(args: &BuildArgs, missing: &mut Vec<String>) -> anyhow::Result
         );
         return Ok(());
     }
-    if !succeeds(Command::new("rustc").args(["+nightly", "--version"])) {
+    let pinned = format!("+{NIGHTLY}");
+    if !succeeds(Command::new("rustc").args([pinned.as_str(), "--version"])) {
         if args.no_install {
-            missing.push(
-                "nightly toolchain: `rustup toolchain install nightly --profile minimal`".into(),
-            );
+            missing.push(format!(
+                "{NIGHTLY} toolchain: `rustup toolchain install {NIGHTLY} --profile minimal --component rust-src`"
+            ));
             return Ok(());
         }
-        eprintln!("build-ebpf: installing the nightly toolchain");
+        eprintln!("build-ebpf: installing the {NIGHTLY} toolchain");
         run(Command::new("rustup").args([
             "toolchain",
             "install",
-            "nightly",
+            NIGHTLY,
             "--profile",
             "minimal",
         ]))?;
     }
     let sysroot = Command::new("rustc")
-        .args(["+nightly", "--print", "sysroot"])
+        .args([pinned.as_str(), "--print", "sysroot"])
         .output()
-        .context("rustc +nightly --print sysroot")?;
+        .with_context(|| format!("rustc {pinned} --print sysroot"))?;
     let sysroot = PathBuf::from(String::from_utf8_lossy(&sysroot.stdout).trim());
     if !sysroot.join("lib/rustlib/src/rust/library/core").is_dir() {
         if args.no_install {
-            missing.push(
-                "nightly rust-src: `rustup component add rust-src --toolchain nightly`".into(),
-            );
+            missing.push(format!(
+                "{NIGHTLY} rust-src: `rustup component add rust-src --toolchain {NIGHTLY}`"
+            ));
             return Ok(());
         }
-        eprintln!("build-ebpf: adding rust-src to nightly");
-        run(Command::new("rustup").args([
-            "component",
-            "add",
-            "rust-src",
-            "--toolchain",
-            "nightly",
-        ]))?;
+        eprintln!("build-ebpf: adding rust-src to {NIGHTLY}");
+        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", NIGHTLY]))?;
     }
     Ok(())
 }
