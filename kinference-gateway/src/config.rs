@@ -17,6 +17,7 @@ use std::time::Duration;
 use crate::policy::source::SourceError;
 use crate::policy::stage::{PolicyStage, StageSettings};
 use crate::routing::{ModelConfig, RoutingConfig, RoutingMode, WorkerConfig};
+use crate::yaml;
 
 /// Command-line flags of `kinference-gateway`.
 #[derive(Debug, Clone, Parser)]
@@ -139,7 +140,6 @@ pub use crate::backend::worker::HttpSettings;
 #[cfg(test)]
 mod reference;
 pub mod workers_flag;
-pub mod yaml;
 
 /// The `gateway.yaml` file (local mode).
 #[derive(Debug, Clone, Default, Deserialize)]

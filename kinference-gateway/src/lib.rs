@@ -25,3 +25,4 @@ pub mod routing;
 pub mod server;
 pub mod tenancy;
 pub mod untrusted;
+pub mod yaml;

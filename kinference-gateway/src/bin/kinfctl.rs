@@ -247,8 +247,7 @@ impl RequestSpec {
 fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, Fatal> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Fatal(format!("cannot read {}: {e}", path.display())))?;
-    serde_yaml::from_str(&text)
-        .map_err(|e| Fatal(kinference_gateway::config::yaml::describe(path, 1, &e)))
+    serde_yaml::from_str(&text).map_err(|e| Fatal(kinference_gateway::yaml::describe(path, 1, &e)))
 }
 
 /// Loads a directory for evaluation; objects that failed validation are reported and fail the

@@ -330,12 +330,12 @@ fn parse_document(file: &Path, doc: &Document, out: &mut ParsedFile) {
                 line_of_path(doc, &e.path),
                 key.clone(),
                 "schema",
-                crate::config::yaml::with_hint(&e.to_string()),
+                crate::yaml::with_hint(&e.to_string()),
             ));
         }
         let reason = schema_errors
             .iter()
-            .map(|e| crate::config::yaml::with_hint(&e.to_string()))
+            .map(|e| crate::yaml::with_hint(&e.to_string()))
             .collect::<Vec<_>>()
             .join("; ");
         mark_invalid(out, key, &reason);
@@ -386,12 +386,8 @@ fn mark_invalid(out: &mut ParsedFile, key: Option<ObjectKey>, reason: &str) {
 }
 
 fn typed<T: DeserializeOwned>(doc: &Document) -> Result<T, (usize, String)> {
-    serde_yaml::from_str::<T>(&doc.text).map_err(|e| {
-        (
-            yaml_line(&e, doc),
-            crate::config::yaml::with_hint(&e.to_string()),
-        )
-    })
+    serde_yaml::from_str::<T>(&doc.text)
+        .map_err(|e| (yaml_line(&e, doc), crate::yaml::with_hint(&e.to_string())))
 }
 
 /// The line of each rule's `name:` inside `rules:`, in order (0 when not found).
