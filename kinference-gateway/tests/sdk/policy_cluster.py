@@ -62,7 +62,7 @@ def model_yaml(name: str = MODEL, classes: tuple[str, ...] = ("general",), serve
         """)
 
 
-def pool_yaml(name: str, urls: list[str], model: str = MODEL, uncached: float = 0.1) -> str:
+def pool_yaml(name: str, urls: list[str], model: str = MODEL, uncached: float = 0.1, cached: float = 0.01) -> str:
     endpoints = ", ".join(f'{{url: "{u}"}}' for u in urls)
     return textwrap.dedent(f"""\
         apiVersion: kinference.ai/v1alpha1
@@ -73,7 +73,7 @@ def pool_yaml(name: str, urls: list[str], model: str = MODEL, uncached: float = 
           gpuClass: sim
           locality: Local
           endpoints: [{endpoints}]
-          prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: {uncached}, outputPerMillion: 0.4}}
+          prices: {{cachedInputPerMillion: {cached}, uncachedInputPerMillion: {uncached}, outputPerMillion: 0.4}}
         """)
 
 

@@ -61,7 +61,9 @@ def test_cheap_model_unless_the_warm_expensive_one_is_faster():
                 "models.yaml": model_yaml("small", ("general",), served="small-sim") + "---\n"
                 + model_yaml("big", ("general",), served="big-sim"),
                 "pools.yaml": pool_yaml("small-pool", [small], model="small", uncached=0.1) + "---\n"
-                + pool_yaml("big-pool", [big], model="big", uncached=1.0),
+                + pool_yaml("big-pool", [big], model="big", uncached=1.0, cached=1.0),
+            # (no discount for cached tokens on the big pool: even with `warm` cached there it stays the
+            # dearer one, so choosing it must come from the TTFT gain, not from its cost)
                 "policies.yaml": POLICY,
             })
             gw = start_gateway(cluster, policy_dir)
