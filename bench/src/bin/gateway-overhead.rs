@@ -216,6 +216,10 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
         "vllm-sim",
     );
+    // The gateway probes its worker once before serving: start it only once the worker answers, or
+    // that first probe ejects it and the first requests get 503 until the next probe.
+    let client = client();
+    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
     let config = workdir.join("gateway.yaml");
     std::fs::write(
         &config,
@@ -241,8 +245,6 @@ async fn main() -> anyhow::Result<()> {
         "kinference-gateway",
     );
 
-    let client = client();
-    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
     wait_ready(
         &client,
         &format!("http://127.0.0.1:{admin_port}/readyz"),

@@ -32,6 +32,10 @@ use prometheus_client::registry::Registry;
 use tokio::time::Instant;
 
 use super::worker::Upstream;
+
+/// Time between two probe rounds while a worker has failed every probe so far (a worker still
+/// starting, or a gateway started beside its workers): it comes in within this, not a full interval.
+const STARTING_PROBE_INTERVAL: Duration = Duration::from_millis(250);
 use crate::metrics::Metrics;
 use crate::routing::{Router, WorkerView};
 
@@ -342,6 +346,14 @@ impl Health {
         Duration::from_millis(self.settings.outlier_window_ms)
     }
 
+    /// Whether a worker has been probed but never come into service yet.
+    pub fn any_starting(&self) -> bool {
+        self.workers
+            .lock()
+            .values()
+            .any(|t| t.probed && t.down && !t.served)
+    }
+
     /// Each worker's state now.
     pub fn states(&self) -> Vec<(String, WorkerState)> {
         self.decide()
@@ -452,12 +464,15 @@ pub struct Prober {
 impl Prober {
     /// Probes every worker every `interval`, forever. Call [`Prober::probe_all`] once before
     /// serving so that `/readyz` and routing reflect reality from the first request on.
+    /// While a worker has never passed a probe, rounds come every [`STARTING_PROBE_INTERVAL`].
     pub async fn run(self) {
-        let period = self.interval;
-        let mut interval = tokio::time::interval_at(Instant::now() + period, period);
-        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            interval.tick().await;
+            let wait = if self.health.any_starting() {
+                self.interval.min(STARTING_PROBE_INTERVAL)
+            } else {
+                self.interval
+            };
+            tokio::time::sleep(wait).await;
             self.probe_all().await;
         }
     }

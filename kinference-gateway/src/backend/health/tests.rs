@@ -85,14 +85,20 @@ fn one_failed_probe_ejects_nothing_three_do_and_two_good_ones_bring_it_back() {
 #[test]
 fn the_first_probe_decides_and_a_refused_connection_ejects_at_once() {
     let (health, router, _) = health(2, HealthSettings::default());
+    assert!(!health.any_starting(), "nothing probed yet");
     health.probe("http://w0", false);
     assert!(
         !routable(&router, "http://w0"),
         "down at start: out at once"
     );
+    assert!(
+        health.any_starting(),
+        "probed again soon, not a full interval later"
+    );
     // Never in service yet: its first good probe brings it in (a fleet still loading).
     health.probe("http://w0", true);
     assert!(routable(&router, "http://w0"));
+    assert!(!health.any_starting());
     health.probe("http://w1", true);
     health.connect_failed("http://w1");
     assert_eq!(state(&health, "http://w1"), WorkerState::Ejected);
