@@ -88,7 +88,7 @@ impl Usage {
     }
 }
 
-/// The message of a non-streaming chat choice.
+/// The message of a non-streaming chat choice (and, as [`ChunkDelta`], a streamed one's `delta`).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct ChoiceMessage {
     /// Generated text.
@@ -175,31 +175,9 @@ pub struct UsageOnly {
     pub usage: Option<Usage>,
 }
 
-/// `delta` of a streamed chat choice.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct ChunkDelta {
-    /// New text.
-    #[serde(default)]
-    pub content: Option<String>,
-    /// New pieces of tool calls.
-    #[serde(default)]
-    pub tool_calls: Option<Vec<ToolCall>>,
-    /// New reasoning text (older vLLM versions).
-    #[serde(default)]
-    pub reasoning_content: Option<String>,
-    /// New reasoning text (newer versions).
-    #[serde(default)]
-    pub reasoning: Option<String>,
-}
-
-impl ChunkDelta {
-    /// The new reasoning text, under either name.
-    pub fn reasoning(&self) -> Option<&str> {
-        self.reasoning
-            .as_deref()
-            .or(self.reasoning_content.as_deref())
-    }
-}
+/// `delta` of a streamed chat choice: the fields of a whole message, each holding only what is new
+/// in this chunk (text, pieces of tool calls, reasoning).
+pub type ChunkDelta = ChoiceMessage;
 
 /// A choice of a stream chunk (chat: `delta`; completions: `text`).
 #[derive(Debug, Clone, Default, Deserialize)]
