@@ -13,48 +13,16 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use testkit::{ChildGuard, free_port, tokenizer_dir};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+mod support;
+
+use support::call;
 
 const MODEL: &str = "access-model";
 const ADMIN_KEY: &str = "admin-key-for-the-access-test";
 const ACME_KEY: &str = "sk-acme-access-test";
 const GLOBEX_KEY: &str = "sk-globex-access-test";
-
-/// One HTTP/1.1 exchange on a fresh connection to `host:port`: (status, lower-cased head, body).
-async fn call(
-    host: &str,
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> (u16, String, String) {
-    let mut s = TcpStream::connect((host, port)).await.expect("connect");
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        req.push_str(&format!("{name}: {value}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, head.to_ascii_lowercase(), body.to_string())
-}
 
 async fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
     call("127.0.0.1", port, "GET", path, headers, "").await

@@ -12,8 +12,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use testkit::{ChildGuard, free_port, tokenizer_dir};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+mod support;
 
 const MODEL: &str = "journal-model";
 const STRICT_KEY: &str = "sk-strict-journal-test";
@@ -21,7 +22,7 @@ const LENIENT_KEY: &str = "sk-lenient-journal-test";
 /// Room left on the "disk" past the seeded journal: a dozen records.
 const ROOM_BYTES: u64 = 3 * 1024;
 
-/// One HTTP/1.1 exchange on a fresh connection: (status, body).
+/// One HTTP/1.1 exchange on a fresh loopback connection: (status, body).
 async fn call(
     port: u16,
     method: &str,
@@ -29,32 +30,8 @@ async fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        req.push_str(&format!("{name}: {value}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, body.to_string())
+    let (status, _, body) = support::call("127.0.0.1", port, method, path, headers, body).await;
+    (status, body)
 }
 
 async fn chat(port: u16, key: &str) -> (u16, String) {
