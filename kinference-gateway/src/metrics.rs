@@ -8,6 +8,11 @@
 //! Clients choose the `model` they ask for, so that label is bounded: a name the gateway serves (its
 //! configured models, plus names a backend really took, up to [`MAX_MODEL_LABELS`]) is kept, anything
 //! else folds into `other`. Random model names from an open port cannot grow `/metrics` or memory.
+//!
+//! [`fleet`]: the gauges per served model for autoscalers (queue depth, KV-cache usage, estimated
+//! TTFT) and the routing signals each worker has, read from the router on every scrape.
+
+pub mod fleet;
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -113,6 +118,7 @@ pub struct Metrics {
     in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
     retries: Counter,
     worker_healthy: Family<HealthLabels, Gauge>,
+    fleet: fleet::Fleet,
     models: Arc<ModelLabels>,
     registry: Arc<parking_lot::Mutex<Registry>>,
 }
@@ -132,6 +138,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             retries: Counter::default(),
             worker_healthy: Family::default(),
+            fleet: fleet::Fleet::default(),
             models: Arc::default(),
             registry: Arc::new(parking_lot::Mutex::new(Registry::default())),
         };
@@ -178,7 +185,7 @@ impl Metrics {
         );
         sub.register(
             "upstream_retries",
-            "Requests retried on another worker after a refused connection",
+            "Requests retried on another worker after the first failed before answering (refused or broken connection, 503)",
             Described(metrics.retries.clone()),
         );
         sub.register(
@@ -186,6 +193,7 @@ impl Metrics {
             "1 when the worker's last health probe or request succeeded",
             Described(metrics.worker_healthy.clone()),
         );
+        metrics.fleet.register(&mut registry);
         *metrics.registry.lock() = registry;
         metrics
     }
@@ -201,6 +209,12 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry.lock());
         out
+    }
+
+    /// Brings the fleet gauges up to date with `router` (before each scrape) and returns what they
+    /// were set from (for `/healthz/workers`).
+    pub async fn refresh_fleet(&self, router: &crate::routing::Router) -> fleet::Snapshot {
+        self.fleet.refresh(router).await
     }
 
     /// Names the gateway serves (configured models, aliases, classes): kept as `model` label values

@@ -130,16 +130,19 @@ fn outgoing(request: &Request) -> Outgoing<'_> {
     }
 }
 
-/// Picks a worker (among `pool` when a policy chose one) and sends the request. A worker that
-/// refuses the connection is marked unhealthy and the request goes once more to another worker
-/// (nothing has been streamed yet). The settlement holds the router's ticket from then on.
+/// Picks a worker (among `pool` when a policy chose one) and sends the request. When the worker
+/// fails it before answering (refused or broken connection, 503) the request goes once more, to
+/// another worker: nothing has reached the client yet, and a worker that is shutting down closes its
+/// idle connections before every gateway has heard it is gone. A refused connection also marks the
+/// worker unhealthy. The settlement holds the router's ticket from then on.
 async fn to_worker(
     gw: &Gateway,
     ex: &Exchange,
     request: &Request,
     pool: Option<&[String]>,
 ) -> Result<(Decision, Response<Incoming>), GatewayError> {
-    let mut refused: Option<GatewayError> = None;
+    let mut failed: Vec<String> = Vec::new();
+    let mut last: Option<GatewayError> = None;
     loop {
         let route = RouteRequest {
             model: request.model(),
@@ -147,16 +150,12 @@ async fn to_worker(
             debug: ex.debug,
             tokens: Some(&ex.tokens),
         };
-        let picked = match pool {
-            Some(workers) => gw.router.pick_among(route, workers).await,
-            None => gw.router.pick(route).await,
-        };
-        let decision = match picked {
+        let decision = match gw.router.pick_except(route, pool, &failed).await {
             Ok(decision) => decision,
-            // The retry found no other worker: the refusal is the more useful answer.
-            Err(RouteError::NoHealthyWorker(_)) if refused.is_some() => {
+            // The retry found no other worker: the first failure is the more useful answer.
+            Err(RouteError::NoHealthyWorker(_)) if last.is_some() => {
                 return Err(
-                    refused.unwrap_or(GatewayError::NoHealthyWorker(request.model().to_string()))
+                    last.unwrap_or(GatewayError::NoHealthyWorker(request.model().to_string()))
                 );
             }
             Err(e) => return Err(e.into()),
@@ -165,24 +164,30 @@ async fn to_worker(
             url: &decision.worker,
             path: ex.endpoint.upstream_path(),
         };
-        match backend::send(&gw.upstream, target, outgoing(request)).await {
+        let error = match backend::send(&gw.upstream, target, outgoing(request)).await {
             Ok(response) if response.status().is_success() => {
                 gw.health.observe(&decision.worker, true);
                 return Ok((decision, response));
             }
             Ok(response) => {
+                let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
                 let worker_fault = response.status().is_server_error();
                 gw.health.observe(&decision.worker, !worker_fault);
-                return Err(rejection(gw, &decision.worker, response).await);
+                let error = rejection(gw, &decision.worker, response).await;
+                if !unavailable {
+                    return Err(error);
+                }
+                error
             }
             Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
                 tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker unreachable; marking it unhealthy");
                 gw.health.connect_failed(&decision.worker);
-                if refused.is_some() {
-                    return Err(error);
-                }
-                gw.metrics.retry();
-                refused = Some(error);
+                error
+            }
+            Err(SendError::Failed(error @ GatewayError::BadUpstream { .. })) => {
+                tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker broke the connection before answering");
+                gw.health.observe(&decision.worker, false);
+                error
             }
             Err(SendError::Failed(error)) => {
                 gw.health.observe(&decision.worker, false);
@@ -194,7 +199,13 @@ async fn to_worker(
                     detail,
                 });
             }
+        };
+        if last.is_some() {
+            return Err(error);
         }
+        gw.metrics.retry();
+        failed.push(decision.worker.clone());
+        last = Some(error);
     }
 }
 

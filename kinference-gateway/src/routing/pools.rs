@@ -59,10 +59,22 @@ impl Router {
         req: RouteRequest<'_>,
         workers: &[String],
     ) -> Result<Decision, RouteError> {
+        self.pick_except(req, Some(workers), &[]).await
+    }
+
+    /// [`Router::pick`] among `within` (base URLs; every worker of the model when `None`), passing
+    /// over the workers in `avoid`: the retry after a worker failed a request before answering.
+    pub async fn pick_except(
+        &self,
+        req: RouteRequest<'_>,
+        within: Option<&[String]>,
+        avoid: &[String],
+    ) -> Result<Decision, RouteError> {
+        let listed = |urls: &[String], w: &Worker| urls.iter().any(|u| normalize_url(u) == w.url);
         let candidates: Vec<Arc<Worker>> = self
             .candidates(req.model)?
             .into_iter()
-            .filter(|w| workers.iter().any(|u| normalize_url(u) == w.url))
+            .filter(|w| within.is_none_or(|urls| listed(urls, w)) && !listed(avoid, w))
             .collect();
         if candidates.is_empty() {
             return Err(RouteError::NoHealthyWorker(req.model.to_string()));

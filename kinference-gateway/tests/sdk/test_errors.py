@@ -3,6 +3,8 @@ killed mid-stream ends the stream with an error event and leaks no in-flight cou
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import anthropic
@@ -139,6 +141,51 @@ def test_refused_connection_retries_on_another_worker(cluster):
             break
     assert gw.metric("kinference_gateway_upstream_retries_total") >= 1
     assert gw.metric("kinference_gateway_worker_healthy", worker=a.url) == 0
+
+
+class ClosingWorker:
+    """A worker that is going away: it passes health probes, but closes every connection that carries a
+    request without answering (what a worker shutting down does to a gateway's pooled connections)."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.broken = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            with conn:
+                head = conn.recv(65536)
+                if head.startswith(b"GET "):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                else:
+                    self.broken += 1
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_connection_broken_before_answering_retries_on_another_worker(cluster):
+    good, closing = cluster.worker(), ClosingWorker()
+    try:
+        gw = cluster.gateway([good], extra_worker_urls=(closing.url,))
+        # Two idle workers tie and a tie is broken at random: send until a pick has landed on the closing
+        # worker. Every request succeeds, answered by the good worker.
+        for _ in range(20):
+            raw = oai(gw).chat.completions.with_raw_response.create(model=MODEL, messages=MSG, max_tokens=2)
+            assert raw.headers["x-kinference-worker"] == good.url
+            if closing.broken >= 1:
+                break
+        assert closing.broken >= 1
+        assert gw.metric("kinference_gateway_upstream_retries_total") == closing.broken
+        assert gw.metric("kinference_gateway_requests_total", status="502") == 0
+    finally:
+        closing.close()
 
 
 def test_upstream_timeout_is_504(cluster):

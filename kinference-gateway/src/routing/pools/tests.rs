@@ -83,3 +83,24 @@ async fn pick_among_outside_the_model_is_no_healthy_worker() {
     let left = router.estimate_workers(req("hi"), None).await.unwrap();
     assert_eq!(left.len(), 2);
 }
+
+#[tokio::test]
+async fn pick_except_passes_over_the_failed_worker() {
+    let router = router();
+    let prompt = "a prompt the first pick caches on one worker";
+    let first = router.pick(req(prompt)).await.unwrap();
+    first.ticket.finish(false, 0, None);
+    // The same prompt again would go where its prefix is; with that worker avoided it goes elsewhere.
+    let avoid = vec![first.worker.clone()];
+    for _ in 0..5 {
+        let retry = router.pick_except(req(prompt), None, &avoid).await.unwrap();
+        assert_ne!(retry.worker, first.worker);
+        retry.ticket.finish(true, 1, None);
+    }
+    // Within a pool of only the avoided worker nothing is left.
+    let err = router
+        .pick_except(req(prompt), Some(&avoid), &avoid)
+        .await
+        .unwrap_err();
+    assert_eq!(err, RouteError::NoHealthyWorker("m".into()));
+}
