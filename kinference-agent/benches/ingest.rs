@@ -40,6 +40,8 @@ fn workload(
                 .collect(),
             block_size: bs,
             medium: Medium::Gpu,
+            lora: None,
+            extra_keys: Vec::new(),
         }];
         let old = (p + prompts - resident) % prompts;
         events.push(KvEvent::BlockRemoved {

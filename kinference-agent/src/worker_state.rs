@@ -4,13 +4,17 @@
 //! the parent block through an engine-hash -> key map. The same map resolves `BlockRemoved`, so vLLM's
 //! hash algorithm, seed and width never matter. Changes since the last [`WorkerState::take_delta`] are
 //! tracked as net differences, so a block added and removed inside one summary window is never sent.
+//!
+//! Blocks computed for a LoRA adapter are keyed under the adapter's name (the model name its requests
+//! carry), and a block whose vLLM hash covered other extra keys (an image, a cache salt) gets a key
+//! mixed with them: neither is ever taken for the base model's blocks of the same tokens.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use kinference_api::{BlockKey, KeyHasher};
+use kinference_api::{BlockKey, KeyHasher, with_extra_keys};
 
-use crate::kv_events::{KvEvent, Medium};
+use crate::kv_events::{ExtraKey, KvEvent, Lora, Medium};
 
 /// A fast hasher for keys that are already well-mixed 64-bit hashes (one multiply and a fold).
 #[derive(Default, Clone, Copy)]
@@ -146,12 +150,18 @@ impl WorkerState {
                 token_ids,
                 block_size,
                 medium,
+                lora,
+                extra_keys,
             } => self.store(
-                block_hashes,
-                *parent_block_hash,
-                token_ids,
-                *block_size,
-                *medium,
+                StoredBlocks {
+                    hashes: block_hashes,
+                    parent: *parent_block_hash,
+                    tokens: token_ids,
+                    block_size: *block_size,
+                    medium: *medium,
+                    lora: lora.as_ref(),
+                    extra_keys,
+                },
                 &mut stats,
             ),
             KvEvent::BlockRemoved {
@@ -189,15 +199,16 @@ impl WorkerState {
         self.cleared = true;
     }
 
-    fn store(
-        &mut self,
-        hashes: &[u64],
-        parent: Option<u64>,
-        tokens: &[u32],
-        block_size: u32,
-        medium: Medium,
-        stats: &mut ApplyStats,
-    ) {
+    fn store(&mut self, stored: StoredBlocks<'_>, stats: &mut ApplyStats) {
+        let StoredBlocks {
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            medium,
+            lora,
+            extra_keys,
+        } = stored;
         if block_size == 0 {
             stats.short_token_lists += 1;
             return;
@@ -223,10 +234,22 @@ impl WorkerState {
         if full_blocks < hashes.len() {
             stats.short_token_lists += 1;
         }
+        let hasher = match lora {
+            None => self.hasher,
+            Some(Lora::Name(name)) => KeyHasher::for_model(name),
+            // No request names an adapter by number: its blocks get keys no prompt produces.
+            Some(Lora::Id(id)) => KeyHasher::for_model(&format!("\0lora_id={id}")),
+        };
+        let mut extra = Vec::new();
         for (i, &h) in hashes.iter().take(full_blocks).enumerate() {
-            let key = self
-                .hasher
-                .block_key(parent_key, &tokens[i * bs..(i + 1) * bs]);
+            let mut key = hasher.block_key(parent_key, &tokens[i * bs..(i + 1) * bs]);
+            if let Some(keys) = extra_keys.get(i) {
+                extra.clear();
+                encode_extra_keys(keys, lora, &mut extra);
+                if !extra.is_empty() {
+                    key = with_extra_keys(key, &extra);
+                }
+            }
             parent_key = Some(key);
             stats.block_events += 1;
             match self.engine.get(&(h, medium)) {
@@ -313,6 +336,38 @@ impl WorkerState {
         self.engine.capacity() * (1 + std::mem::size_of::<(EngineBlock, BlockKey)>())
             + self.keys.capacity() * (1 + std::mem::size_of::<(BlockKey, u32)>())
             + self.touched.capacity() * (1 + std::mem::size_of::<(BlockKey, bool)>())
+    }
+}
+
+/// One `BlockStored`'s fields, as [`WorkerState::store`] reads them.
+struct StoredBlocks<'a> {
+    hashes: &'a [u64],
+    parent: Option<u64>,
+    tokens: &'a [u32],
+    block_size: u32,
+    medium: Medium,
+    lora: Option<&'a Lora>,
+    extra_keys: &'a [Vec<ExtraKey>],
+}
+
+/// The bytes of a block's extra keys other than its adapter's name, which vLLM repeats there and the
+/// key already carries (an adapter's plain blocks then key exactly as its requests' prompts do).
+/// Nothing is written for a block without other keys.
+fn encode_extra_keys(keys: &[ExtraKey], lora: Option<&Lora>, out: &mut Vec<u8>) {
+    for key in keys {
+        match key {
+            ExtraKey::Str(s) if matches!(lora, Some(Lora::Name(name)) if name == s) => {}
+            ExtraKey::Str(s) => {
+                out.push(b's');
+                out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+            ExtraKey::Raw(raw) => {
+                out.push(b'r');
+                out.extend_from_slice(&(raw.len() as u64).to_le_bytes());
+                out.extend_from_slice(raw);
+            }
+        }
     }
 }
 

@@ -6,7 +6,9 @@
 //! prompt it tokenized. A block's key covers its tokens and, through the parent key, every token before
 //! it, so "the longest run of leading keys a worker holds" is exactly that worker's cached prefix.
 //!
-//! Keys are seeded by the served model name: the same tokens under two models never collide.
+//! Keys are seeded by the served model name: the same tokens under two models never collide. A LoRA
+//! adapter is served under its own name, so its blocks are keyed by that name and are never taken for
+//! the base model's (nor the base model's for the adapter's).
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -128,6 +130,13 @@ impl KeyHasher {
         let len = encode(parent, tokens, buf);
         xxh3_64_with_seed(&buf[..len], self.seed)
     }
+}
+
+/// The key of a block whose vLLM hash also covered extra keys (a multimodal input, a cache salt):
+/// `key` mixed with their bytes. No prompt's tokens alone produce it, so such a block, and every block
+/// chained after it, is never counted as a hit for a plain prompt of the same tokens.
+pub fn with_extra_keys(key: BlockKey, extra: &[u8]) -> BlockKey {
+    xxh3_64_with_seed(extra, key ^ 0x6a09_e667_f3bc_c908)
 }
 
 fn encode(parent: u64, tokens: &[u32], buf: &mut [u8]) -> usize {

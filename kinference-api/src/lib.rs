@@ -19,7 +19,7 @@ pub mod summary {
     tonic::include_proto!("kinference.v1");
 }
 
-pub use block_keys::{BlockKey, KeyHasher};
+pub use block_keys::{BlockKey, KeyHasher, with_extra_keys};
 
 /// Tokenization as the served model does it: HF `tokenizer.json` plus the model's chat template.
 #[cfg(feature = "tokenize")]

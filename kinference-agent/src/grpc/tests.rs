@@ -24,6 +24,8 @@ fn store(first_hash: u64, parent: Option<u64>, n: u64, bs: u32) -> KvEvent {
             .collect(),
         block_size: bs,
         medium: Medium::Gpu,
+        lora: None,
+        extra_keys: Vec::new(),
     }
 }
 

@@ -3,7 +3,7 @@ use std::collections::HashSet;
 use super::*;
 use crate::kv_events::EventBatch;
 use crate::kv_events::decode_batch;
-use crate::kv_events::encode::{EncodeOptions, encode_batch};
+use crate::kv_events::encode::{EncodeOptions, EventFormat, encode_batch};
 
 const MODEL: &str = "qwen2-sim";
 
@@ -14,6 +14,8 @@ fn stored(hashes: &[u64], parent: Option<u64>, tokens: std::ops::Range<u32>, bs:
         token_ids: tokens.collect(),
         block_size: bs,
         medium: Medium::Gpu,
+        lora: None,
+        extra_keys: Vec::new(),
     }
 }
 
@@ -106,6 +108,8 @@ fn two_tiers_holding_one_block_keep_the_key_until_both_drop_it() {
         token_ids: (0..16).collect(),
         block_size: 16,
         medium: Medium::Cpu,
+        lora: None,
+        extra_keys: Vec::new(),
     });
     assert_eq!(s.len(), 1);
     s.apply(&removed(&[5]));
@@ -201,6 +205,8 @@ fn json_batch(v: &serde_json::Value) -> EventBatch {
                         .collect(),
                     block_size: e["block_size"].as_u64().expect("bs") as u32,
                     medium: Medium::Gpu,
+                    lora: None,
+                    extra_keys: Vec::new(),
                 },
                 "BlockRemoved" => KvEvent::BlockRemoved {
                     block_hashes: hashes(&e["block_hashes"]),
@@ -211,4 +217,109 @@ fn json_batch(v: &serde_json::Value) -> EventBatch {
             .collect(),
         data_parallel_rank: a[2].as_i64(),
     }
+}
+
+/// The real capture's first `BlockStored` (events-run1, tokens 1000..1095, block size 32) as vLLM
+/// publishes it for a request to the adapter `sql-lora`: `lora_name` set and, on every block, the
+/// adapter's name in `extra_keys` (`to_event_extra_keys`, vLLM 0.31+); `image` adds a multimodal
+/// `(identifier, offset)` key to the second block. Through the real wire bytes in both event formats.
+fn captured_lora_event(format: EventFormat, image: bool) -> KvEvent {
+    let path = format!(
+        "{}/../bench/fixtures/vllm-0.32/events-run1.jsonl",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let line: serde_json::Value =
+        serde_json::from_str(text.lines().next().expect("a line")).expect("json");
+    let mut batch = json_batch(&line["batch"]);
+    let KvEvent::BlockStored {
+        lora, extra_keys, ..
+    } = &mut batch.events[0]
+    else {
+        panic!("the capture starts with a BlockStored");
+    };
+    let name = || ExtraKey::Str("sql-lora".into());
+    *lora = Some(Lora::Name("sql-lora".into()));
+    *extra_keys = vec![vec![name()], vec![name()], vec![name()]];
+    if image {
+        // msgpack ["img-7f3a", 12]
+        let pair = [&[0x92, 0xa8][..], b"img-7f3a", &[0x0c]].concat();
+        extra_keys[1].push(ExtraKey::Raw(pair));
+    }
+    let bytes = encode_batch(
+        &batch,
+        EncodeOptions {
+            format,
+            bin_hashes: false,
+        },
+    );
+    let mut decoded = decode_batch(&bytes).expect("decodes");
+    decoded.events.swap_remove(0)
+}
+
+fn capture_tokens() -> Vec<u32> {
+    (1000..1096).collect()
+}
+
+#[test]
+fn an_adapters_blocks_are_keyed_as_requests_for_the_adapter_key_them() {
+    for format in [EventFormat::Map, EventFormat::Array] {
+        let mut s = WorkerState::new("tiny", 1000);
+        s.apply(&captured_lora_event(format, false));
+        // The gateway hashes a request for `sql-lora` under that name.
+        let adapter = KeyHasher::for_model("sql-lora").keys(None, &capture_tokens(), 32);
+        let base = KeyHasher::for_model("tiny").keys(None, &capture_tokens(), 32);
+        assert_eq!(set(s.keys()), set(adapter.clone()), "{format:?}");
+        assert!(base.iter().all(|k| !s.contains(*k)), "not a base-model hit");
+    }
+}
+
+#[test]
+fn base_and_adapter_blocks_of_the_same_tokens_are_held_apart() {
+    let mut s = WorkerState::new("tiny", 1000);
+    let base = stored(&[1, 2, 3], None, 1000..1096, 32);
+    s.apply(&base);
+    s.apply(&captured_lora_event(EventFormat::Map, false));
+    assert_eq!(s.len(), 6, "three base keys and three adapter keys");
+    // The adapter's blocks evicted: the base model's stay.
+    let KvEvent::BlockStored { block_hashes, .. } = captured_lora_event(EventFormat::Map, false)
+    else {
+        unreachable!()
+    };
+    s.apply(&KvEvent::BlockRemoved {
+        block_hashes,
+        medium: Medium::Gpu,
+    });
+    let base_keys = KeyHasher::for_model("tiny").keys(None, &capture_tokens(), 32);
+    assert_eq!(set(s.keys()), set(base_keys));
+}
+
+#[test]
+fn a_block_with_an_image_key_and_its_descendants_match_no_plain_prompt() {
+    let mut s = WorkerState::new("tiny", 1000);
+    s.apply(&captured_lora_event(EventFormat::Array, true));
+    let adapter = KeyHasher::for_model("sql-lora").keys(None, &capture_tokens(), 32);
+    assert!(
+        s.contains(adapter[0]),
+        "the first block has only the adapter"
+    );
+    assert!(
+        !s.contains(adapter[1]),
+        "the image's block is not a text hit"
+    );
+    assert!(!s.contains(adapter[2]), "nor is anything chained after it");
+    assert_eq!(s.len(), 3);
+}
+
+#[test]
+fn an_adapter_known_only_by_number_gets_keys_no_request_produces() {
+    let mut s = WorkerState::new("tiny", 1000);
+    let mut e = stored(&[1, 2, 3], None, 1000..1096, 32);
+    if let KvEvent::BlockStored { lora, .. } = &mut e {
+        *lora = Some(Lora::Id(2));
+    }
+    s.apply(&e);
+    assert_eq!(s.len(), 3);
+    let base = KeyHasher::for_model("tiny").keys(None, &capture_tokens(), 32);
+    assert!(base.iter().all(|k| !s.contains(*k)));
 }

@@ -210,6 +210,8 @@ pub fn stored(id: u32, from: u32, to: u32) -> KvEvent {
         token_ids: tokens[(from * BS) as usize..].to_vec(),
         block_size: BS,
         medium: Medium::Gpu,
+        lora: None,
+        extra_keys: Vec::new(),
     }
 }
 

@@ -5,6 +5,11 @@
 //! Both are accepted, with any header width, extra or unknown fields skipped, and block hashes given
 //! either as integers or as byte strings (whose last 8 bytes, big-endian, are the 64-bit hash vLLM would
 //! publish as an int). See `docs/vllm-interfaces.md` section 1.2.
+//!
+//! A `BlockStored` also keeps what vLLM hashed into its blocks besides the tokens: the LoRA adapter
+//! (`lora_name`, or the older `lora_id`) and each block's `extra_keys` (multimodal identifiers, cache
+//! salt, the adapter's name again), so a block computed for an adapter or an image is never taken for
+//! the same tokens of the base model (section 2.4).
 
 pub mod encode;
 mod msgpack;
@@ -53,6 +58,10 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: u32,
         medium: Medium,
+        /// The LoRA adapter the blocks were computed with (`None`: the base model).
+        lora: Option<Lora>,
+        /// Each block's extra keys, in block order (an empty list: none). Empty when no block has any.
+        extra_keys: Vec<Vec<ExtraKey>>,
     },
     /// Blocks evicted.
     BlockRemoved {
@@ -63,6 +72,24 @@ pub enum KvEvent {
     AllBlocksCleared,
     /// An event type this agent does not know (a newer vLLM); ignored.
     Unknown,
+}
+
+/// A LoRA adapter as a `BlockStored` names it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Lora {
+    /// `lora_name` (vLLM >= 0.14): the name clients put in `"model"` and `/v1/models` lists.
+    Name(String),
+    /// Only `lora_id` (older vLLM): the engine's number for the adapter, which no client request names.
+    Id(i64),
+}
+
+/// One element of a block's `extra_keys`, as vLLM publishes it (untagged, section 2.4): a string
+/// (an adapter's name, a cache salt, a multimodal hash) or any other value (a multimodal
+/// `(identifier, offset)` pair, a digest), kept as its msgpack bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum ExtraKey {
+    Str(String),
+    Raw(Vec<u8>),
 }
 
 impl KvEvent {
@@ -172,10 +199,24 @@ fn decode_array_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             let block_size = r.u32()?;
             read = 5;
             let mut medium = Medium::Gpu;
+            let mut lora_id = None;
+            let mut lora_name = None;
+            let mut extra_keys = Vec::new();
+            if n >= 6 {
+                lora_id = opt_int(r)?;
+                read = 6;
+            }
             if n >= 7 {
-                r.skip()?; // lora_id
                 medium = opt_medium(r)?;
                 read = 7;
+            }
+            if n >= 8 {
+                lora_name = opt_str(r)?;
+                read = 8;
+            }
+            if n >= 9 {
+                extra_keys = block_extra_keys(r)?;
+                read = 9;
             }
             KvEvent::BlockStored {
                 block_hashes,
@@ -183,6 +224,8 @@ fn decode_array_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
                 token_ids,
                 block_size,
                 medium,
+                lora: lora(lora_name, lora_id),
+                extra_keys,
             }
         }
         Tag::Removed => {
@@ -221,6 +264,9 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
     let mut token_ids = None;
     let mut block_size = None;
     let mut medium = Medium::Gpu;
+    let mut lora_id = None;
+    let mut lora_name = None;
+    let mut extra_keys = Vec::new();
     for _ in 0..n {
         let key = match r.peek()? {
             0xa0..=0xbf | 0xd9 | 0xda | 0xdb => r.bytes()?,
@@ -237,6 +283,9 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             b"token_ids" => token_ids = Some(tokens(r)?),
             b"block_size" => block_size = Some(r.u32()?),
             b"medium" => medium = opt_medium(r)?,
+            b"lora_id" => lora_id = opt_int(r)?,
+            b"lora_name" => lora_name = opt_str(r)?,
+            b"extra_keys" => extra_keys = block_extra_keys(r)?,
             _ => r.skip()?,
         }
     }
@@ -249,6 +298,8 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             block_size: block_size
                 .ok_or(DecodeError::BadEvent("BlockStored without block_size"))?,
             medium,
+            lora: lora(lora_name, lora_id),
+            extra_keys,
         }),
         Tag::Removed => Ok(KvEvent::BlockRemoved {
             block_hashes: block_hashes
@@ -299,6 +350,74 @@ fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
         out.push(r.u32()?);
     }
     Ok(out)
+}
+
+fn opt_int(r: &mut Reader<'_>) -> Result<Option<i64>, DecodeError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    Ok(Some(match r.int()? {
+        Int::U(v) => i64::try_from(v).unwrap_or(i64::MAX),
+        Int::I(v) => v,
+    }))
+}
+
+fn opt_str(r: &mut Reader<'_>) -> Result<Option<String>, DecodeError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    Ok(Some(String::from_utf8_lossy(r.bytes()?).into_owned()))
+}
+
+/// The adapter of a `BlockStored`: its name when vLLM sent one, else its number. An empty name is no
+/// adapter (vLLM never names one so).
+fn lora(name: Option<String>, id: Option<i64>) -> Option<Lora> {
+    match (name, id) {
+        (Some(name), _) if !name.is_empty() => Some(Lora::Name(name)),
+        (_, Some(id)) if id > 0 => Some(Lora::Id(id)),
+        _ => None,
+    }
+}
+
+/// `extra_keys`: `nil`, or one entry per block, each `nil` or a tuple of keys (a lone value is taken
+/// as a one-key tuple). Empty when no block has a key, so plain events carry nothing.
+fn block_extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<ExtraKey>>, DecodeError> {
+    if r.nil()? {
+        return Ok(Vec::new());
+    }
+    let n = r.array_len()?;
+    let mut blocks = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        let keys = match r.peek()? {
+            0xc0 => {
+                r.nil()?;
+                Vec::new()
+            }
+            0x90..=0x9f | 0xdc | 0xdd => {
+                let k = r.array_len()?;
+                let mut keys = Vec::with_capacity(k.min(64));
+                for _ in 0..k {
+                    keys.push(extra_key(r)?);
+                }
+                keys
+            }
+            _ => vec![extra_key(r)?],
+        };
+        blocks.push(keys);
+    }
+    if blocks.iter().all(Vec::is_empty) {
+        blocks.clear();
+    }
+    Ok(blocks)
+}
+
+fn extra_key(r: &mut Reader<'_>) -> Result<ExtraKey, DecodeError> {
+    match r.peek()? {
+        0xa0..=0xbf | 0xd9..=0xdb => Ok(ExtraKey::Str(
+            String::from_utf8_lossy(r.bytes()?).into_owned(),
+        )),
+        _ => Ok(ExtraKey::Raw(r.raw()?.to_vec())),
+    }
 }
 
 fn opt_medium(r: &mut Reader<'_>) -> Result<Medium, DecodeError> {

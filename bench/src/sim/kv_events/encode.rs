@@ -61,6 +61,8 @@ fn to_wire(e: &KvCacheEvent) -> KvEvent {
             token_ids: token_ids.clone(),
             block_size: u32::try_from(*block_size).unwrap_or(u32::MAX),
             medium: Medium::Gpu,
+            lora: None,
+            extra_keys: Vec::new(),
         },
         KvCacheEvent::BlockRemoved { block_hashes } => KvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),

@@ -4,7 +4,7 @@
 //! produce the real wire bytes (msgspec's field order, nils for required-but-empty fields, the smallest
 //! integer width, so hashes of 2^63 or more are `uint64`) rather than a convenient variant.
 
-use super::{EventBatch, KvEvent, Medium};
+use super::{EventBatch, ExtraKey, KvEvent, Lora, Medium};
 
 /// How events inside a batch are encoded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -50,6 +50,8 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
                 token_ids,
                 block_size,
                 medium,
+                lora,
+                extra_keys,
             },
             EventFormat::Map,
         ) => {
@@ -65,13 +67,12 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
             str(out, "block_size");
             int(out, *block_size as i64);
             str(out, "lora_id");
-            out.push(0xc0);
+            lora_id(out, lora.as_ref());
             kv_str(out, "medium", medium_name(*medium));
             str(out, "lora_name");
-            out.push(0xc0);
+            lora_name(out, lora.as_ref());
             str(out, "extra_keys");
-            array_len(out, block_hashes.len() as u32);
-            out.extend(std::iter::repeat_n(0xc0, block_hashes.len()));
+            block_extra_keys(out, block_hashes.len(), extra_keys);
             str(out, "group_idx");
             int(out, 0);
             kv_str(out, "kv_cache_spec_kind", "full_attention");
@@ -83,6 +84,8 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
                 token_ids,
                 block_size,
                 medium,
+                lora,
+                extra_keys,
             },
             EventFormat::Array,
         ) => {
@@ -92,12 +95,10 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
             opt_hash(out, *parent_block_hash, opts);
             tokens(out, token_ids);
             int(out, *block_size as i64);
-            out.push(0xc0); // lora_id
+            lora_id(out, lora.as_ref());
             str(out, medium_name(*medium));
-            out.push(0xc0); // lora_name
-            // extra_keys: one untagged `None` per block for a plain (no LoRA, no multimodal) request.
-            array_len(out, block_hashes.len() as u32);
-            out.extend(std::iter::repeat_n(0xc0, block_hashes.len()));
+            lora_name(out, lora.as_ref());
+            block_extra_keys(out, block_hashes.len(), extra_keys);
             int(out, 0); // group_idx
             str(out, "full_attention");
             out.push(0xc0); // kv_cache_spec_sliding_window
@@ -145,6 +146,42 @@ fn encode_event(out: &mut Vec<u8>, ev: &KvEvent, opts: EncodeOptions) {
         (KvEvent::Unknown, EventFormat::Array) => {
             array_len(out, 1);
             str(out, "SomethingNew");
+        }
+    }
+}
+
+/// `lora_id`: vLLM sends the adapter's number beside its name; a named adapter here is number 1.
+fn lora_id(out: &mut Vec<u8>, lora: Option<&Lora>) {
+    match lora {
+        None => out.push(0xc0),
+        Some(Lora::Id(id)) => int(out, *id),
+        Some(Lora::Name(_)) => int(out, 1),
+    }
+}
+
+fn lora_name(out: &mut Vec<u8>, lora: Option<&Lora>) {
+    match lora {
+        Some(Lora::Name(name)) => str(out, name),
+        _ => out.push(0xc0),
+    }
+}
+
+/// `extra_keys`: one entry per block, an untagged `None` for a block without keys (a plain request's
+/// blocks are all `None`), else the tuple of its keys.
+fn block_extra_keys(out: &mut Vec<u8>, blocks: usize, extra_keys: &[Vec<ExtraKey>]) {
+    array_len(out, blocks as u32);
+    for i in 0..blocks {
+        match extra_keys.get(i) {
+            Some(keys) if !keys.is_empty() => {
+                array_len(out, keys.len() as u32);
+                for key in keys {
+                    match key {
+                        ExtraKey::Str(s) => str(out, s),
+                        ExtraKey::Raw(bytes) => out.extend_from_slice(bytes),
+                    }
+                }
+            }
+            _ => out.push(0xc0),
         }
     }
 }

@@ -156,6 +156,13 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The encoded bytes of the next value, whatever its type (the value is consumed).
+    pub(crate) fn raw(&mut self) -> Result<&'a [u8], DecodeError> {
+        let start = self.pos;
+        self.skip()?;
+        Ok(&self.buf[start..self.pos])
+    }
+
     /// Skips one complete value of any type, however deeply nested, without recursion.
     pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
         // Values still to skip. Every value consumes at least one byte, so this ends with the input.

@@ -155,6 +155,9 @@ fn expected_batch(batch: &Value) -> EventBatch {
                     .collect(),
                 block_size: ev["block_size"].as_u64().expect("block_size") as u32,
                 medium: Medium::Gpu,
+                // The captures are of base-model requests: `lora_name` nil, `extra_keys` all nil.
+                lora: None,
+                extra_keys: Vec::new(),
             },
             "BlockRemoved" => KvEvent::BlockRemoved {
                 block_hashes: hashes(&ev["block_hashes"]),
@@ -229,6 +232,23 @@ fn encoder_round_trips_every_event_kind_in_both_formats() {
                 token_ids: (0..48).map(|t| t * 4000).collect(),
                 block_size: 16,
                 medium: Medium::Cpu,
+                lora: None,
+                extra_keys: Vec::new(),
+            },
+            KvEvent::BlockStored {
+                block_hashes: vec![3, 4],
+                parent_block_hash: None,
+                token_ids: (0..32).collect(),
+                block_size: 16,
+                medium: Medium::Gpu,
+                lora: Some(Lora::Name("sql-lora".into())),
+                extra_keys: vec![
+                    vec![
+                        ExtraKey::Str("sql-lora".into()),
+                        ExtraKey::Raw(vec![0x92, 0xa3, b'i', b'm', b'g', 0x05]),
+                    ],
+                    vec![],
+                ],
             },
             KvEvent::BlockRemoved {
                 block_hashes: vec![u64::MAX],
@@ -249,6 +269,85 @@ fn encoder_round_trips_every_event_kind_in_both_formats() {
             );
         }
     }
+}
+
+/// A real capture's first `BlockStored` as vLLM sends it for a LoRA request: the live run's event with
+/// `lora_id`, `lora_name` and per-block `extra_keys` filled the way `to_event_extra_keys` (0.31+) fills
+/// them (the adapter's name, then a multimodal `(identifier, offset)` pair on the second block).
+fn lora_capture() -> Value {
+    let mut batch = fixture_lines("events-run1.jsonl")[0]["batch"].clone();
+    let ev = &mut batch[1][0];
+    assert_eq!(ev["type"], "BlockStored");
+    assert_eq!(ev["block_hashes"].as_array().map(Vec::len), Some(3));
+    ev["lora_id"] = serde_json::json!(2);
+    ev["lora_name"] = serde_json::json!("sql-lora");
+    ev["extra_keys"] = serde_json::json!([["sql-lora"], ["sql-lora", ["img-7f3a", 12]], null]);
+    batch
+}
+
+#[test]
+fn lora_fields_decode_in_both_formats_and_any_header_width() {
+    let batch = lora_capture();
+    let mut mm = Vec::new();
+    json_to_msgpack(
+        &mut mm,
+        &serde_json::json!(["img-7f3a", 12]),
+        Width::Minimal,
+    );
+    for format in [EventFormat::Map, EventFormat::Array] {
+        for w in [Width::Minimal, Width::Wide] {
+            let got = decode_batch(&encode_json_batch(&batch, format, w)).expect("decodes");
+            let KvEvent::BlockStored {
+                lora, extra_keys, ..
+            } = &got.events[0]
+            else {
+                panic!("not a BlockStored: {:?}", got.events[0]);
+            };
+            assert_eq!(lora, &Some(Lora::Name("sql-lora".into())), "{format:?}");
+            let name = ExtraKey::Str("sql-lora".into());
+            let pair = match w {
+                // The raw bytes are the pair exactly as sent, header width included.
+                Width::Minimal => ExtraKey::Raw(mm.clone()),
+                Width::Wide => ExtraKey::Raw({
+                    let mut v = Vec::new();
+                    json_to_msgpack(&mut v, &serde_json::json!(["img-7f3a", 12]), w);
+                    v
+                }),
+            };
+            assert_eq!(
+                extra_keys,
+                &vec![vec![name.clone()], vec![name, pair], vec![]],
+                "{format:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn only_a_lora_id_names_the_adapter_by_number_and_nils_mean_the_base_model() {
+    let mut batch = lora_capture();
+    batch[1][0]["lora_name"] = Value::Null;
+    let got = decode_batch(&encode_json_batch(
+        &batch,
+        EventFormat::Array,
+        Width::Minimal,
+    ))
+    .expect("decodes");
+    assert!(matches!(
+        &got.events[0],
+        KvEvent::BlockStored {
+            lora: Some(Lora::Id(2)),
+            ..
+        }
+    ));
+    batch[1][0]["lora_id"] = Value::Null;
+    batch[1][0]["extra_keys"] = Value::Null;
+    let got = decode_batch(&encode_json_batch(&batch, EventFormat::Map, Width::Minimal))
+        .expect("decodes");
+    assert!(matches!(
+        &got.events[0],
+        KvEvent::BlockStored { lora: None, extra_keys, .. } if extra_keys.is_empty()
+    ));
 }
 
 #[test]
