@@ -7,14 +7,21 @@
 //!   the first one).
 //! - `kinference-usage.jsonl.000042`, a sealed segment: past `segment_max_bytes` or
 //!   `segment_max_age_s` the current segment is renamed to the next number and a new one begun.
-//!   The sealed segment is compacted at once and deleted; it outlives that only when a compaction
-//!   failed or the process died, and the next rotation or start compacts it.
+//!   The sealed segment is compacted by the compactor thread and deleted; it outlives that only
+//!   while the compactor is at work, when a compaction failed or the process died, and the next
+//!   rotation or start compacts it.
 //! - `kinference-usage.jsonl.compacted`: totals per period (`period`: hour or day) and tenant /
 //!   model / pool / provider of every compacted segment, the newest `keep_periods` periods. Its
 //!   first line says through which segment number it counts, so that a segment is never counted
 //!   twice (a crash between writing the totals and deleting the segment leaves a segment the next
 //!   start deletes). Rewritten whole each time: temporary file, fsync, rename.
 //! - `kinference-usage.jsonl.corrupt`: the torn last lines cut off at start, kept for a person.
+//!
+//! Compaction never holds up the writer: rotation is a rename, after which the writer only nudges
+//! the compactor thread (a one-place channel, never waited on) and goes on appending. The compactor
+//! owns the totals and reads the sealed files, which nobody writes any more: a snapshot by
+//! construction. A slow or stuck compaction (a slow disk, a huge segment) delays only the deletion
+//! of sealed segments, never a usage record.
 //!
 //! Start-up reads the compacted totals and the current segment only, so its time is bounded by the
 //! segment size, not by the journal's age. Hours and days never straddle a month (UTC), so monthly
@@ -159,6 +166,13 @@ enum JournalMsg {
 #[derive(Debug)]
 struct Shared {
     healthy: AtomicBool,
+    /// Compaction rounds the writer asked for (one per rotation).
+    compactions_asked: AtomicU64,
+    /// Of those, the rounds the compactor has finished (done or failed).
+    compactions_done: AtomicU64,
+    /// Set by a test to stall the compactor, as a hung disk would.
+    #[cfg(test)]
+    compaction_stalled: AtomicBool,
     /// No write-failure log line before this many milliseconds since `epoch`.
     quiet_until_ms: AtomicU64,
     epoch: Instant,
@@ -216,11 +230,26 @@ impl Journal {
         };
         let shared = Arc::new(Shared {
             healthy: AtomicBool::new(true),
+            compactions_asked: AtomicU64::new(0),
+            compactions_done: AtomicU64::new(0),
+            #[cfg(test)]
+            compaction_stalled: AtomicBool::new(false),
             quiet_until_ms: AtomicU64::new(0),
             epoch: Instant::now(),
             metrics,
         });
         let (tx, rx) = channel::sync_channel(config.max_buffered_records.max(JOURNAL_BATCH));
+        // One place: a nudge already waiting covers every segment sealed since.
+        let (compactor, nudges) = channel::sync_channel(1);
+        let compaction = Compactor {
+            journal: path.to_owned(),
+            compacted,
+            shared: Arc::clone(&shared),
+        };
+        std::thread::Builder::new()
+            .name("usage-compactor".into())
+            .spawn(move || compaction.run(nudges))
+            .map_err(err)?;
         let writer = Writer {
             path: path.to_owned(),
             file,
@@ -228,7 +257,7 @@ impl Journal {
             opened: Instant::now(),
             torn: false,
             config: config.clone(),
-            compacted,
+            compactor,
             next_seq,
             buffer: VecDeque::new(),
             shared: Arc::clone(&shared),
@@ -272,6 +301,17 @@ impl Journal {
         self.shared.healthy.load(Ordering::Relaxed)
     }
 
+    /// Waits until the compactor has finished every round asked of it so far, done or failed (tests
+    /// and benchmarks that read the files; serving never waits for compaction).
+    pub async fn compacted(&self) {
+        let shared = &self.shared;
+        while shared.compactions_done.load(Ordering::Acquire)
+            < shared.compactions_asked.load(Ordering::Acquire)
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Waits until everything queued so far was written (or, on a failing disk, tried once and
     /// kept in the buffer).
     pub async fn flush(&self) {
@@ -301,7 +341,8 @@ struct Writer {
     /// A failed write could not be cut back off: the next write starts with a newline.
     torn: bool,
     config: JournalConfig,
-    compacted: Compacted,
+    /// Nudges the compactor after a rotation (never blocks).
+    compactor: channel::SyncSender<()>,
     next_seq: u64,
     /// Records not yet written (a failing disk), oldest first; at most `max_buffered_records`.
     buffer: VecDeque<UsageRecord>,
@@ -422,13 +463,9 @@ impl Writer {
             tracing::error!(path = %self.path.display(), %error, "usage journal rotation failed");
             return;
         }
-        if let Err(error) = self
-            .compacted
-            .absorb_sealed(&self.path, &self.shared.metrics)
-        {
-            self.shared.metrics.journal_error(JournalError::Compaction);
-            tracing::error!(path = %self.path.display(), %error, "usage journal compaction failed; retried at the next rotation");
-        }
+        self.shared.compactions_asked.fetch_add(1, Ordering::AcqRel);
+        // Full: a nudge is already waiting, and its round will find this segment too.
+        let _ = self.compactor.try_send(());
     }
 
     /// Seals the current segment under the next number and begins a new one.
@@ -452,7 +489,39 @@ impl Writer {
     }
 }
 
-/// The compacted totals: in memory in the writer, on disk in `<journal>.compacted`.
+/// The compactor thread: folds sealed segments into the compacted totals, off the write path.
+struct Compactor {
+    journal: PathBuf,
+    compacted: Compacted,
+    shared: Arc<Shared>,
+}
+
+impl Compactor {
+    /// One round per nudge until the writer is gone.
+    fn run(mut self, nudges: channel::Receiver<()>) {
+        while nudges.recv().is_ok() {
+            // Every rotation asked for so far is covered by this round's directory listing.
+            let asked = self.shared.compactions_asked.load(Ordering::Acquire);
+            #[cfg(test)]
+            while self.shared.compaction_stalled.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if let Err(error) = self
+                .compacted
+                .absorb_sealed(&self.journal, &self.shared.metrics)
+            {
+                self.shared.metrics.journal_error(JournalError::Compaction);
+                tracing::error!(path = %self.journal.display(), %error,
+                    "usage journal compaction failed; retried at the next rotation");
+            }
+            self.shared
+                .compactions_done
+                .fetch_max(asked, Ordering::AcqRel);
+        }
+    }
+}
+
+/// The compacted totals: in memory in the compactor, on disk in `<journal>.compacted`.
 struct Compacted {
     path: PathBuf,
     /// Every segment numbered up to this one is counted in `totals`.

@@ -5,6 +5,7 @@ use super::*;
 fn record(id: &str, ts_ms: u64) -> UsageRecord {
     UsageRecord {
         id: id.into(),
+        request_id: String::new(),
         ts_ms,
         tenant: "t".into(),
         model: "m".into(),
@@ -162,6 +163,7 @@ async fn rotation_compacts_old_segments_into_period_totals_with_equal_totals() {
         }
     }
     journal.flush().await;
+    journal.compacted().await;
     drop(journal);
 
     let compacted = std::fs::read_to_string(dir.join("usage.jsonl.compacted")).unwrap();
@@ -192,6 +194,65 @@ async fn rotation_compacts_old_segments_into_period_totals_with_equal_totals() {
     assert_eq!(replayed_totals.output_tokens, written.output_tokens);
     assert!((replayed_totals.cost - written.cost).abs() < 1e-9);
     assert_eq!(metrics.journal_errors(JournalError::Compaction), 0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_stuck_compaction_never_holds_up_the_writer() {
+    let dir = scratch("journal-stuck-compaction");
+    let path = dir.join("usage.jsonl");
+    let config = JournalConfig {
+        segment_max_bytes: 2048,
+        ..JournalConfig::default()
+    };
+    let (journal, _) = Journal::open(&path, &config, StoreMetrics::default(), None).unwrap();
+    journal
+        .shared
+        .compaction_stalled
+        .store(true, Ordering::Release);
+    // Many rotations while the compactor is stuck: every append and flush still completes.
+    let written = tokio::time::timeout(Duration::from_secs(60), async {
+        for i in 0..300u64 {
+            journal.append(record(&format!("r{i}"), 1));
+            if i % 20 == 19 {
+                journal.flush().await;
+            }
+        }
+        journal.flush().await;
+    })
+    .await;
+    assert!(
+        written.is_ok(),
+        "the writer waited for the stuck compaction"
+    );
+    assert!(journal.healthy());
+    // Nothing compacted yet: every record is still in the sealed segments and the current one.
+    let sealed = sealed_segments(&path).unwrap();
+    assert!(sealed.len() >= 2, "segments sealed: {sealed:?}");
+    let mut on_disk = 0;
+    for file in sealed.iter().map(|(_, p)| p.clone()).chain([path.clone()]) {
+        on_disk += read_segment(&file, &StoreMetrics::default())
+            .unwrap()
+            .records
+            .len();
+    }
+    assert_eq!(on_disk, 300);
+
+    // Unstick it: the compactor catches up in the background and deletes the sealed segments.
+    journal
+        .shared
+        .compaction_stalled
+        .store(false, Ordering::Release);
+    tokio::time::timeout(Duration::from_secs(60), journal.compacted())
+        .await
+        .expect("the compactor caught up once the disk answered");
+    assert!(sealed_segments(&path).unwrap().is_empty());
+    let compacted = std::fs::read_to_string(dir.join("usage.jsonl.compacted")).unwrap();
+    assert!(
+        compacted.starts_with("{\"through_segment\":"),
+        "{compacted}"
+    );
+    drop(journal);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
