@@ -176,16 +176,12 @@ impl Admission {
                 self.first_text = Some(now);
                 self.tenancy
                     .metrics
-                    .ttft
-                    .get_or_create(&self.labels)
-                    .observe(now.duration_since(self.started).as_secs_f64());
+                    .observe_ttft(&self.labels, now.duration_since(self.started).as_secs_f64());
             }
             Some(last) => self
                 .tenancy
                 .metrics
-                .itl
-                .get_or_create(&self.labels)
-                .observe(now.duration_since(last).as_secs_f64()),
+                .observe_itl(&self.labels, now.duration_since(last).as_secs_f64()),
         }
         self.last_text = Some(now);
         self.chunks += 1;
@@ -458,7 +454,7 @@ impl Tenancy {
                 status,
             })
             .inc();
-        m.e2e.get_or_create(&a.labels).observe(elapsed);
+        m.observe_e2e(&a.labels, elapsed);
         // The worker's figures when it sent them; the gateway's own when the stream ended early.
         let (prompt, cached, output, estimated) = match usage {
             Some(u) if u.prompt_tokens > 0 || u.completion_tokens > 0 => (
@@ -519,10 +515,7 @@ impl Tenancy {
             })
             .inc_by(cached);
         m.output_tokens.get_or_create(&a.labels).inc_by(output);
-        m.input_size.get_or_create(&a.labels).observe(prompt as f64);
-        m.output_size
-            .get_or_create(&a.labels)
-            .observe(output as f64);
+        m.observe_sizes(&a.labels, prompt, output);
         let cost = usage::cost(prices.as_ref(), uncached, cached, output);
         let ts_ms = now_ms();
         m.cost

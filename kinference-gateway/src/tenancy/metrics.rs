@@ -3,6 +3,11 @@
 //! Cardinality is bounded: the `tenant` label is a configured tenant's name, `anonymous` (open
 //! gateway), `unauthenticated` (401s) or `other` (past [`MAX_TENANT_LABELS`] tenants); the `model`
 //! label is a served model or `other`; `reason`, `limit` and `scope` are fixed sets. Never a key.
+//!
+//! Counters are always exported; the five histograms per tenant and model (about 100 series for each
+//! pair: 18 or 16 buckets plus sum and count) only with `tenancy.per_tenant_histograms: true`. The
+//! gateway-wide latency histograms (`kinference_gateway_*_seconds`, by model and worker) answer the
+//! fleet's questions; per-tenant latency distributions are the opt-in for who needs them.
 
 use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -11,6 +16,9 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+#[cfg(test)]
+mod tests;
 
 /// Tenants beyond this many (in name order) share the label value `other`.
 pub const MAX_TENANT_LABELS: usize = 500;
@@ -128,17 +136,24 @@ fn token_sizes() -> Histogram {
     Histogram::new(exponential_buckets(1.0, 2.0, 18))
 }
 
+/// The per-tenant histograms, present only when they are on.
+#[derive(Debug, Clone)]
+pub(super) struct TenantHistograms {
+    input_size: Hist,
+    output_size: Hist,
+    ttft: Hist,
+    itl: Hist,
+    e2e: Hist,
+}
+
 /// The per-tenant families.
 #[derive(Debug, Clone)]
 pub struct TenancyMetrics {
     pub(super) requests: Family<TenantStatus, Counter>,
     pub(super) input_tokens: Family<TenantCache, Counter>,
     pub(super) output_tokens: Family<TenantModel, Counter>,
-    pub(super) input_size: Hist,
-    pub(super) output_size: Hist,
-    pub(super) ttft: Hist,
-    pub(super) itl: Hist,
-    pub(super) e2e: Hist,
+    /// `None` unless `tenancy.per_tenant_histograms`: nothing is observed, no series exists.
+    histograms: Option<TenantHistograms>,
     pub(super) cost: Family<TenantBackend, Counter<f64, std::sync::atomic::AtomicU64>>,
     pub(super) decisions: Family<TenantReason, Counter>,
     pub(super) rejections: Family<TenantLimit, Counter>,
@@ -150,17 +165,20 @@ pub struct TenancyMetrics {
 }
 
 impl TenancyMetrics {
-    /// Creates the families and registers them under `kinference_gateway_tenant_*`.
-    pub fn register(registry: &mut Registry) -> Self {
+    /// Creates the families and registers them under `kinference_gateway_tenant_*`; the histograms
+    /// only when `histograms` is on.
+    pub fn register(registry: &mut Registry, histograms: bool) -> Self {
         let m = TenancyMetrics {
             requests: Family::default(),
             input_tokens: Family::default(),
             output_tokens: Family::default(),
-            input_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
-            output_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
-            ttft: Family::new_with_constructor(latency as fn() -> Histogram),
-            itl: Family::new_with_constructor(itl as fn() -> Histogram),
-            e2e: Family::new_with_constructor(latency as fn() -> Histogram),
+            histograms: histograms.then(|| TenantHistograms {
+                input_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
+                output_size: Family::new_with_constructor(token_sizes as fn() -> Histogram),
+                ttft: Family::new_with_constructor(latency as fn() -> Histogram),
+                itl: Family::new_with_constructor(itl as fn() -> Histogram),
+                e2e: Family::new_with_constructor(latency as fn() -> Histogram),
+            }),
             cost: Family::default(),
             decisions: Family::default(),
             rejections: Family::default(),
@@ -185,31 +203,6 @@ impl TenancyMetrics {
             "output_tokens",
             "Generated tokens by tenant and model",
             Described(m.output_tokens.clone()),
-        );
-        r.register(
-            "input_tokens_per_request",
-            "Prompt size in tokens",
-            Described(m.input_size.clone()),
-        );
-        r.register(
-            "output_tokens_per_request",
-            "Generated tokens per request",
-            Described(m.output_size.clone()),
-        );
-        r.register(
-            "time_to_first_token_seconds",
-            "Time from arrival to the first generated token (streams)",
-            Described(m.ttft.clone()),
-        );
-        r.register(
-            "inter_token_latency_seconds",
-            "Time between two streamed chunks carrying text",
-            Described(m.itl.clone()),
-        );
-        r.register(
-            "e2e_request_latency_seconds",
-            "Time from arrival to the end of the response",
-            Described(m.e2e.clone()),
         );
         r.register(
             "cost",
@@ -251,6 +244,62 @@ impl TenancyMetrics {
             "Tenants configured (0: the gateway is open)",
             Described(m.tenants.clone()),
         );
+        if let Some(h) = &m.histograms {
+            r.register(
+                "input_tokens_per_request",
+                "Prompt size in tokens",
+                Described(h.input_size.clone()),
+            );
+            r.register(
+                "output_tokens_per_request",
+                "Generated tokens per request",
+                Described(h.output_size.clone()),
+            );
+            r.register(
+                "time_to_first_token_seconds",
+                "Time from arrival to the first generated token (streams)",
+                Described(h.ttft.clone()),
+            );
+            r.register(
+                "inter_token_latency_seconds",
+                "Time between two streamed chunks carrying text",
+                Described(h.itl.clone()),
+            );
+            r.register(
+                "e2e_request_latency_seconds",
+                "Time from arrival to the end of the response",
+                Described(h.e2e.clone()),
+            );
+        }
         m
+    }
+
+    /// Records a prompt's and a response's sizes in tokens (histograms on only).
+    pub(super) fn observe_sizes(&self, labels: &TenantModel, input: u64, output: u64) {
+        if let Some(h) = &self.histograms {
+            h.input_size.get_or_create(labels).observe(input as f64);
+            h.output_size.get_or_create(labels).observe(output as f64);
+        }
+    }
+
+    /// Records a time to first token (histograms on only).
+    pub(super) fn observe_ttft(&self, labels: &TenantModel, seconds: f64) {
+        if let Some(h) = &self.histograms {
+            h.ttft.get_or_create(labels).observe(seconds);
+        }
+    }
+
+    /// Records an inter-token gap (histograms on only).
+    pub(super) fn observe_itl(&self, labels: &TenantModel, seconds: f64) {
+        if let Some(h) = &self.histograms {
+            h.itl.get_or_create(labels).observe(seconds);
+        }
+    }
+
+    /// Records an end-to-end latency (histograms on only).
+    pub(super) fn observe_e2e(&self, labels: &TenantModel, seconds: f64) {
+        if let Some(h) = &self.histograms {
+            h.e2e.get_or_create(labels).observe(seconds);
+        }
     }
 }

@@ -129,6 +129,10 @@ pub struct TenancyConfig {
     /// How often the tenants' files and key sources are re-read, in milliseconds.
     #[serde(default = "default_reload_ms")]
     pub reload_interval_ms: u64,
+    /// Latency and size histograms per tenant and model (about 100 series per pair); the counters
+    /// per tenant are always exported.
+    #[serde(default)]
+    pub per_tenant_histograms: bool,
 }
 
 impl Default for TenancyConfig {
@@ -146,6 +150,7 @@ impl Default for TenancyConfig {
             tenants: BTreeMap::new(),
             prices: BTreeMap::new(),
             reload_interval_ms: default_reload_ms(),
+            per_tenant_histograms: false,
         }
     }
 }
@@ -284,7 +289,7 @@ impl Tenancy {
         if let Some(r) = &redis {
             tokio::spawn(Arc::clone(r).forward_usage(forward_rx));
         }
-        let metrics = TenancyMetrics::register(registry);
+        let metrics = TenancyMetrics::register(registry, config.per_tenant_histograms);
         let kept_ms = config.journal.keep_periods.max(1) * config.journal.period.ms();
         let mut aggregates = Aggregates::new(kept_ms);
         let spend = budget::Spend::default();
