@@ -93,6 +93,7 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             if gw.access.metrics_need_key() && !admin {
                 return unauthorized();
             }
+            gw.metrics.refresh_fleet(&gw.router).await;
             let mut response = Response::new(full(gw.metrics.encode()));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -112,7 +113,7 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             }
         }
         (&Method::GET, "/healthz/workers") if admin => {
-            json_response(StatusCode::OK, workers_health(&gw))
+            json_response(StatusCode::OK, workers_health(&gw).await)
         }
         (&Method::GET, "/healthz/workers") => unauthorized(),
         _ => text_response(StatusCode::NOT_FOUND, "not found\n"),
@@ -156,19 +157,23 @@ fn unauthorized() -> Response<Body> {
 }
 
 /// `/healthz/workers`: each worker's probed health, apart from `/readyz` (a gateway whose workers are
-/// all busy or loading can still serve: it answers 503 itself, quickly, and stays in its Service).
-fn workers_health(gw: &Gateway) -> String {
+/// all busy or loading can still serve: it answers 503 itself, quickly, and stays in its Service),
+/// and the routing signals the router has for it (`crate::metrics::fleet`).
+async fn workers_health(gw: &Gateway) -> String {
     let workers: Vec<serde_json::Value> = gw
-        .router
-        .workers()
+        .metrics
+        .refresh_fleet(&gw.router)
+        .await
+        .workers
         .iter()
         .map(|w| {
             serde_json::json!({
-                "url": w.url,
-                "model": w.model,
-                "healthy": w.healthy,
-                "in_flight": w.in_flight,
-                "agent_live": w.agent_live,
+                "url": w.view.url,
+                "model": w.view.model,
+                "healthy": w.view.healthy,
+                "in_flight": w.view.in_flight,
+                "agent_live": w.view.agent_live,
+                "signals": w.signals_json(),
             })
         })
         .collect();
