@@ -159,11 +159,12 @@ fn every_dashboard_query_names_an_exported_metric() {
     let dir = std::env::temp_dir().join(format!("kinference-dashboard-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
 
-    // The gateway: one (unreachable) worker is enough for every family to be registered.
+    // The gateway: one (unreachable) worker is enough for every family to be registered; the
+    // per-tenant histograms the latency panels read are opt-in.
     let config = dir.join("gateway.yaml");
     std::fs::write(
         &config,
-        "workers:\n  - url: http://127.0.0.1:9\n    model: m\nrouting: kinference\n",
+        "workers:\n  - url: http://127.0.0.1:9\n    model: m\nrouting: kinference\ntenancy:\n  per_tenant_histograms: true\n",
     )
     .unwrap();
     let (mut gateway, _api, admin) = support::spawn_gateway(&config);
