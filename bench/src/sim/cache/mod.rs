@@ -16,6 +16,9 @@ pub mod hash;
 mod tests;
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::sim::engine::LoraAdapter;
 
 pub use hash::{BlockDigest, event_hash, hash_block_tokens, hash_blocks, none_hash};
 
@@ -33,6 +36,8 @@ pub enum KvCacheEvent {
         parent_block_hash: Option<u64>,
         token_ids: Vec<u32>,
         block_size: usize,
+        /// The adapter the blocks were computed with (`None`: the base model).
+        lora: Option<Arc<LoraAdapter>>,
     },
     /// One evicted block (vLLM sends one event per block).
     BlockRemoved { block_hashes: Vec<u64> },
@@ -186,6 +191,7 @@ impl BlockPool {
         all_tokens: &[u32],
         num_cached: usize,
         num_full: usize,
+        lora: Option<&Arc<LoraAdapter>>,
     ) {
         let num_full = num_full.min(blocks.len()).min(hashes.len());
         if num_full <= num_cached {
@@ -212,6 +218,7 @@ impl BlockPool {
             parent_block_hash: num_cached.checked_sub(1).map(|p| event_hash(&hashes[p])),
             token_ids: all_tokens[num_cached * bs..num_full * bs].to_vec(),
             block_size: bs,
+            lora: lora.cloned(),
         });
     }
 

@@ -15,6 +15,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::latency::LatencyModel;
+use super::lora::LoraAdapter;
 use crate::sim::cache::{BlockDigest, BlockId, BlockPool, KvCacheEvent, hash_block_tokens};
 use crate::sim::metrics::FinishReason;
 
@@ -44,6 +45,8 @@ struct Req {
     hashes: Vec<BlockDigest>,
     cached_tokens: Option<usize>,
     rng: u64,
+    /// The adapter the request runs with (`None`: the base model).
+    lora: Option<Arc<LoraAdapter>>,
 }
 
 impl Req {
@@ -182,6 +185,17 @@ impl EngineCore {
     /// Queues a request. `hashes` are the digests of the prompt's full blocks ([`prompt_hashes`]).
     /// Output tokens are a deterministic function of the seed and the prompt.
     pub fn add(&mut self, prompt: Vec<u32>, hashes: Vec<BlockDigest>, max_tokens: usize) -> ReqId {
+        self.add_with(prompt, hashes, max_tokens, None)
+    }
+
+    /// [`EngineCore::add`] for a request to a LoRA adapter, whose `hashes` chain from the adapter's root.
+    pub fn add_with(
+        &mut self,
+        prompt: Vec<u32>,
+        hashes: Vec<BlockDigest>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+    ) -> ReqId {
         let id = self.next_id;
         self.next_id += 1;
         let rng = prompt
@@ -199,6 +213,7 @@ impl EngineCore {
                 hashes,
                 cached_tokens: None,
                 rng,
+                lora,
             },
         );
         self.waiting.push_back(id);
@@ -252,6 +267,7 @@ impl EngineCore {
                 &req.tokens,
                 req.num_cached_blocks,
                 num_full,
+                req.lora.as_ref(),
             );
             req.num_cached_blocks = num_full;
         }
@@ -417,7 +433,8 @@ impl EngineCore {
             req.tokens.push(token);
             while (req.hashes.len() + 1) * bs <= req.tokens.len() {
                 let k = req.hashes.len();
-                let d = hash_block_tokens(req.hashes.last(), &req.tokens[k * bs..(k + 1) * bs]);
+                let parent = req.hashes.last().or(req.lora.as_ref().map(|l| l.root()));
+                let d = hash_block_tokens(parent, &req.tokens[k * bs..(k + 1) * bs]);
                 req.hashes.push(d);
             }
             let index = req.num_output() - 1;

@@ -8,6 +8,7 @@
 
 pub mod core;
 pub mod latency;
+pub mod lora;
 
 #[cfg(test)]
 mod tests;
@@ -24,6 +25,7 @@ pub use self::core::{
     CoreConfig, CoreCounts, EngineCore, Forecast, ReqId, StepPlan, prompt_hashes,
 };
 pub use latency::{LatencyModel, Preset};
+pub use lora::LoraAdapter;
 
 use crate::sim::cache::CachedBlock;
 use crate::sim::kv_events::KvPublisher;
@@ -136,12 +138,23 @@ impl Engine {
 
     /// Queues a request of `prompt` tokens for `max_tokens` output tokens.
     pub fn submit(&self, prompt: Vec<u32>, max_tokens: usize) -> Generation {
+        self.submit_with(prompt, max_tokens, None)
+    }
+
+    /// [`Engine::submit`] for a request to a LoRA adapter (`None`: the base model).
+    pub fn submit_with(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+    ) -> Generation {
         // Hash outside the lock: it is the only per-token work of admission.
-        let hashes = prompt_hashes(&prompt, self.block_size);
+        let root = lora.as_ref().map(|l| l.root());
+        let hashes = crate::sim::cache::hash_blocks(root, &prompt, self.block_size);
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut s = self.shared.lock();
-            let id = s.core.add(prompt, hashes, max_tokens);
+            let id = s.core.add_with(prompt, hashes, max_tokens, lora);
             s.clients.insert(
                 id,
                 Client {

@@ -229,3 +229,41 @@ fn l40s_unique_prompts_under_random_routing_see_ttfts_of_seconds() {
         "median TTFT {median:.2} s (expected several seconds)"
     );
 }
+
+#[test]
+fn an_adapter_hits_only_its_own_blocks_and_publishes_its_name() {
+    let mut c = core(Preset::Fast, 16, 64, 8);
+    let prompt: Vec<u32> = (0..100).collect();
+    let lora = Arc::new(LoraAdapter::new("sql-lora", 1));
+    // Runs one request to the end: its cached tokens and the adapters its stored blocks were named with.
+    let mut run = |lora: Option<Arc<LoraAdapter>>| {
+        let h = crate::sim::cache::hash_blocks(lora.as_ref().map(|l| l.root()), &prompt, 16);
+        let id = c.add_with(prompt.clone(), h, 5, lora);
+        let (mut cached, mut named) = (None, Vec::new());
+        while let Some(plan) = c.schedule() {
+            for e in &plan.events {
+                if let crate::sim::cache::KvCacheEvent::BlockStored { lora, .. } = e {
+                    named.push(lora.as_ref().map(|l| l.name.clone()));
+                }
+            }
+            for e in c.complete(&plan) {
+                if e.id == id {
+                    cached.get_or_insert(e.cached_tokens);
+                }
+            }
+        }
+        (cached.expect("ran"), named)
+    };
+    let (base, base_named) = run(None);
+    let (first, first_named) = run(Some(Arc::clone(&lora)));
+    let (again, _) = run(Some(Arc::clone(&lora)));
+    assert_eq!(base, 0);
+    assert_eq!(
+        first, 0,
+        "the base model's blocks are no hit for the adapter"
+    );
+    assert_eq!(again, 96, "the adapter's own blocks are");
+    assert!(!base_named.is_empty() && base_named.iter().all(Option::is_none));
+    assert!(!first_named.is_empty());
+    assert!(first_named.iter().all(|n| n.as_deref() == Some("sql-lora")));
+}

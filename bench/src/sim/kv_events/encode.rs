@@ -3,7 +3,7 @@
 //! against; this maps the simulator's cache events onto it.
 
 use kinference_api::vllm::kv_events::encode::{self, EncodeOptions};
-use kinference_api::vllm::kv_events::{EventBatch, KvEvent, Medium};
+use kinference_api::vllm::kv_events::{EventBatch, ExtraKey, KvEvent, Lora, Medium};
 
 use crate::sim::cache::KvCacheEvent;
 
@@ -55,14 +55,19 @@ fn to_wire(e: &KvCacheEvent) -> KvEvent {
             parent_block_hash,
             token_ids,
             block_size,
+            lora,
         } => KvEvent::BlockStored {
             block_hashes: block_hashes.clone(),
             parent_block_hash: *parent_block_hash,
             token_ids: token_ids.clone(),
             block_size: u32::try_from(*block_size).unwrap_or(u32::MAX),
             medium: Medium::Gpu,
-            lora: None,
-            extra_keys: Vec::new(),
+            // As vLLM 0.31+: the adapter's name, and again as each block's (untagged) extra key.
+            lora: lora.as_ref().map(|l| Lora::Name(l.name.clone())),
+            extra_keys: match lora {
+                Some(l) => vec![vec![ExtraKey::Str(l.name.clone())]; block_hashes.len()],
+                None => Vec::new(),
+            },
         },
         KvCacheEvent::BlockRemoved { block_hashes } => KvEvent::BlockRemoved {
             block_hashes: block_hashes.clone(),

@@ -39,6 +39,7 @@ fn array_format_is_positional_with_trailing_nils() {
         parent_block_hash: None,
         token_ids: vec![5, 6],
         block_size: 2,
+        lora: None,
     };
     let b = encode_batch(0.0, &[ev], 0, EventFormat::Array);
     let v = rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
@@ -49,4 +50,37 @@ fn array_format_is_positional_with_trailing_nils() {
     assert!(fields[2].is_nil());
     assert_eq!(fields[6].as_str(), Some("GPU"));
     assert!(fields[11].is_nil());
+}
+
+#[test]
+fn an_adapters_blocks_carry_its_name_as_vllm_publishes_them() {
+    let lora = std::sync::Arc::new(crate::sim::engine::LoraAdapter::new("sql-lora", 1));
+    let ev = KvCacheEvent::BlockStored {
+        block_hashes: vec![1, 2],
+        parent_block_hash: None,
+        token_ids: vec![5, 6, 7, 8],
+        block_size: 2,
+        lora: Some(lora),
+    };
+    let b = encode_batch(0.0, &[ev], 0, EventFormat::Map);
+    let v = rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
+    let event = v[1][0].as_map().expect("map event");
+    let field = |name: &str| {
+        event
+            .iter()
+            .find(|(k, _)| k.as_str() == Some(name))
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| panic!("no {name}"))
+    };
+    assert_eq!(field("lora_name").as_str(), Some("sql-lora"));
+    assert_eq!(field("lora_id").as_i64(), Some(1));
+    // One untagged tuple per block holding the adapter's name (vLLM's `to_event_extra_keys`).
+    let extra = field("extra_keys");
+    let extra = extra.as_array().expect("extra_keys");
+    assert_eq!(extra.len(), 2);
+    assert!(
+        extra
+            .iter()
+            .all(|k| k.as_array().map(|a| a[0].as_str()) == Some(Some("sql-lora")))
+    );
 }
