@@ -78,6 +78,12 @@ struct Args {
     /// `required` choices still work).
     #[arg(long)]
     no_auto_tool_choice: bool,
+    /// As vLLM's `--api-key`: every `/v1` route wants `Authorization: Bearer <key>` (401 without).
+    #[arg(long, env = "VLLM_API_KEY")]
+    api_key: Option<String>,
+    /// Answer `POST /v1/responses` with 404, as vLLM before 0.10 (which has no Responses API).
+    #[arg(long)]
+    no_responses_api: bool,
 }
 
 impl Args {
@@ -107,6 +113,8 @@ impl Args {
             seed: self.seed,
             prompt_tokens_details: !self.no_prompt_tokens_details,
             auto_tool_choice: !self.no_auto_tool_choice,
+            api_key: self.api_key,
+            responses_api: !self.no_responses_api,
             kv_events,
         }
     }

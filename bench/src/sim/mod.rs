@@ -45,6 +45,10 @@ pub struct SimConfig {
     pub prompt_tokens_details: bool,
     /// Tool calls with `tool_choice` auto (vLLM's `--enable-auto-tool-choice`).
     pub auto_tool_choice: bool,
+    /// vLLM's `--api-key`: `/v1` routes want `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Serve `POST /v1/responses` (off: 404, as vLLM before 0.10).
+    pub responses_api: bool,
     pub kv_events: Option<KvEventsConfig>,
 }
 
@@ -134,6 +138,8 @@ pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Runnin
         num_blocks: cfg.num_blocks,
         prompt_tokens_details: cfg.prompt_tokens_details,
         auto_tool_choice: cfg.auto_tool_choice,
+        api_key: cfg.api_key.clone(),
+        responses_api: cfg.responses_api,
         token_text: vocab.into_iter().collect(),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -9,7 +9,9 @@
 //! Chat requests with `tools` may be answered with a tool call, by the fixed rule in [`tools`].
 
 pub mod error;
+pub mod lora;
 pub mod openai;
+pub mod surface;
 pub mod tools;
 
 #[cfg(test)]
@@ -60,6 +62,12 @@ pub struct AppState {
     pub prompt_tokens_details: bool,
     /// Whether `auto` tool choice is enabled (vLLM's `--enable-auto-tool-choice`).
     pub auto_tool_choice: bool,
+    /// LoRA adapters served beside the base model (vLLM's `--lora-modules`).
+    pub lora_modules: Vec<Arc<crate::sim::engine::LoraAdapter>>,
+    /// vLLM's `--api-key`: `/v1` routes want it as a bearer token.
+    pub api_key: Option<String>,
+    /// Whether `POST /v1/responses` is served (vLLM before 0.10 has no such route).
+    pub responses_api: bool,
     /// Text of each token the engine can generate.
     pub token_text: HashMap<u32, String>,
     pub started: u64,
@@ -94,7 +102,7 @@ pub fn output_vocabulary(tok: &ModelTokenizer) -> Vec<(u32, String)> {
     words
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)
@@ -149,7 +157,7 @@ fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) 
     r
 }
 
-fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
+pub(crate) fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     full(status, "application/json", v.to_string())
 }
 
@@ -194,17 +202,15 @@ async fn route(
 ) -> Result<Response<Body>, ApiError> {
     let get = method == Method::GET;
     let post = method == Method::POST;
+    if !surface::authorized(state.api_key.as_deref(), path, req.headers()) {
+        return Ok(surface::unauthorized());
+    }
     match path {
         "/health" | "/ping" if get || post => Ok(full(StatusCode::OK, "application/json", "")),
         "/version" if get => Ok(json_response(StatusCode::OK, &json!({"version": "0.32.0"}))),
         "/v1/models" if get => Ok(json_response(
             StatusCode::OK,
-            &openai::models_body(
-                &state.model,
-                &state.root,
-                state.max_model_len,
-                state.started,
-            ),
+            &lora::models_body(state),
         )),
         "/metrics" if get => Ok(full(
             StatusCode::OK,
@@ -236,6 +242,10 @@ async fn route(
         "/v1/chat/completions/render" if post => {
             let r = openai::parse_chat(&read_json(req).await?)?;
             render(state, &r, true)
+        }
+        "/v1/embeddings" if post => surface::embeddings(state, &read_json(req).await?),
+        "/v1/responses" if post && state.responses_api => {
+            surface::responses(state, &read_json(req).await?).await
         }
         "/tokenize" if post => tokenize(state, &read_json(req).await?),
         "/detokenize" if post => detokenize(state, &read_json(req).await?),
@@ -272,6 +282,7 @@ async fn route(
         | "/metrics"
         | "/v1/completions"
         | "/v1/chat/completions"
+        | "/v1/embeddings"
         | "/v1/completions/render"
         | "/v1/chat/completions/render"
         | "/tokenize"
@@ -285,7 +296,7 @@ async fn route(
 
 fn check_model(state: &AppState, r: &GenRequest) -> Result<(), ApiError> {
     match &r.model {
-        Some(m) if *m != state.model => Err(ApiError::ModelNotFound(m.clone())),
+        Some(m) if !state.serves(m) => Err(ApiError::ModelNotFound(m.clone())),
         _ => Ok(()),
     }
 }
@@ -298,7 +309,7 @@ fn tokenize_error(e: TokenizeError) -> ApiError {
 }
 
 /// Token ids of a request's prompt, as vLLM computes them.
-fn prompt_ids(state: &AppState, p: &PromptInput) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn prompt_ids(state: &AppState, p: &PromptInput) -> Result<Vec<u32>, ApiError> {
     let ids = match p {
         PromptInput::Text(t) => state
             .tokenizer
@@ -327,7 +338,7 @@ fn prompt_ids(state: &AppState, p: &PromptInput) -> Result<Vec<u32>, ApiError> {
 }
 
 /// Generated text of some tokens.
-fn text_of(state: &AppState, tokens: &[u32]) -> String {
+pub(crate) fn text_of(state: &AppState, tokens: &[u32]) -> String {
     tokens
         .iter()
         .map(|t| state.token_text.get(t).map(String::as_str).unwrap_or(""))
@@ -381,7 +392,8 @@ async fn generate(
         (n <= max_tokens).then_some((call, n))
     });
     let generated = tool_call.as_ref().map_or(max_tokens, |(_, n)| *n);
-    let generation = state.engine.submit(ids, generated);
+    let lora = r.model.as_deref().and_then(|m| state.lora(m));
+    let generation = state.engine.submit_with(ids, generated, lora);
     let id = request_id(chat);
     let created = unix_now();
     tracing::debug!(request = %id, engine_id = generation.id, n_prompt, max_tokens, "queued");
@@ -392,8 +404,12 @@ async fn generate(
             id,
             created,
             chat,
-            r.include_usage,
             tool_call,
+            Choices {
+                n: r.n,
+                logprobs: r.logprobs,
+                include_usage: r.include_usage,
+            },
         ));
     }
     let mut tokens = generation.tokens;
@@ -406,15 +422,28 @@ async fn generate(
             break;
         }
     }
-    let usage = openai::usage(n_prompt, out.len(), cached, state.prompt_tokens_details);
+    let usage = openai::usage(
+        n_prompt,
+        out.len() * r.n,
+        cached,
+        state.prompt_tokens_details,
+    );
     let text = text_of(state, &out);
-    let body = if let Some((call, _)) = &tool_call {
+    let mut body = if let Some((call, _)) = &tool_call {
         openai::chat_tool_call_body(&id, created, &state.model, call, usage)
     } else if chat {
         openai::chat_body(&id, created, &state.model, &text, usage)
     } else {
         openai::completion_body(&id, created, &state.model, &text, usage)
     };
+    let logprobs = r.logprobs.map(|top| {
+        if chat {
+            surface::chat_logprobs(state, &out, top)
+        } else {
+            surface::completion_logprobs(state, &out, top, 0)
+        }
+    });
+    surface::expand_choices(&mut body, r.n, logprobs);
     Ok(json_response(StatusCode::OK, &body))
 }
 
@@ -428,8 +457,8 @@ fn stream_response(
     id: String,
     created: u64,
     chat: bool,
-    include_usage: bool,
     tool_call: Option<(PlannedCall, usize)>,
+    choices: Choices,
 ) -> Response<Body> {
     let mut call_stream = tool_call.map(|(call, tokens)| CallStream::new(call, tokens));
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
@@ -440,6 +469,7 @@ fn stream_response(
             async move { tx.send(Ok(Frame::data(b))).await.is_ok() }
         };
         let (mut n, mut prompt, mut cached) = (0usize, 0usize, 0usize);
+        let mut text_offset = 0;
         // Dropping `tokens` (on return) tells the engine the client is gone.
         while let Some(t) = tokens.recv().await {
             // As vLLM does, the role chunk goes out with the first token (the headers went before the
@@ -452,8 +482,10 @@ fn stream_response(
                     json!({"role": "assistant", "content": ""}),
                     None,
                 );
-                if !send(sse(&first)).await {
-                    return;
+                for index in 0..choices.n {
+                    if !send(sse(&surface::choice_chunk(&first, index, None))).await {
+                        return;
+                    }
                 }
             }
             n += 1;
@@ -473,15 +505,34 @@ fn stream_response(
             } else {
                 openai::completion_chunk(&id, created, &model, &text, finish)
             };
-            if !send(sse(&chunk)).await {
-                return;
+            let logprobs = match choices.logprobs {
+                Some(top) if call_stream.is_none() && chat => {
+                    Some(surface::chat_logprobs(&state, &[t.token], top))
+                }
+                Some(top) if !chat => {
+                    let offset = text_offset;
+                    Some(surface::completion_logprobs(
+                        &state,
+                        &[t.token],
+                        top,
+                        offset,
+                    ))
+                }
+                _ => None,
+            };
+            text_offset += text.len();
+            for index in 0..choices.n {
+                let chunk = surface::choice_chunk(&chunk, index, logprobs.as_ref());
+                if !send(sse(&chunk)).await {
+                    return;
+                }
             }
             if finish.is_some() {
                 break;
             }
         }
-        if include_usage {
-            let usage = openai::usage(prompt, n, cached, state.prompt_tokens_details);
+        if choices.include_usage {
+            let usage = openai::usage(prompt, n * choices.n, cached, state.prompt_tokens_details);
             if !send(sse(&openai::usage_chunk(&id, created, &model, chat, usage))).await {
                 return;
             }
@@ -494,6 +545,14 @@ fn stream_response(
         header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
     r
+}
+
+/// How many choices a stream carries, the logprobs they report (alternatives per token), and
+/// whether it ends with the usage chunk.
+struct Choices {
+    n: usize,
+    logprobs: Option<usize>,
+    include_usage: bool,
 }
 
 /// A tool call streamed over the tokens that write it: the first token opens the call (id and
@@ -544,7 +603,7 @@ impl CallStream {
 fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
     let model = body.get("model").and_then(Value::as_str).map(str::to_owned);
     if let Some(m) = &model
-        && *m != state.model
+        && !state.serves(m)
     {
         return Err(ApiError::ModelNotFound(m.clone()));
     }

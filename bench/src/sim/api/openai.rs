@@ -31,7 +31,18 @@ pub struct GenRequest {
     pub include_usage: bool,
     /// The tool call the simulated model makes (chat requests with `tools`, see [`tools`]).
     pub tool_call: Option<PlannedCall>,
+    /// Choices to generate (`n`).
+    pub n: usize,
+    /// Logprobs asked for: `Some(k)` with `k` alternatives per token (chat: `logprobs: true` and
+    /// `top_logprobs: k`; completions: `logprobs: k`).
+    pub logprobs: Option<usize>,
 }
+
+/// Most choices one request may ask for.
+pub const MAX_N: usize = 16;
+
+/// Most alternatives per token (vLLM's default `--max-logprobs`).
+pub const MAX_LOGPROBS: usize = 20;
 
 fn opt_usize(body: &Value, key: &'static str) -> Result<Option<usize>, ApiError> {
     match body.get(key) {
@@ -59,11 +70,14 @@ fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err(ApiError::bad_param("model", "model must be a string")),
     };
-    if let Some(n) = opt_usize(body, "n")?
-        && n != 1
-    {
-        return Err(ApiError::bad_param("n", "the simulator only supports n=1"));
+    let n = opt_usize(body, "n")?.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::bad_param(
+            "n",
+            format!("n must be between 1 and {MAX_N}, got {n}."),
+        ));
     }
+    let logprobs = logprobs(body)?;
     let max_tokens = match opt_usize(body, "max_completion_tokens")? {
         Some(n) => Some(n),
         None => opt_usize(body, "max_tokens")?,
@@ -100,7 +114,28 @@ fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
         stream,
         include_usage,
         tool_call: None,
+        n,
+        logprobs,
     })
+}
+
+/// The logprobs a request asks for: chat sends `logprobs: true` (with `top_logprobs`), completions
+/// `logprobs: k`.
+fn logprobs(body: &Value) -> Result<Option<usize>, ApiError> {
+    let top = match body.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => return Ok(None),
+        Some(Value::Bool(true)) => opt_usize(body, "top_logprobs")?.unwrap_or(0),
+        Some(_) => opt_usize(body, "logprobs")?.unwrap_or(0),
+    };
+    if top > MAX_LOGPROBS {
+        return Err(ApiError::bad_param(
+            "logprobs",
+            format!(
+                "Requested sample logprobs of {top}, which is greater than max allowed: {MAX_LOGPROBS}"
+            ),
+        ));
+    }
+    Ok(Some(top))
 }
 
 fn token_list(v: &[Value]) -> Option<Vec<u32>> {

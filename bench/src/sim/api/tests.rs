@@ -21,7 +21,8 @@ fn bad_requests_are_400_with_vllm_shape() {
         json!({"prompt": 3}),
         json!({"prompt": "x", "max_tokens": -1}),
         json!({"prompt": "x", "max_tokens": 0}),
-        json!({"prompt": "x", "n": 2}),
+        json!({"prompt": "x", "n": 0}),
+        json!({"prompt": "x", "logprobs": 21}),
         json!({"prompt": "x", "stream_options": {"include_usage": true}}),
         json!({"prompt": ["a", "b"]}),
     ] {
@@ -142,4 +143,43 @@ fn auto_tool_choice_is_what_a_worker_without_a_parser_refuses() {
     ));
     assert!(!wants_auto(&json!({"tools": [], "tool_choice": "auto"})));
     assert!(!wants_auto(&json!({"messages": []})));
+}
+
+#[test]
+fn n_and_logprobs_are_read_for_chat_and_completions() {
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": true, "top_logprobs": 2});
+    let r = parse_chat(&chat).expect("chat");
+    assert_eq!((r.n, r.logprobs), (3, Some(2)));
+    let r = parse_completion(&json!({"prompt": "hi", "logprobs": 1})).expect("completion");
+    assert_eq!((r.n, r.logprobs), (1, Some(1)));
+    let r = parse_chat(&json!({"messages": [], "logprobs": false})).expect("no logprobs");
+    assert_eq!(r.logprobs, None);
+}
+
+#[test]
+fn the_api_key_guards_v1_routes_only() {
+    use super::surface::authorized;
+    let mut headers = http::HeaderMap::new();
+    assert!(authorized(None, "/v1/models", &headers));
+    assert!(!authorized(Some("k"), "/v1/models", &headers));
+    assert!(authorized(Some("k"), "/health", &headers));
+    headers.insert(
+        http::header::AUTHORIZATION,
+        "Bearer k".parse().expect("header"),
+    );
+    assert!(authorized(Some("k"), "/v1/chat/completions", &headers));
+    headers.insert(
+        http::header::AUTHORIZATION,
+        "Bearer other".parse().expect("header"),
+    );
+    assert!(!authorized(Some("k"), "/v1/embeddings", &headers));
+}
+
+#[test]
+fn embeddings_are_unit_vectors_fixed_by_the_tokens() {
+    let a = super::surface::embedding_of(&[1, 2, 3]);
+    assert_eq!(a.len(), super::surface::EMBEDDING_DIMENSIONS);
+    assert!((a.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5);
+    assert_eq!(a, super::surface::embedding_of(&[1, 2, 3]));
+    assert_ne!(a, super::surface::embedding_of(&[3, 2, 1]));
 }
