@@ -6,9 +6,15 @@
 //!   consecutive good ones. The first probe of a worker decides at once, so nothing routes to a
 //!   worker that was down when the gateway started, and until a worker has once been healthy one
 //!   good probe brings it in (as Envoy does at start-up): a fleet still loading joins as soon as it
-//!   answers. A refused connection from real traffic ejects
-//!   at once (nothing listens there; the request is retried elsewhere) and needs the same good
-//!   probes to return.
+//!   answers.
+//! - A refused connection from real traffic (the request is retried elsewhere) is one more failure
+//!   toward the same `--health-unhealthy-threshold` as a failed probe, not an ejection by itself:
+//!   one refusal can be a passing accident (a full listen backlog in a burst, a server restarting
+//!   its socket), and ejecting on it moves the worker's whole load onto the others at once, the
+//!   cascade hysteresis is there to prevent. A worker that is really gone refuses every request,
+//!   so under traffic the threshold is reached within a few requests anyway, and without traffic
+//!   the probes find it. The one fast path: a refusal ejects at once when the worker's last probe
+//!   failed too, since then the two signals agree. Either way it needs the good probes to return.
 //! - Outlier detection: a worker whose real requests fail (5xx, broken connections, timeouts) at
 //!   `--outlier-error-rate` or more within a window, over at least `--outlier-min-requests`, is
 //!   ejected for `--outlier-ejection-ms` although its probes pass.
@@ -93,7 +99,7 @@ impl Default for HealthSettings {
 pub enum WorkerState {
     /// Picked by the router.
     Healthy,
-    /// Out: its probes failed (or it refused a connection) until enough good probes.
+    /// Out: its probes (or connections) failed, until enough good probes.
     Ejected,
     /// Out: its real traffic failed too often, until the ejection time has passed.
     Outlier,
@@ -139,8 +145,10 @@ struct StateLabels {
 struct Tracked {
     /// Probed at least once (the first probe decides at once).
     probed: bool,
-    /// Out by probes (or a refused connection).
+    /// Out by probes (or refused connections).
     down: bool,
+    /// The last probe failed (a refused connection then ejects at once).
+    probe_failing: bool,
     /// Has been in service once (before that, one good probe brings it in).
     served: bool,
     consecutive_failures: u32,
@@ -159,6 +167,7 @@ impl Tracked {
         Tracked {
             probed: false,
             down: false,
+            probe_failing: false,
             served: false,
             consecutive_failures: 0,
             consecutive_successes: 0,
@@ -218,6 +227,7 @@ impl Health {
             let t = workers
                 .entry(worker.to_string())
                 .or_insert_with(|| Tracked::new(now));
+            t.probe_failing = !ok;
             if !t.probed {
                 t.probed = true;
                 t.down = !ok;
@@ -245,7 +255,9 @@ impl Health {
         self.apply();
     }
 
-    /// A request could not connect to `worker` (refused, or no answer within the connect timeout).
+    /// A request could not connect to `worker` (refused, or no answer within the connect timeout):
+    /// one failure toward the ejection threshold, or an ejection at once when its last probe
+    /// failed too.
     pub fn connect_failed(&self, worker: &str) {
         let now = Instant::now();
         {
@@ -253,9 +265,12 @@ impl Health {
             let t = workers
                 .entry(worker.to_string())
                 .or_insert_with(|| Tracked::new(now));
-            t.down = true;
             t.consecutive_successes = 0;
             t.consecutive_failures += 1;
+            if t.probe_failing || t.consecutive_failures >= self.settings.health_unhealthy_threshold
+            {
+                t.down = true;
+            }
         }
         self.apply();
         self.observe(worker, false);

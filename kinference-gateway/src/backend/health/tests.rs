@@ -83,7 +83,7 @@ fn one_failed_probe_ejects_nothing_three_do_and_two_good_ones_bring_it_back() {
 }
 
 #[test]
-fn the_first_probe_decides_and_a_refused_connection_ejects_at_once() {
+fn the_first_probe_decides() {
     let (health, router, _) = health(2, HealthSettings::default());
     assert!(!health.any_starting(), "nothing probed yet");
     health.probe("http://w0", false);
@@ -99,10 +99,46 @@ fn the_first_probe_decides_and_a_refused_connection_ejects_at_once() {
     health.probe("http://w0", true);
     assert!(routable(&router, "http://w0"));
     assert!(!health.any_starting());
+}
+
+#[test]
+fn refused_connections_count_toward_the_threshold_with_probe_failures() {
+    let (health, router, _) = health(3, HealthSettings::default());
+    for w in ["http://w0", "http://w1", "http://w2"] {
+        health.probe(w, true);
+    }
+    // One refusal, or two, is a passing accident: the worker keeps its traffic.
+    health.connect_failed("http://w0");
+    health.connect_failed("http://w0");
+    assert_eq!(state(&health, "http://w0"), WorkerState::Healthy);
+    assert!(routable(&router, "http://w0"));
+    // The third consecutive failure ejects it, as three failed probes would.
+    health.connect_failed("http://w0");
+    assert_eq!(state(&health, "http://w0"), WorkerState::Ejected);
+    assert!(!routable(&router, "http://w0"), "the router still picks it");
+
+    // A good probe starts the count again; refusals and failed probes add up.
+    health.connect_failed("http://w1");
     health.probe("http://w1", true);
     health.connect_failed("http://w1");
+    health.connect_failed("http://w1");
+    assert_eq!(state(&health, "http://w1"), WorkerState::Healthy);
+    health.probe("http://w1", false);
     assert_eq!(state(&health, "http://w1"), WorkerState::Ejected);
-    assert!(!routable(&router, "http://w1"), "the router still picks it");
+
+    // Fast path: with its last probe failed too, one refusal ejects at once.
+    health.probe("http://w2", false);
+    assert!(
+        routable(&router, "http://w2"),
+        "one failed probe ejects nothing"
+    );
+    health.connect_failed("http://w2");
+    assert_eq!(state(&health, "http://w2"), WorkerState::Ejected);
+    // Back only after the good probes, like any ejected worker.
+    health.probe("http://w2", true);
+    assert!(!routable(&router, "http://w2"));
+    health.probe("http://w2", true);
+    assert!(routable(&router, "http://w2"));
 }
 
 fn outlier_settings() -> HealthSettings {
@@ -220,7 +256,9 @@ fn a_worker_that_left_is_forgotten_and_a_new_one_at_its_address_starts_afresh() 
     let (health, router, metrics) = health(1, HealthSettings::default());
     assert!(router.upsert_worker("http://pod", "m"));
     health.probe("http://pod", true);
-    health.connect_failed("http://pod");
+    for _ in 0..3 {
+        health.connect_failed("http://pod");
+    }
     assert_eq!(state(&health, "http://pod"), WorkerState::Ejected);
     router.remove_worker("http://pod");
     health.forget_unlisted(&router.workers());
