@@ -78,6 +78,10 @@ struct Args {
     /// `required` choices still work).
     #[arg(long)]
     no_auto_tool_choice: bool,
+    /// LoRA adapters served beside the model, as vLLM's `--lora-modules NAME=PATH ...` (the path is
+    /// ignored): requests name one in `"model"`, and `/v1/models` lists each with the model as `parent`.
+    #[arg(long, num_args = 1..)]
+    lora_modules: Vec<String>,
     /// As vLLM's `--api-key`: every `/v1` route wants `Authorization: Bearer <key>` (401 without).
     #[arg(long, env = "VLLM_API_KEY")]
     api_key: Option<String>,
@@ -113,6 +117,11 @@ impl Args {
             seed: self.seed,
             prompt_tokens_details: !self.no_prompt_tokens_details,
             auto_tool_choice: !self.no_auto_tool_choice,
+            lora_modules: self
+                .lora_modules
+                .iter()
+                .map(|m| m.split_once('=').map_or(m.as_str(), |(name, _)| name).to_string())
+                .collect(),
             api_key: self.api_key,
             responses_api: !self.no_responses_api,
             kv_events,

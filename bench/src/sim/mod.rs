@@ -45,6 +45,8 @@ pub struct SimConfig {
     pub prompt_tokens_details: bool,
     /// Tool calls with `tool_choice` auto (vLLM's `--enable-auto-tool-choice`).
     pub auto_tool_choice: bool,
+    /// Names of the LoRA adapters served beside the model (vLLM's `--lora-modules`).
+    pub lora_modules: Vec<String>,
     /// vLLM's `--api-key`: `/v1` routes want `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
     /// Serve `POST /v1/responses` (off: 404, as vLLM before 0.10).
@@ -138,6 +140,10 @@ pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Runnin
         num_blocks: cfg.num_blocks,
         prompt_tokens_details: cfg.prompt_tokens_details,
         auto_tool_choice: cfg.auto_tool_choice,
+        lora_modules: (1..)
+            .zip(&cfg.lora_modules)
+            .map(|(id, name)| Arc::new(engine::LoraAdapter::new(name, id)))
+            .collect(),
         api_key: cfg.api_key.clone(),
         responses_api: cfg.responses_api,
         token_text: vocab.into_iter().collect(),
