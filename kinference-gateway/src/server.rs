@@ -17,6 +17,7 @@ use tokio::net::{TcpListener, TcpStream};
 use crate::access::Peer;
 use crate::api::anthropic::{self, MessagesRequest};
 use crate::api::openai;
+use crate::api::openai::passthrough::Route;
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::ConnectionGuard;
 use crate::overload::io::StallGuard;
@@ -32,6 +33,9 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
         (&Method::POST, "/v1/messages") => Endpoint::Messages,
         (&Method::POST, "/v1/messages/count_tokens") => return count_tokens(&gw, req).await,
+        (&Method::POST, path) if let Some(route) = passthrough_route(path) => {
+            return pipeline::passthrough::handle(&gw, route, req).await;
+        }
         (&Method::GET, "/v1/models") => {
             return json_response(
                 StatusCode::OK,
@@ -48,6 +52,17 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         }
     };
     pipeline::handle(gw, endpoint, req).await
+}
+
+/// The endpoints passed to a worker as they are.
+fn passthrough_route(path: &str) -> Option<Route> {
+    Some(match path {
+        "/v1/embeddings" => Route::Embeddings,
+        "/v1/responses" => Route::Responses,
+        "/tokenize" => Route::Tokenize,
+        "/detokenize" => Route::Detokenize,
+        _ => return None,
+    })
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's size from the gateway's own tokenizer, for an

@@ -9,6 +9,8 @@ use serde_json::{Map, Value};
 
 use crate::errors::GatewayError;
 
+pub mod passthrough;
+
 /// `stream_options` of a chat or completion request.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct StreamOptions {

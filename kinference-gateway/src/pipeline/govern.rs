@@ -26,8 +26,20 @@ pub async fn admit(
     let (fields, completion) = request.fields();
     let prompt_tokens = tokens.size(request.prompt());
     let (input, output) = tenancy.demand(prompt_tokens, fields, completion);
+    // Each of `n` choices generates up to the limit.
+    let choices = fields
+        .get("n")
+        .and_then(serde_json::Value::as_u64)
+        .unwrap_or(1)
+        .max(1);
     tenancy
-        .admit(caller, request.model(), input, output, protocol)
+        .admit(
+            caller,
+            request.model(),
+            input,
+            output.saturating_mul(choices),
+            protocol,
+        )
         .await
 }
 

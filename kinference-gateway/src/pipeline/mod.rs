@@ -16,6 +16,7 @@
 pub mod exchange;
 pub mod forward;
 pub mod govern;
+pub mod passthrough;
 pub mod settle;
 
 use std::sync::Arc;

@@ -353,6 +353,20 @@ impl Router {
         Ok(self.pick_from(req, &candidates).await)
     }
 
+    /// The worker of `model` with the fewest requests in flight, for requests with no prompt cache
+    /// to exploit (embeddings, tokenizing); recorded in the in-flight ledger like any pick.
+    pub fn pick_least_loaded(&self, model: &str, debug: bool) -> Result<Decision, RouteError> {
+        let candidates = self.candidates(model)?;
+        let (i, _) = baseline::pick(
+            RoutingMode::LeastOutstanding,
+            &candidates,
+            Prompt::Text(""),
+            &self.shared.tuning,
+            &self.shared.round_robin,
+        );
+        Ok(self.record_simple(&candidates, i, "least_loaded", debug))
+    }
+
     /// [`Router::pick`] among `candidates` (non-empty).
     async fn pick_from(&self, req: RouteRequest<'_>, candidates: &[Arc<Worker>]) -> Decision {
         let shared = &self.shared;

@@ -1,0 +1,163 @@
+"""The OpenAI surface agents and frameworks call, with the official `openai` SDK through the gateway to
+`vllm-sim` workers: embeddings, `n > 1` with logprobs (streamed and not), `/tokenize` and `/detokenize`,
+the Responses API where the worker serves it (and a clear 404 where it does not), workers started with
+an API key, and `/v1/models` with owners."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import openai
+import pytest
+import requests
+
+from conftest import MODEL, Cluster, Gateway
+
+PROMPT = "Kinference routes each request to the worker that answers it first."
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.openai_base, api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_until(check, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture(scope="module")
+def surface(tmp_path_factory) -> Gateway:
+    """Two plain workers behind one gateway."""
+    c = Cluster(tmp_path_factory.mktemp("surface"))
+    try:
+        yield c.gateway([c.worker(), c.worker()])
+    finally:
+        c.close()
+
+
+def input_tokens(gw: Gateway) -> float:
+    return gw.metric("kinference_gateway_input_tokens_total", model=MODEL)
+
+
+def test_embeddings_go_to_a_worker_and_are_billed(surface):
+    before = input_tokens(surface)
+    raw = client(surface).embeddings.with_raw_response.create(model=MODEL, input=[PROMPT, "a second text"])
+    assert raw.headers["x-kinference-worker"] in [w.url for w in surface.workers]
+    result = raw.parse()
+    assert [d.index for d in result.data] == [0, 1]
+    for d in result.data:
+        # The SDK asked for base64 and decoded it: unit vectors of the simulator's size.
+        assert len(d.embedding) == 16
+        assert math.isclose(sum(x * x for x in d.embedding), 1.0, rel_tol=1e-4)
+    direct = requests.post(f"{surface.workers[0].url}/v1/embeddings",
+                           json={"model": MODEL, "input": [PROMPT, "a second text"]}, timeout=30).json()
+    assert result.usage.prompt_tokens == direct["usage"]["prompt_tokens"] > 0
+    assert wait_until(lambda: input_tokens(surface) - before == direct["usage"]["prompt_tokens"])
+
+
+def test_embedding_errors_are_openai_errors(surface):
+    with pytest.raises(openai.NotFoundError) as e:
+        client(surface).embeddings.create(model="no-such-model", input="x")
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client(surface).embeddings.create(model=MODEL, input=[])
+    assert e.value.status_code == 400
+
+
+def test_chat_n_and_logprobs_whole(surface):
+    completion = client(surface).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=5, n=3,
+        logprobs=True, top_logprobs=2)
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    for c in completion.choices:
+        assert c.message.content
+        assert len(c.logprobs.content) == 5
+        assert all(len(t.top_logprobs) == 2 and t.logprob < 0 for t in c.logprobs.content)
+    assert completion.usage.completion_tokens == 3 * 5
+
+
+def test_chat_n_and_logprobs_streamed(surface):
+    stream = client(surface).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4, n=2,
+        logprobs=True, top_logprobs=1, stream=True, stream_options={"include_usage": True})
+    text, logprobs, usage = {0: "", 1: ""}, {0: 0, 1: 0}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text[c.index] += c.delta.content or ""
+            if c.logprobs and c.logprobs.content:
+                logprobs[c.index] += len(c.logprobs.content)
+    assert text[0] and text[1]
+    assert logprobs == {0: 4, 1: 4}
+    assert usage is not None and usage.completion_tokens == 2 * 4
+
+
+def test_completions_n_and_logprobs_streamed_and_not(surface):
+    whole = client(surface).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, logprobs=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert all(len(c.logprobs.token_logprobs) == 3 and len(c.logprobs.top_logprobs[0]) == 2
+               for c in whole.choices)
+    assert whole.usage.completion_tokens == 6
+    seen = {0: 0, 1: 0}
+    usage = None
+    for chunk in client(surface).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, logprobs=1,
+                                                    stream=True, stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            seen[c.index] += len(c.logprobs.tokens)
+    assert seen == {0: 3, 1: 3}
+    assert usage.completion_tokens == 6
+
+
+def test_tokenize_and_detokenize_pass_through(surface):
+    r = requests.post(f"{surface.url}/tokenize", json={"model": MODEL, "prompt": PROMPT}, timeout=30)
+    assert r.status_code == 200, r.text
+    direct = requests.post(f"{surface.workers[0].url}/tokenize", json={"model": MODEL, "prompt": PROMPT},
+                           timeout=30).json()
+    assert r.json()["tokens"] == direct["tokens"]
+    back = requests.post(f"{surface.url}/detokenize", json={"model": MODEL, "tokens": direct["tokens"]}, timeout=30)
+    assert back.status_code == 200 and back.json()["prompt"] == PROMPT
+    missing = requests.post(f"{surface.url}/tokenize", json={"model": "no-such-model", "prompt": "x"}, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    bad = requests.post(f"{surface.url}/detokenize", data=b"{not json", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_responses_whole_and_streamed(surface):
+    before = input_tokens(surface)
+    response = client(surface).responses.create(model=MODEL, input=PROMPT, instructions="Be brief.",
+                                                max_output_tokens=4)
+    assert response.status == "completed" and response.output_text
+    assert response.usage.output_tokens == 4
+    assert wait_until(lambda: input_tokens(surface) - before == response.usage.input_tokens)
+    events, final = [], None
+    with client(surface).responses.stream(model=MODEL, input=[{"role": "user", "content": PROMPT}],
+                                          max_output_tokens=3) as stream:
+        for event in stream:
+            events.append(event.type)
+        final = stream.get_final_response()
+    assert events[0] == "response.created" and events[-1] == "response.completed"
+    assert events.count("response.output_text.delta") == 3
+    assert final.usage.output_tokens == 3 and final.output_text
+
+
+def test_responses_where_no_worker_serves_them_is_a_clear_404(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        gw = c.gateway([c.worker("--no-responses-api")])
+        with pytest.raises(openai.NotFoundError) as e:
+            client(gw).responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        assert "do not serve /v1/responses" in e.value.body["message"]
+        # The chat API of the same worker still works.
+        chat = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert chat.choices[0].message.content
+    finally:
+        c.close()
