@@ -9,10 +9,15 @@
 //! | `tool_result` blocks of a user turn | `role: tool` messages, before the turn's other content (their images in it) |
 //! | `thinking` blocks of earlier turns | dropped (the model's template re-renders no reasoning) |
 //! | `tools`, `tool_choice` | `tools` (functions), `tool_choice`, `parallel_tool_calls` |
-//! | `thinking` | `chat_template_kwargs.enable_thinking` |
+//! | `thinking` | `chat_template_kwargs.enable_thinking`; its budget as `thinking_token_budget` and `chat_template_kwargs.thinking_budget` |
 //! | `stop_sequences`, `metadata.user_id` | `stop`, `user` |
 //!
 //! `cache_control` on any block or tool is accepted and ignored: vLLM's prefix cache is automatic.
+//!
+//! The thinking budget goes where vLLM and the reasoning models' templates read one: the request field
+//! `thinking_token_budget` (vLLM stops the reasoning there when it runs with a reasoning parser; a vLLM
+//! without the field ignores it, as it ignores every unknown field) and the template variable
+//! `thinking_budget` (Qwen3's template reads it; others leave it unused).
 
 use serde::Deserialize;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
@@ -314,6 +319,9 @@ impl MessagesRequest {
         if let Some(kwargs) = prompt.template_kwargs {
             extra.insert("chat_template_kwargs".into(), kwargs);
         }
+        if let Some(Thinking::Enabled { budget_tokens }) = &self.thinking {
+            extra.insert("thinking_token_budget".into(), json!(budget_tokens));
+        }
         if let Some(user) = self.metadata.as_ref().and_then(|m| m.user_id.as_ref()) {
             extra.insert("user".into(), json!(user));
         }
@@ -381,7 +389,9 @@ impl MessagesRequest {
             }
         }
         let template_kwargs = self.thinking.as_ref().map(|thinking| match thinking {
-            Thinking::Enabled { .. } => json!({"enable_thinking": true}),
+            Thinking::Enabled { budget_tokens } => {
+                json!({"enable_thinking": true, "thinking_budget": budget_tokens})
+            }
             Thinking::Disabled {} => json!({"enable_thinking": false}),
         });
         Ok(ChatPrompt {

@@ -359,23 +359,27 @@ fn images_become_image_url_parts() {
 }
 
 #[test]
-fn thinking_switches_the_template() {
-    let kwargs = |thinking: Value| {
+fn thinking_switches_the_template_and_sends_its_budget() {
+    let chat = |thinking: Value| {
         let chat = request(
             json!({"model": "m", "max_tokens": 2000, "thinking": thinking,
             "messages": [{"role": "user", "content": "x"}]}),
         )
         .expect("translates");
-        serde_json::to_value(&chat).expect("serializes")["chat_template_kwargs"].clone()
+        serde_json::to_value(&chat).expect("serializes")
     };
+    let enabled = chat(json!({"type": "enabled", "budget_tokens": 1024}));
     assert_eq!(
-        kwargs(json!({"type": "enabled", "budget_tokens": 1024})),
-        json!({"enable_thinking": true})
+        enabled["chat_template_kwargs"],
+        json!({"enable_thinking": true, "thinking_budget": 1024})
     );
+    assert_eq!(enabled["thinking_token_budget"], json!(1024));
+    let disabled = chat(json!({"type": "disabled"}));
     assert_eq!(
-        kwargs(json!({"type": "disabled"})),
+        disabled["chat_template_kwargs"],
         json!({"enable_thinking": false})
     );
+    assert!(disabled.get("thinking_token_budget").is_none());
 }
 
 #[test]
