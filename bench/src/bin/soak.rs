@@ -1,0 +1,576 @@
+//! `soak`: does the gateway hold steady under sustained streaming load, and does its usage journal
+//! lose nothing? (Issue 21: a 10-minute soak of 1,000 concurrent streams, resident memory and open
+//! files flat within 10%, journal totals equal to the workers' own counters.)
+//!
+//! Starts `vllm-sim` (one process, `--workers` time-scaled workers on their own ports) and one
+//! `kinference-gateway` with two tenants and its usage journal on, then keeps `--clients` streaming
+//! chat clients busy for `--duration-s` (each sends its next request when its stream ends). Every
+//! 10 s it samples the gateway's resident memory (`VmRSS` of `/proc/<pid>/status`) and open file
+//! descriptors (`/proc/<pid>/fd`) and prints a progress line. At the end the clients stop, the
+//! gateway is stopped with SIGTERM (which flushes the journal) and started again on the same
+//! journal, and its `/admin/usage` (every request read back from the journal) is compared with the
+//! clients' own counts per tenant and with the workers' counters (`vllm:request_success_total`,
+//! `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`) summed over the workers.
+//!
+//! Verdict: RSS and open fds at the end within 10% of their value at minute 2 (start-up and the
+//! first pool growth settle before that), and the journal equal to the workers: nothing lost.
+//!
+//! ```text
+//! cargo build --release -p kinference-bench -p kinference-gateway
+//! ulimit -n 20000; target/release/soak --duration-s 600 --clients 1000
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Parser;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+const MODEL: &str = "qwen2-sim";
+/// The tenants the clients are spread over (round robin), with their API keys.
+const TENANTS: [(&str, &str); 2] = [
+    ("soak-a", "sk-soak-tenant-a-0001"),
+    ("soak-b", "sk-soak-tenant-b-0002"),
+];
+/// Time between two samples of the gateway's memory and files.
+const SAMPLE_EVERY: Duration = Duration::from_secs(10);
+/// The sample the end is compared with: minute 2.
+const BASELINE_AT: Duration = Duration::from_secs(120);
+
+/// Sustained streaming load through one gateway, with its journal checked against the workers.
+#[derive(Debug, Parser)]
+#[command(name = "soak")]
+struct Args {
+    /// Directory with `vllm-sim` and `kinference-gateway` (default: this binary's directory).
+    #[arg(long, env = "KINFERENCE_BIN_DIR")]
+    bin_dir: Option<PathBuf>,
+    /// Tokenizer directory for the simulator (default: `<repo>/.assets/qwen2`).
+    #[arg(long, env = "KINFERENCE_TOKENIZER_DIR")]
+    tokenizer_dir: Option<PathBuf>,
+    /// Length of the load, in seconds.
+    #[arg(long, default_value_t = 600)]
+    duration_s: u64,
+    /// Concurrent streaming clients.
+    #[arg(long, default_value_t = 1_000)]
+    clients: usize,
+    /// Simulated workers (one `vllm-sim` process, one port each).
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    /// The simulator's time scale (wall seconds per model second).
+    #[arg(long, default_value_t = 0.05)]
+    time_scale: f64,
+    /// Journal segment size in MiB before rotation and compaction (small, so that compaction runs
+    /// during the soak).
+    #[arg(long, default_value_t = 16)]
+    segment_mib: u64,
+}
+
+/// A child process killed when dropped (also on panic or early return).
+struct Guard(Child, &'static str);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client(max_idle: usize) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(max_idle)
+        .build(connector)
+}
+
+async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, String)> {
+    let request = Request::get(url).body(Full::new(Bytes::new()))?;
+    let response = tokio::time::timeout(Duration::from_secs(10), client.request(request)).await??;
+    let status = response.status().as_u16();
+    let body = response.into_body().collect().await?.to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+/// Waits until `url` answers 200 and its body contains `needle`.
+async fn wait_for(
+    client: &HttpClient,
+    url: &str,
+    needle: &str,
+    child: &mut Guard,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Some(status) = child.0.try_wait()? {
+            bail!("{} exited with {status} before {url} answered", child.1);
+        }
+        if matches!(get(client, url).await, Ok((200, body)) if body.contains(needle)) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("{url} did not answer with {needle:?} within 60 s")
+}
+
+/// What the clients of one tenant saw.
+#[derive(Debug, Default)]
+struct Counts {
+    /// Streams that ended with `[DONE]`.
+    ok: AtomicU64,
+    /// Anything else: an error status, a broken stream, a connection error.
+    failed: AtomicU64,
+}
+
+/// One client: streams requests back to back until `stop`.
+async fn run_client(
+    client: HttpClient,
+    url: String,
+    key: &'static str,
+    body: Bytes,
+    counts: Arc<Counts>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut first_error = true;
+    while !stop.load(Ordering::Relaxed) {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(&url)
+            .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {key}"))
+            .body(Full::new(body.clone()));
+        let outcome = async {
+            let response = client.request(request?).await?;
+            let status = response.status();
+            let answer = response.into_body().collect().await?.to_bytes();
+            let done = answer.windows(12).any(|w| w == b"data: [DONE]");
+            if status.is_success() && done {
+                anyhow::Ok(())
+            } else {
+                bail!("{status}: {}", String::from_utf8_lossy(&answer))
+            }
+        }
+        .await;
+        match outcome {
+            Ok(()) => {
+                counts.ok.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(error) => {
+                counts.failed.fetch_add(1, Ordering::Relaxed);
+                if first_error {
+                    first_error = false;
+                    eprintln!("soak: a stream failed: {error:#}");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Resident memory of `pid` in MiB (Linux).
+fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+/// Open file descriptors of `pid` (Linux).
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+}
+
+/// The sum of every sample of `name` (any labels) in a Prometheus exposition.
+fn sum_of(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+/// One sample of the gateway.
+struct Sample {
+    at: Duration,
+    rss_mib: f64,
+    fds: usize,
+    streams: u64,
+    failed: u64,
+}
+
+/// Writes the tenants, their keys and `gateway.yaml` into `dir`; returns the config's path.
+fn write_config(
+    dir: &Path,
+    workers: &[String],
+    journal: &Path,
+    segment_mib: u64,
+) -> anyhow::Result<PathBuf> {
+    let mut tenants = String::new();
+    for (name, key) in TENANTS {
+        let secret = dir.join("secrets").join(name);
+        std::fs::create_dir_all(&secret)?;
+        std::fs::write(secret.join("api-key"), key)?;
+        tenants.push_str(&format!(
+            "---\napiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec:\n  apiKeys:\n    - secretRef: {{name: {name}, key: api-key}}\n"
+        ));
+    }
+    std::fs::write(dir.join("tenants.yaml"), tenants)?;
+    let mut config = format!("models:\n  - name: {MODEL}\nworkers:\n");
+    for url in workers {
+        config.push_str(&format!("  - url: {url}\n    model: {MODEL}\n"));
+    }
+    config.push_str(&format!(
+        "tenancy:\n  tenants_dir: {}\n  secrets_dir: {}\n  usage_journal: {}\n  journal:\n    segment_max_bytes: {}\n",
+        dir.join("tenants.yaml").display(),
+        dir.join("secrets").display(),
+        journal.display(),
+        segment_mib << 20,
+    ));
+    let path = dir.join("gateway.yaml");
+    std::fs::write(&path, config)?;
+    Ok(path)
+}
+
+/// Starts the gateway on `config` and waits until it sees `workers` healthy workers.
+async fn start_gateway(
+    bin_dir: &Path,
+    config: &Path,
+    workers: usize,
+    client: &HttpClient,
+) -> anyhow::Result<(Guard, String, String)> {
+    let (api, admin) = (free_port()?, free_port()?);
+    let mut gateway = Guard(
+        Command::new(bin_dir.join("kinference-gateway"))
+            .args(["--listen", &format!("127.0.0.1:{api}")])
+            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+            .args(["--shutdown-delay-seconds", "0"])
+            .arg("--config")
+            .arg(config)
+            .env_remove("KINFERENCE_ADMIN_KEY")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| {
+                format!("starting {}", bin_dir.join("kinference-gateway").display())
+            })?,
+        "kinference-gateway",
+    );
+    let admin = format!("http://127.0.0.1:{admin}");
+    wait_for(client, &format!("{admin}/readyz"), "", &mut gateway).await?;
+    let healthy = format!("\"healthy\":{workers}");
+    wait_for(
+        client,
+        &format!("{admin}/healthz/workers"),
+        &healthy,
+        &mut gateway,
+    )
+    .await?;
+    Ok((gateway, format!("http://127.0.0.1:{api}"), admin))
+}
+
+/// Stops the gateway with SIGTERM (it flushes the journal) and waits for it to exit.
+fn stop_gateway(mut gateway: Guard) -> anyhow::Result<()> {
+    let pid = gateway.0.id().to_string();
+    let status = Command::new("kill").args(["-TERM", &pid]).status()?;
+    if !status.success() {
+        bail!("kill -TERM {pid}: {status}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while gateway.0.try_wait()?.is_none() {
+        if Instant::now() > deadline {
+            bail!("the gateway did not exit within 60 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(())
+}
+
+/// Relative change from `base` to `end`, in percent.
+fn change(base: f64, end: f64) -> f64 {
+    (end - base) / base * 100.0
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin_dir = match &args.bin_dir {
+        Some(dir) => dir.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("binary directory")?
+            .to_path_buf(),
+    };
+    let tokenizer = args
+        .tokenizer_dir
+        .clone()
+        .unwrap_or_else(|| repo_root().join(".assets/qwen2"));
+    let workdir = std::env::temp_dir().join(format!("soak-{}", std::process::id()));
+    std::fs::create_dir_all(&workdir)?;
+    let http = client(args.clients + 64);
+
+    let ports = (0..args.workers)
+        .map(|_| free_port())
+        .collect::<anyhow::Result<Vec<u16>>>()?;
+    let workers: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let port_list = ports
+        .iter()
+        .map(u16::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut sim = Guard(
+        Command::new(bin_dir.join("vllm-sim"))
+            .args(["--host", "127.0.0.1", "--port", &port_list])
+            .args(["--model", MODEL, "--preset", "fast"])
+            .args(["--time-scale", &args.time_scale.to_string()])
+            .args(["--max-num-seqs", "1024"])
+            .arg("--tokenizer-dir")
+            .arg(&tokenizer)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
+        "vllm-sim",
+    );
+    for url in &workers {
+        wait_for(&http, &format!("{url}/health"), "", &mut sim).await?;
+    }
+    let journal = workdir.join("usage.jsonl");
+    let config = write_config(&workdir, &workers, &journal, args.segment_mib)?;
+    let (gateway, api, _) = start_gateway(&bin_dir, &config, args.workers, &http).await?;
+    let pid = gateway.0.id();
+    println!(
+        "soak: {} streaming clients for {} s through one gateway (pid {pid}, journal {}) to {} vllm-sim workers (--preset fast --time-scale {}), max_tokens {}",
+        args.clients,
+        args.duration_s,
+        journal.display(),
+        args.workers,
+        args.time_scale,
+        args.max_tokens
+    );
+
+    // The load.
+    let stop = Arc::new(AtomicBool::new(false));
+    let counts: Vec<Arc<Counts>> = TENANTS.iter().map(|_| Arc::default()).collect();
+    let url = format!("{api}/v1/chat/completions");
+    let mut tasks = Vec::with_capacity(args.clients);
+    for i in 0..args.clients {
+        let tenant = i % TENANTS.len();
+        let body = Bytes::from(
+            serde_json::json!({
+                "model": MODEL,
+                "messages": [{"role": "user", "content": format!("Client {} asks about soak tests, part {}.", i, i % 7)}],
+                "max_tokens": args.max_tokens,
+                "stream": true,
+                "stream_options": {"include_usage": true},
+            })
+            .to_string(),
+        );
+        tasks.push(tokio::spawn(run_client(
+            http.clone(),
+            url.clone(),
+            TENANTS[tenant].1,
+            body,
+            Arc::clone(&counts[tenant]),
+            Arc::clone(&stop),
+        )));
+    }
+    let totals = |counts: &[Arc<Counts>]| {
+        counts.iter().fold((0, 0), |(ok, failed), c| {
+            (
+                ok + c.ok.load(Ordering::Relaxed),
+                failed + c.failed.load(Ordering::Relaxed),
+            )
+        })
+    };
+    let started = Instant::now();
+    let duration = Duration::from_secs(args.duration_s);
+    let mut samples = Vec::new();
+    let mut next = started;
+    while next <= started + duration {
+        tokio::time::sleep_until(next.into()).await;
+        let (streams, failed) = totals(&counts);
+        let sample = Sample {
+            at: started.elapsed(),
+            rss_mib: rss_mib(pid),
+            fds: open_fds(pid),
+            streams,
+            failed,
+        };
+        println!(
+            "soak: t={:>4.0} s  rss {:>7.1} MiB  fds {:>5}  streams {:>8}  failed {}",
+            sample.at.as_secs_f64(),
+            sample.rss_mib,
+            sample.fds,
+            sample.streams,
+            sample.failed
+        );
+        samples.push(sample);
+        next += SAMPLE_EVERY;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await?;
+    }
+    let (streams, failed) = totals(&counts);
+    let elapsed = started.elapsed();
+
+    // Nothing lost: the journal read back after a restart against the clients and the workers.
+    stop_gateway(gateway)?;
+    let (_gateway, _, admin_after) = start_gateway(&bin_dir, &config, args.workers, &http).await?;
+    let (status, report) =
+        get(&http, &format!("{admin_after}/admin/usage?from=2000-01-01")).await?;
+    if status != 200 {
+        bail!("/admin/usage answered {status}: {report}");
+    }
+    let report: serde_json::Value = serde_json::from_str(&report)?;
+    let mut journal_by_tenant: BTreeMap<String, [u64; 3]> = BTreeMap::new();
+    for row in report["usage"].as_array().context("usage rows")? {
+        let tenant = row["tenant"].as_str().unwrap_or_default().to_string();
+        let t = journal_by_tenant.entry(tenant).or_default();
+        let n = |k: &str| row[k].as_u64().unwrap_or(0);
+        t[0] += n("requests");
+        t[1] += n("input_uncached_tokens") + n("input_cached_tokens");
+        t[2] += n("output_tokens");
+    }
+    let mut worker_totals = [0f64; 3];
+    for url in &workers {
+        let (_, metrics) = get(&http, &format!("{url}/metrics")).await?;
+        worker_totals[0] += sum_of(&metrics, "vllm:request_success_total");
+        worker_totals[1] += sum_of(&metrics, "vllm:prompt_tokens_total");
+        worker_totals[2] += sum_of(&metrics, "vllm:generation_tokens_total");
+    }
+    let journal_sum = journal_by_tenant
+        .values()
+        .fold([0u64; 3], |a, t| [a[0] + t[0], a[1] + t[1], a[2] + t[2]]);
+    let journal_files = std::fs::read_dir(&workdir)?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with("usage.jsonl"))
+        .map(|e| {
+            let len = e.metadata().map_or(0, |m| m.len());
+            format!("{} ({} KiB)", e.file_name().to_string_lossy(), len / 1024)
+        })
+        .collect::<Vec<_>>();
+
+    // The report.
+    println!();
+    println!(
+        "{streams} streams in {:.0} s ({:.0}/s), {failed} failed",
+        elapsed.as_secs_f64(),
+        streams as f64 / elapsed.as_secs_f64()
+    );
+    println!();
+    println!("| t (s) | gateway RSS (MiB) | open fds | streams done | failed |");
+    println!("|---:|---:|---:|---:|---:|");
+    for s in &samples {
+        println!(
+            "| {:.0} | {:.1} | {} | {} | {} |",
+            s.at.as_secs_f64(),
+            s.rss_mib,
+            s.fds,
+            s.streams,
+            s.failed
+        );
+    }
+    println!();
+    println!(
+        "| tenant | clients' streams ok | journal requests | journal prompt tokens | journal output tokens |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for (i, (name, _)) in TENANTS.iter().enumerate() {
+        let t = journal_by_tenant.get(*name).copied().unwrap_or_default();
+        println!(
+            "| {name} | {} | {} | {} | {} |",
+            counts[i].ok.load(Ordering::Relaxed),
+            t[0],
+            t[1],
+            t[2]
+        );
+    }
+    println!(
+        "| workers (sum of {}) | | {} | {} | {} |",
+        args.workers, worker_totals[0], worker_totals[1], worker_totals[2]
+    );
+    println!();
+    println!("journal files after the run: {}", journal_files.join(", "));
+
+    let base = samples
+        .iter()
+        .find(|s| s.at >= BASELINE_AT)
+        .or(samples.first())
+        .context("no sample")?;
+    let end = samples.last().context("no sample")?;
+    let rss_change = change(base.rss_mib, end.rss_mib);
+    let fd_change = change(base.fds as f64, end.fds as f64);
+    let flat = rss_change.abs() <= 10.0 && fd_change.abs() <= 10.0;
+    let equal = journal_sum
+        .iter()
+        .zip(worker_totals)
+        .all(|(j, w)| *j as f64 == w);
+    println!();
+    println!(
+        "RSS {:.1} -> {:.1} MiB ({rss_change:+.1}%), open fds {} -> {} ({fd_change:+.1}%) from t={:.0} s to t={:.0} s: {}",
+        base.rss_mib,
+        end.rss_mib,
+        base.fds,
+        end.fds,
+        base.at.as_secs_f64(),
+        end.at.as_secs_f64(),
+        if flat {
+            "flat (within 10%)"
+        } else {
+            "NOT flat"
+        }
+    );
+    println!(
+        "journal {:?} vs workers {:?} (requests, prompt tokens, output tokens): {}",
+        journal_sum,
+        worker_totals,
+        if equal {
+            "equal, nothing lost"
+        } else {
+            "DIFFERENT"
+        }
+    );
+    let _ = std::fs::remove_dir_all(&workdir);
+    if !(flat && equal) {
+        bail!("soak failed");
+    }
+    Ok(())
+}
