@@ -5,6 +5,7 @@
 //! Unknown or misspelt keys are errors naming the file, the line and the nearest valid key (see
 //! [`yaml`]): a typo must not silently fall back to a default.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -184,6 +185,12 @@ pub struct GatewayConfig {
     /// plan; a timeout or error keeps the request local); see [`crate::policy::classify`].
     #[serde(default)]
     pub classifier: crate::policy::classify::ClassifierConfig,
+    /// The workers' API key (vLLM's `--api-key`), sent as `Authorization: Bearer` to every worker.
+    #[serde(default)]
+    pub worker_api_key: Option<crate::backend::worker::credentials::WorkerApiKey>,
+    /// Headers sent with every request to a worker, name to value.
+    #[serde(default)]
+    pub worker_headers: BTreeMap<String, String>,
 }
 
 /// Errors loading the configuration file.

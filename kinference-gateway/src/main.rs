@@ -105,9 +105,15 @@ async fn main() -> anyhow::Result<()> {
             registry,
         )
     });
+    let worker_headers = kinference_gateway::backend::worker::credentials::worker_headers(
+        config.worker_api_key.as_ref(),
+        &config.worker_headers,
+    )
+    .map_err(anyhow::Error::msg)
+    .context("reading the workers' API key and headers")?;
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
-        upstream: Upstream::new(&args.http),
+        upstream: Upstream::new(&args.http).with_headers(worker_headers),
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),

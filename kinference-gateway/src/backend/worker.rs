@@ -26,6 +26,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::errors::GatewayError;
 
+pub mod credentials;
+
 /// Pooled HTTP/1.1 client for worker requests.
 #[derive(Clone, Debug)]
 pub struct Upstream {
@@ -33,6 +35,8 @@ pub struct Upstream {
     probe: Client<HttpConnector, Empty<Bytes>>,
     first_byte_timeout: Duration,
     idle_timeout: Duration,
+    /// Sent with every request to a worker (its API key, configured headers).
+    headers: http::HeaderMap,
 }
 
 impl Upstream {
@@ -59,7 +63,15 @@ impl Upstream {
             probe,
             first_byte_timeout: settings.first_byte_timeout(),
             idle_timeout: settings.idle_timeout(),
+            headers: http::HeaderMap::new(),
         }
+    }
+
+    /// This client, sending `headers` with every request to a worker
+    /// ([`credentials::worker_headers`]).
+    pub fn with_headers(mut self, headers: http::HeaderMap) -> Self {
+        self.headers = headers;
+        self
     }
 
     /// Longest silence allowed between two body chunks.
@@ -75,7 +87,7 @@ impl Upstream {
         body: Bytes,
     ) -> Result<Response<Incoming>, GatewayError> {
         let uri = format!("{worker}{path}");
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method(Method::POST)
             .uri(uri)
             .header(
@@ -87,6 +99,7 @@ impl Upstream {
                 worker: worker.to_string(),
                 detail: format!("building the request: {e}"),
             })?;
+        request.headers_mut().extend(self.headers.clone());
         match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
             Err(_) => Err(GatewayError::UpstreamTimeout {
                 worker: worker.to_string(),

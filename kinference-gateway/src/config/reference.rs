@@ -16,6 +16,10 @@ const SOURCES: &[(&str, &str)] = &[
     ("ModelLimits", include_str!("../tenancy/limits.rs")),
     ("KubeSourceConfig", include_str!("../config_source/kube.rs")),
     (
+        "WorkerApiKey",
+        include_str!("../backend/worker/credentials.rs"),
+    ),
+    (
         "ClassifierConfig",
         include_str!("../policy/classify/mod.rs"),
     ),

@@ -191,8 +191,9 @@ async fn run(
 }
 
 /// A worker's non-2xx answer: a route it does not serve (404 on `/v1/responses`: vLLM before
-/// 0.10, or a model without that task) is said plainly; its other 4xx pass on with its message;
-/// anything else is a bad upstream.
+/// 0.10, or a model without that task) is said plainly; a refusal of the gateway's own credentials
+/// is a bad upstream (502), not the client's 401; its other 4xx pass on with its message; anything
+/// else is a bad upstream.
 fn rejection(
     route: Route,
     model: &str,
@@ -201,6 +202,15 @@ fn rejection(
     body: &[u8],
 ) -> GatewayError {
     let message = UpstreamErrorBody::message_from(body);
+    if matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+        // The worker refused the gateway's credentials (`worker_api_key`), not the client's.
+        return GatewayError::BadUpstream {
+            worker: worker.to_string(),
+            detail: format!(
+                "the worker refused the gateway's credentials ({status}): check worker_api_key"
+            ),
+        };
+    }
     if status == StatusCode::NOT_FOUND && message.contains("Not Found") {
         return GatewayError::UpstreamRejected {
             status,

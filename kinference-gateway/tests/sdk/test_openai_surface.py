@@ -161,3 +161,53 @@ def test_responses_where_no_worker_serves_them_is_a_clear_404(tmp_path):
         assert chat.choices[0].message.content
     finally:
         c.close()
+
+
+def keyed_gateway(c: Cluster, worker_url: str, key_yaml: str) -> tuple[Gateway | None, object]:
+    """A gateway in front of `worker_url` with `key_yaml` (the `worker_api_key` entry) in its file."""
+    from conftest import BIN_DIR, TOKENIZER_DIR, free_port, wait_for
+    port, admin_port = free_port(), free_port()
+    config = c.workdir / f"keyed-{port}.yaml"
+    config.write_text(f"models:\n  - name: {MODEL}\n    tokenizer_dir: {TOKENIZER_DIR}\n"
+                      f"workers:\n  - url: {worker_url}\n    model: {MODEL}\n{key_yaml}")
+    process = c._spawn(f"gateway-{port}", [
+        str(BIN_DIR / "kinference-gateway"), "--listen", f"127.0.0.1:{port}",
+        "--admin-listen", f"127.0.0.1:{admin_port}", "--config", str(config)])
+    gw = Gateway(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", process, [])
+    try:
+        wait_for(f"{gw.admin}/readyz", proc=process.proc)
+    except RuntimeError:
+        return None, process
+    return gw, process
+
+
+def test_workers_started_with_an_api_key(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        worker = c.worker("--api-key", "sk-worker-secret")
+        # The worker really wants the key.
+        assert requests.get(f"{worker.url}/v1/models", timeout=10).status_code == 401
+        key_file = tmp_path / "worker-key"
+        key_file.write_text("sk-worker-secret\n")
+        gw, _ = keyed_gateway(c, worker.url, f"worker_api_key:\n  file: {key_file}\n")
+        assert gw is not None
+        chat = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert chat.choices[0].message.content
+        assert len(client(gw).embeddings.create(model=MODEL, input="hi").data[0].embedding) == 16
+        assert client(gw).responses.create(model=MODEL, input="hi", max_output_tokens=2).output_text
+        stream = client(gw).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        # Without the key, the worker's refusal is the gateway's fault, not the client's.
+        bare, _ = keyed_gateway(c, worker.url, "")
+        with pytest.raises(openai.InternalServerError) as e:
+            client(bare).embeddings.create(model=MODEL, input="hi")
+        assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream"
+        # A key that is named but cannot be read stops the start.
+        broken, process = keyed_gateway(c, worker.url, "worker_api_key:\n  env: KINFERENCE_TEST_UNSET_WORKER_KEY\n")
+        assert broken is None
+        assert process.proc.wait(timeout=10) != 0
+        assert "KINFERENCE_TEST_UNSET_WORKER_KEY" in process.log.read_text()
+    finally:
+        c.close()
