@@ -135,20 +135,15 @@ async fn main() -> anyhow::Result<()> {
     let admin = server::bind(args.admin_listen).await?;
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),
         routing = %config.routing, "kinference-gateway started");
-    // Which signals routing has per worker: KV events and load from node agents, or only the
-    // gateway's own in-flight counts.
-    let signals = if config.agents.is_empty() && config.kubernetes.is_none() {
-        "none (in-flight counts only)"
-    } else {
-        "kv-events (node agents)"
-    };
-    for worker in &config.workers {
-        tracing::info!(worker = %worker.url, model = %worker.model, signals, "routing signals");
-    }
-
     // One probe round before serving: no request (and no /readyz) sees an unprobed worker as healthy.
     let prober = gw.prober();
     prober.probe_all().await;
+    // Which signals routing has per worker (also `kinference_gateway_routing_signal` and
+    // `/healthz/workers`); agents that have not connected yet show as stale.
+    for w in gw.metrics.refresh_fleet(&gw.router).await.workers {
+        tracing::info!(worker = %w.view.url, model = %w.view.model,
+            signals = %w.signals_json(), "routing signals");
+    }
     let prober = tokio::spawn(prober.run());
     let drain = Duration::from_secs(args.drain_timeout_seconds);
     let admin_task = tokio::spawn(server::serve(

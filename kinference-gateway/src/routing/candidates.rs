@@ -14,9 +14,11 @@ use super::kv_index::WorkerId;
 use super::workers::{Load, Worker};
 use super::*;
 
-/// One candidate while a decision is being made: everything its estimate needs, read once.
-pub(super) struct Candidate {
-    pub(super) worker: Arc<Worker>,
+/// One candidate while a decision is being made: everything its estimate needs, read once. It borrows
+/// the worker from the decision's candidate list: a decision over 100 workers then takes no reference
+/// count per candidate (the ticket clones the chosen one's).
+pub(super) struct Candidate<'w> {
+    pub(super) worker: &'w Arc<Worker>,
     pub(super) block_size: usize,
     /// A live agent reports the worker.
     pub(super) live: bool,
@@ -40,7 +42,7 @@ pub(super) struct Candidate {
     pub(super) kv_room: Option<KvRoom>,
 }
 
-impl Candidate {
+impl Candidate<'_> {
     /// Leading blocks of the prompt still cached when the request is scheduled: the run, less what the
     /// queue ahead will evict when the cache is short of room.
     pub(super) fn surviving_run(&self) -> usize {
@@ -64,7 +66,11 @@ impl Candidate {
 impl Shared {
     /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
     /// decision and the policy stage's estimates, so both see the same queue.
-    pub(super) fn candidates_at(&self, workers: &[Arc<Worker>], now: Instant) -> Vec<Candidate> {
+    pub(super) fn candidates_at<'w>(
+        &self,
+        workers: &'w [Arc<Worker>],
+        now: Instant,
+    ) -> Vec<Candidate<'w>> {
         let tuning = &self.tuning;
         let fresh = self.fresh_agents(now);
         let fleet = self.fleet_rates.lock().clone();
@@ -130,7 +136,7 @@ impl Shared {
                     ))
                 });
                 Candidate {
-                    worker: Arc::clone(w),
+                    worker: w,
                     block_size,
                     live,
                     in_flight: st.in_flight,
@@ -154,7 +160,7 @@ impl Shared {
         &self,
         model: &str,
         tokens: &[u32],
-        cands: &mut [Candidate],
+        cands: &mut [Candidate<'_>],
         now: Instant,
     ) -> Vec<(usize, Arc<[BlockKey]>)> {
         let hasher = KeyHasher::for_model(model);

@@ -412,20 +412,26 @@ impl KvIndex {
             set_bit(&mut cand, *w);
             slot_of[usize::from(*w)] = c as u32;
         }
-        let h0 = self.holders_within(keys[0], &cand);
-        if h0.iter().all(|b| *b == 0) {
+        // Every probe's holder set, `words` words each, in one buffer (a set is named by its offset):
+        // one allocation per decision instead of two per probe. Sets never change once made.
+        let words = cand.len();
+        let mut sets: Vec<u64> = Vec::with_capacity(words * 64);
+        sets.extend_from_slice(&cand);
+        let empty = sets.len();
+        sets.resize(empty + words, 0);
+        let h0 = self.holders_within(keys[0], 0, words, &mut sets);
+        if sets[h0..h0 + words].iter().all(|b| *b == 0) {
             return;
         }
-        let empty = vec![0u64; cand.len()];
         let mut stack = vec![(0usize, keys.len(), h0, empty)];
         while let Some((lo, hi, hlo, hhi)) = stack.pop() {
             // Workers in hlo but not in hhi end their run somewhere in (lo, hi].
-            if hlo == hhi {
+            if sets[hlo..hlo + words] == sets[hhi..hhi + words] {
                 continue;
             }
             if hi == lo + 1 {
-                for (wi, (a, b)) in hlo.iter().zip(hhi.iter()).enumerate() {
-                    let mut ended = a & !b;
+                for wi in 0..words {
+                    let mut ended = sets[hlo + wi] & !sets[hhi + wi];
                     while ended != 0 {
                         let w = wi * 64 + ended.trailing_zeros() as usize;
                         out[slot_of[w] as usize] = hi;
@@ -436,18 +442,28 @@ impl KvIndex {
             }
             let mid = lo + (hi - lo) / 2;
             // Enforce the prefix: a worker is in the run at mid only if it was at lo.
-            let mut hmid = self.holders_within(keys[mid], &hlo);
-            for (m, b) in hmid.iter_mut().zip(hhi.iter()) {
-                *m |= b;
+            let hmid = self.holders_within(keys[mid], hlo, words, &mut sets);
+            for wi in 0..words {
+                sets[hmid + wi] |= sets[hhi + wi];
             }
-            stack.push((lo, mid, hlo, hmid.clone()));
+            stack.push((lo, mid, hlo, hmid));
             stack.push((mid, hi, hmid, hhi));
         }
     }
 
-    /// The holders of `key` that are also in `within`.
-    fn holders_within(&self, key: BlockKey, within: &[u64]) -> WorkerBits {
-        let mut bits = vec![0u64; within.len()];
+    /// Appends to `sets` the holders of `key` that are also in the set at offset `within` (both
+    /// `words` words long); returns the new set's offset.
+    fn holders_within(
+        &self,
+        key: BlockKey,
+        within: usize,
+        words: usize,
+        sets: &mut Vec<u64>,
+    ) -> usize {
+        let at = sets.len();
+        sets.resize(at + words, 0);
+        let (before, bits) = sets.split_at_mut(at);
+        let within = &before[within..within + words];
         if let Some(h) = self.map.get(&key) {
             match h.spill_index() {
                 Some(s) => {
@@ -464,7 +480,7 @@ impl KvIndex {
                 }
             }
         }
-        bits
+        at
     }
 
     fn evict(&mut self) {

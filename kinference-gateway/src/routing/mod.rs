@@ -758,7 +758,7 @@ impl Router {
             prompt_tokens: Some(prompt_tokens),
             ticket: InFlight::new(
                 Arc::clone(shared),
-                Arc::clone(&chosen.worker),
+                Arc::clone(chosen.worker),
                 Some(position),
                 Some(est.work),
                 credit,

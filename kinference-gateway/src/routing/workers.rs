@@ -178,9 +178,14 @@ impl LedgerLog {
         {
             list.pop_front();
         }
-        // Callers stamp under the worker's lock, so entries arrive in order; keep them sorted anyway.
-        let i = list.partition_point(|t| *t <= at);
-        list.insert(i, at);
+        // Callers stamp under the worker's lock, so entries arrive in order: append without a search
+        // (this runs on every decision and every ticket release); keep the list sorted anyway.
+        if list.back().is_none_or(|last| *last <= at) {
+            list.push_back(at);
+        } else {
+            let i = list.partition_point(|t| *t <= at);
+            list.insert(i, at);
+        }
     }
 
     fn after(list: &VecDeque<Instant>, t: Instant) -> usize {
