@@ -1,4 +1,5 @@
-//! `vllm-sim`: one simulated vLLM worker (see `kinference_bench::sim`).
+//! `vllm-sim`: simulated vLLM workers (see `kinference_bench::sim`), one per `--port`: a fleet of a
+//! hundred workers on one machine runs as a dozen processes that each load the tokenizer once.
 #![forbid(unsafe_code)]
 
 use std::net::{IpAddr, SocketAddr};
@@ -8,7 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kinference_bench::sim::engine::Preset;
 use kinference_bench::sim::kv_events::{EventFormat, KvEventsConfig, ReplayFormat};
-use kinference_bench::sim::{SimConfig, start};
+use kinference_bench::sim::{SimConfig, start_many};
 use tokio_util::sync::CancellationToken;
 
 /// A vLLM 0.32 stand-in: OpenAI API, real tokenization, prefix cache with vLLM's block hashes,
@@ -19,9 +20,11 @@ struct Args {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
-    /// HTTP port (0: any free port, printed in the log).
-    #[arg(long, default_value_t = 8001)]
-    port: u16,
+    /// HTTP port (0: any free port, printed in the log). A comma list starts one worker per port in
+    /// this process; worker `i` (from 0) then takes the `i`-th value of every per-worker list below
+    /// and seed `--seed + i`.
+    #[arg(long, value_delimiter = ',', default_value = "8001")]
+    port: Vec<u16>,
     /// Served model name.
     #[arg(long, default_value = "qwen2-sim")]
     model: String,
@@ -53,15 +56,17 @@ struct Args {
     /// Seed of the generated tokens.
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// ZeroMQ PUB endpoint for KV events (binds if it contains `*` or `::` or is ipc://, else connects).
-    #[arg(long)]
-    kv_events_endpoint: Option<String>,
-    /// ZeroMQ ROUTER endpoint for replaying buffered KV event batches (always binds).
-    #[arg(long)]
-    kv_replay_endpoint: Option<String>,
-    /// Topic (first frame) of every KV event message.
-    #[arg(long, default_value = "")]
-    kv_topic: String,
+    /// ZeroMQ PUB endpoint for KV events (binds if it contains `*` or `::` or is ipc://, else connects);
+    /// with several ports, a comma list of one endpoint per port.
+    #[arg(long, value_delimiter = ',')]
+    kv_events_endpoint: Vec<String>,
+    /// ZeroMQ ROUTER endpoint for replaying buffered KV event batches (always binds); with several
+    /// ports, one per port.
+    #[arg(long, value_delimiter = ',')]
+    kv_replay_endpoint: Vec<String>,
+    /// Topic (first frame) of every KV event message; with several ports, one for all or one per port.
+    #[arg(long, value_delimiter = ',', default_value = "")]
+    kv_topic: Vec<String>,
     /// Event encoding: `map` (vLLM >= 0.24) or `array` (<= 0.23).
     #[arg(long, value_enum, default_value_t = EventFormat::Map)]
     kv_event_format: EventFormat,
@@ -91,41 +96,70 @@ struct Args {
 }
 
 impl Args {
-    fn into_config(self) -> SimConfig {
-        let kv_events = self
-            .kv_events_endpoint
-            .clone()
-            .map(|endpoint| KvEventsConfig {
-                endpoint,
-                replay_endpoint: self.kv_replay_endpoint.clone(),
-                topic: self.kv_topic.clone(),
-                format: self.kv_event_format,
-                replay_format: self.replay_format,
-                buffer_steps: self.kv_buffer_steps,
-                dp_rank: 0,
-            });
-        SimConfig {
-            listen: SocketAddr::new(self.host, self.port),
-            model: self.model,
-            tokenizer_dir: self.tokenizer_dir,
-            preset: self.preset,
-            time_scale: self.time_scale,
-            block_size: self.block_size,
-            num_blocks: self.num_blocks,
-            max_num_seqs: self.max_num_seqs,
-            max_model_len: self.max_model_len,
-            seed: self.seed,
-            prompt_tokens_details: !self.no_prompt_tokens_details,
-            auto_tool_choice: !self.no_auto_tool_choice,
-            lora_modules: self
-                .lora_modules
-                .iter()
-                .map(|m| m.split_once('=').map_or(m.as_str(), |(name, _)| name).to_string())
-                .collect(),
-            api_key: self.api_key,
-            responses_api: !self.no_responses_api,
-            kv_events,
+    /// One configuration per `--port`, or why the per-worker lists do not fit the ports.
+    fn into_configs(self) -> Result<Vec<SimConfig>, String> {
+        let n = self.port.len();
+        if n == 0 {
+            return Err("--port needs at least one port".into());
         }
+        // A list gives one value per worker; a single topic may be shared by all of them.
+        let per_worker = |flag: &str, len: usize, shared_ok: bool| -> Result<(), String> {
+            if len == 0 || len == n || (shared_ok && len == 1) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{flag} has {len} values for {n} ports (give one per port)"
+                ))
+            }
+        };
+        per_worker("--kv-events-endpoint", self.kv_events_endpoint.len(), false)?;
+        per_worker("--kv-replay-endpoint", self.kv_replay_endpoint.len(), false)?;
+        per_worker("--kv-topic", self.kv_topic.len(), true)?;
+        if !self.kv_replay_endpoint.is_empty() && self.kv_events_endpoint.is_empty() {
+            return Err("--kv-replay-endpoint needs --kv-events-endpoint".into());
+        }
+        let topic = |i: usize| {
+            self.kv_topic
+                .get(i)
+                .or(self.kv_topic.first())
+                .cloned()
+                .unwrap_or_default()
+        };
+        Ok((0..n)
+            .map(|i| SimConfig {
+                listen: SocketAddr::new(self.host, self.port[i]),
+                model: self.model.clone(),
+                tokenizer_dir: self.tokenizer_dir.clone(),
+                preset: self.preset,
+                time_scale: self.time_scale,
+                block_size: self.block_size,
+                num_blocks: self.num_blocks,
+                max_num_seqs: self.max_num_seqs,
+                max_model_len: self.max_model_len,
+                seed: self.seed.wrapping_add(i as u64),
+                prompt_tokens_details: !self.no_prompt_tokens_details,
+                auto_tool_choice: !self.no_auto_tool_choice,
+                lora_modules: self
+                    .lora_modules
+                    .iter()
+                    .map(|m| m.split_once('=').map_or(m.as_str(), |(name, _)| name).to_string())
+                    .collect(),
+                api_key: self.api_key.clone(),
+                responses_api: !self.no_responses_api,
+                kv_events: self
+                    .kv_events_endpoint
+                    .get(i)
+                    .map(|endpoint| KvEventsConfig {
+                        endpoint: endpoint.clone(),
+                        replay_endpoint: self.kv_replay_endpoint.get(i).cloned(),
+                        topic: topic(i),
+                        format: self.kv_event_format,
+                        replay_format: self.replay_format,
+                        buffer_steps: self.kv_buffer_steps,
+                        dp_rank: 0,
+                    }),
+            })
+            .collect())
     }
 }
 
@@ -160,34 +194,39 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
-    if args.kv_replay_endpoint.is_some() && args.kv_events_endpoint.is_none() {
-        tracing::error!("--kv-replay-endpoint needs --kv-events-endpoint");
-        return ExitCode::from(2);
-    }
-    let cfg = args.into_config();
+    let configs = match Args::parse().into_configs() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("{e}");
+            return ExitCode::from(2);
+        }
+    };
     let shutdown = CancellationToken::new();
-    let running = match start(cfg.clone(), shutdown.clone()).await {
+    let running = match start_many(configs.clone(), shutdown.clone()).await {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "vllm-sim failed to start");
             return ExitCode::FAILURE;
         }
     };
-    tracing::info!(
-        addr = %running.addr,
-        model = %cfg.model,
-        preset = ?cfg.preset,
-        time_scale = cfg.time_scale,
-        block_size = cfg.block_size,
-        num_blocks = cfg.num_blocks,
-        zmq = ?running.zmq_bound,
-        "vllm-sim listening on http://{}",
-        running.addr
-    );
+    for (cfg, running) in configs.iter().zip(&running) {
+        tracing::info!(
+            addr = %running.addr,
+            model = %cfg.model,
+            preset = ?cfg.preset,
+            time_scale = cfg.time_scale,
+            block_size = cfg.block_size,
+            num_blocks = cfg.num_blocks,
+            zmq = ?running.zmq_bound,
+            "vllm-sim listening on http://{}",
+            running.addr
+        );
+    }
     shutdown_signal().await;
     tracing::info!("shutting down");
     shutdown.cancel();
-    let _ = running.server.await;
+    for r in running {
+        let _ = r.server.await;
+    }
     ExitCode::SUCCESS
 }

@@ -85,6 +85,40 @@ pub struct Running {
 /// Loads the tokenizer, binds every socket, and starts the engine and the HTTP server; both stop when
 /// `shutdown` is cancelled.
 pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Running, SimError> {
+    let tokenizer = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
+    start_with_tokenizer(cfg, tokenizer, shutdown).await
+}
+
+/// Starts several workers in this process, one per configuration, sharing one loaded tokenizer per
+/// directory (a Qwen2 tokenizer takes tens of megabytes, so a fleet of a hundred workers on one machine
+/// loads it once per process, not once per worker). Each worker has its own engine, cache, sockets
+/// and metrics, exactly as if it ran alone.
+pub async fn start_many(
+    cfgs: Vec<SimConfig>,
+    shutdown: CancellationToken,
+) -> Result<Vec<Running>, SimError> {
+    let mut tokenizers: Vec<(PathBuf, Arc<ModelTokenizer>)> = Vec::new();
+    let mut running = Vec::with_capacity(cfgs.len());
+    for cfg in cfgs {
+        let tokenizer = match tokenizers.iter().find(|(dir, _)| *dir == cfg.tokenizer_dir) {
+            Some((_, t)) => Arc::clone(t),
+            None => {
+                let t = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
+                tokenizers.push((cfg.tokenizer_dir.clone(), Arc::clone(&t)));
+                t
+            }
+        };
+        running.push(start_with_tokenizer(cfg, tokenizer, shutdown.clone()).await?);
+    }
+    Ok(running)
+}
+
+/// [`start`] with a tokenizer already loaded from `cfg.tokenizer_dir`.
+async fn start_with_tokenizer(
+    cfg: SimConfig,
+    tokenizer: Arc<ModelTokenizer>,
+    shutdown: CancellationToken,
+) -> Result<Running, SimError> {
     if cfg.block_size == 0 || cfg.num_blocks < 2 || cfg.max_num_seqs == 0 {
         return Err(SimError::Config(
             "block size and max-num-seqs must be > 0 and num-blocks >= 2".into(),
@@ -93,7 +127,6 @@ pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Runnin
     if !(cfg.time_scale.is_finite() && cfg.time_scale >= 0.0) {
         return Err(SimError::Config("time scale must be >= 0".into()));
     }
-    let tokenizer = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
     let vocab = api::output_vocabulary(&tokenizer);
     let metrics = Arc::new(Metrics::new(cfg.model.clone()));
     let publisher = match cfg.kv_events.clone() {
