@@ -1,0 +1,473 @@
+//! A fleet of simulated GPU nodes on loopback: `workers_per_node` simulated vLLM workers per node, all
+//! of a node's workers in one `vllm-sim` process (one tokenizer load per node, not per worker), one
+//! real `kinference-agent` per node, and one gateway per routing mode. The `kinference` gateway watches
+//! every agent; the baselines route without them, so the agents' summary bytes are the one cache-aware
+//! gateway's stream.
+//!
+//! Ports come from the kernel; every child is killed when the [`Fleet`] is dropped (also on panic), and
+//! logs go to the fleet's work directory, as in [`crate::routing::cluster`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Method;
+use serde_json::json;
+
+use crate::routing::client::HttpClient;
+use crate::routing::cluster::{
+    CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, free_ports, metric_sum,
+};
+
+/// How to build the fleet.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// Directory holding `vllm-sim`, `kinference-agent` and `kinference-gateway`.
+    pub bin_dir: PathBuf,
+    /// Tokenizer directory for workers and gateways.
+    pub tokenizer_dir: PathBuf,
+    /// Simulated workers in all.
+    pub workers: usize,
+    /// Workers per simulated node (one agent and one `vllm-sim` process each).
+    pub workers_per_node: usize,
+    /// Simulator latency preset.
+    pub preset: String,
+    /// Simulator time scale (wall time = simulated time x scale).
+    pub time_scale: f64,
+    /// Extra `vllm-sim` arguments (e.g. `--num-blocks 512`).
+    pub worker_args: Vec<String>,
+    /// One gateway per routing mode (`kinference`, `random`, ...).
+    pub gateway_modes: Vec<String>,
+    /// Where config files and logs go.
+    pub work_dir: PathBuf,
+    /// How long a process may take to become ready.
+    pub ready_timeout: Duration,
+}
+
+impl FleetConfig {
+    /// Number of simulated nodes (agents).
+    pub fn nodes(&self) -> usize {
+        self.workers.div_ceil(self.workers_per_node.max(1))
+    }
+}
+
+/// One simulated node: its agent and its workers.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// The agent's gRPC endpoint (`127.0.0.1:PORT`).
+    pub agent_grpc: String,
+    /// The agent's `/metrics` URL.
+    pub agent_metrics_url: String,
+    /// The agent's process id.
+    pub agent_pid: u32,
+    /// The `vllm-sim` process id serving the node's workers.
+    pub sim_pid: u32,
+    /// The node's worker base URLs.
+    pub workers: Vec<String>,
+}
+
+/// A running fleet; dropping it stops every process.
+pub struct Fleet {
+    http: HttpClient,
+    nodes: Vec<Node>,
+    workers: Vec<String>,
+    gateways: BTreeMap<String, GatewayEndpoint>,
+    work_dir: PathBuf,
+    // Dropped last, after the fields above.
+    children: Vec<ChildGuard>,
+}
+
+impl Fleet {
+    /// Starts the agents and the node processes, waits until every agent and worker answers, then starts
+    /// the gateways and waits until they are ready (the `kinference` gateway also until it has a
+    /// stream from every agent).
+    pub async fn start(config: &FleetConfig, http: HttpClient) -> Result<Self, ClusterError> {
+        let bin = |name: &str| -> Result<PathBuf, ClusterError> {
+            let path = config.bin_dir.join(name);
+            if path.is_file() {
+                Ok(path)
+            } else {
+                Err(ClusterError::MissingBinary {
+                    name: name.to_string(),
+                    dir: config.bin_dir.display().to_string(),
+                })
+            }
+        };
+        let (sim_bin, agent_bin, gateway_bin) = (
+            bin("vllm-sim")?,
+            bin("kinference-agent")?,
+            bin("kinference-gateway")?,
+        );
+        if !config.tokenizer_dir.join("tokenizer.json").is_file() {
+            return Err(ClusterError::MissingTokenizer(
+                config.tokenizer_dir.display().to_string(),
+            ));
+        }
+        let tokenizer_dir = std::fs::canonicalize(&config.tokenizer_dir)
+            .map_err(io(format!("resolving {}", config.tokenizer_dir.display())))?;
+        std::fs::create_dir_all(&config.work_dir)
+            .map_err(io(format!("creating {}", config.work_dir.display())))?;
+
+        let mut fleet = Self {
+            http,
+            nodes: Vec::new(),
+            workers: Vec::new(),
+            gateways: BTreeMap::new(),
+            work_dir: config.work_dir.clone(),
+            children: Vec::new(),
+        };
+        let per_node = config.workers_per_node.max(1);
+        for node in 0..config.nodes() {
+            let count = per_node.min(config.workers - node * per_node);
+            fleet.start_node(config, node, count, &sim_bin, &agent_bin, &tokenizer_dir)?;
+        }
+
+        // Gateways start once every worker answers: one started beside its workers would eject them
+        // on its first failed probe and route around them until they came back.
+        let mut probes: Vec<String> = Vec::new();
+        for node in &fleet.nodes {
+            probes.push(node.agent_metrics_url.clone());
+            probes.extend(node.workers.iter().map(|w| format!("{w}/health")));
+        }
+        let deadline = Instant::now() + config.ready_timeout;
+        fleet
+            .wait_urls(&probes, deadline, config.ready_timeout)
+            .await?;
+
+        let agents: Vec<String> = fleet
+            .nodes
+            .iter()
+            .map(|n| format!("http://{}", n.agent_grpc))
+            .collect();
+        for mode in &config.gateway_modes {
+            let ports = free_ports(2)?;
+            let yaml = json!({
+                "models": [{"name": MODEL, "tokenizer_dir": tokenizer_dir.display().to_string()}],
+                "workers": fleet.workers.iter().map(|url| json!({"url": url, "model": MODEL})).collect::<Vec<_>>(),
+                "agents": if mode == "kinference" { agents.clone() } else { Vec::new() },
+                "routing": mode,
+            });
+            let path = config.work_dir.join(format!("gateway-{mode}.yaml"));
+            write_yaml(&path, &yaml)?;
+            let listen = format!("127.0.0.1:{}", ports[0]);
+            let admin = format!("127.0.0.1:{}", ports[1]);
+            let child = ChildGuard::spawn_group(
+                &format!("kinference-gateway ({mode})"),
+                &gateway_bin,
+                &[
+                    "--listen".into(),
+                    listen.clone(),
+                    "--admin-listen".into(),
+                    admin.clone(),
+                    "--config".into(),
+                    path.display().to_string(),
+                ],
+                &[],
+                config.work_dir.join(format!("gateway-{mode}.log")),
+            )?;
+            let pid = child.pid();
+            fleet.children.push(child);
+            fleet.gateways.insert(
+                mode.clone(),
+                GatewayEndpoint {
+                    mode: mode.clone(),
+                    url: format!("http://{listen}"),
+                    admin_url: format!("http://{admin}"),
+                    pid,
+                },
+            );
+        }
+        let probes: Vec<String> = fleet
+            .gateways
+            .values()
+            .map(|g| format!("{}/readyz", g.admin_url))
+            .collect();
+        fleet
+            .wait_urls(&probes, deadline, config.ready_timeout)
+            .await?;
+        fleet
+            .wait_agent_streams(deadline, config.ready_timeout)
+            .await?;
+        Ok(fleet)
+    }
+
+    /// Starts node `node`'s agent (which binds the SUB sockets its workers connect to) and then the
+    /// one `vllm-sim` process that serves its `count` workers.
+    fn start_node(
+        &mut self,
+        config: &FleetConfig,
+        node: usize,
+        count: usize,
+        sim_bin: &Path,
+        agent_bin: &Path,
+        tokenizer_dir: &Path,
+    ) -> Result<(), ClusterError> {
+        let ports = free_ports(3 * count + 2)?;
+        let (worker_ports, agent_ports) = ports.split_at(3 * count);
+        let first = node * config.workers_per_node.max(1);
+        let workers: Vec<WorkerPorts> = worker_ports
+            .chunks(3)
+            .enumerate()
+            .map(|(i, c)| WorkerPorts {
+                number: first + i + 1,
+                http: c[0],
+                kv_events: c[1],
+                kv_replay: c[2],
+            })
+            .collect();
+        let urls: Vec<String> = workers
+            .iter()
+            .map(|w| format!("http://127.0.0.1:{}", w.http))
+            .collect();
+        let agent_grpc = format!("127.0.0.1:{}", agent_ports[0]);
+        let agent_metrics = format!("127.0.0.1:{}", agent_ports[1]);
+
+        let agent_yaml = config.work_dir.join(format!("agent-node{node}.yaml"));
+        write_yaml(
+            &agent_yaml,
+            &json!({
+                "workers": workers.iter().map(|w| json!({
+                    "url": format!("http://127.0.0.1:{}", w.http),
+                    "model": MODEL,
+                    "kv_events_endpoint": format!("tcp://127.0.0.1:{}", w.kv_events),
+                    "kv_events_bind": true,
+                    "kv_replay_endpoint": format!("tcp://127.0.0.1:{}", w.kv_replay),
+                })).collect::<Vec<_>>()
+            }),
+        )?;
+        let agent = ChildGuard::spawn_group(
+            &format!("kinference-agent (node {node})"),
+            agent_bin,
+            &[
+                "--grpc-listen".into(),
+                agent_grpc.clone(),
+                "--metrics-listen".into(),
+                agent_metrics.clone(),
+                "--workers".into(),
+                agent_yaml.display().to_string(),
+                "--node".into(),
+                format!("sim-node-{node}"),
+            ],
+            &[],
+            config.work_dir.join(format!("agent-node{node}.log")),
+        )?;
+        let agent_pid = agent.pid();
+        self.children.push(agent);
+
+        let list = |f: &dyn Fn(&WorkerPorts) -> String| {
+            workers.iter().map(f).collect::<Vec<_>>().join(",")
+        };
+        let mut args: Vec<String> = vec![
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            list(&|w| w.http.to_string()),
+            "--model".into(),
+            MODEL.into(),
+            "--tokenizer-dir".into(),
+            tokenizer_dir.display().to_string(),
+            "--preset".into(),
+            config.preset.clone(),
+            "--time-scale".into(),
+            config.time_scale.to_string(),
+            "--seed".into(),
+            first.to_string(),
+            "--kv-events-endpoint".into(),
+            list(&|w| format!("tcp://127.0.0.1:{}", w.kv_events)),
+            "--kv-replay-endpoint".into(),
+            list(&|w| format!("tcp://127.0.0.1:{}", w.kv_replay)),
+            "--kv-topic".into(),
+            list(&|w| format!("kv@w{}@{MODEL}", w.number)),
+        ];
+        args.extend(config.worker_args.iter().cloned());
+        let sim = ChildGuard::spawn_group(
+            &format!("vllm-sim (node {node}, {count} workers)"),
+            sim_bin,
+            &args,
+            &[],
+            config.work_dir.join(format!("sim-node{node}.log")),
+        )?;
+        let sim_pid = sim.pid();
+        self.children.push(sim);
+        self.workers.extend(urls.iter().cloned());
+        self.nodes.push(Node {
+            agent_grpc,
+            agent_metrics_url: format!("http://{agent_metrics}/metrics"),
+            agent_pid,
+            sim_pid,
+            workers: urls,
+        });
+        Ok(())
+    }
+
+    async fn wait_urls(
+        &mut self,
+        urls: &[String],
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(), ClusterError> {
+        for url in urls {
+            while self.http.get_text(url).await.is_err() {
+                self.check_alive()?;
+                if Instant::now() > deadline {
+                    return Err(self.not_ready(url, timeout));
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// The cache-aware gateway routes on what the agents stream: waits for every stream.
+    async fn wait_agent_streams(
+        &mut self,
+        deadline: Instant,
+        timeout: Duration,
+    ) -> Result<(), ClusterError> {
+        let Some(g) = self.gateways.get("kinference") else {
+            return Ok(());
+        };
+        let url = format!("{}/metrics", g.admin_url);
+        loop {
+            let text = self.http.get_text(&url).await.unwrap_or_default();
+            if metric_sum(&text, "kinference_routing_agent_connected") as usize >= self.nodes.len()
+            {
+                return Ok(());
+            }
+            self.check_alive()?;
+            if Instant::now() > deadline {
+                return Err(self.not_ready(&url, timeout));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn not_ready(&self, url: &str, timeout: Duration) -> ClusterError {
+        ClusterError::NotReady {
+            name: "fleet".into(),
+            url: url.to_string(),
+            timeout,
+            log: format!("logs in {}", self.work_dir.display()),
+        }
+    }
+
+    /// Every worker's base URL, node by node.
+    pub fn workers(&self) -> &[String] {
+        &self.workers
+    }
+
+    /// The simulated nodes.
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// The gateway running `mode`.
+    pub fn gateway(&self, mode: &str) -> Option<&GatewayEndpoint> {
+        self.gateways.get(mode)
+    }
+
+    /// Where the logs and config files are.
+    pub fn work_dir(&self) -> &Path {
+        &self.work_dir
+    }
+
+    /// Whether every child is still running (the name and log of the first one that is not).
+    pub fn check_alive(&mut self) -> Result<(), ClusterError> {
+        for child in &mut self.children {
+            if let Some(exited) = child.exited() {
+                return Err(exited);
+            }
+        }
+        Ok(())
+    }
+
+    /// Empties every worker's prefix cache, as [`crate::routing::cluster::Cluster::reset_caches`]
+    /// does (retried while requests still run, then one tiny request per worker so the
+    /// `AllBlocksCleared` event goes out), and waits `settle` for the events to reach the gateway.
+    pub async fn reset_caches(&self, settle: Duration) -> Result<(), ClusterError> {
+        let resets = self.workers.iter().map(|w| self.reset_one(w));
+        for result in futures::future::join_all(resets).await {
+            result?;
+        }
+        tokio::time::sleep(settle).await;
+        Ok(())
+    }
+
+    async fn reset_one(&self, worker: &str) -> Result<(), ClusterError> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.http
+                .call(
+                    Method::POST,
+                    &format!("{worker}/reset_prefix_cache"),
+                    Bytes::new(),
+                )
+                .await?;
+            let state = self.http.get_text(&format!("{worker}/sim/state")).await?;
+            let empty = serde_json::from_str::<serde_json::Value>(&state)
+                .ok()
+                .and_then(|v| v["block_hashes"].as_array().map(Vec::is_empty))
+                .unwrap_or(true);
+            if empty {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(ClusterError::ResetRefused(worker.to_string()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let flush = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
+        self.http
+            .post_json(&format!("{worker}/v1/completions"), &flush)
+            .await?;
+        Ok(())
+    }
+
+    /// Prefix-cache counters summed over every worker.
+    pub async fn cache_counters(&self) -> Result<CacheCounters, ClusterError> {
+        let scrapes = self
+            .workers
+            .iter()
+            .map(|w| async move { self.http.get_text(&format!("{w}/metrics")).await });
+        let mut total = CacheCounters::default();
+        for text in futures::future::join_all(scrapes).await {
+            let text = text?;
+            total.hits += metric_sum(&text, "vllm:prefix_cache_hits_total");
+            total.queries += metric_sum(&text, "vllm:prefix_cache_queries_total");
+        }
+        Ok(total)
+    }
+
+    /// `name` summed over every agent's `/metrics`.
+    pub async fn agent_metric_sum(&self, name: &str) -> Result<f64, ClusterError> {
+        let mut total = 0.0;
+        for node in &self.nodes {
+            let text = self.http.get_text(&node.agent_metrics_url).await?;
+            total += metric_sum(&text, name);
+        }
+        Ok(total)
+    }
+}
+
+/// One worker's ports on its node.
+struct WorkerPorts {
+    /// Its number in the fleet, from 1 (its KV-event topic `kv@wN@MODEL`).
+    number: usize,
+    http: u16,
+    kv_events: u16,
+    kv_replay: u16,
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {
+    let what = what.into();
+    move |source| ClusterError::Io { what, source }
+}
+
+fn write_yaml(path: &Path, value: &serde_json::Value) -> Result<(), ClusterError> {
+    let text = serde_yaml::to_string(value).map_err(|source| ClusterError::Yaml {
+        path: path.display().to_string(),
+        source,
+    })?;
+    std::fs::write(path, text).map_err(io(format!("writing {}", path.display())))
+}
