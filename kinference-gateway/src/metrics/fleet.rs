@@ -418,14 +418,15 @@ impl Fleet {
         self.log_degraded(snapshot);
     }
 
-    /// Warns once for each worker signal that was not degraded at the last refresh and is now.
+    /// Warns once for each worker signal that was not degraded at the last refresh and is now (one
+    /// degraded from the first refresh, e.g. an agent that never connected, is in the start-up log).
     fn log_degraded(&self, snapshot: &Snapshot) {
         let mut last = self.last.lock();
         for w in &snapshot.workers {
             let before = last.get(&w.view.url);
             for (i, signal) in SIGNALS.iter().enumerate() {
                 let state = w.signals[i];
-                if state.degraded() && before.is_none_or(|b| !b[i].degraded()) {
+                if state.degraded() && before.is_some_and(|b| !b[i].degraded()) {
                     tracing::warn!(worker = %w.view.url, model = %w.view.model,
                         signal = signal.as_str(), state = state.as_str(),
                         "routing signal lost: estimating without it");
