@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use bytes::Bytes;
-use kinference_agent::kv_events::decode_batch;
 use kinference_agent::kv_events::encode::{EncodeOptions, EventFormat, encode_batch};
+use kinference_agent::kv_events::{ExtraKey, KvEvent, Lora, decode_batch};
 use kinference_agent::untrusted::{self, TARGETS, join_frames};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
@@ -38,6 +38,15 @@ fn the_seed_corpus_holds_real_valid_inputs() {
     };
     let batch = decode_batch(&read("kv_batch", "run2-10-map")).expect("a real vLLM batch decodes");
     assert_eq!(batch.events.len(), 3);
+    for name in ["run1-0-lora-map", "run1-0-lora-array"] {
+        let batch = decode_batch(&read("kv_batch", name)).expect("a LoRA batch decodes");
+        assert!(
+            matches!(&batch.events[0], KvEvent::BlockStored { lora: Some(Lora::Name(n)), extra_keys, .. }
+                if n == "sql-lora" && extra_keys.len() == 3),
+            "{name}: {:?}",
+            batch.events[0]
+        );
+    }
     let stream = read("zmtp_stream", "zeromq-pub-3-messages");
     let progress = kinference_agent::zmq_guard::Inspector::new(Default::default())
         .feed(&stream)
@@ -244,6 +253,30 @@ async fn write_seed_corpus() {
             &name,
             &encode_batch(&batch, EncodeOptions { format, bin_hashes }),
         );
+    }
+    // The first capture as a LoRA request sends it: the adapter's name, and per block the name as an
+    // extra key, the second block with a multimodal `(identifier, offset)` key too.
+    let mut batch = decode_batch(&by("run1", 0).4).expect("fixture decodes");
+    if let Some(KvEvent::BlockStored {
+        lora,
+        extra_keys,
+        block_hashes,
+        ..
+    }) = batch.events.first_mut()
+    {
+        let name = ExtraKey::Str("sql-lora".into());
+        *lora = Some(Lora::Name("sql-lora".into()));
+        *extra_keys = vec![vec![name]; block_hashes.len()];
+        let image = [&[0x92, 0xa8][..], b"img-7f3a", &[0x0c]].concat();
+        extra_keys[1].push(ExtraKey::Raw(image));
+    }
+    for format in [EventFormat::Map, EventFormat::Array] {
+        let name = format!("run1-0-lora-{}", format!("{format:?}").to_lowercase());
+        let options = EncodeOptions {
+            format,
+            bin_hashes: false,
+        };
+        write("kv_batch", &name, &encode_batch(&batch, options));
     }
 
     // zmtp_stream: a real zeromq PUB's bytes, cut short, and hostile variants.

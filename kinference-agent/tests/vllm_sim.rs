@@ -154,3 +154,103 @@ async fn agent_follows_the_simulators_cache_exactly() {
         0.0
     );
 }
+
+/// A request to a LoRA adapter (`vllm-sim --lora-modules`, as vLLM's): the simulator publishes its blocks
+/// with `lora_name` and the name as each block's extra key, and the agent keys them under the adapter's
+/// name, exactly as the gateway keys a prompt sent to the adapter, never as the base model's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_blocks_are_reported_under_the_adapters_name() {
+    let bin = sim_binary();
+    if !testkit::require(
+        bin.is_file(),
+        "vllm-sim",
+        format_args!(
+            "{} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
+            bin.display()
+        ),
+    ) {
+        return;
+    }
+    let tokenizer = testkit::tokenizer_dir();
+    let (events, replay) = (
+        format!("tcp://127.0.0.1:{}", free_port()),
+        format!("tcp://127.0.0.1:{}", free_port()),
+    );
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
+    let _sim = testkit::ChildGuard(
+        Command::new(&bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--model", MODEL, "--block-size", "16"])
+            .arg("--tokenizer-dir")
+            .arg(&tokenizer)
+            .args([
+                "--kv-events-endpoint",
+                &events,
+                "--kv-replay-endpoint",
+                &replay,
+            ])
+            .args(["--lora-modules", "sql-lora=/adapters/sql-lora"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("vllm-sim starts"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !try_http_get(&format!("{url}/health"))
+        .await
+        .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
+    {
+        assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut watch = Watch::connect(&agent.grpc).await;
+
+    let prompt = "Translate to SQL: every order over 100 euros. ".repeat(12);
+    let body = serde_json::json!({"model": "sql-lora", "prompt": prompt, "max_tokens": 4});
+    let resp = http_post(&format!("{url}/v1/completions"), &body.to_string()).await;
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    let tokens = json_body(
+        &http_post(
+            &format!("{url}/tokenize"),
+            &serde_json::json!({"model": "sql-lora", "prompt": prompt}).to_string(),
+        )
+        .await,
+    );
+    let tokens: Vec<u32> = tokens["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("id") as u32)
+        .collect();
+    let adapter_keys = KeyHasher::for_model("sql-lora").keys(None, &tokens, 16);
+    let base_keys = KeyHasher::for_model(MODEL).keys(None, &tokens, 16);
+    assert!(adapter_keys.len() >= 5);
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let view = watch.view.get(&url).cloned().unwrap_or_default();
+        if adapter_keys.iter().all(|k| view.contains(k)) {
+            assert!(
+                base_keys.iter().all(|k| !view.contains(k)),
+                "an adapter block reported as the base model's"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agent view {} keys, adapter keys held {}/{}",
+            view.len(),
+            adapter_keys.iter().filter(|k| view.contains(k)).count(),
+            adapter_keys.len()
+        );
+        watch.step(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        agent
+            .metric("kinference_agent_kv_decode_errors_total")
+            .await,
+        0.0
+    );
+}
