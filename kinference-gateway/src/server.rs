@@ -37,10 +37,8 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             return pipeline::passthrough::handle(&gw, route, req).await;
         }
         (&Method::GET, "/v1/models") => {
-            return json_response(
-                StatusCode::OK,
-                openai::models_response(&gw.models).to_string(),
-            );
+            let cards = pipeline::models::cards(&gw);
+            return json_response(StatusCode::OK, openai::models_response(&cards).to_string());
         }
         (method, path) => {
             let protocol = protocol_of(path);

@@ -349,19 +349,62 @@ fn validate_model(model: &str) -> Result<(), GatewayError> {
     Ok(())
 }
 
-/// The `GET /v1/models` response for a list of model names.
-pub fn models_response(models: &[String]) -> Value {
-    let data: Vec<Value> = models
+/// What a `/v1/models` entry names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelKind {
+    /// A served model name (what workers serve).
+    Model,
+    /// Another name of a served model (`root` is the served name).
+    Alias,
+    /// A model class: a request for it is served by any member.
+    Class,
+}
+
+impl ModelKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            ModelKind::Model => "model",
+            ModelKind::Alias => "alias",
+            ModelKind::Class => "class",
+        }
+    }
+}
+
+/// One entry of `GET /v1/models`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelCard {
+    /// The name clients put in `model`.
+    pub id: String,
+    /// Who serves it: `kinference` for the gateway's workers, a provider's name for a class only
+    /// providers serve.
+    pub owned_by: String,
+    /// What the name is.
+    pub kind: ModelKind,
+    /// The served model behind an alias (a model is its own root; a class has none).
+    pub root: Option<String>,
+    /// A class's members (served names, `provider/<name>` for providers' models).
+    pub members: Vec<String>,
+}
+
+/// The `GET /v1/models` response: OpenAI's list, each entry with `owned_by`, `root` and `parent`
+/// as vLLM writes them, plus `kind` (and a class's `members`).
+pub fn models_response(cards: &[ModelCard]) -> Value {
+    let data: Vec<Value> = cards
         .iter()
-        .map(|m| {
-            serde_json::json!({
-                "id": m,
+        .map(|c| {
+            let mut v = serde_json::json!({
+                "id": c.id,
                 "object": "model",
                 "created": 0,
-                "owned_by": "kinference",
-                "root": m,
-                "parent": null,
-            })
+                "owned_by": c.owned_by,
+                "root": c.root,
+                "parent": if c.kind == ModelKind::Alias { c.root.clone() } else { None },
+                "kind": c.kind.as_str(),
+            });
+            if c.kind == ModelKind::Class {
+                v["members"] = serde_json::json!(c.members);
+            }
+            v
         })
         .collect();
     serde_json::json!({"object": "list", "data": data})

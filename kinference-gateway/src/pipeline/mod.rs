@@ -16,6 +16,7 @@
 pub mod exchange;
 pub mod forward;
 pub mod govern;
+pub mod models;
 pub mod passthrough;
 pub mod settle;
 

@@ -211,3 +211,42 @@ def test_workers_started_with_an_api_key(tmp_path):
         assert "KINFERENCE_TEST_UNSET_WORKER_KEY" in process.log.read_text()
     finally:
         c.close()
+
+
+def test_models_list_served_models_aliases_and_classes(tmp_path):
+    from policy_cluster import pool_yaml, start_gateway, start_sim, write_dir
+    c = Cluster(tmp_path)
+    try:
+        worker = start_sim(c)
+        policies = tmp_path / "policies"
+        write_dir(policies, {
+            "model.yaml": f"""apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {{name: {MODEL}}}
+spec:
+  servedName: {MODEL}
+  aliases: [house-model]
+  classes: [general]
+""",
+            "pool.yaml": pool_yaml("local", [worker]),
+        })
+        gw = start_gateway(c, policies)
+        models = {m.id: m for m in client(gw).models.list()}
+        assert models[MODEL].owned_by == "kinference"
+        alias = models["house-model"]
+        assert alias.owned_by == "kinference" and alias.root == MODEL and alias.parent == MODEL
+        general = models["general"]
+        assert general.kind == "class" and general.members == [MODEL]
+        # The alias and the class are names a client can use.
+        for name in ("house-model", "general"):
+            chat = client(gw).chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2)
+            assert chat.choices[0].message.content
+    finally:
+        c.close()
+
+
+def test_models_list_without_policies(surface):
+    models = list(client(surface).models.list())
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].owned_by == "kinference" and models[0].root == MODEL

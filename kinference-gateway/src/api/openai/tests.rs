@@ -94,10 +94,26 @@ fn upstream_error_messages_in_both_vllm_shapes() {
 
 #[test]
 fn models_list_shape() {
-    let v = models_response(&["a".to_string()]);
+    let card = |id: &str, kind, root: Option<&str>| ModelCard {
+        id: id.into(),
+        owned_by: "kinference".into(),
+        kind,
+        root: root.map(str::to_string),
+        members: vec!["a".into()],
+    };
+    let v = models_response(&[
+        card("a", ModelKind::Model, Some("a")),
+        card("fast", ModelKind::Alias, Some("a")),
+        card("small", ModelKind::Class, None),
+    ]);
     assert_eq!(v["object"], "list");
     assert_eq!(v["data"][0]["id"], "a");
     assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["parent"], Value::Null);
+    assert_eq!(v["data"][1]["parent"], "a");
+    assert_eq!(v["data"][1]["kind"], "alias");
+    assert_eq!(v["data"][2]["members"], json!(["a"]));
+    assert_eq!(v["data"][2]["owned_by"], "kinference");
 }
 
 #[test]
