@@ -8,14 +8,17 @@
 //! The handler runs the HTTP pipeline's own stages up to the plan ([`crate::pipeline`]): the body is
 //! parsed with the gateway's types, the API key authenticated (401), the tenant's budget and token
 //! limits admitted (429), the policies evaluated (a refusal, or local pools only: personal data never
-//! gets a provider as target). It then picks a worker with the same [`Router`] and answers the last
+//! gets a provider as target). Like an HTTP request it first takes a slot of the gateway's in-flight
+//! gate (the same [`Admitter`], by the tenant's priority; past the limit a bounded queue, then 503
+//! in the client's protocol with `Retry-After`), held until the response ends. It then picks a worker with the same [`Router`] and answers the last
 //! body chunk with the header `x-gateway-destination-endpoint: ip:port` (route cache cleared) and the
 //! dynamic metadata `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination
 //! cluster reads. Envoy forwards to workers only: a plan's providers are passed over, and so are pools
 //! serving another model name than the one in the body (Envoy forwards the body unchanged). Refusals
 //! are local replies with a JSON error body in the client's protocol: 400 malformed body, 401 no or a
 //! wrong API key, 403 refused by a policy, 404 unknown model, 413 body too large, 429 tenant limits or
-//! shed (every worker of the model at the in-flight limit), 503 no ready worker.
+//! shed (every worker of the model at the in-flight limit), 503 overloaded (the gateway's in-flight
+//! gate) or no ready worker.
 //!
 //! The decision's [`InFlight`](crate::routing::InFlight) ticket and the tenant's admission live as long
 //! as the stream. With
@@ -45,6 +48,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
+use crate::overload::Admitter;
+use crate::overload::gate::Slot;
 use crate::pipeline::exchange::{self, Request as Parsed};
 use crate::pipeline::govern::{self, PlanInput};
 use crate::policy::stage::{PlanTarget, PolicyStage};
@@ -163,16 +168,28 @@ impl Refusal {
         }
     }
 
-    /// The ext_proc local reply.
+    /// The ext_proc local reply (with `Retry-After` when the gateway is overloaded).
     pub fn reply(&self, protocol: Protocol) -> ProcessingResponse {
         let details = match self {
             Refusal::Gateway(e) => e.kind(),
             Refusal::Shed { .. } => "shed",
         };
+        let retry_after = match self {
+            Refusal::Gateway(GatewayError::Overloaded { retry_after_s, .. }) => {
+                Some(retry_after_s.to_string())
+            }
+            _ => None,
+        };
+        let headers: Vec<(&str, &str)> = retry_after
+            .as_deref()
+            .map(|s| ("retry-after", s))
+            .into_iter()
+            .collect();
         reply::immediate(
             self.status(),
             &self.body(protocol),
             &format!("kinference_{details}"),
+            &headers,
         )
     }
 }
@@ -186,6 +203,8 @@ pub struct Routed {
     pub endpoint: String,
     /// The tenant's admission (settled when the response ends).
     pub admission: Option<Admission>,
+    /// The request's place under the gateway's in-flight limit (given back when dropped).
+    pub slot: Option<Slot>,
 }
 
 /// What a request through ext_proc tells about itself besides its body.
@@ -217,6 +236,8 @@ pub struct Handler {
     router: Arc<Router>,
     tenancy: Option<Arc<Tenancy>>,
     policy: Option<Arc<PolicyStage>>,
+    /// The gateway's in-flight gate (none: no limit).
+    overload: Option<Admitter>,
     settings: Settings,
 }
 
@@ -227,6 +248,7 @@ impl Handler {
             router,
             tenancy: None,
             policy: None,
+            overload: None,
             settings,
         }
     }
@@ -237,6 +259,7 @@ impl Handler {
             router: Arc::clone(&gw.router),
             tenancy: Some(Arc::clone(&gw.tenancy)),
             policy: gw.policy.clone(),
+            overload: Some(gw.overload.admitter()),
             settings,
         }
     }
@@ -252,12 +275,28 @@ impl Handler {
         self
     }
 
+    /// Admitting through `overload` (the gateway's in-flight gate, shared with the HTTP path).
+    pub fn with_overload(mut self, overload: Admitter) -> Self {
+        self.overload = Some(overload);
+        self
+    }
+
     /// The HTTP pipeline's stages up to the plan (parse, authenticate, admit, plan), then the
     /// router's pick: the same decision the HTTP gateway makes for this request.
     pub async fn decide(&self, head: &Head, body: bytes::Bytes) -> Result<Routed, Refusal> {
         // As over HTTP: the caller before the body, so an unknown one learns nothing about it.
         let caller = match &self.tenancy {
             Some(t) => Some(t.authenticate(&head.headers).map_err(Refusal::Gateway)?),
+            None => None,
+        };
+        // Then the in-flight gate, as over HTTP: past the limit, shed before any work is spent.
+        let slot = match &self.overload {
+            Some(gate) => {
+                let priority = caller.as_ref().map(|c| c.priority()).unwrap_or_default();
+                gate.admit(priority)
+                    .await
+                    .map_err(|refused| Refusal::Gateway(refused.into()))?
+            }
             None => None,
         };
         let api = body::detect(head.api, &body).map_err(Refusal::Gateway)?;
@@ -295,6 +334,7 @@ impl Handler {
             decision,
             endpoint,
             admission,
+            slot,
         })
     }
 

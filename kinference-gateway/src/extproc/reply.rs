@@ -133,16 +133,24 @@ pub fn response_trailers_continue() -> ProcessingResponse {
     }
 }
 
-/// A local reply Envoy sends to the client instead of forwarding: `status` with a JSON body.
-/// `details` shows up in Envoy's access log (`%RESPONSE_CODE_DETAILS%`).
-pub fn immediate(status: u16, body: &serde_json::Value, details: &str) -> ProcessingResponse {
+/// A local reply Envoy sends to the client instead of forwarding: `status` with a JSON body and
+/// `headers` besides its content type. `details` shows up in Envoy's access log
+/// (`%RESPONSE_CODE_DETAILS%`).
+pub fn immediate(
+    status: u16,
+    body: &serde_json::Value,
+    details: &str,
+    headers: &[(&str, &str)],
+) -> ProcessingResponse {
+    let mut set_headers = vec![set_header("content-type", "application/json")];
+    set_headers.extend(headers.iter().map(|(k, v)| set_header(k, v)));
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
                 code: i32::from(status),
             }),
             headers: Some(HeaderMutation {
-                set_headers: vec![set_header("content-type", "application/json")],
+                set_headers,
                 remove_headers: Vec::new(),
             }),
             body: body.to_string().into_bytes(),

@@ -19,6 +19,7 @@ use super::body::Api;
 use super::{Handler, Head, Refusal, reply};
 use crate::api::openai::{Usage, UsageOnly};
 use crate::errors::{GatewayError, Protocol};
+use crate::overload::gate::Slot;
 use crate::routing::InFlight;
 use crate::tenancy::Admission;
 
@@ -37,6 +38,9 @@ pub struct Session {
     ticket: Option<InFlight>,
     /// The tenant's admission, settled when the response ends (or as abandoned with the stream).
     admission: Option<Admission>,
+    /// The place under the gateway's in-flight limit, given back when the response ends (or the
+    /// stream does).
+    slot: Option<Slot>,
     response_status: u16,
     /// A refusal was sent: Envoy ignores everything after it.
     done: bool,
@@ -124,6 +128,7 @@ impl Session {
                     endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
                 self.ticket = Some(routed.decision.ticket);
                 self.admission = routed.admission;
+                self.slot = routed.slot;
                 answer
             }
             Err(refusal) => {
@@ -165,6 +170,7 @@ impl Session {
     /// The response ended: release the ledger entry and settle the tenant with what the worker
     /// reported.
     fn finish(&mut self, usage: Option<Usage>) {
+        self.slot = None;
         if let Some(admission) = self.admission.take() {
             let status = if self.response_status == 0 {
                 200

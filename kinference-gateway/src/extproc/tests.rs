@@ -133,3 +133,73 @@ fn usage_is_found_in_json_and_sse_tails() {
     assert_eq!((u.completion_tokens, u.cached_tokens()), (7, Some(8)));
     assert_eq!(usage_in(b"data: [DONE]\n\n"), None);
 }
+
+#[tokio::test]
+async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
+    use crate::overload::{Overload, OverloadSettings};
+    use crate::routing::{RoutingConfig, RoutingMode, WorkerConfig};
+    use kinference_crds::TenantPriority;
+
+    let settings = OverloadSettings {
+        max_in_flight: 1,
+        overload_queue: 4,
+        overload_queue_timeout_ms: 50,
+        ..OverloadSettings::default()
+    };
+    let overload = Overload::new(
+        settings,
+        &mut prometheus_client::registry::Registry::default(),
+    );
+    let router = Router::new(RoutingConfig {
+        workers: vec![WorkerConfig {
+            url: "http://127.0.0.1:9".into(),
+            model: "m".into(),
+        }],
+        models: vec![],
+        agents: vec![],
+        mode: RoutingMode::LeastOutstanding,
+    })
+    .expect("router");
+    let handler =
+        Handler::new(Arc::new(router), Settings::default()).with_overload(overload.admitter());
+    let head = Head {
+        api: Some(Api::Messages),
+        ..Head::default()
+    };
+    let body = bytes::Bytes::from_static(
+        br#"{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#,
+    );
+
+    // An HTTP request holds the only slot: the ext_proc request waits its queue time, then is shed
+    // with the overload error of its protocol and Retry-After.
+    let http = overload.admit(TenantPriority::High).await.expect("slot");
+    let refusal = handler
+        .decide(&head, body.clone())
+        .await
+        .expect_err("past the in-flight limit");
+    assert_eq!(refusal.status(), 503, "{refusal}");
+    assert_eq!(
+        refusal.body(Protocol::Anthropic)["error"]["type"],
+        "overloaded_error"
+    );
+    let Some(Response::ImmediateResponse(ir)) = refusal.reply(Protocol::Anthropic).response else {
+        panic!("immediate response expected")
+    };
+    let headers = ir.headers.expect("headers").set_headers;
+    let retry_after = headers
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == "retry-after")
+        .expect("Retry-After");
+    assert_eq!(retry_after.raw_value, b"1");
+
+    // The slot given back: the ext_proc request is routed and holds the slot itself, so now an
+    // HTTP request is the one shed, until the routed request ends.
+    drop(http);
+    let routed = handler.decide(&head, body).await.expect("routed");
+    assert_eq!(overload.in_flight(), 1);
+    assert!(overload.admit(TenantPriority::Medium).await.is_err());
+    drop(routed);
+    assert_eq!(overload.in_flight(), 0);
+    assert!(overload.admit(TenantPriority::Medium).await.is_ok());
+}

@@ -5,7 +5,8 @@
 //!   the admin port has its own, smaller limit so `/metrics` and the probes keep answering;
 //! - requests in flight ([`gate::Gate`]): past a tenant priority's ceiling a request waits briefly
 //!   in a bounded queue, then is shed with 503 in the client's protocol and `Retry-After`, before
-//!   its body is read;
+//!   its body is read; both front doors, HTTP and ext_proc, admit through the same gate
+//!   ([`Admitter`]), so a request through Envoy holds a slot like any other;
 //! - a client that stops reading its answer ([`io::StallGuard`]): its connection is cut after the
 //!   write deadline, which drops the upstream request (the worker frees its slot).
 //!
@@ -125,13 +126,20 @@ struct PortLabels {
 /// Everything of overload protection the servers and the pipeline share.
 #[derive(Debug)]
 pub struct Overload {
-    settings: OverloadSettings,
-    gate: Option<Arc<Gate>>,
+    admitter: Admitter,
     /// The API port's connections.
     pub api: ConnectionLimit,
     /// The admin port's connections.
     pub admin: ConnectionLimit,
+}
+
+/// The in-flight gate and its shed counter: what a front door admits requests through. Clones
+/// share the gate, so the HTTP pipeline and the ext_proc handler count against one limit.
+#[derive(Debug, Clone)]
+pub struct Admitter {
+    gate: Option<Arc<Gate>>,
     shed: Family<ShedLabels, Counter>,
+    retry_after_s: u64,
 }
 
 impl Overload {
@@ -174,12 +182,46 @@ impl Overload {
         Overload {
             api: ConnectionLimit::new(settings.max_connections, api_open),
             admin: ConnectionLimit::new(settings.admin_max_connections, admin_open),
-            settings,
-            gate,
-            shed,
+            admitter: Admitter {
+                gate,
+                shed,
+                retry_after_s: settings.overload_retry_after_seconds,
+            },
         }
     }
 
+    /// An in-flight slot for a request of `priority` (`None`: no in-flight limit), or the refusal.
+    pub async fn admit(&self, priority: TenantPriority) -> Result<Option<Slot>, Refused> {
+        self.admitter.admit(priority).await
+    }
+
+    /// The in-flight gate, for another front door (ext_proc) to admit through.
+    pub fn admitter(&self) -> Admitter {
+        self.admitter.clone()
+    }
+
+    /// A connection refused because its port is full (counted).
+    pub fn connection_refused(&self) -> Refused {
+        self.admitter
+            .shed
+            .get_or_create(&ShedLabels {
+                reason: "connections",
+                priority: "none",
+            })
+            .inc();
+        Refused {
+            reason: "connections",
+            retry_after_s: self.admitter.retry_after_s,
+        }
+    }
+
+    /// Requests holding an in-flight slot now (0 without a limit).
+    pub fn in_flight(&self) -> usize {
+        self.admitter.in_flight()
+    }
+}
+
+impl Admitter {
     /// An in-flight slot for a request of `priority` (`None`: no in-flight limit), or the refusal.
     pub async fn admit(&self, priority: TenantPriority) -> Result<Option<Slot>, Refused> {
         let Some(gate) = &self.gate else {
@@ -189,6 +231,11 @@ impl Overload {
             Ok(slot) => Ok(Some(slot)),
             Err(shed) => Err(self.refuse(shed, priority)),
         }
+    }
+
+    /// Requests holding an in-flight slot now (0 without a limit).
+    pub fn in_flight(&self) -> usize {
+        self.gate.as_ref().map_or(0, |g| g.in_flight())
     }
 
     fn refuse(&self, shed: Shed, priority: TenantPriority) -> Refused {
@@ -205,27 +252,8 @@ impl Overload {
         );
         Refused {
             reason: shed.as_str(),
-            retry_after_s: self.settings.overload_retry_after_seconds,
+            retry_after_s: self.retry_after_s,
         }
-    }
-
-    /// A connection refused because its port is full (counted).
-    pub fn connection_refused(&self) -> Refused {
-        self.shed
-            .get_or_create(&ShedLabels {
-                reason: "connections",
-                priority: "none",
-            })
-            .inc();
-        Refused {
-            reason: "connections",
-            retry_after_s: self.settings.overload_retry_after_seconds,
-        }
-    }
-
-    /// Requests holding an in-flight slot now (0 without a limit).
-    pub fn in_flight(&self) -> usize {
-        self.gate.as_ref().map_or(0, |g| g.in_flight())
     }
 }
 
