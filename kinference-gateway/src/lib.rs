@@ -23,6 +23,7 @@ pub mod pipeline;
 pub mod policy;
 pub mod routing;
 pub mod server;
+pub mod telemetry;
 pub mod tenancy;
 pub mod untrusted;
 pub mod yaml;

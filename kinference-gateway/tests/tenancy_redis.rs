@@ -64,6 +64,7 @@ fn start_redis() -> Option<RedisServer> {
 fn record(id: &str) -> UsageRecord {
     UsageRecord {
         id: id.into(),
+        request_id: String::new(),
         ts_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

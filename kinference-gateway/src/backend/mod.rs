@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http::Response;
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
+use tracing::Instrument as _;
 
 use crate::errors::GatewayError;
 use provider::{ProviderClient, ProviderError, ProviderRequest};
@@ -78,8 +79,29 @@ pub enum SendError {
 }
 
 /// Sends `request` to `target` and waits for the response headers. Workers' non-2xx answers come
-/// back as responses (the pipeline reads their message); providers' as [`SendError::Failed`].
+/// back as responses (the pipeline reads their message); providers' as [`SendError::Failed`]. The
+/// wait is the `upstream` span (time to first byte); the backend's `traceparent` names it.
 pub async fn send(
+    upstream: &Upstream,
+    target: Target<'_>,
+    request: Outgoing<'_>,
+) -> Result<Response<Incoming>, SendError> {
+    let span = tracing::debug_span!(
+        "upstream",
+        otel.kind = "client",
+        backend = %target.label(),
+        status = tracing::field::Empty,
+    );
+    let sent = send_now(upstream, target, request)
+        .instrument(span.clone())
+        .await;
+    if let Ok(response) = &sent {
+        span.record("status", response.status().as_u16());
+    }
+    sent
+}
+
+async fn send_now(
     upstream: &Upstream,
     target: Target<'_>,
     request: Outgoing<'_>,

@@ -22,6 +22,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
 
+use tracing::Instrument as _;
 use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
 use crate::backend::provider::translate::{self, AnthropicStream};
@@ -110,13 +111,20 @@ pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>)
     }
 }
 
-/// A streamed answer as a response body, relayed event by event; `meter` hears it pass.
+/// A streamed answer as a response body, relayed event by event; `meter` hears it pass. The relay
+/// runs in the `stream` span (a child of the current one), which notes the first token's time.
 pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
     let mut relay = Relay {
         body,
         parser: SseParser::new(),
         from_anthropic: match spec.style {
             ApiStyle::OpenAI => None,
+    let span = tracing::debug_span!(
+        "stream",
+        backend = %spec.label,
+        first_token_ms = tracing::field::Empty,
+        status = tracing::field::Empty,
+    );
             ApiStyle::Anthropic => Some(AnthropicStream::new()),
         },
         to_anthropic: match &spec.shape {
@@ -143,9 +151,13 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
         (&mut relay.to_anthropic, &relay.spec.shape)
     {
         t.start(&mut relay.out, *input_tokens);
+        span,
+        started: std::time::Instant::now(),
+        first_token: false,
     }
     let stream = futures::stream::unfold(relay, |mut relay| async move {
-        let chunk = relay.next_chunk().await?;
+        let span = relay.span.clone();
+        let chunk = relay.next_chunk().instrument(span).await?;
         Some((Ok::<_, Infallible>(Frame::data(chunk)), relay))
     });
     StreamBody::new(stream).boxed_unsync()
@@ -174,6 +186,10 @@ struct Relay<M: Meter> {
 impl<M: Meter> Relay<M> {
     /// The next bytes for the client, or `None` when the stream is over.
     async fn next_chunk(&mut self) -> Option<Bytes> {
+    /// The `stream` span (disabled unless traces are exported).
+    span: tracing::Span,
+    started: std::time::Instant,
+    first_token: bool,
         loop {
             if !self.out.is_empty() {
                 return Some(self.out.split().freeze());
@@ -267,6 +283,10 @@ impl<M: Meter> Relay<M> {
     /// for the end of the backend's body.
     fn complete(&mut self) {
         self.done = true;
+            if !std::mem::replace(&mut self.first_token, true) {
+                self.span
+                    .record("first_token_ms", self.started.elapsed().as_millis() as u64);
+            }
         if self.to_anthropic.is_none() {
             self.out.extend_from_slice(b"data: [DONE]\n\n");
         }
@@ -318,11 +338,12 @@ pub(crate) async fn next_frame(
             what: "the stream stalled past the idle timeout",
         }),
         Ok(None) => Ok(None),
+        self.span.record("status", status);
         Ok(Some(Err(e))) => Err(GatewayError::BadUpstream {
             worker: backend.to_string(),
             detail: format!("the stream broke: {}", error_chain(&e)),
         }),
-        Ok(Some(Ok(frame))) => Ok(Some(frame)),
+        Some(Ok(frame)) => Ok(Some(frame)),
     }
 }
 

@@ -79,7 +79,8 @@ impl Upstream {
         self.idle_timeout
     }
 
-    /// POSTs a JSON body to `worker` + `path` and waits for the response headers.
+    /// POSTs a JSON body to `worker` + `path` and waits for the response headers. Inside a request
+    /// the worker gets its `x-request-id` and `traceparent` ([`crate::telemetry::current_headers`]).
     pub async fn post_json(
         &self,
         worker: &str,
@@ -99,6 +100,9 @@ impl Upstream {
                 worker: worker.to_string(),
                 detail: format!("building the request: {e}"),
             })?;
+        request
+            .headers_mut()
+            .extend(crate::telemetry::current_headers());
         request.headers_mut().extend(self.headers.clone());
         match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
             Err(_) => Err(GatewayError::UpstreamTimeout {

@@ -12,6 +12,10 @@
 //!
 //! Errors from any stage surface as one [`GatewayError`] that [`handle`] maps to the client's
 //! protocol.
+//!
+//! Every request has an id ([`crate::telemetry::RequestId`], echoed in `x-request-id`) and a root
+//! span carrying it, so each log line of the request names it; the stages run in their own `debug`
+//! spans, which exist only when traces are exported ([`crate::telemetry`]).
 
 pub mod exchange;
 pub mod forward;
@@ -24,11 +28,13 @@ use std::sync::Arc;
 
 use http::{Request as HttpRequest, Response};
 use hyper::body::Incoming;
+use tracing::Instrument as _;
 
 use crate::access::Peer;
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
+use crate::telemetry::{REQUEST_ID_HEADER, RequestContext};
 use exchange::Exchange;
 use govern::PlanInput;
 
@@ -52,6 +58,15 @@ impl Endpoint {
         }
     }
 
+    /// The client's path of the endpoint.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Messages => "/v1/messages",
+        }
+    }
+
     /// The worker's endpoint the request goes to.
     pub fn upstream_path(self) -> &'static str {
         match self {
@@ -61,7 +76,7 @@ impl Endpoint {
     }
 }
 
-/// Serves one inference request.
+/// Serves one inference request, in its span, its id echoed in `x-request-id`.
 pub async fn handle(
     gw: Arc<Gateway>,
     endpoint: Endpoint,
@@ -70,11 +85,24 @@ pub async fn handle(
     let admin = gw
         .access
         .serving_port_admin(req.headers(), req.extensions().get::<Peer>());
+    let context = RequestContext::from_headers(req.headers());
+    let id = context.id.clone();
+    let span = context.span(req.method(), endpoint.path());
     let mut ex = Exchange::new(endpoint, req.headers(), admin, &gw.metrics);
-    match run(&gw, &mut ex, req).await {
-        Ok(response) => response,
-        Err(error) => ex.refuse(error),
+    if let Some(s) = ex.settlement() {
+        s.request(id.clone(), endpoint.path(), span.clone());
     }
+    let served = async {
+        match run(&gw, &mut ex, req).await {
+            Ok(response) => response,
+            Err(error) => ex.refuse(error),
+        }
+    };
+    let mut response = context.scope(served.instrument(span)).await;
+    response
+        .headers_mut()
+        .insert(REQUEST_ID_HEADER, id.header_value());
+    response
 }
 
 /// The stages in order; the first error ends the request.
@@ -84,7 +112,8 @@ async fn run(
     req: HttpRequest<Incoming>,
 ) -> Result<Response<Body>, GatewayError> {
     // Before the body is read: an unknown caller costs the gateway nothing.
-    let caller = gw.tenancy.authenticate(req.headers())?;
+    let caller =
+        tracing::debug_span!("authenticate").in_scope(|| gw.tenancy.authenticate(req.headers()))?;
     // Still before the body: past the in-flight limit a request is shed before it costs memory.
     if let Some(slot) = gw.overload.admit(caller.priority()).await?
         && let Some(s) = ex.settlement()
@@ -105,7 +134,9 @@ async fn run(
     gw.router
         .tokenize_locally(request.model(), request.prompt(), &ex.tokens)
         .await;
-    let admission = govern::admit(&gw.tenancy, &caller, &request, &ex.tokens, ex.protocol).await?;
+    let admission = govern::admit(&gw.tenancy, &caller, &request, &ex.tokens, ex.protocol)
+        .instrument(tracing::debug_span!("admission", tenant = caller.name()))
+        .await?;
     let local_only = admission.local_only();
     if let Some(s) = ex.settlement() {
         s.admitted(admission);
@@ -130,6 +161,7 @@ async fn run(
                 input,
                 &mut explain,
             )
+            .instrument(tracing::debug_span!("policy"))
             .await;
             ex.explain = explain;
             forward::planned(gw, ex, &request, &planned?).await?

@@ -6,6 +6,9 @@
 //!
 //! Worker and provider answers are settled the same way; a provider answer is billed at the
 //! provider's price and counted against the tenant's limits and budget.
+//!
+//! The settlement writes the request's access line (target `kinference_gateway::access_log`):
+//! method, path, status, tenant, model, backend, tokens, duration and request id, once per request.
 
 use std::time::Instant;
 
@@ -16,6 +19,7 @@ use crate::errors::Protocol;
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
+use crate::telemetry::RequestId;
 use crate::tenancy::Admission;
 
 /// Everything one request owes the gateway's books, settled exactly once.
@@ -35,6 +39,11 @@ pub struct Settlement {
     _slot: Option<Slot>,
     _in_flight: InFlightGuard,
     settled: bool,
+    /// The request's id (access line, usage record) and root span (held until the answer's last
+    /// byte, so the exported span covers the stream).
+    request: Option<(RequestId, tracing::Span)>,
+    /// The client's path (access line).
+    path: &'static str,
 }
 
 impl std::fmt::Debug for Settlement {
@@ -65,7 +74,15 @@ impl Settlement {
             _slot: None,
             _in_flight: metrics.in_flight(),
             settled: false,
+            request: None,
+            path: "",
         }
+    }
+
+    /// The request's id and root span, and the client's path.
+    pub fn request(&mut self, id: RequestId, path: &'static str, span: tracing::Span) {
+        self.request = Some((id, span));
+        self.path = path;
     }
 
     /// When the request arrived.
@@ -84,7 +101,10 @@ impl Settlement {
     }
 
     /// The tenant's admission, settled with the request.
-    pub fn admitted(&mut self, admission: Admission) {
+    pub fn admitted(&mut self, mut admission: Admission) {
+        if let Some((id, _)) = &self.request {
+            admission.request_id(id.as_str());
+        }
         self.admission = Some(admission);
     }
 
@@ -174,6 +194,7 @@ impl Settlement {
         if std::mem::replace(&mut self.settled, true) {
             return;
         }
+        self.access_line(status, usage);
         if let Some(admission) = self.admission.take() {
             admission.settle(status, usage);
         }
@@ -203,6 +224,35 @@ impl Settlement {
                 cached.and_then(|c| usize::try_from(c).ok()),
             );
         }
+    }
+}
+
+impl Settlement {
+    /// The request's access line, in its span.
+    fn access_line(&self, status: u16, usage: Option<&Usage>) {
+        let none = tracing::Span::none();
+        let (id, span) = match &self.request {
+            Some((id, span)) => (id.as_str(), span),
+            None => ("", &none),
+        };
+        let usage = usage.copied().unwrap_or_default();
+        span.in_scope(|| {
+            tracing::info!(
+                target: "kinference_gateway::access_log",
+                method = "POST",
+                path = self.path,
+                status,
+                tenant = self.admission.as_ref().map_or("", |a| a.tenant()),
+                model = %self.labels.model,
+                backend = %self.labels.worker,
+                input_tokens = usage.prompt_tokens,
+                cached_tokens = usage.cached_tokens().unwrap_or(0),
+                output_tokens = usage.completion_tokens,
+                duration_ms = self.started.elapsed().as_millis() as u64,
+                request_id = id,
+                "request"
+            );
+        });
     }
 }
 

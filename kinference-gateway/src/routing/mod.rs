@@ -367,8 +367,38 @@ impl Router {
         Ok(self.record_simple(&candidates, i, "least_loaded", debug))
     }
 
-    /// [`Router::pick`] among `candidates` (non-empty).
+    /// [`Router::pick`] among `candidates` (non-empty), in the `routing` span (the choice and, from
+    /// the estimate, the chosen worker's cached tokens and estimated time to first token).
     async fn pick_from(&self, req: RouteRequest<'_>, candidates: &[Arc<Worker>]) -> Decision {
+        use tracing::field::Empty;
+        let span = tracing::debug_span!(
+            "routing",
+            model = req.model,
+            mode = self.shared.mode.as_str(),
+            candidates = candidates.len(),
+            worker = Empty,
+            reason = Empty,
+            prompt_tokens = Empty,
+            cached_tokens = Empty,
+            queue_s = Empty,
+            est_ttft_s = Empty,
+        );
+        let decision =
+            tracing::Instrument::instrument(self.pick_from_in_span(req, candidates), span.clone())
+                .await;
+        span.record("worker", decision.worker.as_str());
+        span.record("reason", decision.reason);
+        if let Some(tokens) = decision.prompt_tokens {
+            span.record("prompt_tokens", tokens);
+        }
+        decision
+    }
+
+    async fn pick_from_in_span(
+        &self,
+        req: RouteRequest<'_>,
+        candidates: &[Arc<Worker>],
+    ) -> Decision {
         let shared = &self.shared;
         if shared.mode != RoutingMode::Kinference {
             let started = Instant::now();
@@ -682,6 +712,12 @@ impl Router {
 
         let chosen = &cands[pick];
         let (inputs, est) = estimates[pick];
+        if crate::telemetry::tracing_enabled() {
+            let span = tracing::Span::current();
+            span.record("cached_tokens", inputs.cached_tokens);
+            span.record("queue_s", est.queue_s);
+            span.record("est_ttft_s", est.ttft_s);
+        }
         let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
         let position = {
             let mut st = chosen.worker.state.lock();

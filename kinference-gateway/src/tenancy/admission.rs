@@ -21,6 +21,8 @@ use crate::errors::{GatewayError, Protocol};
 pub struct Admission {
     tenancy: Arc<Tenancy>,
     id: String,
+    /// The request's `x-request-id`, for the usage record.
+    request_id: String,
     tenant: String,
     labels: TenantModel,
     /// The served model (once known: the one name or alias resolved, or the model routed to); the
@@ -63,6 +65,11 @@ impl Admission {
     /// The gateway's id of this request (the usage record's key).
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The request's `x-request-id` (carried by the usage record).
+    pub fn request_id(&mut self, id: &str) {
+        self.request_id = id.to_string();
     }
 
     /// The tenant's name.
@@ -255,6 +262,7 @@ impl Tenancy {
         let mut admission = Admission {
             tenancy: Arc::clone(self),
             id: format!("{:032x}", rand::random::<u128>()),
+            request_id: String::new(),
             tenant: caller.name().to_string(),
             labels: TenantModel {
                 tenant: caller.label().to_string(),
@@ -534,6 +542,7 @@ impl Tenancy {
             .set(self.spend.spent(&a.tenant, ts_ms));
         let record = UsageRecord {
             id: a.id.clone(),
+            request_id: a.request_id.clone(),
             ts_ms,
             tenant: a.tenant.clone(),
             model: a.model.clone(),

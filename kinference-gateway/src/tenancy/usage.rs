@@ -15,8 +15,11 @@ use serde::{Deserialize, Serialize};
 /// One finished request (a line of the journal).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UsageRecord {
-    /// Request id (made by the gateway; unique).
+    /// Record id (made by the gateway; unique).
     pub id: String,
+    /// The request's `x-request-id` (the client's, or made by the gateway; not necessarily unique).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub request_id: String,
     /// End time, Unix milliseconds.
     pub ts_ms: u64,
     /// Tenant (`anonymous` when the gateway is open).

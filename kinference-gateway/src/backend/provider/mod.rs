@@ -291,9 +291,13 @@ impl ProviderClient {
                 .header("x-api-key", key)
                 .header("anthropic-version", translate::ANTHROPIC_VERSION),
         };
-        let request = builder
+        let mut request = builder
             .body(Full::new(body))
             .map_err(|e| self.unusable(format!("building the request: {e}")))?;
+        // The request's `x-request-id` and `traceparent`, as workers get them.
+        request
+            .headers_mut()
+            .extend(crate::telemetry::current_headers());
         let timeout = self
             .spec
             .timeout_seconds

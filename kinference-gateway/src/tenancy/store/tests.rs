@@ -47,6 +47,7 @@ async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
     let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
     let record = |i: usize| UsageRecord {
         id: format!("r{i}"),
+        request_id: String::new(),
         ts_ms: 1,
         tenant: "t".into(),
         model: "m".into(),

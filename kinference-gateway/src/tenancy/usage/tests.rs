@@ -12,6 +12,7 @@ fn record(
 ) -> UsageRecord {
     UsageRecord {
         id: id.into(),
+        request_id: String::new(),
         ts_ms,
         tenant: tenant.into(),
         model: "m".into(),

@@ -1,0 +1,434 @@
+//! Request ids, logs and traces end to end: the real `kinference-gateway` binary in front of a real
+//! `vllm-sim` worker, reached through a loopback TCP relay that keeps the bytes the worker was sent.
+//!
+//! - with `OTEL_EXPORTER_OTLP_ENDPOINT` set, one streamed request exports its trace to an OTLP/gRPC
+//!   receiver in this test: the client's trace id, the root span the child of the client's span, the
+//!   stages (authenticate, admission, routing with its estimate, upstream, stream) its children in
+//!   order, and the worker's `traceparent` naming the upstream span;
+//! - the client's `x-request-id` is echoed, reaches the worker, and is in the JSON access line and
+//!   the usage record;
+//! - without an endpoint the client's `traceparent` reaches the worker unchanged, and an unsafe
+//!   `x-request-id` is replaced by one the gateway makes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::Span;
+use testkit::{ChildGuard, free_port, tokenizer_dir};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+mod support;
+
+const MODEL: &str = "trace-model";
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CLIENT_SPAN: &str = "00f067aa0ba902b7";
+/// The root span's name (`otel.name`).
+const ROOT: &str = "POST /v1/chat/completions";
+
+/// The spans an OTLP/gRPC receiver on loopback was sent.
+#[derive(Default, Clone)]
+struct Receiver(Arc<Mutex<Vec<Span>>>);
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut spans = self.0.lock().unwrap();
+        for resource in request.into_inner().resource_spans {
+            for scope in resource.scope_spans {
+                spans.extend(scope.spans);
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse {
+            partial_success: None,
+        }))
+    }
+}
+
+impl Receiver {
+    /// Serves on a free loopback port; its `http://` endpoint.
+    async fn start(&self) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let service = TraceServiceServer::new(self.clone());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(service)
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// The spans of `trace` received so far.
+    fn spans(&self, trace: &str) -> Vec<Span> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| hex(&s.trace_id) == trace)
+            .cloned()
+            .collect()
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A span's attributes, as text.
+fn attributes(span: &Span) -> HashMap<String, String> {
+    span.attributes
+        .iter()
+        .map(|kv| {
+            let value = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                Some(Value::StringValue(s)) => s.clone(),
+                Some(Value::IntValue(i)) => i.to_string(),
+                Some(Value::DoubleValue(d)) => d.to_string(),
+                Some(Value::BoolValue(b)) => b.to_string(),
+                other => format!("{other:?}"),
+            };
+            (kv.key.clone(), value)
+        })
+        .collect()
+}
+
+/// A loopback relay to `upstream` that keeps every byte sent through it (the requests the worker got).
+async fn recording_relay(upstream: u16) -> (u16, Arc<Mutex<Vec<u8>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let record = Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((mut client, _)) = listener.accept().await {
+            let record = Arc::clone(&record);
+            tokio::spawn(async move {
+                let Ok(mut worker) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+                    return;
+                };
+                let (mut client_read, mut client_write) = client.split();
+                let (mut worker_read, mut worker_write) = worker.split();
+                let up = async {
+                    let mut buf = [0u8; 8192];
+                    loop {
+                        match client_read.read(&mut buf).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => {
+                                record.lock().unwrap().extend_from_slice(&buf[..n]);
+                                if worker_write.write_all(&buf[..n]).await.is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    let _ = worker_write.shutdown().await;
+                };
+                let down = async {
+                    let _ = tokio::io::copy(&mut worker_read, &mut client_write).await;
+                    let _ = client_write.shutdown().await;
+                };
+                tokio::join!(up, down);
+            });
+        }
+    });
+    (port, seen)
+}
+
+/// A `vllm-sim` worker behind a recording relay: (process, relay port, bytes the worker got).
+async fn worker(sim: &Path) -> (ChildGuard, u16, Arc<Mutex<Vec<u8>>>) {
+    let port = free_port();
+    let child = ChildGuard(
+        Command::new(sim)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
+            .arg(tokenizer_dir())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start vllm-sim"),
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while TcpStream::connect(("127.0.0.1", port)).await.is_err()
+        || support::call("127.0.0.1", port, "GET", "/health", &[], "")
+            .await
+            .0
+            != 200
+    {
+        assert!(Instant::now() < deadline, "vllm-sim never became healthy");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (relay, seen) = recording_relay(port).await;
+    (child, relay, seen)
+}
+
+fn write_config(dir: &Path, worker: u16) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let config = dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: {MODEL}\n    tokenizer_dir: {tokenizer}\nworkers:\n  - url: http://127.0.0.1:{worker}\n    model: {MODEL}\ntenancy:\n  usage_journal: {journal}\n",
+            tokenizer = tokenizer_dir().display(),
+            journal = dir.join("usage.jsonl").display(),
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// Starts the gateway with `envs`, its log lines in `log`; waits until it serves.
+async fn gateway(
+    config: &Path,
+    envs: &[(&str, &str)],
+    flags: &[&str],
+    log: &Path,
+) -> (ChildGuard, u16) {
+    let (api, admin) = (free_port(), free_port());
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kinference-gateway"));
+    command
+        .args(["--listen", &format!("127.0.0.1:{api}")])
+        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+        .args(flags)
+        .arg("--config")
+        .arg(config)
+        .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("KINFERENCE_LOG_FORMAT")
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::from(std::fs::File::create(log).unwrap()))
+        .stderr(Stdio::null());
+    for (name, value) in envs {
+        command.env(name, value);
+    }
+    let mut child = ChildGuard(command.spawn().expect("starting kinference-gateway"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(Some(status)) = child.0.try_wait() {
+            panic!("kinference-gateway exited with {status}");
+        }
+        if TcpStream::connect(("127.0.0.1", admin)).await.is_ok()
+            && support::call("127.0.0.1", admin, "GET", "/readyz", &[], "")
+                .await
+                .0
+                == 200
+        {
+            return (child, api);
+        }
+        assert!(Instant::now() < deadline, "the gateway never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A streamed chat request with `headers`: (status, lower-cased head, body).
+async fn stream_chat(api: u16, headers: &[(&str, &str)]) -> (u16, String, String) {
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"tell me about traces"}}],"max_tokens":4,"stream":true}}"#
+    );
+    support::call(
+        "127.0.0.1",
+        api,
+        "POST",
+        "/v1/chat/completions",
+        headers,
+        &body,
+    )
+    .await
+}
+
+/// Waits (generously) until `ready` holds.
+async fn eventually<T>(what: &str, mut ready: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(value) = ready() {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn vllm_sim() -> Option<PathBuf> {
+    let sim = testkit::bin_dir().join("vllm-sim");
+    testkit::require(
+        sim.exists(),
+        "vllm-sim",
+        format_args!("{} not built", sim.display()),
+    )
+    .then_some(sim)
+}
+
+#[tokio::test]
+async fn a_streamed_request_exports_its_stages_in_the_clients_trace_and_the_worker_continues_it() {
+    let Some(sim) = vllm_sim() else { return };
+    let receiver = Receiver::default();
+    let endpoint = receiver.start().await;
+    let (_sim, relay, seen) = worker(&sim).await;
+    let dir = std::env::temp_dir().join(format!("kinference-tracing-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = write_config(&dir, relay);
+    let log = dir.join("gateway.log");
+    let (gw, api) = gateway(
+        &config,
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "100"),
+        ],
+        &["--log-format", "json"],
+        &log,
+    )
+    .await;
+
+    let traceparent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
+    let (status, head, body) = stream_chat(
+        api,
+        &[
+            ("traceparent", &traceparent),
+            ("x-request-id", "trace-test-1"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("data: [DONE]"), "{body}");
+    assert!(head.contains("x-request-id: trace-test-1"), "{head}");
+
+    let names = ["authenticate", "admission", "routing", "upstream", "stream"];
+    let spans = eventually("the request's spans at the receiver", || {
+        let spans = receiver.spans(TRACE_ID);
+        let all = [ROOT]
+            .iter()
+            .chain(names.iter())
+            .all(|name| spans.iter().any(|s| s.name == *name));
+        all.then_some(spans)
+    })
+    .await;
+    let by_name = |name: &str| -> &Span {
+        let found: Vec<&Span> = spans.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one {name} span: {spans:#?}");
+        found[0]
+    };
+    let root = by_name(ROOT);
+    assert_eq!(
+        hex(&root.parent_span_id),
+        CLIENT_SPAN,
+        "the client's span is the parent"
+    );
+    assert_eq!(
+        attributes(root).get("request_id").map(String::as_str),
+        Some("trace-test-1")
+    );
+    let mut previous_end = root.start_time_unix_nano;
+    let stream = by_name("stream");
+    assert!(stream.start_time_unix_nano < root.end_time_unix_nano);
+    for name in names {
+        let span = by_name(name);
+        assert_eq!(
+            span.parent_span_id, root.span_id,
+            "{name} is a child of the request span"
+        );
+        assert!(
+            span.start_time_unix_nano >= previous_end,
+            "{name} starts after the stage before it ended: {spans:#?}"
+        );
+        // The request span ends when the request is settled (its access line), inside the relay's
+        // last poll: only the stream span goes on a moment after it.
+        if name != "stream" {
+            assert!(
+                span.end_time_unix_nano <= root.end_time_unix_nano,
+                "{name} ends inside the request span: {spans:#?}"
+            );
+        }
+        previous_end = span.end_time_unix_nano;
+    }
+    let routing = attributes(by_name("routing"));
+    let worker_url = format!("http://127.0.0.1:{relay}");
+    assert_eq!(routing.get("worker"), Some(&worker_url), "{routing:?}");
+    for estimate in ["reason", "prompt_tokens", "cached_tokens", "est_ttft_s"] {
+        assert!(routing.contains_key(estimate), "{estimate}: {routing:?}");
+    }
+    let stream = attributes(by_name("stream"));
+    assert_eq!(stream.get("status").map(String::as_str), Some("200"));
+    assert!(stream.contains_key("first_token_ms"), "{stream:?}");
+
+    // The worker's request continues the trace under the upstream span, with the request id.
+    let upstream = hex(&by_name("upstream").span_id);
+    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    assert!(
+        sent.contains(&format!("traceparent: 00-{TRACE_ID}-{upstream}-01")),
+        "{sent}"
+    );
+    assert!(sent.contains("x-request-id: trace-test-1"), "{sent}");
+
+    // The JSON access line and the usage record carry the request id.
+    let access = eventually("the access line", || {
+        std::fs::read_to_string(&log)
+            .ok()?
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| l["target"] == "kinference_gateway::access_log")
+    })
+    .await;
+    let fields = &access["fields"];
+    assert_eq!(fields["request_id"], "trace-test-1", "{access}");
+    assert_eq!(fields["status"], 200, "{access}");
+    assert_eq!(fields["path"], "/v1/chat/completions", "{access}");
+    assert_eq!(fields["model"], MODEL, "{access}");
+    assert_eq!(fields["backend"], worker_url.as_str(), "{access}");
+    assert!(fields["output_tokens"].as_u64() > Some(0), "{access}");
+    assert_eq!(access["span"]["request_id"], "trace-test-1", "{access}");
+    eventually("the usage record with the request id", || {
+        std::fs::read_to_string(dir.join("usage.jsonl"))
+            .ok()?
+            .contains(r#""request_id":"trace-test-1""#)
+            .then_some(())
+    })
+    .await;
+    drop(gw);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_request_id_is_replaced()
+ {
+    let Some(sim) = vllm_sim() else { return };
+    let (_sim, relay, seen) = worker(&sim).await;
+    let dir = std::env::temp_dir().join(format!("kinference-tracing-off-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = write_config(&dir, relay);
+    let (_gw, api) = gateway(&config, &[], &[], &dir.join("gateway.log")).await;
+
+    let traceparent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
+    let (status, head, body) = stream_chat(
+        api,
+        &[
+            ("traceparent", &traceparent),
+            ("x-request-id", "not safe; <script>"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let id = head
+        .lines()
+        .find_map(|l| l.strip_prefix("x-request-id: "))
+        .map(str::trim)
+        .expect("an x-request-id in the answer");
+    assert_eq!(id.len(), 32, "{id}");
+    assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    assert!(
+        sent.contains(&format!("traceparent: {traceparent}")),
+        "{sent}"
+    );
+    assert!(sent.contains(&format!("x-request-id: {id}")), "{sent}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
