@@ -21,8 +21,8 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
-
 use tracing::Instrument as _;
+
 use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
 use crate::backend::provider::translate::{self, AnthropicStream};
@@ -114,17 +114,17 @@ pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>)
 /// A streamed answer as a response body, relayed event by event; `meter` hears it pass. The relay
 /// runs in the `stream` span (a child of the current one), which notes the first token's time.
 pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
-    let mut relay = Relay {
-        body,
-        parser: SseParser::new(),
-        from_anthropic: match spec.style {
-            ApiStyle::OpenAI => None,
     let span = tracing::debug_span!(
         "stream",
         backend = %spec.label,
         first_token_ms = tracing::field::Empty,
         status = tracing::field::Empty,
     );
+    let mut relay = Relay {
+        body,
+        parser: SseParser::new(),
+        from_anthropic: match spec.style {
+            ApiStyle::OpenAI => None,
             ApiStyle::Anthropic => Some(AnthropicStream::new()),
         },
         to_anthropic: match &spec.shape {
@@ -146,14 +146,14 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
         out: BytesMut::with_capacity(512),
         meter: Some(meter),
         spec,
+        span,
+        started: std::time::Instant::now(),
+        first_token: false,
     };
     if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
         (&mut relay.to_anthropic, &relay.spec.shape)
     {
         t.start(&mut relay.out, *input_tokens);
-        span,
-        started: std::time::Instant::now(),
-        first_token: false,
     }
     let stream = futures::stream::unfold(relay, |mut relay| async move {
         let span = relay.span.clone();
@@ -181,15 +181,15 @@ struct Relay<M: Meter> {
     /// Taken when the answer ends; dropped with the relay (an abandoned request) otherwise.
     meter: Option<M>,
     spec: Spec,
+    /// The `stream` span (disabled unless traces are exported).
+    span: tracing::Span,
+    started: std::time::Instant,
+    first_token: bool,
 }
 
 impl<M: Meter> Relay<M> {
     /// The next bytes for the client, or `None` when the stream is over.
     async fn next_chunk(&mut self) -> Option<Bytes> {
-    /// The `stream` span (disabled unless traces are exported).
-    span: tracing::Span,
-    started: std::time::Instant,
-    first_token: bool,
         loop {
             if !self.out.is_empty() {
                 return Some(self.out.split().freeze());
@@ -264,6 +264,10 @@ impl<M: Meter> Relay<M> {
             && let Some(meter) = &mut self.meter
         {
             meter.text_chunk();
+            if !std::mem::replace(&mut self.first_token, true) {
+                self.span
+                    .record("first_token_ms", self.started.elapsed().as_millis() as u64);
+            }
         }
         if chunk.usage.is_some() {
             self.usage = chunk.usage;
@@ -283,10 +287,6 @@ impl<M: Meter> Relay<M> {
     /// for the end of the backend's body.
     fn complete(&mut self) {
         self.done = true;
-            if !std::mem::replace(&mut self.first_token, true) {
-                self.span
-                    .record("first_token_ms", self.started.elapsed().as_millis() as u64);
-            }
         if self.to_anthropic.is_none() {
             self.out.extend_from_slice(b"data: [DONE]\n\n");
         }
@@ -319,6 +319,7 @@ impl<M: Meter> Relay<M> {
     }
 
     fn settle(&mut self, status: u16) {
+        self.span.record("status", status);
         if let Some(mut meter) = self.meter.take() {
             meter.finish(status, self.usage.as_ref());
         }
@@ -338,12 +339,11 @@ pub(crate) async fn next_frame(
             what: "the stream stalled past the idle timeout",
         }),
         Ok(None) => Ok(None),
-        self.span.record("status", status);
         Ok(Some(Err(e))) => Err(GatewayError::BadUpstream {
             worker: backend.to_string(),
             detail: format!("the stream broke: {}", error_chain(&e)),
         }),
-        Some(Ok(frame)) => Ok(Some(frame)),
+        Ok(Some(Ok(frame))) => Ok(Some(frame)),
     }
 }
 
