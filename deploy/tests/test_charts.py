@@ -71,6 +71,8 @@ ALL_FEATURES: dict[str, Any] = {
         "extraVolumeMounts": [{"name": "tokenizers", "mountPath": "/tokenizers", "readOnly": True}],
         "podDisruptionBudget": {"enabled": True, "maxUnavailable": None, "minAvailable": 2},
         "priorityClassName": "high",
+        "logFormat": "json",
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
         "service": {"annotations": {"a": "b"}},
         "config": {
             "routing": "kinference",
@@ -345,6 +347,22 @@ def test_gateway_overload_limits_become_flags() -> None:
     # A reserve of half or more would leave low-priority tenants no slot at all.
     with pytest.raises(helm.HelmError, match="schema"):
         render({"gateway": {"overload": {"priorityReservePercent": 50}}})
+
+
+def test_gateway_logs_and_traces() -> None:
+    """Text logs and no trace export by default; JSON logs and an OTLP endpoint when set; an endpoint
+    that is not an http(s) URL is refused."""
+    env = {e["name"]: e.get("value") for e in container(one(render({}), GATEWAY))["env"]}
+    assert env["KINFERENCE_LOG_FORMAT"] == "text"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env
+    on = {"gateway": {"logFormat": "json", "tracing": {"otlpEndpoint": "http://collector:4317"}}}
+    env = {e["name"]: e.get("value") for e in container(one(render(on), GATEWAY))["env"]}
+    assert env["KINFERENCE_LOG_FORMAT"] == "json"
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
+    assert env["OTEL_SERVICE_NAME"] == "kinference-gateway"
+    for bad in ({"logFormat": "xml"}, {"tracing": {"otlpEndpoint": "collector:4317"}}):
+        with pytest.raises(helm.HelmError, match="schema"):
+            render({"gateway": bad})
 
 
 def test_gateway_config_map_is_the_gateway_yaml() -> None:
