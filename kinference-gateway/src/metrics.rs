@@ -206,6 +206,7 @@ impl Metrics {
     /// The text exposition (OpenMetrics).
     pub fn encode(&self) -> String {
         let mut out = String::new();
+        let _fleet = self.fleet.settled();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry.lock());
         out

@@ -317,6 +317,9 @@ pub struct Fleet {
     last: Arc<parking_lot::Mutex<HashMap<String, WorkerSignals>>>,
     /// Serialises refreshes (two scrapes at once would interleave clears and sets).
     refreshing: Arc<tokio::sync::Mutex<()>>,
+    /// Held while the gauges are cleared and set, and while the registry is encoded
+    /// ([`Fleet::settled`]): a scrape never sees a half-set fleet.
+    setting: Arc<parking_lot::Mutex<()>>,
 }
 
 impl Fleet {
@@ -355,6 +358,12 @@ impl Fleet {
         );
     }
 
+    /// Waits until no refresh is setting the gauges and keeps it so while the guard lives (held
+    /// while `/metrics` is encoded).
+    pub fn settled(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.setting.lock()
+    }
+
     /// Brings the gauges up to date with the router's state; returns the snapshot it read.
     pub async fn refresh(&self, router: &Router) -> Snapshot {
         let _one_at_a_time = self.refreshing.lock().await;
@@ -366,6 +375,7 @@ impl Fleet {
     /// Sets every gauge from `snapshot`; series of models no longer served, and figures no longer
     /// known, disappear instead of keeping their last value.
     fn set(&self, snapshot: &Snapshot) {
+        let _settled = self.setting.lock();
         self.workers.clear();
         self.in_flight.clear();
         self.waiting.clear();
