@@ -293,6 +293,13 @@ impl Metrics {
             .set(i64::from(healthy));
     }
 
+    /// Drops a worker's health gauge (discovery removed it: no series of a worker long gone).
+    pub fn forget_worker(&self, worker: &str) {
+        self.worker_healthy.remove(&HealthLabels {
+            worker: worker.to_string(),
+        });
+    }
+
     /// Marks a request in flight until the returned guard is dropped (also on errors and aborted
     /// streams, so the gauge cannot leak).
     pub fn in_flight(&self) -> InFlightGuard {

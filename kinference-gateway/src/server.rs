@@ -18,6 +18,7 @@ use crate::access::Peer;
 use crate::api::anthropic::{self, MessagesRequest};
 use crate::api::openai;
 use crate::api::openai::passthrough::Route;
+use crate::backend::health::WorkerState;
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::ConnectionGuard;
 use crate::overload::io::StallGuard;
@@ -171,8 +172,11 @@ fn unauthorized() -> Response<Body> {
 
 /// `/healthz/workers`: each worker's probed health, apart from `/readyz` (a gateway whose workers are
 /// all busy or loading can still serve: it answers 503 itself, quickly, and stays in its Service),
-/// and the routing signals the router has for it (`crate::metrics::fleet`).
+/// its health state (`crate::backend::health`), and the routing signals the router has for it
+/// (`crate::metrics::fleet`).
 async fn workers_health(gw: &Gateway) -> String {
+    let states: std::collections::HashMap<String, WorkerState> =
+        gw.health.states().into_iter().collect();
     let workers: Vec<serde_json::Value> = gw
         .metrics
         .refresh_fleet(&gw.router)
@@ -184,6 +188,8 @@ async fn workers_health(gw: &Gateway) -> String {
                 "url": w.view.url,
                 "model": w.view.model,
                 "healthy": w.view.healthy,
+                // healthy, ejected (by probes or refused connections), outlier, spared.
+                "state": states.get(&w.view.url).map_or("unknown", |s| s.as_str()),
                 "in_flight": w.view.in_flight,
                 "agent_live": w.view.agent_live,
                 "signals": w.signals_json(),

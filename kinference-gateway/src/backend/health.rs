@@ -335,7 +335,7 @@ impl Health {
         }
     }
 
-    /// Drops the record and state gauges of every worker the router no longer lists (discovery
+    /// Drops the record, state gauges and `worker_healthy` series of every worker the router no longer lists (discovery
     /// removed it): a worker that comes back at the same URL, a new pod with a reused IP, starts afresh.
     fn forget_unlisted(&self, listed: &[WorkerView]) {
         let listed: HashSet<&str> = listed.iter().map(|w| w.url.as_str()).collect();
@@ -348,6 +348,7 @@ impl Health {
             keep
         });
         for worker in forgotten {
+            self.metrics.forget_worker(&worker);
             for s in WorkerState::ALL {
                 self.states.remove(&StateLabels {
                     worker: worker.clone(),

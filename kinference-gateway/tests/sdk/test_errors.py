@@ -127,6 +127,7 @@ def test_refused_connections_are_502_then_503(cluster):
     assert e.value.status_code == 503
     workers = requests.get(f"{gw.admin}/healthz/workers", timeout=2).json()
     assert workers["healthy"] == 0 and [w["healthy"] for w in workers["workers"]] == [False], workers
+    assert [w["state"] for w in workers["workers"]] == ["ejected"], workers
     assert requests.get(f"{gw.admin}/readyz", timeout=2).status_code == 200
 
 
@@ -145,6 +146,8 @@ def test_refused_connection_retries_on_another_worker(cluster):
     # A single refusal counts toward the ejection threshold; it does not eject by itself.
     if gw.metric("kinference_gateway_upstream_retries_total") < 3:
         assert gw.metric("kinference_gateway_worker_healthy", worker=a.url) == 1
+        workers = requests.get(f"{gw.admin}/healthz/workers", timeout=2).json()["workers"]
+        assert {w["url"]: w["state"] for w in workers} == {a.url: "healthy", b.url: "healthy"}, workers
 
 
 class ClosingWorker:

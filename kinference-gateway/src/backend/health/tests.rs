@@ -260,11 +260,20 @@ fn a_worker_that_left_is_forgotten_and_a_new_one_at_its_address_starts_afresh() 
         health.connect_failed("http://pod");
     }
     assert_eq!(state(&health, "http://pod"), WorkerState::Ejected);
+    assert!(
+        metrics
+            .encode()
+            .contains(r#"kinference_gateway_worker_healthy{worker="http://pod"} 0"#)
+    );
     router.remove_worker("http://pod");
     health.forget_unlisted(&router.workers());
     let text = metrics.encode();
     assert!(
         !text.contains(r#"kinference_gateway_worker_health{worker="http://pod""#),
+        "{text}"
+    );
+    assert!(
+        !text.contains(r#"kinference_gateway_worker_healthy{worker="http://pod"}"#),
         "{text}"
     );
     // A new pod with the same IP: its first good probe brings it in (the old pod needed two).
