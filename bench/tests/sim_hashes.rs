@@ -35,6 +35,8 @@ fn to_event(e: &Value) -> KvCacheEvent {
                 .map(|t| t as u32)
                 .collect(),
             block_size: e["block_size"].as_u64().expect("block_size") as usize,
+            // The captures are of base-model requests.
+            lora: None,
         },
         "BlockRemoved" => KvCacheEvent::BlockRemoved {
             block_hashes: u64s(&e["block_hashes"]),

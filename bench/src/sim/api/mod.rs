@@ -10,6 +10,7 @@
 
 pub mod error;
 pub mod lora;
+pub mod messages;
 pub mod openai;
 pub mod surface;
 pub mod tools;
@@ -247,6 +248,7 @@ async fn route(
         "/v1/responses" if post && state.responses_api => {
             surface::responses(state, &read_json(req).await?).await
         }
+        "/v1/messages" if post => messages::messages(state, &read_json(req).await?).await,
         "/tokenize" if post => tokenize(state, &read_json(req).await?),
         "/detokenize" if post => detokenize(state, &read_json(req).await?),
         "/reset_prefix_cache" if post => {
