@@ -74,6 +74,7 @@ ALL_FEATURES: dict[str, Any] = {
         "logFormat": "json",
         "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
         "service": {"annotations": {"a": "b"}},
+        "workerApiKey": {"existingSecret": "vllm-key"},
         "config": {
             "routing": "kinference",
             "models": [{"name": "qwen2.5-7b", "tokenizer_dir": "/tokenizers/qwen2.5"}],
@@ -241,6 +242,15 @@ def test_admin_key_from_a_secret() -> None:
     assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"] == {
         "name": "kinference-admin",
         "key": "admin-key",
+    }
+
+
+def test_worker_api_key_from_a_secret() -> None:
+    """The workers' API key (vLLM's --api-key) reaches the gateway from a Secret, as the variable it reads."""
+    assert "KINFERENCE_WORKER_API_KEY" not in env_of(container(one(render({}), GATEWAY)))
+    c = container(one(render({"gateway": {"workerApiKey": {"existingSecret": "vllm-key"}}}), GATEWAY))
+    assert env_of(c)["KINFERENCE_WORKER_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "vllm-key", "key": "api-key"}
     }
 
 

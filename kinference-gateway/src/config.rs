@@ -57,6 +57,16 @@ pub struct Args {
     #[arg(long, value_name = "DIR")]
     pub tokenizer_dir: Option<PathBuf>,
 
+    /// The workers' API key (vLLM's `--api-key`), sent as `Authorization: Bearer` to every worker;
+    /// instead of `worker_api_key` in the configuration file (the Helm chart sets it from a Secret).
+    #[arg(
+        long,
+        env = "KINFERENCE_WORKER_API_KEY",
+        hide_env_values = true,
+        value_name = "KEY"
+    )]
+    pub worker_api_key: Option<String>,
+
     /// Seconds between SIGTERM (when `/readyz` turns 503) and closing the listening sockets, so that
     /// load balancers and Service endpoints stop sending new requests first.
     #[arg(long, env = "KINFERENCE_SHUTDOWN_DELAY_SECONDS", default_value_t = 5)]

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::Parser;
-use kinference_gateway::backend::worker::Upstream;
+use kinference_gateway::backend::worker::{Upstream, credentials};
 use kinference_gateway::config::{Args, GatewayConfig};
 use kinference_gateway::metrics::Metrics;
 use kinference_gateway::server::{self, Gateway, Port};
@@ -20,10 +20,21 @@ async fn main() -> anyhow::Result<()> {
     } else {
         GatewayConfig::load(&args.config)?
     };
+    // What every request to a worker carries (its API key, configured headers), from the start:
+    // `--worker` asks the workers' `/v1/models` with it.
+    let worker_key = credentials::resolve(
+        args.worker_api_key.as_deref(),
+        config.worker_api_key.as_ref(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let worker_headers = credentials::worker_headers(worker_key.as_deref(), &config.worker_headers)
+        .map_err(anyhow::Error::msg)
+        .context("the workers' API key and headers")?;
     let config = kinference_gateway::config::workers_flag::with_flag_workers(
         config,
         &args.workers,
         args.tokenizer_dir.as_ref(),
+        &worker_headers,
     )
     .await
     .map_err(anyhow::Error::msg)?;
@@ -101,12 +112,6 @@ async fn main() -> anyhow::Result<()> {
             registry,
         )
     });
-    let worker_headers = kinference_gateway::backend::worker::credentials::worker_headers(
-        config.worker_api_key.as_ref(),
-        &config.worker_headers,
-    )
-    .map_err(anyhow::Error::msg)
-    .context("reading the workers' API key and headers")?;
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
         upstream: Upstream::new(&args.http).with_headers(worker_headers),

@@ -24,11 +24,12 @@ pub async fn with_flag_workers(
     mut config: GatewayConfig,
     urls: &[String],
     tokenizer_dir: Option<&PathBuf>,
+    headers: &http::HeaderMap,
 ) -> Result<GatewayConfig, String> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     for url in urls {
         let url = url.trim_end_matches('/').to_string();
-        let model = served_model(&client, &url).await?;
+        let model = served_model(&client, &url, headers).await?;
         if !config.models.iter().any(|m| m.name == model) {
             config.models.push(ModelConfig {
                 name: model.clone(),
@@ -47,12 +48,15 @@ pub async fn with_flag_workers(
 async fn served_model(
     client: &Client<hyper_util::client::legacy::connect::HttpConnector, Empty<Bytes>>,
     url: &str,
+    headers: &http::HeaderMap,
 ) -> Result<String, String> {
-    let request = Request::builder()
+    let mut request = Request::builder()
         .method(Method::GET)
         .uri(format!("{url}/v1/models"))
         .body(Empty::new())
         .map_err(|e| format!("--worker {url}: {e}"))?;
+    // A worker started with `--api-key` wants the key on `/v1/models` too.
+    request.headers_mut().extend(headers.clone());
     let read = async {
         let response = client
             .request(request)

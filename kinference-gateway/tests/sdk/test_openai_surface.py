@@ -181,7 +181,7 @@ def keyed_gateway(c: Cluster, worker_url: str, key_yaml: str) -> tuple[Gateway |
     return gw, process
 
 
-def test_workers_started_with_an_api_key(tmp_path):
+def test_workers_started_with_an_api_key(tmp_path, monkeypatch):
     c = Cluster(tmp_path)
     try:
         worker = c.worker("--api-key", "sk-worker-secret")
@@ -204,6 +204,21 @@ def test_workers_started_with_an_api_key(tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             client(bare).embeddings.create(model=MODEL, input="hi")
         assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream"
+        # One command in front of the keyed worker: the key from the environment, as the chart sets it.
+        from conftest import BIN_DIR, free_port, wait_for
+        monkeypatch.setenv("KINFERENCE_WORKER_API_KEY", "sk-worker-secret")
+        port, admin_port = free_port(), free_port()
+        one = c._spawn(f"gateway-{port}", [
+            str(BIN_DIR / "kinference-gateway"), "--listen", f"127.0.0.1:{port}", "--admin-listen",
+            f"127.0.0.1:{admin_port}", "--config", str(tmp_path / "absent.yaml"), "--worker", worker.url])
+        wait_for(f"http://127.0.0.1:{admin_port}/readyz", proc=one.proc)
+        flagged = Gateway(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}", one, [])
+        assert MODEL in [m.id for m in client(flagged).models.list()]
+        assert client(flagged).embeddings.create(model=MODEL, input="hi").data
+        # The variable and a key in the file at once: which one was meant is not clear.
+        both, process = keyed_gateway(c, worker.url, f"worker_api_key:\n  file: {key_file}\n")
+        assert both is None and "keep one" in process.log.read_text()
+        monkeypatch.delenv("KINFERENCE_WORKER_API_KEY")
         # A key that is named but cannot be read stops the start.
         broken, process = keyed_gateway(c, worker.url, "worker_api_key:\n  env: KINFERENCE_TEST_UNSET_WORKER_KEY\n")
         assert broken is None

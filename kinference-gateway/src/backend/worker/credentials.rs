@@ -40,10 +40,32 @@ impl WorkerApiKey {
     }
 }
 
+/// The workers' key from `--worker-api-key` (`KINFERENCE_WORKER_API_KEY`, which the Helm chart
+/// fills from a Secret) or from `worker_api_key` in `gateway.yaml`; both at once is an error (which
+/// one was meant is not clear), and so is an empty key.
+pub fn resolve(
+    flag: Option<&str>,
+    configured: Option<&WorkerApiKey>,
+) -> Result<Option<String>, String> {
+    match (flag, configured) {
+        (Some(_), Some(_)) => Err(
+            "--worker-api-key (KINFERENCE_WORKER_API_KEY) and worker_api_key in the configuration \
+             both set the workers' key: keep one"
+                .into(),
+        ),
+        (Some(key), None) if key.trim().is_empty() => {
+            Err("--worker-api-key: the key is empty".into())
+        }
+        (Some(key), None) => Ok(Some(key.trim().to_string())),
+        (None, Some(c)) => c.read().map(Some),
+        (None, None) => Ok(None),
+    }
+}
+
 /// The headers sent with every request to a worker: `extra` (name to value), then
-/// `Authorization: Bearer <key>` when a key is configured (it wins over an `extra` one).
+/// `Authorization: Bearer <key>` when there is a key ([`resolve`]; it wins over an `extra` one).
 pub fn worker_headers(
-    api_key: Option<&WorkerApiKey>,
+    api_key: Option<&str>,
     extra: &BTreeMap<String, String>,
 ) -> Result<HeaderMap, String> {
     let mut headers = HeaderMap::new();
@@ -55,7 +77,7 @@ pub fn worker_headers(
         headers.insert(name, value);
     }
     if let Some(key) = api_key {
-        let mut value = HeaderValue::from_str(&format!("Bearer {}", key.read()?))
+        let mut value = HeaderValue::from_str(&format!("Bearer {key}"))
             .map_err(|_| "worker_api_key: the key holds characters a header cannot".to_string())?;
         value.set_sensitive(true);
         headers.insert(header::AUTHORIZATION, value);
@@ -78,7 +100,8 @@ mod tests {
             file: Some(path),
         };
         let extra = BTreeMap::from([("x-team".to_string(), "search".to_string())]);
-        let h = worker_headers(Some(&key), &extra).expect("headers");
+        let key = resolve(None, Some(&key)).expect("read");
+        let h = worker_headers(key.as_deref(), &extra).expect("headers");
         assert_eq!(h[header::AUTHORIZATION], "Bearer sk-worker");
         assert_eq!(h["x-team"], "search");
     }
@@ -89,17 +112,21 @@ mod tests {
             env: Some("KINFERENCE_TEST_NO_SUCH_VARIABLE".into()),
             file: None,
         };
-        assert!(worker_headers(Some(&unset), &BTreeMap::new()).is_err());
+        assert!(resolve(None, Some(&unset)).is_err());
         let both = WorkerApiKey {
             env: Some("HOME".into()),
             file: Some("/dev/null".into()),
         };
-        assert!(worker_headers(Some(&both), &BTreeMap::new()).is_err());
+        assert!(resolve(None, Some(&both)).is_err());
         let empty = WorkerApiKey {
             env: None,
             file: Some("/dev/null".into()),
         };
-        assert!(worker_headers(Some(&empty), &BTreeMap::new()).is_err());
+        assert!(resolve(None, Some(&empty)).is_err());
+        // The flag and the file at once: which one was meant is not clear.
+        assert!(resolve(Some("sk-flag"), Some(&unset)).is_err());
+        assert!(resolve(Some("  "), None).is_err());
+        assert_eq!(resolve(Some("sk-flag"), None), Ok(Some("sk-flag".into())));
         let bad_name = BTreeMap::from([("bad name".to_string(), "v".to_string())]);
         assert!(worker_headers(None, &bad_name).is_err());
     }
