@@ -28,8 +28,9 @@ use crate::yaml;
     about = "OpenAI- and Anthropic-compatible gateway that routes LLM requests to vLLM workers"
 )]
 pub struct Args {
-    /// Address of the client-facing API (OpenAI `/v1/chat/completions`, `/v1/completions`, `/v1/models`;
-    /// Anthropic `/v1/messages`).
+    /// Address of the client-facing API (OpenAI `/v1/chat/completions`, `/v1/completions`,
+    /// `/v1/embeddings`, `/v1/responses`, `/v1/models`; vLLM's `/tokenize`, `/detokenize`; Anthropic
+    /// `/v1/messages`).
     #[arg(long, env = "KINFERENCE_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
 
