@@ -87,7 +87,8 @@ async fn run(
         gw.settings.body_read_timeout(),
     )
     .await?;
-    let request = PassthroughRequest::parse(route, &body)?;
+    let mut request = PassthroughRequest::parse(route, &body)?;
+    let body = served_as(gw, &mut request, body)?;
     settlement.model(&request.model);
     let text = request.text();
     if route.billed() {
@@ -188,6 +189,32 @@ async fn run(
     let mut out = Response::new(full(bytes));
     *out.headers_mut() = headers;
     Ok(Answer::Whole(out, usage))
+}
+
+/// `body` for the served name of `request.model` when it is an `InferenceModel`'s alias (or its
+/// name) under policies: the workers know only the served name. Anything else is left as sent.
+fn served_as(
+    gw: &Gateway,
+    request: &mut PassthroughRequest,
+    body: Bytes,
+) -> Result<Bytes, GatewayError> {
+    let Some(stage) = &gw.policy else {
+        return Ok(body);
+    };
+    let set = stage.current();
+    let Some(model) = set.model_named(&request.model) else {
+        return Ok(body);
+    };
+    let served = &model.spec.served_name;
+    if *served == request.model {
+        return Ok(body);
+    }
+    let mut json: serde_json::Value = crate::api::openai::parse_body(&body)?;
+    json["model"] = serde_json::Value::String(served.clone());
+    request.model = served.clone();
+    serde_json::to_vec(&json)
+        .map(Bytes::from)
+        .map_err(|e| GatewayError::MalformedJson(e.to_string()))
 }
 
 /// A worker's non-2xx answer: a route it does not serve (404 on `/v1/responses`: vLLM before

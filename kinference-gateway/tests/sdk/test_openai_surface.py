@@ -252,6 +252,8 @@ spec:
         assert alias.owned_by == "kinference" and alias.root == MODEL and alias.parent == MODEL
         general = models["general"]
         assert general.kind == "class" and general.members == [MODEL]
+        # An alias works on the pass-through endpoints too: the worker is asked for the served name.
+        assert client(gw).embeddings.create(model="house-model", input="hi").model == MODEL
         # The alias and the class are names a client can use.
         for name in ("house-model", "general"):
             chat = client(gw).chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
