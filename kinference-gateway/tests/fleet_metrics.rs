@@ -109,6 +109,13 @@ async fn gateway(dir: &std::path::Path, config: &str, worker: u16) -> (ChildGuar
     }
 }
 
+/// Sample lines of the exposition that carry the open gateway's tenant.
+fn tenant_series(text: &str) -> usize {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.contains("tenant=\"anonymous\""))
+        .count()
+}
+
 /// The signals `/healthz/workers` lists for the one worker.
 async fn signals(admin: u16) -> serde_json::Value {
     let (status, body) = get(admin, "/healthz/workers").await;
@@ -163,6 +170,7 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
     assert!(!text.contains("kinference_gateway_pool_requests_waiting{"));
     // Per-tenant histograms are off by default.
     assert!(!text.contains("kinference_gateway_tenant_e2e_request_latency_seconds"));
+    let tenant_series_off = tenant_series(&text);
     let s = signals(admin).await;
     assert_eq!(
         (
@@ -197,5 +205,14 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
         assert!(text.contains(&line), "{line} missing:\n{text}");
     }
     assert_eq!(signals(admin).await["kv_events"], "stale");
+    let tenant_series_on = tenant_series(&text);
+    // Non-streamed chats: the end-to-end and the two size histograms (TTFT and ITL need a stream).
+    assert!(
+        tenant_series_on > tenant_series_off + 3 * 16,
+        "{tenant_series_off} -> {tenant_series_on}"
+    );
+    eprintln!(
+        "series of tenant anonymous after non-streamed chats: {tenant_series_off} without per-tenant histograms, {tenant_series_on} with"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
