@@ -85,6 +85,8 @@ def make_handler(state: State):
                 "authorization": self.headers.get("authorization"),
                 "x_api_key": self.headers.get("x-api-key"),
                 "anthropic_version": self.headers.get("anthropic-version"),
+                "traceparent": self.headers.get("traceparent"),
+                "x_request_id": self.headers.get("x-request-id"),
                 "body": body,
                 "at": time.time(),
             }

@@ -189,6 +189,22 @@ def test_same_protocol_both_ways(env, stream):
     assert last_request(standin)["path"] == "/v1/messages"
 
 
+def test_the_provider_gets_the_request_id_and_the_clients_traceparent(env):
+    """Traces are not exported here: the client's W3C traceparent reaches the provider unchanged, and the
+    client's x-request-id is echoed to it and sent on."""
+    gw, standin = env
+    standin.reset()
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    client = ant(gw, **VIA_ANTHROPIC, **{"traceparent": traceparent, "x-request-id": "sdk-trace-1"})
+    raw = client.messages.with_raw_response.create(
+        model=MODEL, max_tokens=9, messages=[{"role": "user", "content": "Say hello."}])
+    assert raw.headers["x-request-id"] == "sdk-trace-1"
+    assert raw.parse().content[0].text == REPLY
+    sent = last_request(standin)
+    assert sent["traceparent"] == traceparent
+    assert sent["x_request_id"] == "sdk-trace-1"
+
+
 def test_burst_decision_is_explained_and_counted(env):
     gw, _ = env
     r = requests.post(f"{gw.openai_base}/chat/completions", timeout=30,
