@@ -335,3 +335,6 @@ impl<M: Meter> Passing<M> {
         out.freeze()
     }
 }
+
+#[cfg(test)]
+mod tests;
