@@ -23,12 +23,24 @@ use crate::errors::{GatewayError, Protocol};
 use crate::overload::ConnectionGuard;
 use crate::overload::io::StallGuard;
 use crate::pipeline::{self, Endpoint};
+use crate::telemetry::{REQUEST_ID_HEADER, RequestContext};
 
 pub use crate::body::{Body, full};
 pub use crate::gateway::Gateway;
 
-/// Routes one client request.
+/// Serves one client request in its telemetry context ([`crate::telemetry`]): whatever the
+/// endpoint, a worker asked on its behalf gets its `x-request-id` and `traceparent`, and the answer
+/// carries the `x-request-id`.
 async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
+    let context = RequestContext::from_headers(req.headers());
+    let id = context.id.header_value();
+    let mut response = context.scope(route(gw, req)).await;
+    response.headers_mut().insert(REQUEST_ID_HEADER, id);
+    response
+}
+
+/// Routes one client request.
+async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
     let endpoint = match (req.method(), req.uri().path()) {
         (&Method::POST, "/v1/chat/completions") => Endpoint::ChatCompletions,
         (&Method::POST, "/v1/completions") => Endpoint::Completions,

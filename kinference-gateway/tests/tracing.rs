@@ -430,5 +430,21 @@ async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_
         "{sent}"
     );
     assert!(sent.contains(&format!("x-request-id: {id}")), "{sent}");
+    // Every endpoint's answer carries one, a refusal's too.
+    for path in ["/v1/models", "/v1/nowhere"] {
+        let (_, head, _) = support::call(
+            "127.0.0.1",
+            api,
+            "GET",
+            path,
+            &[("x-request-id", "other-endpoint-1")],
+            "",
+        )
+        .await;
+        assert!(
+            head.contains("x-request-id: other-endpoint-1"),
+            "{path}: {head}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

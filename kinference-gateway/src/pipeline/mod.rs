@@ -85,7 +85,9 @@ pub async fn handle(
     let admin = gw
         .access
         .serving_port_admin(req.headers(), req.extensions().get::<Peer>());
-    let context = RequestContext::from_headers(req.headers());
+    // The server's context when it made one for the request (the same id), else the headers'.
+    let context =
+        RequestContext::current().unwrap_or_else(|| RequestContext::from_headers(req.headers()));
     let id = context.id.clone();
     let span = context.span(req.method(), endpoint.path());
     let mut ex = Exchange::new(endpoint, req.headers(), admin, &gw.metrics);

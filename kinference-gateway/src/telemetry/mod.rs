@@ -185,6 +185,11 @@ impl RequestContext {
         span
     }
 
+    /// The context of the request being served, when there is one.
+    pub fn current() -> Option<RequestContext> {
+        CURRENT.try_with(RequestContext::clone).ok()
+    }
+
     /// Runs `work` with this context as the current request's (what [`current_headers`] reads).
     pub async fn scope<F: Future>(self, work: F) -> F::Output {
         CURRENT.scope(self, work).await
