@@ -209,10 +209,7 @@ async fn route(
     match path {
         "/health" | "/ping" if get || post => Ok(full(StatusCode::OK, "application/json", "")),
         "/version" if get => Ok(json_response(StatusCode::OK, &json!({"version": "0.32.0"}))),
-        "/v1/models" if get => Ok(json_response(
-            StatusCode::OK,
-            &lora::models_body(state),
-        )),
+        "/v1/models" if get => Ok(json_response(StatusCode::OK, &lora::models_body(state))),
         "/metrics" if get => Ok(full(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
