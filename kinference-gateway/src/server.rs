@@ -32,7 +32,7 @@ pub use crate::gateway::Gateway;
 /// endpoint, a worker asked on its behalf gets its `x-request-id` and `traceparent`, and the answer
 /// carries the `x-request-id`.
 async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
-    let context = RequestContext::from_headers(req.headers());
+    let context = RequestContext::for_request(req.uri().path(), req.headers());
     let id = context.id.header_value();
     let mut response = context.scope(route(gw, req)).await;
     response.headers_mut().insert(REQUEST_ID_HEADER, id);

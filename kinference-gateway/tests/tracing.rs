@@ -446,5 +446,26 @@ async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_
             "{path}: {head}"
         );
     }
+    // A pass-through endpoint: the worker gets the id, the usage record carries it.
+    let (status, head, body) = support::call(
+        "127.0.0.1",
+        api,
+        "POST",
+        "/v1/embeddings",
+        &[("x-request-id", "embed-1")],
+        &format!(r#"{{"model":"{MODEL}","input":"hello"}}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(head.contains("x-request-id: embed-1"), "{head}");
+    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    assert!(sent.contains("x-request-id: embed-1"), "{sent}");
+    eventually("the embeddings usage record with the request id", || {
+        std::fs::read_to_string(dir.join("usage.jsonl"))
+            .ok()?
+            .contains(r#""request_id":"embed-1""#)
+            .then_some(())
+    })
+    .await;
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -19,7 +19,7 @@ use crate::errors::Protocol;
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
-use crate::telemetry::RequestId;
+use crate::telemetry::{RequestContext, RequestId};
 use crate::tenancy::Admission;
 
 /// Everything one request owes the gateway's books, settled exactly once.
@@ -43,7 +43,7 @@ pub struct Settlement {
     /// byte, so the exported span covers the stream).
     request: Option<(RequestId, tracing::Span)>,
     /// The client's path (access line).
-    path: &'static str,
+    path: std::sync::Arc<str>,
 }
 
 impl std::fmt::Debug for Settlement {
@@ -57,8 +57,10 @@ impl std::fmt::Debug for Settlement {
 }
 
 impl Settlement {
-    /// A request arrived (counted in flight until it is settled).
+    /// A request arrived (counted in flight until it is settled); its id and path are the current
+    /// request's ([`RequestContext::current`]) when there is one.
     pub fn new(metrics: &Metrics, protocol: Protocol) -> Self {
+        let context = RequestContext::current();
         Settlement {
             metrics: metrics.clone(),
             protocol,
@@ -74,15 +76,17 @@ impl Settlement {
             _slot: None,
             _in_flight: metrics.in_flight(),
             settled: false,
-            request: None,
-            path: "",
+            path: context
+                .as_ref()
+                .map_or_else(|| std::sync::Arc::from(""), |c| c.path.clone()),
+            request: context.map(|c| (c.id, tracing::Span::none())),
         }
     }
 
     /// The request's id and root span, and the client's path.
     pub fn request(&mut self, id: RequestId, path: &'static str, span: tracing::Span) {
         self.request = Some((id, span));
-        self.path = path;
+        self.path = std::sync::Arc::from(path);
     }
 
     /// When the request arrived.
@@ -240,7 +244,7 @@ impl Settlement {
             tracing::info!(
                 target: "kinference_gateway::access_log",
                 method = "POST",
-                path = self.path,
+                path = &*self.path,
                 status,
                 tenant = self.admission.as_ref().map_or("", |a| a.tenant()),
                 model = %self.labels.model,

@@ -12,6 +12,7 @@ pub mod propagation;
 pub mod request_id;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
@@ -150,6 +151,8 @@ pub struct RequestContext {
     pub id: RequestId,
     /// The client's trace context, when it sent a valid one.
     pub trace: Option<ClientTrace>,
+    /// The path the client called (empty when not known).
+    pub path: Arc<str>,
 }
 
 tokio::task_local! {
@@ -162,6 +165,15 @@ impl RequestContext {
         RequestContext {
             id: RequestId::from_headers(headers),
             trace: ClientTrace::from_headers(headers),
+            path: Arc::from(""),
+        }
+    }
+
+    /// The context of a request to `path` with `headers`.
+    pub fn for_request(path: &str, headers: &http::HeaderMap) -> Self {
+        RequestContext {
+            path: Arc::from(path),
+            ..Self::from_headers(headers)
         }
     }
 
