@@ -41,6 +41,8 @@ def surface(tmp_path_factory) -> Gateway:
 
 
 def input_tokens(gw: Gateway) -> float:
+    """Prompt tokens the gateway billed, once every earlier request is settled."""
+    assert wait_until(lambda: gw.metric("kinference_gateway_requests_in_flight") == 0)
     return gw.metric("kinference_gateway_input_tokens_total", model=MODEL)
 
 
@@ -70,6 +72,8 @@ def test_embedding_errors_are_openai_errors(surface):
 
 
 def test_chat_n_and_logprobs_whole(surface):
+    assert wait_until(lambda: surface.metric("kinference_gateway_requests_in_flight") == 0)
+    before = surface.metric("kinference_gateway_output_tokens_total", model=MODEL)
     completion = client(surface).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=5, n=3,
         logprobs=True, top_logprobs=2)
@@ -79,6 +83,8 @@ def test_chat_n_and_logprobs_whole(surface):
         assert len(c.logprobs.content) == 5
         assert all(len(t.top_logprobs) == 2 and t.logprob < 0 for t in c.logprobs.content)
     assert completion.usage.completion_tokens == 3 * 5
+    # The gateway bills every choice.
+    assert wait_until(lambda: surface.metric("kinference_gateway_output_tokens_total", model=MODEL) - before == 15)
 
 
 def test_chat_n_and_logprobs_streamed(surface):
