@@ -209,7 +209,9 @@ async fn to_worker(
     }
 }
 
-/// A worker's non-2xx answer: its own 4xx passes on with its message; anything else is a bad upstream.
+/// A worker's non-2xx answer: its own 4xx passes on with its message, except a refusal of the
+/// gateway's credentials (the client's key is not the worker's business); anything else is a bad
+/// upstream.
 async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> GatewayError {
     let status = response.status();
     let body = gw
@@ -218,6 +220,14 @@ async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> 
         .await
         .unwrap_or_default();
     let message = UpstreamErrorBody::message_from(&body);
+    if matches!(status, StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN) {
+        return GatewayError::BadUpstream {
+            worker: worker.to_string(),
+            detail: format!(
+                "the worker refused the gateway's credentials ({status}): check worker_api_key"
+            ),
+        };
+    }
     if status.is_client_error() {
         GatewayError::UpstreamRejected { status, message }
     } else {

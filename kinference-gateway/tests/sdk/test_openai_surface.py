@@ -210,6 +210,10 @@ def test_workers_started_with_an_api_key(tmp_path, monkeypatch):
         with pytest.raises(openai.InternalServerError) as e:
             client(bare).embeddings.create(model=MODEL, input="hi")
         assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream"
+        with pytest.raises(openai.InternalServerError) as e:
+            client(bare).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)
+        assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream"
         # One command in front of the keyed worker: the key from the environment, as the chart sets it.
         from conftest import BIN_DIR, free_port, wait_for
         monkeypatch.setenv("KINFERENCE_WORKER_API_KEY", "sk-worker-secret")
