@@ -3,9 +3,6 @@
 //! `absent`, a gateway whose agent cannot be reached as `stale`, both in `/metrics` and in
 //! `/healthz/workers`; the per-tenant histograms appear only when turned on.
 
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
-
 use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 mod support;
@@ -35,44 +32,11 @@ async fn chat(port: u16) -> u16 {
     .0
 }
 
-/// Waits (up to a minute) until `ready` answers true, polling every 200 ms.
-async fn wait_for<F: Future<Output = bool>>(what: &str, mut ready: impl FnMut() -> F) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ready().await {
-        assert!(Instant::now() < deadline, "{what} not within 60 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 /// A `vllm-sim` worker serving [`MODEL`], answering; None when vllm-sim is not built (a failure
 /// under `CI=true`).
 async fn worker() -> Option<(ChildGuard, u16)> {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
-    ) {
-        return None;
-    }
-    let port = free_port();
-    let child = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
-    wait_for("vllm-sim answering /v1/models", || async {
-        tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_ok()
-            && get(port, "/v1/models").await.0 == 200
-    })
-    .await;
+    let (child, port) = support::spawn_vllm_sim(&support::vllm_sim_binary()?, MODEL);
+    support::wait_until_ok(port, "/v1/models").await;
     Some((child, port))
 }
 
@@ -82,7 +46,7 @@ async fn gateway(dir: &std::path::Path, config: &str, worker: u16) -> (ChildGuar
     std::fs::write(&path, config).unwrap();
     let worker_url = format!("http://127.0.0.1:{worker}");
     let tokenizer = tokenizer_dir();
-    let (child, api, admin) = support::spawn_gateway_with(
+    let (mut child, api, admin) = support::spawn_gateway_with(
         &path,
         &[
             "--worker",
@@ -91,22 +55,14 @@ async fn gateway(dir: &std::path::Path, config: &str, worker: u16) -> (ChildGuar
             tokenizer.to_str().unwrap(),
         ],
     );
-    let mut child = child;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("kinference-gateway exited with {status}");
-        }
-        if tokio::net::TcpStream::connect(("127.0.0.1", api))
+    support::wait_while_running(&mut child, "the gateway serving a chat", || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", api))
             .await
             .is_ok()
             && chat(api).await == 200
-        {
-            return (child, api, admin);
-        }
-        assert!(Instant::now() < deadline, "the gateway never served");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    })
+    .await;
+    (child, api, admin)
 }
 
 /// Sample lines of the exposition that carry the open gateway's tenant.

@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -148,27 +148,8 @@ async fn recording_relay(upstream: u16) -> (u16, Arc<Mutex<Vec<u8>>>) {
 
 /// A `vllm-sim` worker behind a recording relay: (process, relay port, bytes the worker got).
 async fn worker(sim: &Path) -> (ChildGuard, u16, Arc<Mutex<Vec<u8>>>) {
-    let port = free_port();
-    let child = ChildGuard(
-        Command::new(sim)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while TcpStream::connect(("127.0.0.1", port)).await.is_err()
-        || support::call("127.0.0.1", port, "GET", "/health", &[], "")
-            .await
-            .0
-            != 200
-    {
-        assert!(Instant::now() < deadline, "vllm-sim never became healthy");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (child, port) = support::spawn_vllm_sim(sim, MODEL);
+    support::wait_until_ok(port, "/health").await;
     let (relay, seen) = recording_relay(port).await;
     (child, relay, seen)
 }
@@ -196,38 +177,23 @@ async fn gateway(
     log: &Path,
 ) -> (ChildGuard, u16) {
     let (api, admin) = (free_port(), free_port());
-    let mut command = Command::new(env!("CARGO_BIN_EXE_kinference-gateway"));
+    let mut command = support::gateway_command(config, api, admin);
     command
-        .args(["--listen", &format!("127.0.0.1:{api}")])
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .args(flags)
-        .arg("--config")
-        .arg(config)
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
         .env_remove("KINFERENCE_LOG_FORMAT")
         .env_remove("RUST_LOG")
-        .stdout(Stdio::from(std::fs::File::create(log).unwrap()))
-        .stderr(Stdio::null());
+        .stdout(Stdio::from(std::fs::File::create(log).unwrap()));
     for (name, value) in envs {
         command.env(name, value);
     }
-    let mut child = ChildGuard(command.spawn().expect("starting kinference-gateway"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("kinference-gateway exited with {status}");
-        }
-        if TcpStream::connect(("127.0.0.1", admin)).await.is_ok()
-            && support::call("127.0.0.1", admin, "GET", "/readyz", &[], "")
-                .await
-                .0
-                == 200
-        {
-            return (child, api);
-        }
-        assert!(Instant::now() < deadline, "the gateway never became ready");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let mut child = ChildGuard(
+        command
+            .args(flags)
+            .spawn()
+            .expect("starting kinference-gateway"),
+    );
+    support::wait_until_ready(&mut child, admin).await;
+    (child, api)
 }
 
 /// A streamed chat request with `headers`: (status, lower-cased head, body).
@@ -258,19 +224,11 @@ async fn eventually<T>(what: &str, mut ready: impl FnMut() -> Option<T>) -> T {
     }
 }
 
-fn vllm_sim() -> Option<PathBuf> {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
-    )
-    .then_some(sim)
-}
-
 #[tokio::test]
 async fn a_streamed_request_exports_its_stages_in_the_clients_trace_and_the_worker_continues_it() {
-    let Some(sim) = vllm_sim() else { return };
+    let Some(sim) = support::vllm_sim_binary() else {
+        return;
+    };
     let receiver = Receiver::default();
     let endpoint = receiver.start().await;
     let (_sim, relay, seen) = worker(&sim).await;
@@ -400,7 +358,9 @@ async fn a_streamed_request_exports_its_stages_in_the_clients_trace_and_the_work
 #[tokio::test]
 async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_request_id_is_replaced()
  {
-    let Some(sim) = vllm_sim() else { return };
+    let Some(sim) = support::vllm_sim_binary() else {
+        return;
+    };
     let (_sim, relay, seen) = worker(&sim).await;
     let dir = std::env::temp_dir().join(format!("kinference-tracing-off-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

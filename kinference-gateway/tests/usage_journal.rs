@@ -11,10 +11,11 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, free_port, tokenizer_dir};
-use tokio::net::TcpStream;
+use testkit::{ChildGuard, free_port};
 
 mod support;
+
+use support::metric;
 
 const MODEL: &str = "journal-model";
 const STRICT_KEY: &str = "sk-strict-journal-test";
@@ -56,14 +57,6 @@ async fn messages(port: u16, key: &str) -> (u16, String) {
     call(port, "POST", "/v1/messages", &[("x-api-key", key)], &body).await
 }
 
-/// The value of one series in `/metrics` (0 when absent).
-async fn metric(admin: u16, series: &str) -> f64 {
-    let (_, text) = call(admin, "GET", "/metrics", &[], "").await;
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Requests of tenant `lenient` in `/admin/usage` (loopback: an admin).
 async fn lenient_requests(admin: u16) -> u64 {
     let (status, body) = call(
@@ -94,27 +87,13 @@ async fn gateway(config: &std::path::Path, limit: Option<u64>) -> (ChildGuard, u
         None => Command::new(env!("CARGO_BIN_EXE_kinference-gateway")),
     };
     command
-        .args(["--listen", &format!("127.0.0.1:{api}")])
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .arg("--config")
-        .arg(config)
+        .args(support::gateway_args("127.0.0.1", api, admin, config))
         .env_remove("KINFERENCE_ADMIN_KEY")
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     let mut child = ChildGuard(command.spawn().expect("starting kinference-gateway"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("kinference-gateway exited with {status}");
-        }
-        if TcpStream::connect(("127.0.0.1", admin)).await.is_ok()
-            && call(admin, "GET", "/readyz", &[], "").await.0 == 200
-        {
-            return (child, api, admin);
-        }
-        assert!(Instant::now() < deadline, "the gateway never became ready");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    support::wait_until_ready(&mut child, admin).await;
+    (child, api, admin)
 }
 
 fn record_line(id: &str, ts_ms: u128) -> String {
@@ -125,14 +104,9 @@ fn record_line(id: &str, ts_ms: u128) -> String {
 
 #[tokio::test]
 async fn a_torn_journal_is_repaired_and_a_full_disk_is_counted_and_handled_per_tenant() {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
-    ) {
+    let Some(sim) = support::vllm_sim_binary() else {
         return;
-    }
+    };
     let prlimit = Command::new("prlimit")
         .arg("--version")
         .output()
@@ -144,28 +118,14 @@ async fn a_torn_journal_is_repaired_and_a_full_disk_is_counted_and_handled_per_t
     ) {
         return;
     }
-    let worker_port = free_port();
-    let _worker = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &worker_port.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
+    let (_worker, worker_port) = support::spawn_vllm_sim(&sim, MODEL);
     let dir = std::env::temp_dir().join(format!("kinference-usage-journal-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    for (tenant, key) in [("strict", STRICT_KEY), ("lenient", LENIENT_KEY)] {
-        std::fs::create_dir_all(dir.join("secrets").join(tenant)).unwrap();
-        std::fs::write(dir.join("secrets").join(tenant).join("api-key"), key).unwrap();
-    }
-    std::fs::write(
-        dir.join("tenants.yaml"),
-        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: strict}\nspec:\n  apiKeys:\n    - secretRef: {name: strict, key: api-key}\n---\napiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: lenient}\nspec:\n  apiKeys:\n    - secretRef: {name: lenient, key: api-key}\n",
-    )
-    .unwrap();
+    support::write_tenants(
+        &dir,
+        &[("strict", STRICT_KEY), ("lenient", LENIENT_KEY)],
+        "",
+    );
     // Two records and a torn third, as a crash mid-write leaves them.
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -1,17 +1,23 @@
-//! What several integration tests of the gateway share: the real binary started on two free loopback
-//! ports.
+//! What several integration tests of the gateway share: the real gateway binary started on free
+//! loopback ports and waited for, a real `vllm-sim` worker, the tenants' key files, and one raw
+//! HTTP/1.1 exchange.
+// Each test crate compiles this module and calls only some of it.
+#![allow(dead_code)]
 
-use std::path::Path;
+use std::ffi::OsString;
+use std::future::Future;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, free_port};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
+/// How long a process gets to start answering: generous, for a busy machine.
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
 /// Starts `kinference-gateway --config config` on free ports: (the process, API port, admin port).
-// Each test crate compiles this module; those that pass flags call only `spawn_gateway_with`.
-#[allow(dead_code)]
 pub fn spawn_gateway(config: &Path) -> (ChildGuard, u16, u16) {
     spawn_gateway_with(config, &[])
 }
@@ -19,22 +25,145 @@ pub fn spawn_gateway(config: &Path) -> (ChildGuard, u16, u16) {
 /// [`spawn_gateway`] with more flags.
 pub fn spawn_gateway_with(config: &Path, flags: &[&str]) -> (ChildGuard, u16, u16) {
     let (api, admin) = (free_port(), free_port());
-    let child = Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-        .args(["--listen", &format!("127.0.0.1:{api}")])
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
+    let child = gateway_command(config, api, admin)
         .args(flags)
-        .arg("--config")
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
         .spawn()
         .expect("starting kinference-gateway");
     (ChildGuard(child), api, admin)
 }
 
+/// The command that starts the gateway with `config` on loopback `api` and `admin` ports, its
+/// output discarded: for a test that sets environment variables or a log file before spawning.
+pub fn gateway_command(config: &Path, api: u16, admin: u16) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kinference-gateway"));
+    command
+        .args(gateway_args("127.0.0.1", api, admin, config))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
+}
+
+/// The gateway's arguments to listen on `host:api` and `host:admin` with `config`; for a test that
+/// starts the binary some other way (on another address, under a wrapper).
+pub fn gateway_args(host: &str, api: u16, admin: u16, config: &Path) -> Vec<OsString> {
+    vec![
+        "--listen".into(),
+        format!("{host}:{api}").into(),
+        "--admin-listen".into(),
+        format!("{host}:{admin}").into(),
+        "--config".into(),
+        config.into(),
+    ]
+}
+
+/// Waits until the gateway's `/readyz` answers 200 on loopback `admin`.
+pub async fn wait_until_ready(gateway: &mut ChildGuard, admin: u16) {
+    wait_while_running(gateway, "the gateway ready (/readyz)", || async {
+        status_of(admin, "/readyz").await == Some(200)
+    })
+    .await;
+}
+
+/// Polls `ready` until it holds; fails the test after a minute, or at once if `process` exits
+/// (its exit status then says why, rather than a timeout).
+pub async fn wait_while_running<F: Future<Output = bool>>(
+    process: &mut ChildGuard,
+    what: &str,
+    mut ready: impl FnMut() -> F,
+) {
+    let deadline = Instant::now() + START_DEADLINE;
+    loop {
+        if let Ok(Some(status)) = process.0.try_wait() {
+            panic!("the process exited with {status} before {what}");
+        }
+        if ready().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: not within a minute");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls `ready` until it holds; fails the test after a minute.
+pub async fn wait_for<F: Future<Output = bool>>(what: &str, mut ready: impl FnMut() -> F) {
+    let deadline = Instant::now() + START_DEADLINE;
+    while !ready().await {
+        assert!(Instant::now() < deadline, "{what}: not within a minute");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `GET path` on loopback `port` answers 2xx.
+pub async fn wait_until_ok(port: u16, path: &str) {
+    wait_for(&format!("127.0.0.1:{port}{path} answering 2xx"), || async {
+        status_of(port, path)
+            .await
+            .is_some_and(|s| (200..300).contains(&s))
+    })
+    .await;
+}
+
+/// The status of `GET path` on loopback `port`; `None` while nothing listens there.
+async fn status_of(port: u16, path: &str) -> Option<u16> {
+    TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+    Some(call("127.0.0.1", port, "GET", path, &[], "").await.0)
+}
+
+/// The value of one series in the gateway's `/metrics` on loopback `admin` (0 when absent).
+/// `series` is the name with its labels, as the exposition writes it.
+pub async fn metric(admin: u16, series: &str) -> f64 {
+    let (_, _, text) = call("127.0.0.1", admin, "GET", "/metrics", &[], "").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The built `vllm-sim` binary; `None` when it is not built (a failure under `CI=true`).
+pub fn vllm_sim_binary() -> Option<PathBuf> {
+    let sim = testkit::bin_dir().join("vllm-sim");
+    testkit::require(
+        sim.exists(),
+        "vllm-sim",
+        format_args!(
+            "{} not built (cargo build -p kinference-bench)",
+            sim.display()
+        ),
+    )
+    .then_some(sim)
+}
+
+/// Starts `sim` (a `vllm-sim` binary) serving `model` with the `fast` preset and the test
+/// tokenizer on a free loopback port: (the process, its port). It may not answer yet.
+pub fn spawn_vllm_sim(sim: &Path, model: &str) -> (ChildGuard, u16) {
+    let port = free_port();
+    let child = Command::new(sim)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--model", model, "--preset", "fast", "--tokenizer-dir"])
+        .arg(tokenizer_dir())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start vllm-sim");
+    (ChildGuard(child), port)
+}
+
+/// Writes each `(tenant, key)`'s key file under `dir/secrets/<tenant>/api-key` and
+/// `dir/tenants.yaml` with one `InferenceTenant` per tenant using that key, and `extra_spec`
+/// (more lines of its spec, indented two spaces, e.g. limits) for all of them.
+pub fn write_tenants(dir: &Path, tenants: &[(&str, &str)], extra_spec: &str) {
+    let mut yaml = Vec::new();
+    for (tenant, key) in tenants {
+        let secrets = dir.join("secrets").join(tenant);
+        std::fs::create_dir_all(&secrets).unwrap();
+        std::fs::write(secrets.join("api-key"), key).unwrap();
+        yaml.push(format!(
+            "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {tenant}}}\nspec:\n  apiKeys:\n    - secretRef: {{name: {tenant}, key: api-key}}\n{extra_spec}"
+        ));
+    }
+    std::fs::write(dir.join("tenants.yaml"), yaml.join("---\n")).unwrap();
+}
+
 /// One HTTP/1.1 exchange on a fresh connection to `host:port`: (status, lower-cased head, body).
-// Each test crate compiles this module; only those that speak raw HTTP call it.
-#[allow(dead_code)]
 pub async fn call(
     host: &str,
     port: u16,
