@@ -12,7 +12,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, free_port, tokenizer_dir};
+use testkit::{ChildGuard, free_port};
 use tokio::net::TcpStream;
 
 mod support;
@@ -71,36 +71,10 @@ impl Drop for Setup {
 /// A `vllm-sim` worker and a `gateway.yaml` with two tenants; None when vllm-sim is not built
 /// (a failure under `CI=true`).
 fn setup(tag: &str) -> Option<(Setup, std::path::PathBuf)> {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
-    ) {
-        return None;
-    }
-    let worker_port = free_port();
-    let worker = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &worker_port.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
+    let (worker, worker_port) = support::spawn_vllm_sim(&support::vllm_sim_binary()?, MODEL);
     let dir = std::env::temp_dir().join(format!("kinference-access-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    for (tenant, key) in [("acme", ACME_KEY), ("globex", GLOBEX_KEY)] {
-        std::fs::create_dir_all(dir.join("secrets").join(tenant)).unwrap();
-        std::fs::write(dir.join("secrets").join(tenant).join("api-key"), key).unwrap();
-    }
-    std::fs::write(
-        dir.join("tenants.yaml"),
-        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: acme}\nspec:\n  apiKeys:\n    - secretRef: {name: acme, key: api-key}\n---\napiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: globex}\nspec:\n  apiKeys:\n    - secretRef: {name: globex, key: api-key}\n",
-    )
-    .unwrap();
+    support::write_tenants(&dir, &[("acme", ACME_KEY), ("globex", GLOBEX_KEY)], "");
     let config = dir.join("gateway.yaml");
     std::fs::write(
         &config,
@@ -125,10 +99,7 @@ async fn gateway(config: &std::path::Path, bind: &str, extra: &[&str]) -> (Child
     let (api, admin) = (free_port(), free_port());
     let mut child = ChildGuard(
         Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("{bind}:{api}")])
-            .args(["--admin-listen", &format!("{bind}:{admin}")])
-            .arg("--config")
-            .arg(config)
+            .args(support::gateway_args(bind, api, admin, config))
             .args(extra)
             .env_remove("KINFERENCE_ADMIN_KEY")
             .stdout(Stdio::null())

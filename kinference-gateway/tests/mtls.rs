@@ -21,97 +21,9 @@ use kinference_api::summary::node_agent_client::NodeAgentClient;
 use testkit::{ChildGuard, bin_dir, free_port};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let status = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl runs");
-    assert!(status.success(), "openssl {args:?}");
-}
+mod support;
 
-/// A self-signed CA `name`.
-fn ca(dir: &Path, name: &str) {
-    let (key, crt, subj) = (
-        format!("{name}.key"),
-        format!("{name}.crt"),
-        format!("/CN={name}"),
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &crt,
-            "-days",
-            "2",
-            "-subj",
-            &subj,
-        ],
-    );
-}
-
-/// A certificate `name` for DNS name `dns`, signed by CA `by`.
-fn leaf(dir: &Path, name: &str, dns: &str, by: &str) {
-    let (key, csr, crt) = (
-        format!("{name}.key"),
-        format!("{name}.csr"),
-        format!("{name}.crt"),
-    );
-    let (ca_crt, ca_key, ext) = (
-        format!("{by}.crt"),
-        format!("{by}.key"),
-        format!("{name}.ext"),
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &csr,
-            "-subj",
-            &format!("/CN={dns}"),
-        ],
-    );
-    std::fs::write(dir.join(&ext), format!("subjectAltName=DNS:{dns}\n")).unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            &csr,
-            "-CA",
-            &ca_crt,
-            "-CAkey",
-            &ca_key,
-            "-CAcreateserial",
-            "-out",
-            &crt,
-            "-days",
-            "2",
-            "-extfile",
-            &ext,
-        ],
-    );
-}
+use support::certs::{ca, leaf};
 
 fn pem(dir: &Path, file: &str) -> Vec<u8> {
     std::fs::read(dir.join(file)).expect("PEM file")
@@ -203,6 +115,29 @@ async fn ext_proc(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String>
     }
 }
 
+/// Checks a TLS server named `server` through `connect`: a client presenting the gateway's
+/// certificate (one of the CA in `dir`) gets an answer; one without a certificate, with another
+/// CA's, or in plaintext is refused.
+async fn admits_only_clients_of_the_ca<F: Future<Output = Result<(), String>>>(
+    dir: &Path,
+    server: &str,
+    connect: impl Fn(Option<ClientTlsConfig>) -> F,
+) {
+    connect(Some(client_tls(dir, server, Some("gateway"))))
+        .await
+        .unwrap_or_else(|e| panic!("{server}: a client certificate of the CA was refused: {e}"));
+    for (case, tls) in [
+        ("no client certificate", Some(client_tls(dir, server, None))),
+        (
+            "another CA's certificate",
+            Some(client_tls(dir, server, Some("rogue"))),
+        ),
+        ("plaintext", None),
+    ] {
+        assert!(connect(tls).await.is_err(), "{server}: {case} was let in");
+    }
+}
+
 fn wait_listening(port: u16, child: &mut ChildGuard, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
@@ -236,9 +171,9 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
     std::fs::create_dir_all(&dir).unwrap();
     ca(&dir, "ca");
     ca(&dir, "other-ca");
-    leaf(&dir, "agent", "kinference-agent", "ca");
-    leaf(&dir, "gateway", "kinference-gateway", "ca");
-    leaf(&dir, "rogue", "kinference-gateway", "other-ca");
+    leaf(&dir, "agent", "DNS:kinference-agent", "ca");
+    leaf(&dir, "gateway", "DNS:kinference-gateway", "ca");
+    leaf(&dir, "rogue", "DNS:kinference-gateway", "other-ca");
     let path = |f: &str| dir.join(f).display().to_string();
 
     // The agent, mTLS on its gRPC port.
@@ -258,25 +193,7 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
             .expect("starting kinference-agent"),
     );
     wait_listening(grpc, &mut agent, "kinference-agent");
-    watch(
-        grpc,
-        Some(client_tls(&dir, "kinference-agent", Some("gateway"))),
-    )
-    .await
-    .expect("a gateway certificate of the CA streams");
-    for (case, tls) in [
-        (
-            "no client certificate",
-            Some(client_tls(&dir, "kinference-agent", None)),
-        ),
-        (
-            "another CA's certificate",
-            Some(client_tls(&dir, "kinference-agent", Some("rogue"))),
-        ),
-        ("plaintext", None),
-    ] {
-        assert!(watch(grpc, tls).await.is_err(), "{case} was let in");
-    }
+    admits_only_clients_of_the_ca(&dir, "kinference-agent", |tls| watch(grpc, tls)).await;
 
     // The gateway: ext_proc with mTLS, watching the agent with its client certificate.
     std::fs::write(
@@ -286,10 +203,7 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
     .unwrap();
     let (api, admin, extproc) = (free_port(), free_port(), free_port());
     let mut gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{api}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .args(["--config", &path("gateway.yaml")])
+        support::gateway_command(&dir.join("gateway.yaml"), api, admin)
             .args(["--extproc-listen", &format!("127.0.0.1:{extproc}")])
             .args(["--extproc-tls-cert", &path("gateway.crt")])
             .args(["--extproc-tls-key", &path("gateway.key")])
@@ -297,32 +211,12 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
             .args(["--agent-tls-ca", &path("ca.crt")])
             .args(["--agent-tls-cert", &path("gateway.crt")])
             .args(["--agent-tls-key", &path("gateway.key")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .expect("starting kinference-gateway"),
     );
     wait_listening(extproc, &mut gateway, "kinference-gateway");
     // The proxy's certificate is the gateway's own here: any certificate of the CA will do.
-    ext_proc(
-        extproc,
-        Some(client_tls(&dir, "kinference-gateway", Some("gateway"))),
-    )
-    .await
-    .expect("a proxy certificate of the CA is answered");
-    for (case, tls) in [
-        (
-            "no client certificate",
-            Some(client_tls(&dir, "kinference-gateway", None)),
-        ),
-        (
-            "another CA's certificate",
-            Some(client_tls(&dir, "kinference-gateway", Some("rogue"))),
-        ),
-        ("plaintext", None),
-    ] {
-        assert!(ext_proc(extproc, tls).await.is_err(), "{case} was let in");
-    }
+    admits_only_clients_of_the_ca(&dir, "kinference-gateway", |tls| ext_proc(extproc, tls)).await;
 
     // The gateway's own Watch stream to the agent runs over mTLS.
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -11,13 +11,16 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kinference_gateway::tenancy::limits::{FailMode, TenantSettings};
 use kinference_gateway::tenancy::store::RedisStore;
-use testkit::{ChildGuard, free_port, tokenizer_dir};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use testkit::{ChildGuard, free_port};
 use tokio::net::TcpStream;
+
+mod support;
+
+use support::certs;
 
 const MODEL: &str = "tls-model";
 const KEY: &str = "sk-acme-redis-tls";
@@ -48,118 +51,26 @@ fn tool(name: &str) -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
-fn openssl(dir: &Path, args: &[&str]) {
-    let status = Command::new("openssl")
-        .args(args)
-        .current_dir(dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("openssl runs");
-    assert!(status.success(), "openssl {args:?}");
-}
-
 /// A CA, a server certificate for 127.0.0.1 signed by it, and an unrelated CA, in `dir`.
 fn make_certs(dir: &Path) {
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "other-ca.key",
-            "-out",
-            "other-ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=someone-else",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=kinference-test-ca",
-        ],
-    );
-    openssl(
-        dir,
-        &[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        ],
-    );
-    std::fs::write(
-        dir.join("san.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
-    )
-    .unwrap();
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-        ],
-    );
+    certs::ca(dir, "other-ca");
+    certs::ca(dir, "ca");
+    certs::leaf(dir, "server", "IP:127.0.0.1,DNS:localhost", "ca");
 }
 
+/// One exchange on loopback as the tenant: (status, body).
 async fn call(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port))
-        .await
-        .expect("connect");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\nauthorization: Bearer {KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    s.write_all(req.as_bytes()).await.expect("write");
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
-        .await
-        .expect("answer in time")
-        .expect("read");
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, text)
+    let auth = format!("Bearer {KEY}");
+    let (status, _, body) = support::call(
+        "127.0.0.1",
+        port,
+        method,
+        path,
+        &[("authorization", &auth)],
+        body,
+    )
+    .await;
+    (status, body)
 }
 
 async fn chat(port: u16) -> (u16, String) {
@@ -173,57 +84,44 @@ async fn chat(port: u16) -> (u16, String) {
 /// worker is probed healthy (loopback callers read `/healthz/workers`).
 async fn gateway(config: &Path, ca: Option<&Path>) -> (ChildGuard, u16) {
     let (api, admin) = (free_port(), free_port());
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kinference-gateway"));
-    cmd.args(["--listen", &format!("127.0.0.1:{api}")])
-        .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-        .arg("--config")
-        .arg(config)
-        .env_remove("SSL_CERT_FILE")
-        .env_remove("SSL_CERT_DIR")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+    let mut cmd = support::gateway_command(config, api, admin);
+    cmd.env_remove("SSL_CERT_FILE").env_remove("SSL_CERT_DIR");
     if let Some(ca) = ca {
         cmd.env("SSL_CERT_FILE", ca);
     }
     let mut child = ChildGuard(cmd.spawn().expect("starting kinference-gateway"));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(Some(status)) = child.0.try_wait() {
-            panic!("kinference-gateway exited with {status}");
-        }
-        if TcpStream::connect(("127.0.0.1", admin)).await.is_ok() {
-            let (_, workers) = call(admin, "GET", "/healthz/workers", "").await;
-            if workers.contains("\"healthy\":1") {
-                return (child, api);
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the gateway never saw its worker healthy"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    support::wait_while_running(
+        &mut child,
+        "the gateway seeing its worker healthy",
+        || async {
+            TcpStream::connect(("127.0.0.1", admin)).await.is_ok()
+                && call(admin, "GET", "/healthz/workers", "")
+                    .await
+                    .1
+                    .contains("\"healthy\":1")
+        },
+    )
+    .await;
+    (child, api)
 }
 
 #[tokio::test]
 async fn limits_hold_through_a_tls_only_redis_and_an_untrusted_one_fails_closed() {
     let redis = tool("redis-server");
     let have_openssl = tool("openssl").is_some();
-    let sim = testkit::bin_dir().join("vllm-sim");
     if !testkit::require(
         redis.is_some() && have_openssl,
         "redis-server and openssl",
         "not installed (apt-get install -y redis-server openssl)",
-    ) || !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
     ) {
         return;
     }
+    let Some(sim) = support::vllm_sim_binary() else {
+        return;
+    };
     let dir = std::env::temp_dir().join(format!("kinference-redis-tls-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(dir.join("secrets/acme")).unwrap();
+    std::fs::create_dir_all(&dir).unwrap();
     make_certs(&dir);
 
     let tls_port = free_port();
@@ -244,23 +142,12 @@ async fn limits_hold_through_a_tls_only_redis_and_an_untrusted_one_fails_closed(
             .spawn()
             .expect("redis-server starts"),
     );
-    let worker_port = free_port();
-    let _worker = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &worker_port.to_string()])
-            .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
+    let (_worker, worker_port) = support::spawn_vllm_sim(&sim, MODEL);
+    support::write_tenants(
+        &dir,
+        &[("acme", KEY)],
+        "  limits:\n    requestsPerMinute: 2\n",
     );
-    std::fs::write(dir.join("secrets/acme/api-key"), KEY).unwrap();
-    std::fs::write(
-        dir.join("tenants.yaml"),
-        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: acme}\nspec:\n  apiKeys:\n    - secretRef: {name: acme, key: api-key}\n  limits:\n    requestsPerMinute: 2\n",
-    )
-    .unwrap();
     let config = dir.join("gateway.yaml");
     std::fs::write(
         &config,
