@@ -17,7 +17,6 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -35,6 +34,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
 use testkit::{ChildGuard, free_port, tokenizer_dir};
+
+mod support;
 
 const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_PII_PROVIDER_KEY";
@@ -597,34 +598,9 @@ async fn send(
     }
 }
 
-async fn wait_ok(client: &Client<HttpConnector, Full<Bytes>>, url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let probe = hyper::Request::get(url)
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        if client
-            .request(probe)
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{url} did not come up");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Requests `vllm-sim` finished, from its `/metrics`.
-async fn served_by_sim(client: &Client<HttpConnector, Full<Bytes>>, sim: u16) -> f64 {
-    let (_, text) = {
-        let request = hyper::Request::get(format!("http://127.0.0.1:{sim}/metrics"))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let response = client.request(request).await.expect("vllm-sim /metrics");
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        ((), String::from_utf8_lossy(&bytes).into_owned())
-    };
+async fn served_by_sim(sim: u16) -> f64 {
+    let text = support::metrics_text(sim).await;
     text.lines()
         .filter(|l| l.starts_with("vllm:request_success_total{"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -655,30 +631,12 @@ impl Rig {
     /// Starts everything; `extra_yaml` is appended to `gateway.yaml`. `None` (after
     /// `testkit::require`) without a built `vllm-sim`.
     async fn start(extra_yaml: &str) -> Option<Rig> {
-        let sim_bin = testkit::bin_dir().join("vllm-sim");
-        if !testkit::require(
-            sim_bin.exists(),
-            "vllm-sim",
-            format_args!("{} not built", sim_bin.display()),
-        ) {
-            return None;
-        }
-        let sim = free_port();
-        let sim_child = ChildGuard(
-            Command::new(&sim_bin)
-                .args(["--host", "127.0.0.1", "--port", &sim.to_string()])
-                .args(["--model", MODEL, "--preset", "fast", "--tokenizer-dir"])
-                .arg(tokenizer_dir())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start vllm-sim"),
-        );
+        let (sim_child, sim) = support::spawn_vllm_sim(&support::vllm_sim_binary()?, MODEL);
         let client: Client<HttpConnector, Full<Bytes>> =
             Client::builder(TokioExecutor::new()).build_http();
         // Up before the gateway starts: its first health probe decides whether the local pool
         // can serve at all.
-        wait_ok(&client, &format!("http://127.0.0.1:{sim}/health")).await;
+        support::wait_until_ok(sim, "/health").await;
         let remote = Arc::new(Counter::default());
         let provider = Arc::new(Counter::default());
         let remote_addr = standin("remote pool", Arc::clone(&remote)).await;
@@ -696,20 +654,15 @@ impl Rig {
         let (api, admin) = (free_port(), free_port());
         let log = std::fs::File::create(dir.join("gateway.log")).unwrap();
         let gateway = ChildGuard(
-            Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-                .args(["--listen", &format!("127.0.0.1:{api}")])
-                .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-                .arg("--config")
-                .arg(&config)
+            support::gateway_command(&config, api, admin)
                 .env(KEY_ENV, "sk-standin")
                 .env("RUST_LOG", "warn")
                 .env("NO_COLOR", "1")
                 .stdout(log)
-                .stderr(Stdio::null())
                 .spawn()
                 .expect("start kinference-gateway"),
         );
-        wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
+        support::wait_until_ok(admin, "/healthz").await;
         Some(Rig {
             client,
             base: format!("http://127.0.0.1:{api}"),
@@ -730,12 +683,7 @@ impl Rig {
 
     /// The admin port's `/metrics`.
     async fn metrics(&self) -> String {
-        let request = hyper::Request::get(format!("http://127.0.0.1:{}/metrics", self.admin))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        let response = self.client.request(request).await.expect("/metrics");
-        let bytes = response.into_body().collect().await.unwrap().to_bytes();
-        String::from_utf8_lossy(&bytes).into_owned()
+        support::metrics_text(self.admin).await
     }
 }
 
@@ -799,7 +747,7 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
     }
     let remote_before = remote_count.bytes.load(Ordering::SeqCst);
     let provider_before = provider_count.bytes.load(Ordering::SeqCst);
-    let sim_before = served_by_sim(client, sim).await;
+    let sim_before = served_by_sim(sim).await;
 
     let mut rng = StdRng::seed_from_u64(seed);
     let cases: Vec<Case> = (0..count).map(|_| generate(&mut rng, &tokenizer)).collect();
@@ -829,7 +777,7 @@ async fn personal_data_placed_anywhere_never_leaves_and_is_served_locally() {
         .collect()
         .await;
     let elapsed = started.elapsed();
-    let sim_served = served_by_sim(client, sim).await - sim_before;
+    let sim_served = served_by_sim(sim).await - sim_before;
     println!(
         "pii property: {count} cases (seed {seed}) in {:.2} s ({:.0} ms per 100 cases); \
          remote pool and provider received {} and {} bytes; vllm-sim served {sim_served}",

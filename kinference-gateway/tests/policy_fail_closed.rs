@@ -10,10 +10,8 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -23,6 +21,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
 use testkit::{ChildGuard, free_port, tokenizer_dir};
+
+mod support;
 
 const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_STANDIN_KEY";
@@ -176,34 +176,14 @@ async fn personal_data_is_refused_and_never_reaches_the_provider() {
     let config = write_config(&dir.0, provider);
     let (port, admin) = (free_port(), free_port());
     let _gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
-            .arg("--config")
-            .arg(&config)
+        support::gateway_command(&config, port, admin)
             .env(KEY_ENV, KEY)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
             .expect("start kinference-gateway"),
     );
+    support::wait_until_ok(admin, "/healthz").await;
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let probe = hyper::Request::get(format!("http://127.0.0.1:{admin}/healthz"))
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        if client
-            .request(probe)
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the gateway did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let base = format!("http://127.0.0.1:{port}/v1");
 
     // Without personal data: burst to the provider (the path is live).

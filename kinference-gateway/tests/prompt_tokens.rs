@@ -10,10 +10,8 @@
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -22,7 +20,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
-use testkit::{ChildGuard, free_port, tokenizer_dir};
+use testkit::ChildGuard;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -217,55 +215,12 @@ fn write_config(dir: &Path, policies: &Path, workers: &[u16]) -> PathBuf {
     config
 }
 
-/// A real `vllm-sim` serving [`MODEL`]: the process and its port (`None` without the binary).
+/// A real `vllm-sim` serving [`MODEL`], answering: the process and its port (`None` without the
+/// binary).
 async fn start_sim() -> Option<(ChildGuard, u16)> {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!(
-            "{} not built (cargo build -p kinference-bench)",
-            sim.display()
-        ),
-    ) {
-        return None;
-    }
-    let port = free_port();
-    let child = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--model", MODEL, "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
-    );
-    let client = http_client();
-    wait_ok(&client, &format!("http://127.0.0.1:{port}/health")).await;
+    let (child, port) = support::spawn_vllm_sim(&support::vllm_sim_binary()?, MODEL);
+    support::wait_until_ok(port, "/health").await;
     Some((child, port))
-}
-
-fn http_client() -> Client<HttpConnector, Full<Bytes>> {
-    Client::builder(TokioExecutor::new()).build_http()
-}
-
-async fn wait_ok(client: &Client<HttpConnector, Full<Bytes>>, url: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let probe = hyper::Request::get(url)
-            .body(Full::new(Bytes::new()))
-            .unwrap();
-        if client
-            .request(probe)
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{url} never answered 200");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// POSTs `body` to the gateway: the status and the whole answer.
@@ -346,8 +301,8 @@ async fn setup(selector: bool) -> Option<Setup> {
         (write_policies(&dir.0, remote, Some(local)), vec![])
     };
     let (gateway, api, admin) = support::spawn_gateway(&write_config(&dir.0, &policies, &workers));
-    let client = http_client();
-    wait_ok(&client, &format!("http://127.0.0.1:{admin}/healthz")).await;
+    support::wait_until_ok(admin, "/healthz").await;
+    let client = Client::builder(TokioExecutor::new()).build_http();
     Some(Setup {
         api,
         client,

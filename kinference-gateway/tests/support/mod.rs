@@ -111,11 +111,19 @@ async fn status_of(port: u16, path: &str) -> Option<u16> {
     Some(call("127.0.0.1", port, "GET", path, &[], "").await.0)
 }
 
+/// The `/metrics` exposition on loopback `port` (the gateway's admin port, or a worker's).
+pub async fn metrics_text(port: u16) -> String {
+    let (status, _, text) = call("127.0.0.1", port, "GET", "/metrics", &[], "").await;
+    assert_eq!(status, 200, "GET /metrics on {port}: {text}");
+    text
+}
+
 /// The value of one series in the gateway's `/metrics` on loopback `admin` (0 when absent).
 /// `series` is the name with its labels, as the exposition writes it.
 pub async fn metric(admin: u16, series: &str) -> f64 {
-    let (_, _, text) = call("127.0.0.1", admin, "GET", "/metrics", &[], "").await;
-    text.lines()
+    metrics_text(admin)
+        .await
+        .lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)
 }
