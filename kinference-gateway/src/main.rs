@@ -146,6 +146,15 @@ async fn main() -> anyhow::Result<()> {
             signals = %w.signals_json(), "routing signals");
     }
     let prober = tokio::spawn(prober.run());
+    // The workers' LoRA adapters (their /v1/models), read before serving and every health interval.
+    let adapters = kinference_gateway::backend::adapters::AdapterWatch {
+        router: Arc::clone(&gw.router),
+        upstream: gw.upstream.clone(),
+        interval: gw.settings.health_interval(),
+        timeout: gw.settings.health_timeout(),
+    };
+    adapters.learn_all().await;
+    let adapters = tokio::spawn(adapters.run());
     let drain = Duration::from_secs(args.drain_timeout_seconds);
     let admin_task = tokio::spawn(server::serve(
         admin,
@@ -188,6 +197,7 @@ async fn main() -> anyhow::Result<()> {
         tracing::warn!(?drain, "still draining after the timeout; exiting");
     }
     prober.abort();
+    adapters.abort();
     tracing::info!("drained");
     // Every usage record of the requests that finished during the graceful stop is on disk.
     tenancy.flush().await;

@@ -4,6 +4,7 @@
 //! (SSE parsed by [`sse`]) while feeding a [`relay::Meter`] (the pipeline's settlement) as chunks
 //! pass.
 
+pub mod adapters;
 pub mod health;
 pub mod provider;
 pub mod relay;

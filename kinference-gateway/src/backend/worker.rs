@@ -126,6 +126,40 @@ impl Upstream {
         read_body(body, self.idle_timeout, worker).await
     }
 
+    /// GETs `worker` + `path` within `timeout`, with the configured worker headers (its API key):
+    /// the status and the whole body, or why there is none.
+    pub async fn get(
+        &self,
+        worker: &str,
+        path: &str,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let mut request = Request::builder()
+            .method(Method::GET)
+            .uri(format!("{worker}{path}"))
+            .body(Empty::new())
+            .map_err(|e| e.to_string())?;
+        request.headers_mut().extend(self.headers.clone());
+        let exchange = async {
+            let response = self
+                .probe
+                .request(request)
+                .await
+                .map_err(|e| error_chain(&e))?;
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| error_chain(&e))?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| "timed out".to_string())?
+    }
+
     /// GETs `worker` + `path` within `timeout`; the status, or why there is none.
     pub async fn probe(
         &self,

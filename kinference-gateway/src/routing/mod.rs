@@ -22,6 +22,7 @@
 //! Missing signals degrade visibly: without live agent data the estimate uses the gateway's own
 //! ledger and speculative credit (kept longer then), and the decision reason says `degraded_*`.
 
+mod adapters;
 pub mod agents;
 pub mod baseline;
 mod candidates;

@@ -240,6 +240,8 @@ pub struct Worker {
 pub struct WorkerTable {
     list: Vec<Arc<Worker>>,
     by_url: HashMap<String, WorkerId>,
+    /// LoRA adapter name -> the workers that have it loaded (see `routing::adapters`).
+    pub(super) adapters: HashMap<String, Vec<WorkerId>>,
 }
 
 /// Worker URLs compare without a trailing slash.
@@ -304,12 +306,12 @@ impl WorkerTable {
         Some(worker)
     }
 
-    /// Healthy workers serving `model` that have not left.
+    /// Healthy workers serving `model` (or with an adapter of that name loaded) that have not left.
     pub fn candidates(&self, model: &str) -> Vec<Arc<Worker>> {
         self.list
             .iter()
             // The model first: only that model's workers are locked (every request calls this).
-            .filter(|w| w.model == model)
+            .filter(|w| w.model == model || self.has_adapter(w.id, model))
             .filter(|w| {
                 let st = w.state.lock();
                 !st.gone && st.healthy
@@ -318,9 +320,9 @@ impl WorkerTable {
             .collect()
     }
 
-    /// Whether any worker ever served `model`.
+    /// Whether any worker ever served `model`, or has an adapter of that name loaded.
     pub fn knows_model(&self, model: &str) -> bool {
-        self.list.iter().any(|w| w.model == model)
+        self.list.iter().any(|w| w.model == model) || self.adapters.contains_key(model)
     }
 }
 
