@@ -37,6 +37,8 @@ use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 mod support;
 
+use support::policies;
+
 const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_PII_PROVIDER_KEY";
 /// Requests in flight at once.
@@ -101,98 +103,70 @@ async fn standin(name: &'static str, counter: Arc<Counter>) -> SocketAddr {
 /// routes to the remote pool, `to-provider` bursts to the provider (the condition watches the
 /// `ghost` pool, whose only worker never answers, so it always holds).
 fn write_config(dir: &Path, sim: u16, remote: SocketAddr, provider: SocketAddr) -> PathBuf {
-    let tok = tokenizer_dir();
-    let tok = tok.display();
-    let dead = free_port();
-    let policies = dir.join("policies");
-    std::fs::create_dir_all(&policies).unwrap();
-    std::fs::write(
-        policies.join("all.yaml"),
-        format!(
-            r#"apiVersion: kinference.ai/v1alpha1
-kind: InferenceModel
-metadata: {{name: {MODEL}}}
-spec:
-  servedName: {MODEL}
-  tokenizer: {{dir: "{tok}"}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferencePool
-metadata: {{name: local}}
-spec:
-  models: [{MODEL}]
-  gpuClass: sim
-  locality: Local
-  endpoints: [{{url: "http://127.0.0.1:{sim}"}}]
-  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferencePool
-metadata: {{name: remote}}
-spec:
-  models: [{MODEL}]
-  gpuClass: rented
-  locality: Remote
-  endpoints: [{{url: "http://{remote}"}}]
-  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferencePool
-metadata: {{name: ghost}}
-spec:
-  models: [{MODEL}]
-  gpuClass: none
-  locality: Local
-  endpoints: [{{url: "http://127.0.0.1:{dead}"}}]
-  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferenceProvider
-metadata: {{name: standin}}
-spec:
-  baseUrl: http://{provider}/v1
-  apiStyle: OpenAI
-  credentials: {{env: {KEY_ENV}}}
-  models: [{{name: standin-model, substitutes: [{MODEL}]}}]
----
-apiVersion: kinference.ai/v1alpha1
+    let rules = r#"apiVersion: kinference.ai/v1alpha1
 kind: InferencePolicy
-metadata: {{name: data-protection}}
+metadata: {name: data-protection}
 spec:
   priority: 0
   rules:
     - name: pii-stays-local
-      match: {{tags: [pii]}}
-      action: {{requireLocal: {{message: personal data stays local}}}}
+      match: {tags: [pii]}
+      action: {requireLocal: {message: personal data stays local}}
 ---
 apiVersion: kinference.ai/v1alpha1
 kind: InferencePolicy
-metadata: {{name: send-away}}
+metadata: {name: send-away}
 spec:
   priority: 10
   rules:
     - name: remote
-      match: {{tags: [to-remote]}}
-      action: {{route: {{targets: [{{pool: remote}}]}}}}
+      match: {tags: [to-remote]}
+      action: {route: {targets: [{pool: remote}]}}
     - name: provider
-      match: {{tags: [to-provider]}}
+      match: {tags: [to-provider]}
       action:
         burst:
           providers: [standin]
-          when: {{pools: [ghost], queueDepthAbove: 0}}
-"#
-        ),
-    )
-    .unwrap();
+          when: {pools: [ghost], queueDepthAbove: 0}
+"#;
+    let url = |addr: String| policies::endpoint(&format!("http://{addr}"));
+    let policy_dir = policies::write(
+        dir,
+        &[
+            policies::model(MODEL, Some(&tokenizer_dir())),
+            policies::pool(
+                "local",
+                MODEL,
+                "Local",
+                "sim",
+                &url(format!("127.0.0.1:{sim}")),
+            ),
+            policies::pool(
+                "remote",
+                MODEL,
+                "Remote",
+                "rented",
+                &url(remote.to_string()),
+            ),
+            policies::pool(
+                "ghost",
+                MODEL,
+                "Local",
+                "none",
+                &url(format!("127.0.0.1:{}", free_port())),
+            ),
+            policies::provider(
+                "standin",
+                &format!("http://{provider}/v1"),
+                KEY_ENV,
+                "standin-model",
+                MODEL,
+            ),
+            rules.to_string(),
+        ],
+    );
     let config = dir.join("gateway.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "routing: kinference\npolicy_dir: {}\npolicy_load_interval_ms: 200\n",
-            policies.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, policies::gateway_yaml(&policy_dir, 200)).unwrap();
     config
 }
 

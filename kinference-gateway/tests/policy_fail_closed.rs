@@ -24,6 +24,8 @@ use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 mod support;
 
+use support::policies;
+
 const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_STANDIN_KEY";
 const KEY: &str = "sk-fail-closed-test";
@@ -82,43 +84,13 @@ async fn standin(count: Arc<AtomicUsize>) -> SocketAddr {
     addr
 }
 
+/// The model, a local pool whose only worker never answers, the stand-in provider, and a policy
+/// that bursts to it while the local pool is saturated.
 fn write_config(dir: &std::path::Path, provider: SocketAddr) -> PathBuf {
-    let dead = free_port();
-    let policies = dir.join("policies");
-    std::fs::create_dir_all(&policies).unwrap();
-    let tok = tokenizer_dir();
-    std::fs::write(
-        policies.join("all.yaml"),
-        format!(
-            r#"apiVersion: kinference.ai/v1alpha1
-kind: InferenceModel
-metadata: {{name: {MODEL}}}
-spec:
-  servedName: {MODEL}
-  tokenizer: {{dir: "{tok}"}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferencePool
-metadata: {{name: local}}
-spec:
-  models: [{MODEL}]
-  gpuClass: sim
-  locality: Local
-  endpoints: [{{url: "http://127.0.0.1:{dead}"}}]
-  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferenceProvider
-metadata: {{name: standin}}
-spec:
-  baseUrl: http://{provider}/v1
-  apiStyle: OpenAI
-  credentials: {{env: {KEY_ENV}}}
-  models: [{{name: standin-model, substitutes: [{MODEL}]}}]
----
-apiVersion: kinference.ai/v1alpha1
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let burst = r#"apiVersion: kinference.ai/v1alpha1
 kind: InferencePolicy
-metadata: {{name: cloud-burst}}
+metadata: {name: cloud-burst}
 spec:
   priority: 20
   rules:
@@ -126,21 +98,25 @@ spec:
       action:
         burst:
           providers: [standin]
-          when: {{queueDepthAbove: 0}}
-"#,
-            tok = tok.display()
-        ),
-    )
-    .unwrap();
+          when: {queueDepthAbove: 0}
+"#;
+    let policy_dir = policies::write(
+        dir,
+        &[
+            policies::model(MODEL, Some(&tokenizer_dir())),
+            policies::pool("local", MODEL, "Local", "sim", &policies::endpoint(&dead)),
+            policies::provider(
+                "standin",
+                &format!("http://{provider}/v1"),
+                KEY_ENV,
+                "standin-model",
+                MODEL,
+            ),
+            burst.to_string(),
+        ],
+    );
     let config = dir.join("gateway.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "routing: kinference\npolicy_dir: {}\npolicy_load_interval_ms: 100\n",
-            policies.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&config, policies::gateway_yaml(&policy_dir, 100)).unwrap();
     config
 }
 

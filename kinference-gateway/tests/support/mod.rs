@@ -1,6 +1,6 @@
 //! What several integration tests of the gateway share: the real gateway binary started on free
 //! loopback ports and waited for, a real `vllm-sim` worker, the tenants' key files, and one raw
-//! HTTP/1.1 exchange; test certificates in [`certs`].
+//! HTTP/1.1 exchange; test certificates in [`certs`], policy documents in [`policies`].
 // Each test crate compiles this module and calls only some of it.
 #![allow(dead_code)]
 
@@ -15,6 +15,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 pub mod certs;
+pub mod policies;
 
 /// How long a process gets to start answering: generous, for a busy machine.
 const START_DEADLINE: Duration = Duration::from_secs(60);
