@@ -4,9 +4,9 @@
 //! The model has no tokenizer in the gateway, so every tokenization is a worker's `POST /tokenize`.
 //! The local pool's worker is a real `vllm-sim` behind a loopback tap that counts those calls; the
 //! remote pool's worker is a stand-in that answers like vLLM and counts every byte of every request
-//! it receives besides the health and load probes (`GET /health`, `GET /metrics`, which carry
-//! nothing of a request). The remote pool comes first in the worker table, so a stage that asked
-//! "any worker of the model" would pick it.
+//! it receives besides the health, load and adapter-list probes (`GET /health`, `GET /metrics`,
+//! `GET /v1/models`, which carry nothing of a request). The remote pool comes first in the worker
+//! table, so a stage that asked "any worker of the model" would pick it.
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
@@ -25,6 +25,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 mod support;
+
+use support::policies;
 
 const MODEL: &str = "sim";
 const TOKENIZE: &[u8] = b"POST /tokenize ";
@@ -108,8 +110,9 @@ async fn remote_worker(received: Arc<Received>) -> u16 {
                 let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                     let received = Arc::clone(&received);
                     async move {
+                        // The health, load and adapter-list probes carry nothing of a request.
                         let probe = req.method() == http::Method::GET
-                            && matches!(req.uri().path(), "/health" | "/metrics");
+                            && matches!(req.uri().path(), "/health" | "/metrics" | "/v1/models");
                         let path = req.uri().path().to_string();
                         let head = req.method().as_str().len()
                             + path.len()
@@ -154,22 +157,13 @@ async fn remote_worker(received: Arc<Received>) -> u16 {
 /// The model (no tokenizer), the remote pool `edge` and the local pool `local` (`local_workers`:
 /// its endpoints, or `None` for a pool found by selector).
 fn write_policies(dir: &Path, remote: u16, local_workers: Option<u16>) -> PathBuf {
-    let policies = dir.join("policies");
-    std::fs::create_dir_all(&policies).unwrap();
     let local = match local_workers {
-        Some(port) => format!(r#"endpoints: [{{url: "http://127.0.0.1:{port}"}}]"#),
+        Some(port) => policies::endpoint(&format!("http://127.0.0.1:{port}")),
         None => "selector: {matchLabels: {app: sim}, targetPort: 8000}".to_string(),
     };
-    std::fs::write(
-        policies.join("all.yaml"),
-        format!(
-            r#"apiVersion: kinference.ai/v1alpha1
-kind: InferenceModel
-metadata: {{name: {MODEL}}}
-spec:
-  servedName: {MODEL}
----
-apiVersion: kinference.ai/v1alpha1
+    // Its own prices, cheaper than the local pool's.
+    let edge = format!(
+        r#"apiVersion: kinference.ai/v1alpha1
 kind: InferencePool
 metadata: {{name: edge}}
 spec:
@@ -178,30 +172,22 @@ spec:
   locality: Remote
   endpoints: [{{url: "http://127.0.0.1:{remote}"}}]
   prices: {{cachedInputPerMillion: 0.001, uncachedInputPerMillion: 0.01, outputPerMillion: 0.02}}
----
-apiVersion: kinference.ai/v1alpha1
-kind: InferencePool
-metadata: {{name: local}}
-spec:
-  models: [{MODEL}]
-  gpuClass: sim
-  locality: Local
-  {local}
-  prices: {{cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}}
 "#
-        ),
+    );
+    policies::write(
+        dir,
+        &[
+            policies::model(MODEL, None),
+            edge,
+            policies::pool("local", MODEL, "Local", "sim", &local),
+        ],
     )
-    .unwrap();
-    policies
 }
 
 /// The gateway with the policies, and `workers` from `gateway.yaml` (how a selector pool's workers
 /// are found here: the router's workers of the model).
-fn write_config(dir: &Path, policies: &Path, workers: &[u16]) -> PathBuf {
-    let mut yaml = format!(
-        "routing: kinference\npolicy_dir: {}\npolicy_load_interval_ms: 100\n",
-        policies.display()
-    );
+fn write_config(dir: &Path, policy_dir: &Path, workers: &[u16]) -> PathBuf {
+    let mut yaml = policies::gateway_yaml(policy_dir, 100);
     if !workers.is_empty() {
         yaml.push_str(&format!("models:\n  - name: {MODEL}\nworkers:\n"));
         for port in workers {
@@ -295,12 +281,13 @@ async fn setup(selector: bool) -> Option<Setup> {
     let received = Arc::new(Received::default());
     let remote = remote_worker(Arc::clone(&received)).await;
     let dir = TempDir::new(if selector { "selector" } else { "endpoints" });
-    let (policies, workers) = if selector {
+    let (policy_dir, workers) = if selector {
         (write_policies(&dir.0, remote, None), vec![local, remote])
     } else {
         (write_policies(&dir.0, remote, Some(local)), vec![])
     };
-    let (gateway, api, admin) = support::spawn_gateway(&write_config(&dir.0, &policies, &workers));
+    let (gateway, api, admin) =
+        support::spawn_gateway(&write_config(&dir.0, &policy_dir, &workers));
     support::wait_until_ok(admin, "/healthz").await;
     let client = Client::builder(TokioExecutor::new()).build_http();
     Some(Setup {
