@@ -29,18 +29,7 @@ async fn get(port: u16, path: &str, headers: &[(&str, &str)]) -> (u16, String, S
 }
 
 async fn chat(port: u16, headers: &[(&str, &str)]) -> (u16, String, String) {
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
-    );
-    call(
-        "127.0.0.1",
-        port,
-        "POST",
-        "/v1/chat/completions",
-        headers,
-        &body,
-    )
-    .await
+    support::chat(port, MODEL, headers).await
 }
 
 /// The rows of an `/admin/usage` answer: the tenants it names.

@@ -17,19 +17,7 @@ async fn get(port: u16, path: &str) -> (u16, String) {
 }
 
 async fn chat(port: u16) -> u16 {
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
-    );
-    call(
-        "127.0.0.1",
-        port,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        &body,
-    )
-    .await
-    .0
+    support::chat(port, MODEL, &[]).await.0
 }
 
 /// A `vllm-sim` worker serving [`MODEL`], answering; None when vllm-sim is not built (a failure

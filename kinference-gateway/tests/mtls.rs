@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingReque
 use kinference_api::summary::WatchRequest;
 use kinference_api::summary::node_agent_client::NodeAgentClient;
 use testkit::{ChildGuard, bin_dir, free_port};
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
 mod support;
 
@@ -43,8 +43,8 @@ fn client_tls(dir: &Path, server: &str, identity: Option<&str>) -> ClientTlsConf
     tls
 }
 
-/// Opens a Watch stream to the agent on `port` and reads its first message.
-async fn watch(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+/// A gRPC channel to loopback `port`: over TLS with `tls`, else in plaintext.
+async fn channel(port: u16, tls: Option<ClientTlsConfig>) -> Result<Channel, String> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint = Endpoint::from_shared(format!("{scheme}://127.0.0.1:{port}"))
         .map_err(|e| e.to_string())?
@@ -52,10 +52,15 @@ async fn watch(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
     if let Some(tls) = tls {
         endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
     }
-    let channel = endpoint
+    endpoint
         .connect()
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(|e| format!("connect: {e}"))
+}
+
+/// Opens a Watch stream to the agent on `port` and reads its first message.
+async fn watch(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    let channel = channel(port, tls).await?;
     let mut stream = NodeAgentClient::new(channel)
         .watch(WatchRequest {
             gateway_id: "mtls-test".into(),
@@ -73,17 +78,7 @@ async fn watch(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
 
 /// Sends request headers on a new ext_proc stream to `port` and reads the answer.
 async fn ext_proc(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut endpoint = Endpoint::from_shared(format!("{scheme}://127.0.0.1:{port}"))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(Duration::from_secs(5));
-    if let Some(tls) = tls {
-        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
-    }
-    let channel = endpoint
-        .connect()
-        .await
-        .map_err(|e| format!("connect: {e}"))?;
+    let channel = channel(port, tls).await?;
     let header = |k: &str, v: &str| HeaderValue {
         key: k.into(),
         raw_value: v.as_bytes().to_vec(),

@@ -155,13 +155,7 @@ spec:
                 "none",
                 &url(format!("127.0.0.1:{}", free_port())),
             ),
-            policies::provider(
-                "standin",
-                &format!("http://{provider}/v1"),
-                KEY_ENV,
-                "standin-model",
-                MODEL,
-            ),
+            policies::standin_provider(provider, KEY_ENV, MODEL),
             rules.to_string(),
         ],
     );

@@ -105,13 +105,7 @@ spec:
         &[
             policies::model(MODEL, Some(&tokenizer_dir())),
             policies::pool("local", MODEL, "Local", "sim", &policies::endpoint(&dead)),
-            policies::provider(
-                "standin",
-                &format!("http://{provider}/v1"),
-                KEY_ENV,
-                "standin-model",
-                MODEL,
-            ),
+            policies::standin_provider(provider, KEY_ENV, MODEL),
             burst.to_string(),
         ],
     );

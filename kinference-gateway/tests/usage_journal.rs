@@ -36,18 +36,9 @@ async fn call(
 }
 
 async fn chat(port: u16, key: &str) -> (u16, String) {
-    let body = format!(
-        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
-    );
     let auth = format!("Bearer {key}");
-    call(
-        port,
-        "POST",
-        "/v1/chat/completions",
-        &[("authorization", &auth)],
-        &body,
-    )
-    .await
+    let (status, _, body) = support::chat(port, MODEL, &[("authorization", &auth)]).await;
+    (status, body)
 }
 
 async fn messages(port: u16, key: &str) -> (u16, String) {

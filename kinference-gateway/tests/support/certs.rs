@@ -4,6 +4,10 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+/// Every key is an EC key on P-256: quick to make, and what rustls and OpenSSL both accept.
+const NEW_KEY: &str = "ec";
+const KEY_CURVE: &str = "ec_paramgen_curve:prime256v1";
+
 /// Runs `openssl args` in `dir`; fails the test if it fails.
 pub fn openssl(dir: &Path, args: &[&str]) {
     let status = Command::new("openssl")
@@ -26,21 +30,8 @@ pub fn ca(dir: &Path, name: &str) {
     openssl(
         dir,
         &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-keyout",
-            &key,
-            "-out",
-            &crt,
-            "-days",
-            "2",
-            "-subj",
-            &subj,
+            "req", "-x509", "-newkey", NEW_KEY, "-pkeyopt", KEY_CURVE, "-nodes", "-keyout", &key,
+            "-out", &crt, "-days", "2", "-subj", &subj,
         ],
     );
 }
@@ -63,9 +54,9 @@ pub fn leaf(dir: &Path, name: &str, alt_names: &str, by: &str) {
         &[
             "req",
             "-newkey",
-            "ec",
+            NEW_KEY,
             "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
+            KEY_CURVE,
             "-nodes",
             "-keyout",
             &key,

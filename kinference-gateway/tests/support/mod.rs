@@ -174,6 +174,23 @@ pub fn write_tenants(dir: &Path, tenants: &[(&str, &str)], extra_spec: &str) {
     std::fs::write(dir.join("tenants.yaml"), yaml.join("---\n")).unwrap();
 }
 
+/// A short non-streamed chat ("hello there", two tokens at most) for `model` through loopback
+/// `port` with `headers`: (status, lower-cased head, body).
+pub async fn chat(port: u16, model: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
+    let body = format!(
+        r#"{{"model":"{model}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
+    );
+    call(
+        "127.0.0.1",
+        port,
+        "POST",
+        "/v1/chat/completions",
+        headers,
+        &body,
+    )
+    .await
+}
+
 /// One HTTP/1.1 exchange on a fresh connection to `host:port`: (status, lower-cased head, body).
 pub async fn call(
     host: &str,

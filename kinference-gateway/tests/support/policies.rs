@@ -2,6 +2,7 @@
 //! `InferencePool`s, an OpenAI-style `InferenceProvider`), as YAML text, and the `gateway.yaml`
 //! that loads them. Each test writes its own `InferencePolicy` documents: those are what it tests.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 /// Writes `documents` as `dir/policies/all.yaml`; returns the policy directory.
@@ -42,6 +43,19 @@ pub fn pool(name: &str, model: &str, locality: &str, gpu_class: &str, workers: &
 /// A pool's workers line: the one endpoint `url`.
 pub fn endpoint(url: &str) -> String {
     format!("endpoints: [{{url: \"{url}\"}}]")
+}
+
+/// The tests' stand-in provider: an OpenAI-style `InferenceProvider` `standin` at `addr` (an
+/// in-test server), its key in environment variable `key_env`, serving `standin-model` in place of
+/// `model`.
+pub fn standin_provider(addr: SocketAddr, key_env: &str, model: &str) -> String {
+    provider(
+        "standin",
+        &format!("http://{addr}/v1"),
+        key_env,
+        "standin-model",
+        model,
+    )
 }
 
 /// An OpenAI-style `InferenceProvider` `name` at `base_url`, its key in environment variable
