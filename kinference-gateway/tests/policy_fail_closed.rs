@@ -30,15 +30,6 @@ const MODEL: &str = "qwen2-sim";
 const KEY_ENV: &str = "KINFERENCE_TEST_STANDIN_KEY";
 const KEY: &str = "sk-fail-closed-test";
 
-/// Removes the temporary directory on drop.
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// An OpenAI-compatible stand-in: counts requests, checks the key, answers one fixed completion.
 async fn standin(count: Arc<AtomicUsize>) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -137,12 +128,7 @@ async fn post(
 async fn personal_data_is_refused_and_never_reaches_the_provider() {
     let count = Arc::new(AtomicUsize::new(0));
     let provider = standin(Arc::clone(&count)).await;
-    let dir = TempDir(std::env::temp_dir().join(format!(
-        "kinference-fail-closed-{}-{:x}",
-        std::process::id(),
-        rand::random::<u64>()
-    )));
-    std::fs::create_dir_all(&dir.0).unwrap();
+    let dir = support::TempDir::new("fail-closed");
     let config = write_config(&dir.0, provider);
     let (port, admin) = (free_port(), free_port());
     let _gateway = ChildGuard(

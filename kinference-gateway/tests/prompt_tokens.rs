@@ -31,27 +31,6 @@ use support::policies;
 const MODEL: &str = "sim";
 const TOKENIZE: &[u8] = b"POST /tokenize ";
 
-/// Removes the temporary directory on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "kinference-prompt-tokens-{tag}-{}-{:x}",
-            std::process::id(),
-            rand::random::<u64>()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A TCP tap in front of `upstream`: passes every byte both ways and counts the `/tokenize` calls.
 async fn tap(upstream: u16, tokenize: Arc<AtomicUsize>) -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -268,7 +247,7 @@ struct Setup {
     /// What reached the remote pool's worker.
     remote: Arc<Received>,
     _processes: (ChildGuard, ChildGuard),
-    _dir: TempDir,
+    _dir: support::TempDir,
 }
 
 /// `vllm-sim` behind its tap, the remote stand-in, and the gateway; the local pool lists its
@@ -280,7 +259,11 @@ async fn setup(selector: bool) -> Option<Setup> {
     let local = tap(sim_port, Arc::clone(&local_tokenize)).await;
     let received = Arc::new(Received::default());
     let remote = remote_worker(Arc::clone(&received)).await;
-    let dir = TempDir::new(if selector { "selector" } else { "endpoints" });
+    let dir = support::TempDir::new(if selector {
+        "prompt-tokens-selector"
+    } else {
+        "prompt-tokens-endpoints"
+    });
     let (policy_dir, workers) = if selector {
         (write_policies(&dir.0, remote, None), vec![local, remote])
     } else {

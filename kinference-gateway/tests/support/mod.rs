@@ -20,6 +20,29 @@ pub mod policies;
 /// How long a process gets to start answering: generous, for a busy machine.
 const START_DEADLINE: Duration = Duration::from_secs(60);
 
+/// A fresh directory under the system's temporary directory, removed with everything in it on
+/// drop; the path is in `.0`.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    /// Creates `kinference-<name>-<process id>-<random>`: unique across tests and runs.
+    pub fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "kinference-{name}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Starts `kinference-gateway --config config` on free ports: (the process, API port, admin port).
 pub fn spawn_gateway(config: &Path) -> (ChildGuard, u16, u16) {
     spawn_gateway_with(config, &[])
