@@ -191,16 +191,14 @@ fn row_of(
     let us = |f: fn(&Histogram) -> f64| {
         median_of(runs.iter().map(|r| r.decision.as_ref().map(|h| 1e6 * f(h))))
     };
-    // The p99's bucket, of the run whose p99 is the median (any run: they share bucket bounds).
-    let bucket = runs
-        .iter()
-        .filter_map(|r| r.decision.as_ref()?.bucket_of(0.99))
-        .nth(runs.len() / 2)
-        .or_else(|| {
-            runs.iter()
-                .find_map(|r| r.decision.as_ref()?.bucket_of(0.99))
-        })
-        .map(|(lo, hi)| (1e6 * lo, 1e6 * hi));
+    // The bucket that holds the median p99 (every run has the same bounds).
+    let p99 = us(|h| h.quantile(0.99));
+    let bucket = p99.and_then(|p99| {
+        let bounds = &runs.iter().find_map(|r| r.decision.as_ref())?.buckets;
+        let upper = bounds.iter().position(|(le, _)| 1e6 * le >= p99)?;
+        let lower = upper.checked_sub(1).map_or(0.0, |i| bounds[i].0);
+        Some((1e6 * lower, 1e6 * bounds[upper].0))
+    });
     let rss = median_of(runs.iter().map(|r| r.rss_bytes.map(|b| b as f64)));
     let pairs = median_of(runs.iter().map(|r| r.index_pairs));
     Row {
@@ -211,7 +209,7 @@ fn row_of(
         requests: runs.first().map_or(0, |r| r.requests),
         errors: runs.iter().map(|r| r.errors).sum(),
         decision_p50_us: us(|h| h.quantile(0.5)),
-        decision_p99_us: us(|h| h.quantile(0.99)),
+        decision_p99_us: p99,
         decision_p99_bucket_us: bucket,
         decision_mean_us: us(Histogram::mean),
         gateway_cpu_ms_per_request: median_of(

@@ -117,10 +117,19 @@ impl Fleet {
             work_dir: config.work_dir.clone(),
             children: Vec::new(),
         };
+        // Every port of the fleet is reserved at once: ports reserved node by node could repeat one
+        // that an earlier node's process had not bound yet.
         let per_node = config.workers_per_node.max(1);
-        for node in 0..config.nodes() {
-            let count = per_node.min(config.workers - node * per_node);
-            fleet.start_node(config, node, count, &sim_bin, &agent_bin, &tokenizer_dir)?;
+        let counts: Vec<usize> = (0..config.nodes())
+            .map(|node| per_node.min(config.workers - node * per_node))
+            .collect();
+        let node_ports: usize = counts.iter().map(|c| 3 * c + 2).sum();
+        let ports = free_ports(node_ports + 2 * config.gateway_modes.len())?;
+        let (mut node_ports, mut gateway_ports) = ports.split_at(node_ports);
+        for (node, &count) in counts.iter().enumerate() {
+            let (mine, rest) = node_ports.split_at(3 * count + 2);
+            node_ports = rest;
+            fleet.start_node(config, node, mine, &sim_bin, &agent_bin, &tokenizer_dir)?;
         }
 
         // Gateways start once every worker answers: one started beside its workers would eject them
@@ -141,7 +150,8 @@ impl Fleet {
             .map(|n| format!("http://{}", n.agent_grpc))
             .collect();
         for mode in &config.gateway_modes {
-            let ports = free_ports(2)?;
+            let (ports, rest) = gateway_ports.split_at(2);
+            gateway_ports = rest;
             let yaml = json!({
                 "models": [{"name": MODEL, "tokenizer_dir": tokenizer_dir.display().to_string()}],
                 "workers": fleet.workers.iter().map(|url| json!({"url": url, "model": MODEL})).collect::<Vec<_>>(),
@@ -193,17 +203,18 @@ impl Fleet {
     }
 
     /// Starts node `node`'s agent (which binds the SUB sockets its workers connect to) and then the
-    /// one `vllm-sim` process that serves its `count` workers.
+    /// one `vllm-sim` process that serves its workers, on `ports`: three per worker, then the agent's
+    /// two.
     fn start_node(
         &mut self,
         config: &FleetConfig,
         node: usize,
-        count: usize,
+        ports: &[u16],
         sim_bin: &Path,
         agent_bin: &Path,
         tokenizer_dir: &Path,
     ) -> Result<(), ClusterError> {
-        let ports = free_ports(3 * count + 2)?;
+        let count = (ports.len() - 2) / 3;
         let (worker_ports, agent_ports) = ports.split_at(3 * count);
         let first = node * config.workers_per_node.max(1);
         let workers: Vec<WorkerPorts> = worker_ports
