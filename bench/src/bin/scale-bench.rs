@@ -98,6 +98,9 @@ struct Args {
     /// Wall-clock limit of one request, in seconds.
     #[arg(long, default_value_t = 120)]
     request_timeout_s: u64,
+    /// Runs nothing: redraws scale.svg next to this scale.json from its rows.
+    #[arg(long)]
+    replot: Option<PathBuf>,
 }
 
 impl Args {
@@ -417,7 +420,26 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Redraws the plot of a recorded `scale.json` beside it.
+fn replot(json: &std::path::Path) -> anyhow::Result<()> {
+    let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
+    let rows: Vec<Row> = serde_json::from_value(results["rows"].clone())?;
+    let svg = json.with_file_name("scale.svg");
+    std::fs::write(&svg, report::svg(&rows))?;
+    eprintln!("scale-bench: wrote {}", svg.display());
+    Ok(())
+}
+
 async fn run(args: Args) -> ExitCode {
+    if let Some(json) = &args.replot {
+        return match replot(json) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("scale-bench: --replot {}: {e}", json.display());
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(p) = args
         .policies
         .iter()

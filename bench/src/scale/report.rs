@@ -3,13 +3,13 @@
 
 use std::fmt::Write as _;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 #[cfg(test)]
 mod tests;
 
 /// Medians over the runs of one policy on one fleet.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Row {
     /// Simulated workers.
     pub workers: usize,
@@ -182,7 +182,11 @@ pub fn svg(rows: &[Row]) -> String {
         },
     ];
     let panels = [
-        ("Routing decision (us), gateway histogram", decision),
+        // Logarithmic: a preempted decision's p99 is milliseconds, its p50 tens of microseconds.
+        (
+            "Routing decision (us, log scale), gateway histogram",
+            decision,
+        ),
         (
             "Gateway CPU per request (ms)",
             per_policy(rows, |r| r.gateway_cpu_ms_per_request),
@@ -203,7 +207,7 @@ pub fn svg(rows: &[Row]) -> String {
     for (i, (title, series)) in panels.iter().enumerate() {
         let x0 = (i % 2) as f64 * PANEL_W;
         let y0 = (i / 2) as f64 * PANEL_H;
-        panel(&mut out, x0, y0, title, series);
+        panel(&mut out, x0, y0, title, series, i == 0);
     }
     out.push_str("</svg>\n");
     out
@@ -220,7 +224,7 @@ fn tick_step(max: f64) -> f64 {
         .unwrap_or(10.0 * magnitude)
 }
 
-fn panel(out: &mut String, x0: f64, y0: f64, title: &str, series: &[Series]) {
+fn panel(out: &mut String, x0: f64, y0: f64, title: &str, series: &[Series], log: bool) {
     let (left, right, top, bottom) = (
         x0 + 60.0,
         x0 + PANEL_W - 20.0,
@@ -233,8 +237,38 @@ fn panel(out: &mut String, x0: f64, y0: f64, title: &str, series: &[Series]) {
     let (x_step, y_step) = (tick_step(x_max), tick_step(y_max));
     let x_top = (x_max / x_step).ceil() * x_step;
     let y_top = (y_max / y_step).ceil() * y_step;
+    // On the log scale: whole decades from below the smallest value to above the largest.
+    let y_min_positive = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .filter(|y| *y > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let decades = (
+        y_min_positive.min(y_max).max(1e-9).log10().floor(),
+        y_max
+            .log10()
+            .ceil()
+            .max(y_min_positive.log10().floor() + 1.0),
+    );
     let sx = |x: f64| left + (right - left) * x / x_top;
-    let sy = |y: f64| bottom - (bottom - top) * y / y_top;
+    let sy = |y: f64| {
+        if log {
+            let d = (y.max(1e-9).log10() - decades.0) / (decades.1 - decades.0);
+            bottom - (bottom - top) * d.clamp(0.0, 1.0)
+        } else {
+            bottom - (bottom - top) * y / y_top
+        }
+    };
+    let y_ticks: Vec<f64> = if log {
+        (decades.0 as i32..=decades.1 as i32)
+            .map(|e| 10f64.powi(e))
+            .collect()
+    } else {
+        (0..)
+            .map(|k| k as f64 * y_step)
+            .take_while(|y| *y <= y_top + 1e-9)
+            .collect()
+    };
     let _ = writeln!(
         out,
         "<text x=\"{}\" y=\"{}\" font-size=\"13\" font-weight=\"bold\">{title}</text>",
@@ -261,8 +295,7 @@ fn panel(out: &mut String, x0: f64, y0: f64, title: &str, series: &[Series]) {
         (left + right) / 2.0,
         bottom + 30.0
     );
-    let mut y = 0.0;
-    while y <= y_top + 1e-9 {
+    for y in y_ticks {
         let _ = writeln!(
             out,
             "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text><line x1=\"{left}\" y1=\"{:.1}\" x2=\"{right}\" y2=\"{:.1}\" stroke=\"#eeeeee\"/>",
@@ -272,7 +305,6 @@ fn panel(out: &mut String, x0: f64, y0: f64, title: &str, series: &[Series]) {
             sy(y),
             sy(y)
         );
-        y += y_step;
     }
     for (k, s) in series.iter().enumerate() {
         let path: Vec<String> = s
