@@ -55,3 +55,16 @@ fn ticks_are_round_numbers() {
     assert_eq!(tick_step(0.9), 0.2);
     assert_eq!(tick_step(50.0), 10.0);
 }
+
+#[test]
+fn rows_read_back_from_json_draw_the_same_plot() {
+    let rows = vec![
+        row(3, "kinference", 30.0, 0.9),
+        row(96, "kinference", 4000.0, 0.9),
+    ];
+    let json = serde_json::to_value(&rows).expect("serialize");
+    let back: Vec<Row> = serde_json::from_value(json).expect("deserialize");
+    assert_eq!(svg(&back), svg(&rows));
+    // Log scale: decades from 10 us to 10 ms label the decision panel.
+    assert!(svg(&rows).contains(">10000</text>"));
+}
