@@ -142,7 +142,11 @@ impl Args {
                 lora_modules: self
                     .lora_modules
                     .iter()
-                    .map(|m| m.split_once('=').map_or(m.as_str(), |(name, _)| name).to_string())
+                    .map(|m| {
+                        m.split_once('=')
+                            .map_or(m.as_str(), |(name, _)| name)
+                            .to_string()
+                    })
                     .collect(),
                 api_key: self.api_key.clone(),
                 responses_api: !self.no_responses_api,
