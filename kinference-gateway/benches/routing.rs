@@ -88,6 +88,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
         models: vec![ModelConfig {
             name: "m".into(),
             tokenizer_dir: None,
+            serves_messages: false,
         }],
         agents: vec!["http://agent.invalid:7070".into()],
         mode: RoutingMode::Kinference,

@@ -295,6 +295,15 @@ impl GatewayConfig {
     }
 
     /// Names of all served models: the declared ones, plus any that only workers mention.
+    /// The models whose workers serve Anthropic's `/v1/messages` themselves (`serves_messages`).
+    pub fn messages_models(&self) -> Vec<String> {
+        self.models
+            .iter()
+            .filter(|m| m.serves_messages)
+            .map(|m| m.name.clone())
+            .collect()
+    }
+
     pub fn model_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self.models.iter().map(|m| m.name.clone()).collect();
         for worker in &self.workers {

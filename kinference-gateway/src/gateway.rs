@@ -25,6 +25,9 @@ pub struct Gateway {
     pub settings: HttpSettings,
     /// Served model names (for `/v1/models`).
     pub models: Vec<String>,
+    /// Models whose workers serve Anthropic's `/v1/messages`: Anthropic requests for them pass
+    /// through unchanged.
+    pub messages_models: Vec<String>,
     /// API keys, rate limits, budgets, usage (`/admin/usage`).
     pub tenancy: Arc<Tenancy>,
     /// The policy stage, when `gateway.yaml` names a policy directory.
@@ -55,6 +58,11 @@ impl Gateway {
     /// busy or loading vLLM fleet would otherwise take every gateway out of its Service at once.
     pub fn ready(&self) -> bool {
         !self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Whether the workers of `model` take Anthropic requests as they are.
+    pub fn serves_messages(&self, model: &str) -> bool {
+        self.messages_models.iter().any(|m| m == model)
     }
 
     /// Starts draining: `/readyz` answers 503 from now on.

@@ -118,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),
+        messages_models: config.messages_models(),
         tenancy: Arc::clone(&tenancy),
         policy,
         health: Arc::new(health),

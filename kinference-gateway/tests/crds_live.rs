@@ -929,6 +929,7 @@ async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
                 models: vec![ModelConfig {
                     name: "small-served".into(),
                     tokenizer_dir: Some(tokenizer.into()),
+                    serves_messages: false,
                 }],
                 ..Default::default()
             },

@@ -121,6 +121,7 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
                 models: vec![ModelConfig {
                     name: MODEL.into(),
                     tokenizer_dir: None,
+                    serves_messages: false,
                 }],
                 ..Default::default()
             },

@@ -472,6 +472,7 @@ async fn in_process_with(
             models: vec![ModelConfig {
                 name: MODEL.into(),
                 tokenizer_dir: Some(tokenizer_dir()),
+                serves_messages: false,
             }],
             ..Default::default()
         })

@@ -142,6 +142,7 @@ fn router(agent: SocketAddr, tuning: RoutingTuning) -> Router {
         models: vec![ModelConfig {
             name: "m".into(),
             tokenizer_dir: Some(testkit::tokenizer_dir()),
+            serves_messages: false,
         }],
         agents: vec![format!("http://{agent}")],
         mode: RoutingMode::Kinference,

@@ -93,6 +93,9 @@ struct Args {
     /// Answer `POST /v1/responses` with 404, as vLLM before 0.10 (which has no Responses API).
     #[arg(long)]
     no_responses_api: bool,
+    /// Answer `POST /v1/messages` with 404, as vLLM without the Anthropic Messages API.
+    #[arg(long)]
+    no_messages_api: bool,
 }
 
 impl Args {
@@ -150,6 +153,7 @@ impl Args {
                     .collect(),
                 api_key: self.api_key.clone(),
                 responses_api: !self.no_responses_api,
+                messages_api: !self.no_messages_api,
                 kv_events: self
                     .kv_events_endpoint
                     .get(i)

@@ -51,6 +51,8 @@ pub struct SimConfig {
     pub api_key: Option<String>,
     /// Serve `POST /v1/responses` (off: 404, as vLLM before 0.10).
     pub responses_api: bool,
+    /// Serve `POST /v1/messages` (off: 404, as vLLM without the Anthropic Messages API).
+    pub messages_api: bool,
     pub kv_events: Option<KvEventsConfig>,
 }
 
@@ -179,6 +181,7 @@ async fn start_with_tokenizer(
             .collect(),
         api_key: cfg.api_key.clone(),
         responses_api: cfg.responses_api,
+        messages_api: cfg.messages_api,
         token_text: vocab.into_iter().collect(),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -4,7 +4,8 @@
 //! The backend's answer is brought to OpenAI chat form first (workers already speak it; an Anthropic
 //! provider's events go through [`AnthropicStream`]), then shaped for the client: OpenAI clients get
 //! the events as they are (minus the usage chunk they did not ask for), Anthropic clients the
-//! translated event sequence ([`StreamTranslator`]). Nothing waits for the whole response. A stream
+//! translated event sequence ([`StreamTranslator`]). A worker's own Anthropic answer to an Anthropic
+//! client passes verbatim ([`Spec::pass_through`]): its OpenAI form only feeds the meter. Nothing waits for the whole response. A stream
 //! that stalls, breaks, carries an error event or ends before the backend said it was complete ends
 //! with an error event in the client's protocol. The stream is read to its end even after the
 //! completion event, so the worker's connection goes back to the pool.
@@ -70,9 +71,19 @@ pub struct Spec {
     pub protocol: Protocol,
     /// Longest silence allowed between two chunks.
     pub idle_timeout: Duration,
+    /// An Anthropic answer to an Anthropic client goes as it is (a worker's own `/v1/messages`);
+    /// otherwise it is translated through the OpenAI form like any other.
+    pub pass_through: bool,
 }
 
 impl Spec {
+    /// The answer passes as it is: asked for, and backend and client both speak Anthropic.
+    fn verbatim(&self) -> bool {
+        self.pass_through
+            && self.style == ApiStyle::Anthropic
+            && matches!(self.shape, ClientShape::Anthropic { .. })
+    }
+
     fn bad(&self, detail: String) -> GatewayError {
         GatewayError::BadUpstream {
             worker: self.label.clone(),
@@ -85,6 +96,14 @@ impl Spec {
 /// clients of a worker get the worker's bytes untouched (only `usage` is read). The caller settles.
 pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
     let body = read_body(body, spec.idle_timeout, &spec.label).await?;
+    if spec.verbatim() {
+        let message: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| spec.bad(format!("unreadable message: {e}")))?;
+        let usage = serde_json::from_value::<UsageOnly>(translate::chat_from_anthropic(&message))
+            .ok()
+            .and_then(|u| u.usage);
+        return Ok((body, usage));
+    }
     // The OpenAI form of the answer.
     let openai = match spec.style {
         ApiStyle::OpenAI => body,
@@ -128,6 +147,7 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
             ApiStyle::Anthropic => Some(AnthropicStream::new()),
         },
         to_anthropic: match &spec.shape {
+            ClientShape::Anthropic { .. } if spec.verbatim() => None,
             ClientShape::Anthropic { model, .. } => Some(StreamTranslator::new(
                 model,
                 anthropic::message_id(&format!("{:x}", rand::random::<u64>())),
@@ -140,6 +160,7 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
                 pass_usage_chunk: true
             }
         ),
+        verbatim: spec.verbatim(),
         usage: None,
         done: false,
         ended: false,
@@ -172,6 +193,8 @@ struct Relay<M: Meter> {
     /// Set for Anthropic clients.
     to_anthropic: Option<StreamTranslator>,
     pass_usage_chunk: bool,
+    /// The backend's events go to the client as they are (an Anthropic backend, an Anthropic client).
+    verbatim: bool,
     usage: Option<Usage>,
     /// The backend said the answer is complete (`[DONE]`, `message_stop`).
     done: bool,
@@ -204,7 +227,12 @@ impl<M: Meter> Relay<M> {
                     if let Some(data) = frame.data_ref() {
                         self.parser.feed(data);
                         while let Some(event) = self.parser.next_event() {
+                            let forward = self.verbatim && !self.done;
                             self.on_event(&event.data);
+                            // An event that failed the stream is replaced by the gateway's error.
+                            if forward && !self.ended {
+                                put_event(&mut self.out, event.event.as_deref(), &event.data);
+                            }
                             if self.ended {
                                 break;
                             }
@@ -246,7 +274,7 @@ impl<M: Meter> Relay<M> {
             Ok(chunk) => chunk,
             Err(e) => {
                 tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
-                if self.to_anthropic.is_none() {
+                if self.to_anthropic.is_none() && !self.verbatim {
                     put_data(&mut self.out, data);
                 }
                 return;
@@ -274,6 +302,7 @@ impl<M: Meter> Relay<M> {
         }
         match &mut self.to_anthropic {
             Some(t) => t.chunk(&mut self.out, &chunk),
+            None if self.verbatim => {}
             None => {
                 let usage_only = chunk.choices.is_empty() && chunk.usage.is_some();
                 if !usage_only || self.pass_usage_chunk {
@@ -287,7 +316,7 @@ impl<M: Meter> Relay<M> {
     /// for the end of the backend's body.
     fn complete(&mut self) {
         self.done = true;
-        if self.to_anthropic.is_none() {
+        if self.to_anthropic.is_none() && !self.verbatim {
             self.out.extend_from_slice(b"data: [DONE]\n\n");
         }
     }
@@ -345,6 +374,21 @@ pub(crate) async fn next_frame(
         }),
         Ok(Some(Ok(frame))) => Ok(Some(frame)),
     }
+}
+
+/// Appends one SSE event, named `event` when it has a name, carrying `data`.
+fn put_event(out: &mut BytesMut, event: Option<&str>, data: &[u8]) {
+    if let Some(name) = event {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\n");
+    }
+    for line in data.split(|b| *b == b'\n') {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(line);
+        out.extend_from_slice(b"\n");
+    }
+    out.extend_from_slice(b"\n");
 }
 
 /// Appends `data` to `out` as one SSE `data:` event.

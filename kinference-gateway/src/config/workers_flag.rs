@@ -34,6 +34,7 @@ pub async fn with_flag_workers(
             config.models.push(ModelConfig {
                 name: model.clone(),
                 tokenizer_dir: tokenizer_dir.cloned(),
+                serves_messages: false,
             });
         }
         if !config.workers.iter().any(|w| w.url == url) {

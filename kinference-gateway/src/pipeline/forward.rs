@@ -4,13 +4,14 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
 
 use super::Endpoint;
 use super::exchange::{Exchange, Request};
-use crate::api::openai::UpstreamErrorBody;
+use crate::api::openai::{UpstreamErrorBody, parse_body};
 use crate::backend::provider::ProviderClient;
 use crate::backend::relay::{self, ClientShape, Spec};
 use crate::backend::{self, Outgoing, SendError, Target};
@@ -22,8 +23,9 @@ use crate::routing::{Decision, RouteError, RouteRequest};
 
 /// The backend that took the request, and its answer's headers (a 2xx).
 pub enum Forwarded {
-    /// A worker chosen by the router.
-    Worker(Box<Decision>, Response<Incoming>),
+    /// A worker chosen by the router, answering in its protocol (Anthropic when the request passed
+    /// through to its `/v1/messages`).
+    Worker(Box<Decision>, Response<Incoming>, ApiStyle),
     /// A provider (cloud burst), asked for `model`.
     Provider(Arc<ProviderClient>, Response<Incoming>),
 }
@@ -49,7 +51,7 @@ pub async fn planned(
                     &retargeted
                 };
                 match to_worker(gw, ex, req, workers.as_deref()).await {
-                    Ok((mut decision, response)) => {
+                    Ok((mut decision, response, style)) => {
                         if let Some(stage) = &gw.policy {
                             stage.count_sent(target, plan.burst);
                         }
@@ -63,7 +65,7 @@ pub async fn planned(
                                 decision.explain.as_deref().unwrap_or("")
                             ));
                         }
-                        return Ok(Forwarded::Worker(Box::new(decision), response));
+                        return Ok(Forwarded::Worker(Box::new(decision), response, style));
                     }
                     Err(
                         error @ (GatewayError::NoHealthyWorker(_)
@@ -118,8 +120,33 @@ pub async fn plain(
     ex: &mut Exchange,
     request: &Request,
 ) -> Result<Forwarded, GatewayError> {
-    let (decision, response) = to_worker(gw, ex, request, None).await?;
-    Ok(Forwarded::Worker(Box::new(decision), response))
+    let (decision, response, style) = to_worker(gw, ex, request, None).await?;
+    Ok(Forwarded::Worker(Box::new(decision), response, style))
+}
+
+/// What a worker is sent: the path, the body and the protocol it answers in. An Anthropic request
+/// for a model whose workers serve `/v1/messages` goes there as the client sent it (its model named
+/// as the workers serve it); everything else goes to the chat or completions API.
+fn worker_call(
+    gw: &Gateway,
+    ex: &Exchange,
+    request: &Request,
+) -> Result<(&'static str, Bytes, ApiStyle), GatewayError> {
+    if ex.endpoint != Endpoint::Messages || !gw.serves_messages(request.model()) {
+        return Ok((
+            ex.endpoint.upstream_path(),
+            request.body.clone(),
+            ApiStyle::OpenAI,
+        ));
+    }
+    let mut body: serde_json::Value = parse_body(&request.client_body)?;
+    let body = if body["model"].as_str() == Some(request.model()) {
+        request.client_body.clone()
+    } else {
+        body["model"] = request.model().into();
+        Bytes::from(body.to_string())
+    };
+    Ok(("/v1/messages", body, ApiStyle::Anthropic))
 }
 
 fn outgoing(request: &Request) -> Outgoing<'_> {
@@ -140,7 +167,8 @@ async fn to_worker(
     ex: &Exchange,
     request: &Request,
     pool: Option<&[String]>,
-) -> Result<(Decision, Response<Incoming>), GatewayError> {
+) -> Result<(Decision, Response<Incoming>, ApiStyle), GatewayError> {
+    let (path, body, style) = worker_call(gw, ex, request)?;
     let mut failed: Vec<String> = Vec::new();
     let mut last: Option<GatewayError> = None;
     loop {
@@ -162,12 +190,16 @@ async fn to_worker(
         };
         let target = Target::Worker {
             url: &decision.worker,
-            path: ex.endpoint.upstream_path(),
+            path,
         };
-        let error = match backend::send(&gw.upstream, target, outgoing(request)).await {
+        let outgoing = Outgoing {
+            body: &body,
+            ..outgoing(request)
+        };
+        let error = match backend::send(&gw.upstream, target, outgoing).await {
             Ok(response) if response.status().is_success() => {
                 gw.health.observe(&decision.worker, true);
-                return Ok((decision, response));
+                return Ok((decision, response, style));
             }
             Ok(response) => {
                 let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
@@ -246,8 +278,10 @@ pub async fn relay(
     request: &Request,
     forwarded: Forwarded,
 ) -> Result<Response<Body>, GatewayError> {
-    let (style, label, input_tokens, response, mut headers) = match forwarded {
-        Forwarded::Worker(decision, response) => {
+    // A worker answering in Anthropic's protocol got the client's own request: its answer passes
+    // as it is. A provider's is translated, so the client sees the model it asked for.
+    let (style, pass_through, label, input_tokens, response, mut headers) = match forwarded {
+        Forwarded::Worker(decision, response, style) => {
             let decision = *decision;
             let headers = worker_headers(&decision, ex);
             if let Some(s) = ex.settlement() {
@@ -259,11 +293,26 @@ pub async fn relay(
                 );
             }
             let input = decision.prompt_tokens.unwrap_or(0) as u64;
-            (ApiStyle::OpenAI, decision.worker, input, response, headers)
+            let pass_through = style == ApiStyle::Anthropic;
+            (
+                style,
+                pass_through,
+                decision.worker,
+                input,
+                response,
+                headers,
+            )
         }
         Forwarded::Provider(client, response) => {
             let headers = provider_headers(&client, ex);
-            (client.api_style(), client.label(), 0, response, headers)
+            (
+                client.api_style(),
+                false,
+                client.label(),
+                0,
+                response,
+                headers,
+            )
         }
     };
     if let Some(s) = &ex.settlement {
@@ -283,6 +332,7 @@ pub async fn relay(
         },
         protocol: ex.protocol,
         idle_timeout: gw.upstream.idle_timeout(),
+        pass_through,
     };
     let mut out = if request.stream {
         let Some(mut settlement) = ex.settlement.take() else {

@@ -698,6 +698,7 @@ fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
                 .as_ref()
                 .and_then(|t| t.dir.as_ref())
                 .map(PathBuf::from),
+            serves_messages: false,
         })
         .collect()
 }

@@ -48,6 +48,10 @@ pub struct ModelConfig {
     /// worker's `POST /tokenize`.
     #[serde(default)]
     pub tokenizer_dir: Option<PathBuf>,
+    /// The model's workers serve Anthropic's `POST /v1/messages` themselves (recent vLLM does):
+    /// Anthropic requests pass through to them unchanged instead of being translated to the chat API.
+    #[serde(default)]
+    pub serves_messages: bool,
 }
 
 /// The routing strategy. Everything but `kinference` is a baseline for the benchmark.

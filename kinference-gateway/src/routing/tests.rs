@@ -17,6 +17,7 @@ fn config(mode: RoutingMode) -> RoutingConfig {
         models: vec![ModelConfig {
             name: "m".into(),
             tokenizer_dir: None,
+            serves_messages: false,
         }],
         agents: vec![],
         mode,
@@ -131,6 +132,7 @@ fn kconfig(workers: usize, agents: &[&str]) -> RoutingConfig {
         models: vec![ModelConfig {
             name: "m".into(),
             tokenizer_dir: Some(tokenizer_dir()),
+            serves_messages: false,
         }],
         agents: agents.iter().map(|a| a.to_string()).collect(),
         mode: RoutingMode::Kinference,

@@ -148,11 +148,14 @@ class Cluster:
         return Worker(url, process)
 
     def gateway(self, workers: list[Worker], *flags: str, extra_worker_urls: tuple[str, ...] = (),
-                wait_ready: bool = True, tokenizer: bool = True) -> Gateway:
-        """A gateway in front of `workers`; `tokenizer=False` configures the model without its tokenizer."""
+                wait_ready: bool = True, tokenizer: bool = True, serves_messages: bool = False) -> Gateway:
+        """A gateway in front of `workers`; `tokenizer=False` configures the model without its tokenizer,
+        `serves_messages=True` says its workers serve Anthropic's `/v1/messages` themselves."""
         port, admin_port = free_port(), free_port()
         config = self.workdir / f"gateway-{port}.yaml"
         tokenizer_line = f"\n    tokenizer_dir: {TOKENIZER_DIR}" if tokenizer else ""
+        if serves_messages:
+            tokenizer_line += "\n    serves_messages: true"
         lines = [f"models:\n  - name: {MODEL}{tokenizer_line}\nworkers:"]
         for url in [w.url for w in workers] + list(extra_worker_urls):
             lines.append(f"  - url: {url}\n    model: {MODEL}")

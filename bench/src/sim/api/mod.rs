@@ -69,6 +69,8 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Whether `POST /v1/responses` is served (vLLM before 0.10 has no such route).
     pub responses_api: bool,
+    /// Whether `POST /v1/messages` (Anthropic's Messages API) is served.
+    pub messages_api: bool,
     /// Text of each token the engine can generate.
     pub token_text: HashMap<u32, String>,
     pub started: u64,
@@ -245,7 +247,9 @@ async fn route(
         "/v1/responses" if post && state.responses_api => {
             surface::responses(state, &read_json(req).await?).await
         }
-        "/v1/messages" if post => messages::messages(state, &read_json(req).await?).await,
+        "/v1/messages" if post && state.messages_api => {
+            messages::messages(state, &read_json(req).await?).await
+        }
         "/tokenize" if post => tokenize(state, &read_json(req).await?),
         "/detokenize" if post => detokenize(state, &read_json(req).await?),
         "/reset_prefix_cache" if post => {

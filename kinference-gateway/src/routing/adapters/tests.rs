@@ -13,6 +13,7 @@ fn router() -> Router {
         models: vec![ModelConfig {
             name: "base".into(),
             tokenizer_dir: None,
+            serves_messages: false,
         }],
         workers: vec![worker("http://a"), worker("http://b")],
         agents: vec![],

@@ -436,6 +436,7 @@ mod replicas {
             models: vec![ModelConfig {
                 name: "m".into(),
                 tokenizer_dir: None,
+                serves_messages: false,
             }],
             agents: vec!["http://127.0.0.1:1".into()],
             mode: RoutingMode::Kinference,

@@ -26,6 +26,7 @@ fn router() -> Router {
         models: vec![ModelConfig {
             name: "m".into(),
             tokenizer_dir: Some(tokenizer_dir()),
+            serves_messages: false,
         }],
         agents: vec![],
         mode: RoutingMode::Kinference,
