@@ -358,6 +358,8 @@ pub enum ModelKind {
     Alias,
     /// A model class: a request for it is served by any member.
     Class,
+    /// A LoRA adapter some workers have loaded (`root` is the model it adapts).
+    Adapter,
 }
 
 impl ModelKind {
@@ -366,6 +368,7 @@ impl ModelKind {
             ModelKind::Model => "model",
             ModelKind::Alias => "alias",
             ModelKind::Class => "class",
+            ModelKind::Adapter => "adapter",
         }
     }
 }
@@ -380,7 +383,7 @@ pub struct ModelCard {
     pub owned_by: String,
     /// What the name is.
     pub kind: ModelKind,
-    /// The served model behind an alias (a model is its own root; a class has none).
+    /// The served model behind an alias or adapter (a model is its own root; a class has none).
     pub root: Option<String>,
     /// A class's members (served names, `provider/<name>` for providers' models).
     pub members: Vec<String>,
@@ -398,7 +401,10 @@ pub fn models_response(cards: &[ModelCard]) -> Value {
                 "created": 0,
                 "owned_by": c.owned_by,
                 "root": c.root,
-                "parent": if c.kind == ModelKind::Alias { c.root.clone() } else { None },
+                "parent": match c.kind {
+                    ModelKind::Alias | ModelKind::Adapter => c.root.clone(),
+                    ModelKind::Model | ModelKind::Class => None,
+                },
                 "kind": c.kind.as_str(),
             });
             if c.kind == ModelKind::Class {

@@ -1,7 +1,8 @@
 //! `GET /v1/models`: what this gateway serves right now. The served model names (configured, then
 //! those of the workers the router knows, discovered ones included, then the policy set's
-//! `InferenceModel`s), each model's aliases, and the model classes with their members. Read on
-//! every call, so workers discovered and policies reloaded show at once.
+//! `InferenceModel`s), each model's aliases, the model classes with their members, and the LoRA
+//! adapters workers have loaded. Read on every call, so workers discovered, adapters loaded and
+//! policies reloaded show at once.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,7 +17,19 @@ const OWNER: &str = "kinference";
 pub fn cards(gw: &Gateway) -> Vec<ModelCard> {
     let workers: Vec<String> = gw.router.workers().into_iter().map(|w| w.model).collect();
     let set = gw.policy.as_ref().map(|stage| stage.current());
-    cards_of(&gw.models, &workers, set.as_deref())
+    let mut cards = cards_of(&gw.models, &workers, set.as_deref());
+    for (adapter, base) in gw.router.adapters() {
+        if !cards.iter().any(|c| c.id == adapter) {
+            cards.push(ModelCard {
+                id: adapter,
+                owned_by: OWNER.to_string(),
+                kind: ModelKind::Adapter,
+                root: Some(base),
+                members: Vec::new(),
+            });
+        }
+    }
+    cards
 }
 
 /// [`cards`] from its sources.

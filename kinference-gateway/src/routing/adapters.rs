@@ -29,6 +29,22 @@ impl WorkerTable {
 }
 
 impl Router {
+    /// Every LoRA adapter some worker has loaded, with the model it adapts (its workers' model),
+    /// sorted by name.
+    pub fn adapters(&self) -> Vec<(String, String)> {
+        let table = self.shared.workers.read();
+        let mut adapters: Vec<(String, String)> = table
+            .adapters
+            .iter()
+            .filter_map(|(name, ids)| {
+                let base = table.by_id(*ids.first()?)?;
+                Some((name.clone(), base.model.clone()))
+            })
+            .collect();
+        adapters.sort_unstable();
+        adapters
+    }
+
     /// Sets the LoRA adapters `worker` has loaded (sorted); `true` when they changed. Unknown workers
     /// are ignored: the configuration, discovery or an agent adds workers, not this.
     pub fn set_adapters(&self, worker: &str, adapters: Vec<String>) -> bool {
