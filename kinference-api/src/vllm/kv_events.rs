@@ -218,6 +218,7 @@ fn decode_array_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
                 extra_keys = block_extra_keys(r)?;
                 read = 9;
             }
+            check_extra_keys(&block_hashes, &extra_keys)?;
             KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
@@ -292,7 +293,8 @@ fn decode_map_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
     match t.ok_or(DecodeError::BadEvent("event map has no \"type\""))? {
         Tag::Stored => Ok(KvEvent::BlockStored {
             block_hashes: block_hashes
-                .ok_or(DecodeError::BadEvent("BlockStored without block_hashes"))?,
+                .ok_or(DecodeError::BadEvent("BlockStored without block_hashes"))
+                .and_then(|hashes| check_extra_keys(&hashes, &extra_keys).map(|()| hashes))?,
             parent_block_hash,
             token_ids: token_ids.ok_or(DecodeError::BadEvent("BlockStored without token_ids"))?,
             block_size: block_size
@@ -376,6 +378,21 @@ fn lora(name: Option<String>, id: Option<i64>) -> Option<Lora> {
         (Some(name), _) if !name.is_empty() => Some(Lora::Name(name)),
         (_, Some(id)) if id > 0 => Some(Lora::Id(id)),
         _ => None,
+    }
+}
+
+/// vLLM sends one `extra_keys` entry per block: with any other count, which key belongs to which block
+/// cannot be told, and the event is refused rather than keyed wrongly.
+fn check_extra_keys<H>(
+    block_hashes: &[H],
+    extra_keys: &[Vec<ExtraKey>],
+) -> Result<(), DecodeError> {
+    if extra_keys.is_empty() || extra_keys.len() == block_hashes.len() {
+        Ok(())
+    } else {
+        Err(DecodeError::BadEvent(
+            "BlockStored has a different number of extra_keys entries than block_hashes",
+        ))
     }
 }
 
