@@ -12,9 +12,8 @@
 //! target/release/gateway-overhead --rounds 10 --requests 400
 //! ```
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -27,6 +26,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kinference_bench::process::{Guard, free_port};
 use kinference_bench::routing::client::latency_that_counts;
 use kinference_bench::stats::percentile_duration as percentile;
 
@@ -58,20 +58,6 @@ struct Args {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 8)]
     max_tokens: u32,
-}
-
-/// A child process killed when dropped (also on panic or early return).
-struct Guard(Child, &'static str);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;

@@ -18,9 +18,8 @@
 //! target/debug/kernel-signal-bench            # as root: eBPF needs CAP_BPF and CAP_PERFMON
 //! ```
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -29,6 +28,7 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Parser;
 use http::Method;
+use kinference_bench::process::{Guard, free_port};
 use kinference_bench::routing::client::{HttpClient, LoadClient, Route};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions, MODEL};
 use kinference_bench::routing::stats::RequestOutcome;
@@ -406,20 +406,6 @@ async fn prediction_error(
         if ratio <= 0.5 { "met" } else { "NOT met" }
     );
     Ok(observed_p50)
-}
-
-/// A child process killed when dropped.
-struct Guard(Child, &'static str);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 fn log_file(dir: &Path, name: &str) -> anyhow::Result<(Stdio, Stdio)> {

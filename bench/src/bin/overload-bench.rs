@@ -16,9 +16,8 @@
 //! ```
 //! Needs a file-descriptor limit above idle + slow (`ulimit -n`), for this process and the gateway.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -31,6 +30,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kinference_bench::process::{Guard, free_port};
 use kinference_bench::stats::percentile_duration as percentile;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -63,20 +63,6 @@ struct Args {
     /// The simulator's time scale (wall seconds per model second).
     #[arg(long, default_value_t = 0.01)]
     time_scale: f64,
-}
-
-/// A child process killed when dropped (also on panic or early return).
-struct Guard(Child, &'static str);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;

@@ -21,9 +21,8 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -36,6 +35,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use kinference_bench::process::{Guard, free_port};
 
 const MODEL: &str = "qwen2-sim";
 /// The tenants the clients are spread over (round robin), with their API keys.
@@ -77,20 +77,6 @@ struct Args {
     /// during the soak).
     #[arg(long, default_value_t = 16)]
     segment_mib: u64,
-}
-
-/// A child process killed when dropped (also on panic or early return).
-struct Guard(Child, &'static str);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -342,9 +328,8 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&workdir)?;
     let http = client(args.clients + 64);
 
-    let ports = (0..args.workers)
-        .map(|_| free_port())
-        .collect::<anyhow::Result<Vec<u16>>>()?;
+    // Held together until every port is known, so no two workers are handed the same one.
+    let ports = kinference_bench::routing::cluster::free_ports(args.workers)?;
     let workers: Vec<String> = ports
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))

@@ -1,0 +1,20 @@
+//! Child processes and loopback ports for the benchmark binaries that start a gateway and simulators.
+
+use std::net::TcpListener;
+use std::process::Child;
+
+/// A child process, with the name errors give it, killed when dropped (also on panic or early return).
+pub struct Guard(pub Child, pub &'static str);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free loopback port (released at once; [`crate::routing::cluster::free_ports`] holds several
+/// until all are known).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
