@@ -5,10 +5,11 @@
 //! provider's events go through [`AnthropicStream`]), then shaped for the client: OpenAI clients get
 //! the events as they are (minus the usage chunk they did not ask for), Anthropic clients the
 //! translated event sequence ([`StreamTranslator`]). A worker's own Anthropic answer to an Anthropic
-//! client passes verbatim ([`Spec::pass_through`]): its OpenAI form only feeds the meter. Nothing waits for the whole response. A stream
-//! that stalls, breaks, carries an error event or ends before the backend said it was complete ends
-//! with an error event in the client's protocol. The stream is read to its end even after the
-//! completion event, so the worker's connection goes back to the pool.
+//! client passes verbatim ([`Spec::pass_through`]): its OpenAI form only feeds the meter. Nothing
+//! waits for the whole response. A stream that stalls, breaks, carries an error event or ends before
+//! the backend said it was complete ends with an error event in the client's protocol. The stream is
+//! read to its end even after the completion event, so the worker's connection goes back to the
+//! pool.
 //!
 //! The [`Meter`] hears every text chunk (first token, inter-token latency, the tenant's streamed
 //! output) and the end exactly once: `finish` with the status and the backend's usage, or, when the
@@ -160,7 +161,6 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
                 pass_usage_chunk: true
             }
         ),
-        verbatim: spec.verbatim(),
         usage: None,
         done: false,
         ended: false,
@@ -193,8 +193,6 @@ struct Relay<M: Meter> {
     /// Set for Anthropic clients.
     to_anthropic: Option<StreamTranslator>,
     pass_usage_chunk: bool,
-    /// The backend's events go to the client as they are (an Anthropic backend, an Anthropic client).
-    verbatim: bool,
     usage: Option<Usage>,
     /// The backend said the answer is complete (`[DONE]`, `message_stop`).
     done: bool,
@@ -227,7 +225,7 @@ impl<M: Meter> Relay<M> {
                     if let Some(data) = frame.data_ref() {
                         self.parser.feed(data);
                         while let Some(event) = self.parser.next_event() {
-                            let forward = self.verbatim && !self.done;
+                            let forward = self.spec.verbatim() && !self.done;
                             self.on_event(&event.data);
                             // An event that failed the stream is replaced by the gateway's error.
                             if forward && !self.ended {
@@ -274,7 +272,7 @@ impl<M: Meter> Relay<M> {
             Ok(chunk) => chunk,
             Err(e) => {
                 tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
-                if self.to_anthropic.is_none() && !self.verbatim {
+                if self.to_anthropic.is_none() && !self.spec.verbatim() {
                     put_data(&mut self.out, data);
                 }
                 return;
@@ -302,7 +300,7 @@ impl<M: Meter> Relay<M> {
         }
         match &mut self.to_anthropic {
             Some(t) => t.chunk(&mut self.out, &chunk),
-            None if self.verbatim => {}
+            None if self.spec.verbatim() => {}
             None => {
                 let usage_only = chunk.choices.is_empty() && chunk.usage.is_some();
                 if !usage_only || self.pass_usage_chunk {
@@ -316,7 +314,7 @@ impl<M: Meter> Relay<M> {
     /// for the end of the backend's body.
     fn complete(&mut self) {
         self.done = true;
-        if self.to_anthropic.is_none() && !self.verbatim {
+        if self.to_anthropic.is_none() && !self.spec.verbatim() {
             self.out.extend_from_slice(b"data: [DONE]\n\n");
         }
     }
