@@ -171,6 +171,54 @@ pub fn default_tokenizer_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")))
 }
 
+/// What starting a simulated fleet needs before any process starts: the binaries, the tokenizer.
+pub(crate) struct Prerequisites {
+    pub sim_bin: PathBuf,
+    pub agent_bin: PathBuf,
+    pub gateway_bin: PathBuf,
+    /// The tokenizer directory, absolute (the processes run elsewhere).
+    pub tokenizer_dir: PathBuf,
+}
+
+/// Finds `vllm-sim`, `kinference-agent` and `kinference-gateway` in `bin_dir` and `tokenizer.json` in
+/// `tokenizer_dir`, naming what is missing, and creates `work_dir`.
+pub(crate) fn prerequisites(
+    bin_dir: &Path,
+    tokenizer_dir: &Path,
+    work_dir: &Path,
+) -> Result<Prerequisites, ClusterError> {
+    let bin = |name: &str| -> Result<PathBuf, ClusterError> {
+        let path = bin_dir.join(name);
+        if path.is_file() {
+            Ok(path)
+        } else {
+            Err(ClusterError::MissingBinary {
+                name: name.to_string(),
+                dir: bin_dir.display().to_string(),
+            })
+        }
+    };
+    let (sim_bin, agent_bin, gateway_bin) = (
+        bin("vllm-sim")?,
+        bin("kinference-agent")?,
+        bin("kinference-gateway")?,
+    );
+    if !tokenizer_dir.join("tokenizer.json").is_file() {
+        return Err(ClusterError::MissingTokenizer(
+            tokenizer_dir.display().to_string(),
+        ));
+    }
+    let tokenizer_dir = std::fs::canonicalize(tokenizer_dir)
+        .map_err(io(format!("resolving {}", tokenizer_dir.display())))?;
+    std::fs::create_dir_all(work_dir).map_err(io(format!("creating {}", work_dir.display())))?;
+    Ok(Prerequisites {
+        sim_bin,
+        agent_bin,
+        gateway_bin,
+        tokenizer_dir,
+    })
+}
+
 /// Reserves `n` distinct free loopback ports.
 pub fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
     // All listeners are held until every port is known, so no port is handed out twice.
@@ -362,31 +410,12 @@ impl Cluster {
         http: HttpClient,
         options: &ClusterOptions,
     ) -> Result<Self, ClusterError> {
-        let bin = |name: &str| -> Result<PathBuf, ClusterError> {
-            let path = config.bin_dir.join(name);
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(ClusterError::MissingBinary {
-                    name: name.to_string(),
-                    dir: config.bin_dir.display().to_string(),
-                })
-            }
-        };
-        let (sim_bin, agent_bin, gateway_bin) = (
-            bin("vllm-sim")?,
-            bin("kinference-agent")?,
-            bin("kinference-gateway")?,
-        );
-        if !config.tokenizer_dir.join("tokenizer.json").is_file() {
-            return Err(ClusterError::MissingTokenizer(
-                config.tokenizer_dir.display().to_string(),
-            ));
-        }
-        let tokenizer_dir = std::fs::canonicalize(&config.tokenizer_dir)
-            .map_err(io(format!("resolving {}", config.tokenizer_dir.display())))?;
-        std::fs::create_dir_all(&config.work_dir)
-            .map_err(io(format!("creating {}", config.work_dir.display())))?;
+        let Prerequisites {
+            sim_bin,
+            agent_bin,
+            gateway_bin,
+            tokenizer_dir,
+        } = prerequisites(&config.bin_dir, &config.tokenizer_dir, &config.work_dir)?;
 
         let n = config.workers;
         let replicas = options.gateway_replicas.max(1);

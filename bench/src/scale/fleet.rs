@@ -17,7 +17,8 @@ use serde_json::json;
 
 use crate::routing::client::HttpClient;
 use crate::routing::cluster::{
-    CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, free_ports, metric_sum,
+    CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, Prerequisites, free_ports,
+    metric_sum, prerequisites,
 };
 
 /// How to build the fleet.
@@ -83,31 +84,12 @@ impl Fleet {
     /// the gateways and waits until they are ready (the `kinference` gateway also until it has a
     /// stream from every agent).
     pub async fn start(config: &FleetConfig, http: HttpClient) -> Result<Self, ClusterError> {
-        let bin = |name: &str| -> Result<PathBuf, ClusterError> {
-            let path = config.bin_dir.join(name);
-            if path.is_file() {
-                Ok(path)
-            } else {
-                Err(ClusterError::MissingBinary {
-                    name: name.to_string(),
-                    dir: config.bin_dir.display().to_string(),
-                })
-            }
-        };
-        let (sim_bin, agent_bin, gateway_bin) = (
-            bin("vllm-sim")?,
-            bin("kinference-agent")?,
-            bin("kinference-gateway")?,
-        );
-        if !config.tokenizer_dir.join("tokenizer.json").is_file() {
-            return Err(ClusterError::MissingTokenizer(
-                config.tokenizer_dir.display().to_string(),
-            ));
-        }
-        let tokenizer_dir = std::fs::canonicalize(&config.tokenizer_dir)
-            .map_err(io(format!("resolving {}", config.tokenizer_dir.display())))?;
-        std::fs::create_dir_all(&config.work_dir)
-            .map_err(io(format!("creating {}", config.work_dir.display())))?;
+        let Prerequisites {
+            sim_bin,
+            agent_bin,
+            gateway_bin,
+            tokenizer_dir,
+        } = prerequisites(&config.bin_dir, &config.tokenizer_dir, &config.work_dir)?;
 
         let mut fleet = Self {
             http,
