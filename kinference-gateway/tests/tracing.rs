@@ -2,7 +2,7 @@
 //! `vllm-sim` worker, reached through a loopback TCP relay that keeps the bytes the worker was sent.
 //!
 //! - with `OTEL_EXPORTER_OTLP_ENDPOINT` set, one streamed request exports its trace to an OTLP/gRPC
-//!   receiver in this test: the client's trace id, the root span the child of the client's span, the
+//!   receiver in this test (and, with `--otlp-protocol http`, to an OTLP/HTTP one): the client's trace id, the root span the child of the client's span, the
 //!   stages (authenticate, admission, routing with its estimate, upstream, stream) its children in
 //!   order, and the worker's `traceparent` naming the upstream span;
 //! - the client's `x-request-id` is echoed, reaches the worker, and is in the JSON access line and
@@ -46,12 +46,7 @@ impl TraceService for Receiver {
         &self,
         request: tonic::Request<ExportTraceServiceRequest>,
     ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut spans = self.0.lock().unwrap();
-        for resource in request.into_inner().resource_spans {
-            for scope in resource.scope_spans {
-                spans.extend(scope.spans);
-            }
-        }
+        self.keep(request.into_inner());
         Ok(tonic::Response::new(ExportTraceServiceResponse {
             partial_success: None,
         }))
@@ -70,6 +65,75 @@ impl Receiver {
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         format!("http://127.0.0.1:{port}")
+    }
+
+    /// Serves OTLP/HTTP (protobuf bodies posted to `/v1/traces`) on a free loopback port; its
+    /// `http://` endpoint (the base URL: the exporter appends the path). A post elsewhere, or in
+    /// another encoding, is answered 404 or 415 and its spans are not kept.
+    async fn start_http(&self) -> String {
+        use http_body_util::BodyExt as _;
+        use prost::Message as _;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let receiver = self.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let receiver = receiver.clone();
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let receiver = receiver.clone();
+                        async move {
+                            let protobuf = req
+                                .headers()
+                                .get("content-type")
+                                .is_some_and(|v| v == "application/x-protobuf");
+                            let status = if req.uri().path() != "/v1/traces" {
+                                404
+                            } else if !protobuf {
+                                415
+                            } else {
+                                let body = req.into_body().collect().await?.to_bytes();
+                                match ExportTraceServiceRequest::decode(body) {
+                                    Ok(request) => {
+                                        receiver.keep(request);
+                                        200
+                                    }
+                                    Err(_) => 400,
+                                }
+                            };
+                            let answer = ExportTraceServiceResponse {
+                                partial_success: None,
+                            }
+                            .encode_to_vec();
+                            let mut response = hyper::Response::new(http_body_util::Full::new(
+                                bytes::Bytes::from(answer),
+                            ));
+                            *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+                            response.headers_mut().insert(
+                                "content-type",
+                                http::HeaderValue::from_static("application/x-protobuf"),
+                            );
+                            Ok::<_, hyper::Error>(response)
+                        }
+                    },
+                );
+                tokio::spawn(
+                    hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+                );
+            }
+        });
+        format!("http://127.0.0.1:{port}")
+    }
+
+    /// Keeps the spans of an export.
+    fn keep(&self, request: ExportTraceServiceRequest) {
+        let mut spans = self.0.lock().unwrap();
+        for resource in request.resource_spans {
+            for scope in resource.scope_spans {
+                spans.extend(scope.spans);
+            }
+        }
     }
 
     /// The spans of `trace` received so far.
@@ -180,6 +244,7 @@ async fn gateway(
     let mut command = support::gateway_command(config, api, admin);
     command
         .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
         .env_remove("KINFERENCE_LOG_FORMAT")
         .env_remove("RUST_LOG")
         .stdout(Stdio::from(std::fs::File::create(log).unwrap()));
@@ -226,13 +291,42 @@ async fn eventually<T>(what: &str, mut ready: impl FnMut() -> Option<T>) -> T {
 
 #[tokio::test]
 async fn a_streamed_request_exports_its_stages_in_the_clients_trace_and_the_worker_continues_it() {
+    exports_the_trace(Protocol::Grpc).await;
+}
+
+#[tokio::test]
+async fn over_otlp_http_the_same_trace_is_exported() {
+    exports_the_trace(Protocol::Http).await;
+}
+
+/// How the gateway sends its spans to the receiver.
+#[derive(Debug, Clone, Copy)]
+enum Protocol {
+    /// The default: OTLP/gRPC.
+    Grpc,
+    /// `--otlp-protocol http`: OTLP/HTTP with protobuf bodies.
+    Http,
+}
+
+/// One streamed request's trace, exported over `protocol` to a receiver in this test: the stages in
+/// order in the client's trace, the worker continuing it, the request id in the logs and usage.
+async fn exports_the_trace(protocol: Protocol) {
     let Some(sim) = support::vllm_sim_binary() else {
         return;
     };
     let receiver = Receiver::default();
-    let endpoint = receiver.start().await;
+    let (endpoint, flags) = match protocol {
+        Protocol::Grpc => (receiver.start().await, vec!["--log-format", "json"]),
+        Protocol::Http => (
+            receiver.start_http().await,
+            vec!["--log-format", "json", "--otlp-protocol", "http"],
+        ),
+    };
     let (_sim, relay, seen) = worker(&sim).await;
-    let dir = std::env::temp_dir().join(format!("kinference-tracing-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "kinference-tracing-{protocol:?}-{}",
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     let config = write_config(&dir, relay);
     let log = dir.join("gateway.log");
@@ -242,7 +336,7 @@ async fn a_streamed_request_exports_its_stages_in_the_clients_trace_and_the_work
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ],
-        &["--log-format", "json"],
+        &flags,
         &log,
     )
     .await;

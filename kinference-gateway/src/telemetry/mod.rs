@@ -8,6 +8,7 @@
 //! spans are at `debug`, which the default `info` log filter leaves disabled, so they cost a
 //! callsite check. The client's `traceparent` is then passed to the backend unchanged.
 
+mod http_export;
 pub mod propagation;
 pub mod request_id;
 
@@ -17,7 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context as _;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::WithExportConfig as _;
+use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
@@ -47,7 +48,27 @@ pub enum LogFormat {
     Json,
 }
 
-/// Logs and traces (`--log-format`, `--otlp-endpoint`).
+/// How spans are sent to the OTLP endpoint (`OTEL_EXPORTER_OTLP_PROTOCOL`'s values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OtlpProtocol {
+    /// OTLP/gRPC (the collector's port 4317).
+    Grpc,
+    /// OTLP/HTTP with protobuf bodies (the collector's port 4318).
+    #[value(name = "http", alias = "http/protobuf")]
+    Http,
+}
+
+impl OtlpProtocol {
+    /// Its name in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OtlpProtocol::Grpc => "OTLP/gRPC",
+            OtlpProtocol::Http => "OTLP/HTTP",
+        }
+    }
+}
+
+/// Logs and traces (`--log-format`, `--otlp-endpoint`, `--otlp-protocol`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct TelemetryArgs {
     /// Log format: `text` or `json` (one object per line). The level filter is `RUST_LOG`
@@ -55,11 +76,17 @@ pub struct TelemetryArgs {
     #[arg(long, env = "KINFERENCE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 
-    /// OTLP/gRPC endpoint that request traces are exported to, e.g. `http://otel-collector:4317`.
-    /// Unset (the default): no trace is exported and the client's `traceparent` is passed to the
-    /// backend unchanged.
+    /// OTLP endpoint that request traces are exported to, e.g. `http://otel-collector:4317` (gRPC)
+    /// or `http://otel-collector:4318` (HTTP: spans are posted to its `/v1/traces`). Unset (the
+    /// default): no trace is exported and the client's `traceparent` is passed to the backend
+    /// unchanged.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_name = "URL")]
     pub otlp_endpoint: Option<String>,
+
+    /// How spans travel to `--otlp-endpoint`: `grpc` (OTLP/gRPC) or `http` (OTLP/HTTP with
+    /// protobuf bodies). The environment variable also takes the specification's `http/protobuf`.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_PROTOCOL", value_enum, default_value_t = OtlpProtocol::Grpc)]
+    pub otlp_protocol: OtlpProtocol,
 
     /// `service.name` of the exported spans.
     #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "kinference-gateway")]
@@ -80,14 +107,19 @@ impl Telemetry {
     pub fn init(args: &TelemetryArgs) -> anyhow::Result<Telemetry> {
         let provider = match args.otlp_endpoint.as_deref().map(str::trim) {
             None | Some("") => None,
-            Some(endpoint) => Some(exporter(endpoint, &args.otel_service_name)?),
+            Some(endpoint) => Some(exporter(
+                endpoint,
+                args.otlp_protocol,
+                &args.otel_service_name,
+            )?),
         };
         TRACING.store(provider.is_some(), Ordering::Relaxed);
         subscriber(args.log_format, provider.as_ref())
             .try_init()
             .context("installing the log subscriber")?;
         if let Some(endpoint) = &args.otlp_endpoint {
-            tracing::info!(%endpoint, "exporting request traces over OTLP/gRPC");
+            let protocol = args.otlp_protocol.as_str();
+            tracing::info!(%endpoint, protocol, "exporting request traces");
         }
         Ok(Telemetry { provider })
     }
@@ -125,16 +157,28 @@ fn subscriber(
     tracing_subscriber::registry().with(logs).with(spans)
 }
 
-/// The OTLP/gRPC exporter to `endpoint`, batching spans.
-fn exporter(endpoint: &str, service: &str) -> anyhow::Result<SdkTracerProvider> {
+/// The OTLP exporter to `endpoint` over `protocol`, batching spans.
+fn exporter(
+    endpoint: &str,
+    protocol: OtlpProtocol,
+    service: &str,
+) -> anyhow::Result<SdkTracerProvider> {
     if !(endpoint.starts_with("http://") || endpoint.starts_with("https://")) {
         anyhow::bail!("--otlp-endpoint {endpoint:?}: expected an http:// or https:// URL");
     }
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_tonic()
-        .with_endpoint(endpoint)
-        .build()
-        .with_context(|| format!("the OTLP exporter to {endpoint}"))?;
+    let builder = opentelemetry_otlp::SpanExporter::builder();
+    let exporter = match protocol {
+        OtlpProtocol::Grpc => builder.with_tonic().with_endpoint(endpoint).build(),
+        OtlpProtocol::Http => builder
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_http_client(
+                http_export::OnRuntime::current().context("OTLP/HTTP needs the Tokio runtime")?,
+            )
+            .with_endpoint(http_export::traces_url(endpoint))
+            .build(),
+    }
+    .with_context(|| format!("the {} exporter to {endpoint}", protocol.as_str()))?;
     let resource = opentelemetry_sdk::Resource::builder()
         .with_service_name(service.to_string())
         .build();

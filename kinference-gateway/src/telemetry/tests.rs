@@ -137,3 +137,39 @@ fn the_gateways_spans_become_children_of_the_clients_span_and_log_events_do_not(
     assert_eq!(spans[0].parent_span_id, root.span_context.span_id());
     assert!(spans[0].events.is_empty(), "log events stay log lines");
 }
+
+#[test]
+fn otlp_http_posts_to_the_endpoints_traces_path() {
+    use super::http_export::traces_url;
+    assert_eq!(traces_url("http://c:4318"), "http://c:4318/v1/traces");
+    assert_eq!(traces_url("http://c:4318/"), "http://c:4318/v1/traces");
+    assert_eq!(
+        traces_url("https://c/otlp/v1/traces"),
+        "https://c/otlp/v1/traces"
+    );
+}
+
+#[test]
+fn the_otlp_protocol_flag_takes_the_specifications_names() {
+    use super::{OtlpProtocol, TelemetryArgs};
+    use clap::Parser as _;
+    #[derive(clap::Parser)]
+    struct Flags {
+        #[command(flatten)]
+        telemetry: TelemetryArgs,
+    }
+    let protocol = |args: &[&str]| {
+        Flags::try_parse_from(std::iter::once("gw").chain(args.iter().copied()))
+            .map(|f| f.telemetry.otlp_protocol)
+    };
+    assert_eq!(protocol(&[]).unwrap(), OtlpProtocol::Grpc);
+    assert_eq!(
+        protocol(&["--otlp-protocol", "http"]).unwrap(),
+        OtlpProtocol::Http
+    );
+    assert_eq!(
+        protocol(&["--otlp-protocol", "http/protobuf"]).unwrap(),
+        OtlpProtocol::Http
+    );
+    assert!(protocol(&["--otlp-protocol", "http/json"]).is_err());
+}
