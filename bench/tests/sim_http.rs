@@ -297,6 +297,47 @@ fn prompt_tokens_details_can_be_turned_off() {
     assert!(a["usage"]["prompt_tokens_details"].is_null(), "{a}");
 }
 
+/// `--slowdown` starts a worker slower than its preset and `POST /sim/slowdown` changes it at run time:
+/// the estimate of an idle worker scales by exactly the factor, and bad factors are refused.
+#[test]
+fn slowdown_flag_and_endpoint_scale_model_time() {
+    let sim = Sim::start(&["--slowdown", "4"]);
+    let (_, state) = sim.call("GET", "/sim/state", None);
+    let state: Value = serde_json::from_str(&state).expect("state JSON");
+    assert_eq!(state["slowdown"], 4.0, "{state}");
+    let prompt = "word ".repeat(2000);
+    let estimate = |sim: &Sim| {
+        let (status, est) = sim.post_json("/sim/estimate", json!({"prompt": prompt}));
+        assert_eq!(status, 200, "{est}");
+        est["estimated_ttft_s"].as_f64().expect("estimate")
+    };
+    let slow = estimate(&sim);
+
+    let (status, answer) = sim.post_json("/sim/slowdown", json!({"factor": 1.0}));
+    assert_eq!((status, answer), (200, json!({"slowdown": 1.0})));
+    let fast = estimate(&sim);
+    assert!(fast > 0.0);
+    assert!(
+        (slow / fast - 4.0).abs() < 1e-6,
+        "an idle worker's estimate is model time x scale x slowdown: {slow} vs {fast}"
+    );
+
+    for bad in [
+        json!({"factor": 0}),
+        json!({"factor": -2}),
+        json!({"factor": "x"}),
+        json!({}),
+    ] {
+        let (status, body) = sim.post_json("/sim/slowdown", bad.clone());
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert_eq!(body["error"]["type"], "BadRequestError", "{body}");
+    }
+    assert_eq!(sim.call("GET", "/sim/slowdown", None).0, 405);
+    let (_, state) = sim.call("GET", "/sim/state", None);
+    let state: Value = serde_json::from_str(&state).expect("state JSON");
+    assert_eq!(state["slowdown"], 1.0, "a refused factor changes nothing");
+}
+
 /// Frames of one ZMQ message.
 fn frames(m: ZmqMessage) -> Vec<Bytes> {
     m.into_vec()

@@ -41,6 +41,10 @@ struct Args {
     /// Wall seconds per simulated second: 0.1 runs ten times faster than real time.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// How many times slower than the preset this worker runs (2: a GPU of half the speed; workers of
+    /// different speeds side by side). `POST /sim/slowdown {"factor": F}` changes it at run time.
+    #[arg(long, default_value_t = 1.0)]
+    slowdown: f64,
     /// Tokens per KV cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -135,6 +139,7 @@ impl Args {
                 tokenizer_dir: self.tokenizer_dir.clone(),
                 preset: self.preset,
                 time_scale: self.time_scale,
+                slowdown: self.slowdown,
                 block_size: self.block_size,
                 num_blocks: self.num_blocks,
                 max_num_seqs: self.max_num_seqs,

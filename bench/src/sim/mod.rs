@@ -1,6 +1,7 @@
 //! A vLLM stand-in that behaves like vLLM 0.32 wherever a router looks: the OpenAI HTTP API with real
 //! tokenization, a prefix cache with vLLM's block hashing, KV events over ZeroMQ, `/metrics`, and a
-//! latency model of continuous batching, plus `/sim/estimate` and `/sim/state` for the benchmark.
+//! latency model of continuous batching, plus `/sim/estimate`, `/sim/state` and `/sim/slowdown` (a
+//! worker made slower at run time) for the benchmark.
 //!
 //! - [`api`]: HTTP routes, OpenAI JSON shapes, SSE.
 //! - [`cache`]: blocks, LRU eviction, vLLM's sha256/pickle block hashes, KV cache events.
@@ -37,6 +38,9 @@ pub struct SimConfig {
     pub preset: Preset,
     /// Wall seconds per model second (0.1 runs 10x faster than real time).
     pub time_scale: f64,
+    /// How many times slower than its preset this worker starts (2: a GPU of half the speed);
+    /// `POST /sim/slowdown` changes it at run time.
+    pub slowdown: f64,
     pub block_size: usize,
     pub num_blocks: usize,
     pub max_num_seqs: usize,
@@ -153,6 +157,9 @@ async fn start_with_tokenizer(
         metrics.clone(),
         publisher,
     );
+    engine
+        .set_slowdown(cfg.slowdown)
+        .map_err(|e| SimError::Config(e.to_string()))?;
     tokio::spawn(engine.clone().run(shutdown.clone()));
 
     let listener = TcpListener::bind(cfg.listen)
@@ -190,6 +197,7 @@ async fn start_with_tokenizer(
         info: json!({
             "preset": format!("{:?}", cfg.preset),
             "time_scale": cfg.time_scale,
+            "initial_slowdown": cfg.slowdown,
             "latency": latency,
             "max_num_seqs": cfg.max_num_seqs,
             "num_blocks": cfg.num_blocks,

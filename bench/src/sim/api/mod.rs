@@ -1,7 +1,7 @@
 //! The simulator's HTTP server (hyper 1, HTTP/1.1 like vLLM's uvicorn): vLLM's OpenAI-compatible routes,
 //! `/tokenize`, `/metrics`, `/health`, `/version`, `/reset_prefix_cache`, the `render` routes (vLLM 0.32's
 //! `GenerateRequest` shape, which vllm-router's `cache_aware`/`kv_aware` read for token ids), and the
-//! simulator-only `/sim/estimate` and `/sim/state`.
+//! simulator-only `/sim/estimate`, `/sim/state` and `/sim/slowdown`.
 //!
 //! Each generation request is tokenized here (real tokenizer and chat template), checked against
 //! `max_model_len`, queued in the engine and answered from its token stream, whole or as SSE.
@@ -276,7 +276,20 @@ async fn route(
             let mut v = serde_json::to_value(state.engine.snapshot()).unwrap_or(Value::Null);
             v["model"] = json!(state.model);
             v["info"] = state.info.clone();
+            v["slowdown"] = json!(state.engine.slowdown());
             Ok(json_response(StatusCode::OK, &v))
+        }
+        "/sim/slowdown" if post => {
+            let body = read_json(req).await?;
+            let factor = body["factor"]
+                .as_f64()
+                .ok_or_else(|| ApiError::bad("expected {\"factor\": <number above 0>}"))?;
+            state
+                .engine
+                .set_slowdown(factor)
+                .map_err(|e| ApiError::bad(e.to_string()))?;
+            tracing::info!(factor, "slowdown changed");
+            Ok(json_response(StatusCode::OK, &json!({"slowdown": factor})))
         }
         "/health"
         | "/ping"
@@ -292,7 +305,8 @@ async fn route(
         | "/detokenize"
         | "/reset_prefix_cache"
         | "/sim/estimate"
-        | "/sim/state" => Err(ApiError::MethodNotAllowed),
+        | "/sim/state"
+        | "/sim/slowdown" => Err(ApiError::MethodNotAllowed),
         _ => Err(ApiError::RouteNotFound),
     }
 }

@@ -15,6 +15,7 @@ mod tests;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -33,6 +34,11 @@ use crate::sim::metrics::{FinishReason, Gauges, Metrics};
 
 /// How far behind schedule the loop may run and still catch up (beyond it, the engine was idle).
 const CATCH_UP: Duration = Duration::from_millis(3);
+
+/// A slowdown factor that is not a finite number above zero.
+#[derive(Debug, Clone, Copy, PartialEq, thiserror::Error)]
+#[error("slowdown factor must be a finite number above 0, got {0}")]
+pub struct InvalidSlowdown(pub f64);
 
 /// One generated token, as a handler receives it.
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +100,9 @@ pub struct Engine {
     shared: Mutex<Shared>,
     wake: Notify,
     time_scale: f64,
+    /// How many times slower than its preset this worker runs (an `f64`'s bits; changed at run time by
+    /// `POST /sim/slowdown`, as when a GPU throttles or a noisy neighbour moves in).
+    slowdown: AtomicU64,
     block_size: usize,
     metrics: Arc<Metrics>,
     publisher: Option<KvPublisher>,
@@ -103,6 +112,7 @@ impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("time_scale", &self.time_scale)
+            .field("slowdown", &self.slowdown())
             .finish_non_exhaustive()
     }
 }
@@ -125,10 +135,31 @@ impl Engine {
             }),
             wake: Notify::new(),
             time_scale: time_scale.max(0.0),
+            slowdown: AtomicU64::new(1.0f64.to_bits()),
             block_size,
             metrics,
             publisher,
         })
+    }
+
+    /// How many times slower than its preset the engine runs (1: the preset's speed).
+    pub fn slowdown(&self) -> f64 {
+        f64::from_bits(self.slowdown.load(Ordering::Relaxed))
+    }
+
+    /// Makes every step from the next one on `factor` times as long as the preset says (2: half the
+    /// speed). The step in flight keeps its length. `factor` must be finite and positive.
+    pub fn set_slowdown(&self, factor: f64) -> Result<(), InvalidSlowdown> {
+        if !(factor.is_finite() && factor > 0.0) {
+            return Err(InvalidSlowdown(factor));
+        }
+        self.slowdown.store(factor.to_bits(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Wall seconds per model second of the preset: the time scale times the slowdown.
+    fn wall_per_model_s(&self) -> f64 {
+        self.time_scale * self.slowdown()
     }
 
     /// Tokens per KV block.
@@ -182,7 +213,7 @@ impl Engine {
         Estimate {
             cached_tokens: f.cached_tokens,
             prompt_tokens: f.prompt_tokens,
-            estimated_ttft_s: remaining.as_secs_f64() + f.ttft_s * self.time_scale,
+            estimated_ttft_s: remaining.as_secs_f64() + f.ttft_s * self.wall_per_model_s(),
             queue_prefill_tokens: f.queue_prefill_tokens,
             running: f.running,
             waiting: f.waiting,
@@ -236,7 +267,8 @@ impl Engine {
                     } else {
                         now
                     };
-                    deadline = start + Duration::from_secs_f64(p.duration_s * self.time_scale);
+                    deadline =
+                        start + Duration::from_secs_f64(p.duration_s * self.wall_per_model_s());
                     s.inflight = Some((p.clone(), deadline));
                     s.steps += 1;
                 }
