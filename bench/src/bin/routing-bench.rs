@@ -20,6 +20,7 @@ use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOp
 use kinference_bench::routing::experiment::{
     self, ExperimentConfig, Policy, RequestCount, RunRecord,
 };
+use kinference_bench::routing::fleet::FleetPlan;
 use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
 use kinference_bench::routing::report::Report;
@@ -30,7 +31,11 @@ use serde_json::json;
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
-    /// Workloads to run.
+    /// Workloads to run: shared-prefix, unique, multi-turn, and two that stress what a hash cannot
+    /// see: bursty (shared-prefix requests in bursts of `--concurrency` every few simulated seconds)
+    /// and heterogeneous (shared-prefix requests on a fleet of its own: two fast workers with large
+    /// caches and two 2.5x slower with small ones, a fast one slowed to 4x halfway; run it alone,
+    /// `--workers` does not apply).
     #[arg(
         long,
         value_delimiter = ',',
@@ -302,6 +307,17 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
             per_user: args.requests_per_user,
         },
     };
+    let fleet = if args.workloads.contains(&WorkloadKind::Heterogeneous) {
+        if args.workloads.len() > 1 {
+            eprintln!(
+                "routing-bench: the heterogeneous workload runs on a fleet of its own: run it in a command of its own"
+            );
+            return ExitCode::FAILURE;
+        }
+        Some(FleetPlan::heterogeneous())
+    } else {
+        None
+    };
     let mut policies = args.policies.clone();
     policies.extend(wanted_peers.iter().filter(|p| !args.policies.contains(p)));
     let config = ExperimentConfig {
@@ -331,7 +347,7 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
             .tokenizer_dir
             .clone()
             .unwrap_or_else(cluster::default_tokenizer_dir),
-        workers: args.workers,
+        workers: fleet.as_ref().map_or(args.workers, |f| f.workers.len()),
         preset: args.preset.clone(),
         time_scale: args.time_scale,
         worker_args: args.worker_args.clone(),
@@ -341,7 +357,8 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         ready_timeout: Duration::from_secs(60),
     };
     let setup = json!({
-        "workers": args.workers,
+        "workers": cluster_config.workers,
+        "fleet": fleet,
         "preset": args.preset,
         "time_scale": args.time_scale,
         "worker_args": args.worker_args,
@@ -384,6 +401,10 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
     // the agent connects too (both subscribers then see the same events).
     let options = ClusterOptions {
         workers_bind_kv_events: wanted_peers.contains(&Policy::VllmRouterKvAware),
+        per_worker_args: fleet
+            .as_ref()
+            .map(FleetPlan::worker_args)
+            .unwrap_or_default(),
         ..ClusterOptions::default()
     };
     let mut cluster = match Cluster::start_with(&cluster_config, http.clone(), &options).await {

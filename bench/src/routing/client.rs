@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -196,6 +197,16 @@ pub enum Route {
     Oracle(Arc<Oracle>),
 }
 
+/// What a run may do beyond sending its sessions as fast as its virtual users can.
+#[derive(Default)]
+pub struct RunExtras<'a> {
+    /// Wall seconds per simulated second: turns sessions' `arrival_s` into wall-clock times.
+    pub time_scale: f64,
+    /// Awaited once, by the virtual user that takes the session of this index, before it sends it
+    /// (e.g. slowing a worker down halfway through the run).
+    pub event: Option<(usize, BoxFuture<'a, ()>)>,
+}
+
 /// Everything measured in one run.
 #[derive(Debug, Clone)]
 pub struct RunResult {
@@ -228,7 +239,24 @@ impl LoadClient {
 
     /// Runs `workload` with `concurrency` virtual users through `route`.
     pub async fn run(&self, route: &Route, workload: &Workload, concurrency: usize) -> RunResult {
+        self.run_with(route, workload, concurrency, RunExtras::default())
+            .await
+    }
+
+    /// [`LoadClient::run`] with an arrival schedule and a mid-run event ([`RunExtras`]).
+    pub async fn run_with(
+        &self,
+        route: &Route,
+        workload: &Workload,
+        concurrency: usize,
+        extras: RunExtras<'_>,
+    ) -> RunResult {
         let next = AtomicUsize::new(0);
+        let (event_at, event) = match extras.event {
+            Some((at, event)) => (Some(at), Some(event)),
+            None => (None, None),
+        };
+        let event = tokio::sync::Mutex::new(event);
         let start = Instant::now();
         let users = (0..concurrency.max(1)).map(|_| async {
             let mut outcomes = Vec::new();
@@ -237,8 +265,22 @@ impl LoadClient {
                 let Some(session) = workload.sessions.get(i) else {
                     break;
                 };
-                for request in &session.requests {
-                    outcomes.push(self.send(route, request, start).await);
+                if event_at == Some(i)
+                    && let Some(event) = event.lock().await.take()
+                {
+                    event.await;
+                }
+                // An open-loop arrival: wait for it, and count the request's time from it even when
+                // this user took the session late (every user was busy: the client's own queue).
+                let arrival = session.arrival_s.map(|s| {
+                    start + Duration::from_secs_f64(s.max(0.0) * extras.time_scale.max(0.0))
+                });
+                if let Some(at) = arrival {
+                    tokio::time::sleep_until(at.into()).await;
+                }
+                for (turn, request) in session.requests.iter().enumerate() {
+                    let issued = arrival.filter(|_| turn == 0).unwrap_or_else(Instant::now);
+                    outcomes.push(self.send_issued(route, request, start, issued).await);
                 }
             }
             outcomes
@@ -261,7 +303,19 @@ impl LoadClient {
         request: &ChatRequest,
         run_start: Instant,
     ) -> RequestOutcome {
-        let issued = Instant::now();
+        self.send_issued(route, request, run_start, Instant::now())
+            .await
+    }
+
+    /// [`LoadClient::send`] with its latencies counted from `issued` (an arrival that may be earlier
+    /// than now).
+    async fn send_issued(
+        &self,
+        route: &Route,
+        request: &ChatRequest,
+        run_start: Instant,
+        issued: Instant,
+    ) -> RequestOutcome {
         let mut outcome = RequestOutcome {
             session: request.session,
             turn: request.turn,

@@ -77,6 +77,9 @@ pub enum ClusterError {
     /// A worker kept its cache despite `POST /reset_prefix_cache`.
     #[error("{0} still holds cached blocks after /reset_prefix_cache for 30 s")]
     ResetRefused(String),
+    /// A worker index past the fleet.
+    #[error("no worker {0} in the cluster")]
+    NoWorker(usize),
     /// A request to a worker failed.
     #[error(transparent)]
     Http(#[from] super::client::HttpError),
@@ -134,6 +137,9 @@ pub struct ClusterOptions {
     /// `kv_aware`) can connect too. Off: the workers connect to SUB sockets the agent binds, with topic
     /// `kv@wN@MODEL` (the default, node-local deployment).
     pub workers_bind_kv_events: bool,
+    /// Extra `vllm-sim` arguments of each worker (entry `i` for worker `i`, after
+    /// [`ClusterConfig::worker_args`]): a mixed fleet of different speeds and cache sizes.
+    pub per_worker_args: Vec<Vec<String>>,
 }
 
 /// Where a worker serves and publishes, as a subscriber on loopback connects to it.
@@ -529,6 +535,14 @@ impl Cluster {
                 args.extend(["--kv-topic".into(), format!("kv@w{}@{MODEL}", i + 1)]);
             }
             args.extend(config.worker_args.iter().cloned());
+            args.extend(
+                options
+                    .per_worker_args
+                    .get(i)
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
             let child = ChildGuard::spawn(
                 &format!("vllm-sim w{}", i + 1),
                 &sim_bin,
@@ -699,6 +713,21 @@ impl Cluster {
                 .await?;
         }
         tokio::time::sleep(settle).await;
+        Ok(())
+    }
+
+    /// Makes worker `index` (from 0) `factor` times slower than its preset from its next engine step
+    /// (`POST /sim/slowdown`).
+    pub async fn set_slowdown(&self, index: usize, factor: f64) -> Result<(), ClusterError> {
+        let Some(worker) = self.workers.get(index) else {
+            return Err(ClusterError::NoWorker(index));
+        };
+        self.http
+            .post_json(
+                &format!("{worker}/sim/slowdown"),
+                &json!({ "factor": factor }),
+            )
+            .await?;
         Ok(())
     }
 

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::client::{LoadClient, Route};
+use super::client::{LoadClient, Route, RunExtras};
 use super::cluster::{Cluster, ClusterError};
+use super::fleet::FleetPlan;
 use super::oracle::Oracle;
 use super::stats::{RequestOutcome, RunSummary, summarize};
 use super::workload::{Workload, WorkloadKind, WorkloadShape};
@@ -185,7 +186,9 @@ impl ExperimentConfig {
     /// prompts have no state to build up across sessions).
     pub fn warmup_for(&self, kind: WorkloadKind) -> usize {
         self.warmup.unwrap_or(match kind {
-            WorkloadKind::SharedPrefix => 2 * self.shape.shared_prefixes,
+            WorkloadKind::SharedPrefix | WorkloadKind::Heterogeneous | WorkloadKind::Bursty => {
+                2 * self.shape.shared_prefixes
+            }
             WorkloadKind::Unique | WorkloadKind::MultiTurn => 0,
         })
     }
@@ -209,11 +212,32 @@ impl ExperimentConfig {
         }
     }
 
-    /// The warm-up phase and the measured sequence of a run at `concurrency`.
+    /// The warm-up phase and the measured sequence of a run at `concurrency`. A bursty run's measured
+    /// sessions arrive in bursts of `concurrency` ([`Workload::schedule_bursts`]); its warm-up does not.
     pub fn sequences(&self, kind: WorkloadKind, concurrency: usize) -> (Workload, Workload) {
         let warmup = self.warmup_for(kind);
         let n = self.requests_for(kind, concurrency);
-        Workload::generate(kind, &self.shape, self.seed, warmup + n).split_at_requests(warmup)
+        let (warmup, mut measured) =
+            Workload::generate(kind, &self.shape, self.seed, warmup + n).split_at_requests(warmup);
+        if kind == WorkloadKind::Bursty {
+            measured.schedule_bursts(&self.shape, concurrency, self.seed);
+        }
+        (warmup, measured)
+    }
+
+    /// Virtual users of a run at `concurrency`: as many, except for bursty runs, whose concurrency is
+    /// the burst size and whose users only carry the arrivals: four bursts' worth, so that a burst is
+    /// sent on time unless four are still unanswered (and then the wait counts in its TTFT).
+    pub fn users_for(&self, kind: WorkloadKind, concurrency: usize) -> usize {
+        match kind {
+            WorkloadKind::Bursty => 4 * concurrency.max(1),
+            _ => concurrency,
+        }
+    }
+
+    /// The mixed fleet `kind` runs on (`None`: the cluster's identical workers).
+    pub fn fleet_for(&self, kind: WorkloadKind) -> Option<FleetPlan> {
+        (kind == WorkloadKind::Heterogeneous).then(FleetPlan::heterogeneous)
     }
 
     /// Number of runs in the matrix.
@@ -311,12 +335,30 @@ pub async fn run_one(
                 .clone(),
         ),
     };
+    // A mixed fleet starts every run at its initial speeds (the previous run's event slowed a worker).
+    let fleet = config.fleet_for(workload.kind);
+    for (i, w) in fleet.iter().flat_map(|f| f.workers.iter().enumerate()) {
+        cluster.set_slowdown(i, w.slowdown).await?;
+    }
     cluster.reset_caches(config.settle).await?;
     if !warmup.is_empty() {
         client.run(&route, warmup, concurrency).await;
     }
     let before = cluster.cache_counters().await.ok();
-    let result = client.run(&route, workload, concurrency).await;
+    let event = fleet.and_then(|f| f.event).map(|e| {
+        let slow_down: futures::future::BoxFuture<'_, ()> = Box::pin(async move {
+            if let Err(err) = cluster.set_slowdown(e.worker, e.slowdown).await {
+                tracing::warn!(worker = e.worker, error = %err, "mid-run slowdown failed");
+            }
+        });
+        (e.at_session(workload.sessions.len()), slow_down)
+    });
+    let extras = RunExtras {
+        time_scale: config.time_scale,
+        event,
+    };
+    let users = config.users_for(workload.kind, concurrency);
+    let result = client.run_with(&route, workload, users, extras).await;
     let after = cluster.cache_counters().await.ok();
     let summary = summarize(
         &result.outcomes,

@@ -5,11 +5,12 @@
 //! client-side [`oracle`] that asks every simulated worker for its exact TTFT estimate. [`cluster`] starts
 //! and stops the real processes; [`stats`] turns the measured requests into the figures that
 //! [`report`] writes (JSON, markdown, SVG). [`experiment`] ties them together for `routing-bench` and
-//! `demo`.
+//! `demo`; [`fleet`] describes the mixed fleet of the `heterogeneous` workload.
 
 pub mod client;
 pub mod cluster;
 pub mod experiment;
+pub mod fleet;
 pub mod oracle;
 pub mod peers;
 pub mod report;

@@ -5,6 +5,11 @@
 //! real chat client would). The same seed always gives the same sequence, so every routing policy is
 //! measured on exactly the same requests.
 //!
+//! Two workloads change *when* and *where* the shared-prefix requests run rather than what they are:
+//! `bursty` sends them in bursts at fixed times ([`Workload::schedule_bursts`]: an open-loop arrival
+//! schedule, the same for every policy) and `heterogeneous` runs them on a mixed fleet (workers of
+//! different speeds and cache sizes, one slowed halfway: `super::fleet`).
+//!
 //! Text is drawn from a vocabulary of common English words that the Qwen2 tokenizer encodes as one token
 //! each (with their leading space), so a prompt of `n` words is close to `n` tokens.
 
@@ -20,7 +25,7 @@ use serde_json::{Value, json};
 #[cfg(test)]
 mod tests;
 
-/// The three workloads of the published experiment.
+/// The three workloads of the published experiment, and two that stress what a hash cannot see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum WorkloadKind {
@@ -30,16 +35,28 @@ pub enum WorkloadKind {
     Unique,
     /// Conversations whose every turn resends the growing history plus a new user message.
     MultiTurn,
+    /// Shared-prefix requests on a mixed fleet: fast workers with large caches beside slow ones with
+    /// small caches, one fast worker slowed halfway through the run (`super::fleet::FleetPlan`).
+    Heterogeneous,
+    /// Shared-prefix requests arriving in bursts (a burst of `concurrency` requests every
+    /// [`WorkloadShape::burst_period_s`]) instead of from users that each wait for their last answer.
+    Bursty,
 }
 
 impl WorkloadKind {
     /// All workloads, in report order.
-    pub const ALL: [WorkloadKind; 3] = [Self::SharedPrefix, Self::Unique, Self::MultiTurn];
+    pub const ALL: [WorkloadKind; 5] = [
+        Self::SharedPrefix,
+        Self::Unique,
+        Self::MultiTurn,
+        Self::Heterogeneous,
+        Self::Bursty,
+    ];
 
     /// The TTFT service-level objective used for goodput (published: 8 s shared prefix, 4 s multi-turn).
     pub fn ttft_slo_s(self) -> f64 {
         match self {
-            Self::SharedPrefix | Self::Unique => 8.0,
+            Self::SharedPrefix | Self::Unique | Self::Heterogeneous | Self::Bursty => 8.0,
             Self::MultiTurn => 4.0,
         }
     }
@@ -50,6 +67,8 @@ impl WorkloadKind {
             Self::SharedPrefix => "shared-prefix",
             Self::Unique => "unique",
             Self::MultiTurn => "multi-turn",
+            Self::Heterogeneous => "heterogeneous",
+            Self::Bursty => "bursty",
         }
     }
 }
@@ -62,7 +81,9 @@ impl fmt::Display for WorkloadKind {
 
 /// A workload name that is not one of [`WorkloadKind::ALL`].
 #[derive(Debug, thiserror::Error)]
-#[error("unknown workload {0:?} (expected shared-prefix, unique or multi-turn)")]
+#[error(
+    "unknown workload {0:?} (expected shared-prefix, unique, multi-turn, heterogeneous or bursty)"
+)]
 pub struct UnknownWorkload(String);
 
 impl FromStr for WorkloadKind {
@@ -72,6 +93,8 @@ impl FromStr for WorkloadKind {
             "shared-prefix" => Ok(Self::SharedPrefix),
             "unique" => Ok(Self::Unique),
             "multi-turn" => Ok(Self::MultiTurn),
+            "heterogeneous" => Ok(Self::Heterogeneous),
+            "bursty" => Ok(Self::Bursty),
             other => Err(UnknownWorkload(other.to_string())),
         }
     }
@@ -96,6 +119,10 @@ pub struct WorkloadShape {
     pub turns: (usize, usize),
     /// Completion tokens per turn (multi-turn); the canned assistant reply in the history has as many words.
     pub turn_max_tokens: u32,
+    /// Simulated seconds from one burst to the next (bursty).
+    pub burst_period_s: f64,
+    /// A burst's requests arrive spread uniformly over this many simulated seconds (bursty).
+    pub burst_spread_s: f64,
 }
 
 impl Default for WorkloadShape {
@@ -113,6 +140,10 @@ impl Default for WorkloadShape {
             followup_words: (100, 300),
             turns: (4, 8),
             turn_max_tokens: 96,
+            // Long enough for three workers to drain a burst of 8-16 mostly cached requests (each
+            // ~2-3 s of decode), short enough that a burst of 32 overlaps the next one.
+            burst_period_s: 6.0,
+            burst_spread_s: 0.5,
         }
     }
 }
@@ -172,14 +203,18 @@ impl ChatRequest {
 }
 
 /// A sequence of requests sent one after the other by one virtual user.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Session {
     /// The turns, in order.
     pub requests: Vec<ChatRequest>,
+    /// When the session arrives, in simulated seconds after the run starts (an open-loop schedule:
+    /// TTFT then counts from this moment, even if every virtual user was still busy). `None`: as soon
+    /// as a virtual user is free.
+    pub arrival_s: Option<f64>,
 }
 
 /// A deterministic request sequence.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Workload {
     /// Which workload this is.
     pub kind: WorkloadKind,
@@ -194,7 +229,9 @@ impl Workload {
     /// a prefix of the sequence used at high concurrency).
     pub fn generate(kind: WorkloadKind, shape: &WorkloadShape, seed: u64, requests: usize) -> Self {
         let sessions = match kind {
-            WorkloadKind::SharedPrefix => shared_prefix(shape, seed, requests),
+            WorkloadKind::SharedPrefix | WorkloadKind::Heterogeneous | WorkloadKind::Bursty => {
+                shared_prefix(shape, seed, requests)
+            }
             WorkloadKind::Unique => unique(shape, seed, requests),
             WorkloadKind::MultiTurn => multi_turn(shape, seed, requests),
         };
@@ -225,6 +262,29 @@ impl Workload {
             sessions: self.sessions.split_off(cut),
         };
         (self, rest)
+    }
+
+    /// Gives the sessions an arrival schedule: bursts of `burst_size` sessions, one every
+    /// `shape.burst_period_s` simulated seconds from 0, each session of a burst arriving at a time drawn
+    /// uniformly from the burst's first `shape.burst_spread_s` seconds (from `seed`: the same schedule
+    /// for every policy), sorted so that virtual users take them in arrival order.
+    pub fn schedule_bursts(&mut self, shape: &WorkloadShape, burst_size: usize, seed: u64) {
+        let burst_size = burst_size.max(1);
+        let mut rng = rng_for(seed, 5);
+        for (i, session) in self.sessions.iter_mut().enumerate() {
+            let burst = (i / burst_size) as f64;
+            let offset = if shape.burst_spread_s > 0.0 {
+                rng.random_range(0.0..shape.burst_spread_s)
+            } else {
+                0.0
+            };
+            session.arrival_s = Some(burst * shape.burst_period_s + offset);
+        }
+        self.sessions.sort_by(|a, b| {
+            a.arrival_s
+                .unwrap_or(0.0)
+                .total_cmp(&b.arrival_s.unwrap_or(0.0))
+        });
     }
 
     /// All requests in session order.
@@ -342,6 +402,7 @@ fn shared_prefix(shape: &WorkloadShape, seed: u64, requests: usize) -> Vec<Sessi
                     ],
                     max_tokens: shape.max_tokens,
                 }],
+                arrival_s: None,
             }
         })
         .collect()
@@ -368,6 +429,7 @@ fn unique(shape: &WorkloadShape, seed: u64, requests: usize) -> Vec<Session> {
                     }],
                     max_tokens: shape.max_tokens,
                 }],
+                arrival_s: None,
             }
         })
         .collect()
@@ -415,6 +477,7 @@ fn multi_turn(shape: &WorkloadShape, seed: u64, requests: usize) -> Vec<Session>
         left -= session_requests.len();
         sessions.push(Session {
             requests: session_requests,
+            arrival_s: None,
         });
     }
     sessions

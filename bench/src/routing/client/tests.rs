@@ -74,3 +74,86 @@ async fn a_stream_counts_to_its_first_non_empty_frame_and_a_whole_answer_to_its_
     let whole = latency_that_counts(body(), start, false).await.unwrap();
     assert!(whole >= Duration::from_millis(450), "{whole:?}");
 }
+
+/// A simulated worker in this process (fast preset), on a free port.
+async fn sim_worker(shutdown: tokio_util::sync::CancellationToken) -> String {
+    let config = crate::sim::SimConfig {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        model: "qwen2-sim".into(),
+        tokenizer_dir: testkit::tokenizer_dir(),
+        preset: crate::sim::engine::Preset::Fast,
+        time_scale: 1.0,
+        slowdown: 1.0,
+        block_size: 16,
+        num_blocks: 512,
+        max_num_seqs: 16,
+        max_model_len: 8192,
+        seed: 0,
+        prompt_tokens_details: true,
+        auto_tool_choice: true,
+        lora_modules: Vec::new(),
+        api_key: None,
+        responses_api: true,
+        messages_api: true,
+        kv_events: None,
+    };
+    let running = crate::sim::start(config, shutdown)
+        .await
+        .expect("simulator");
+    format!("http://{}", running.addr)
+}
+
+#[tokio::test]
+async fn sessions_wait_for_their_arrival_and_the_event_fires_once_before_its_session() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use crate::routing::workload::{Workload, WorkloadKind, WorkloadShape};
+
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let worker = sim_worker(shutdown.clone()).await;
+    let shape = WorkloadShape {
+        shared_prefixes: 2,
+        prefix_words: 50,
+        max_tokens: 2,
+        burst_period_s: 0.4,
+        burst_spread_s: 0.0,
+        ..WorkloadShape::default()
+    };
+    let mut workload = Workload::generate(WorkloadKind::Bursty, &shape, 1, 6);
+    workload.schedule_bursts(&shape, 3, 1);
+    let client = LoadClient::new(
+        HttpClient::new(),
+        "qwen2-sim",
+        false,
+        Duration::from_secs(60),
+    );
+    let fired = AtomicUsize::new(0);
+    let extras = RunExtras {
+        time_scale: 1.0,
+        event: Some((
+            3,
+            Box::pin(async {
+                fired.fetch_add(1, Ordering::SeqCst);
+            }),
+        )),
+    };
+    // Six users for six sessions: nothing but the schedule holds the second burst back.
+    let result = client
+        .run_with(&Route::Endpoint(worker), &workload, 6, extras)
+        .await;
+    assert_eq!(fired.load(Ordering::SeqCst), 1);
+    assert_eq!(result.outcomes.len(), 6);
+    for o in &result.outcomes {
+        assert!(o.ok(), "{o:?}");
+        let second_burst = workload.sessions[3..]
+            .iter()
+            .any(|s| s.requests[0].session == o.session);
+        if second_burst {
+            assert!(o.sent_at >= Duration::from_millis(400), "{o:?}");
+        } else {
+            assert!(o.sent_at < Duration::from_millis(400), "{o:?}");
+        }
+    }
+    assert!(result.wall >= Duration::from_millis(400));
+}

@@ -72,3 +72,39 @@ fn multi_turn_runs_hold_two_conversations_per_user() {
     };
     assert_eq!(fixed.requests_for(WorkloadKind::MultiTurn, 32), 24);
 }
+
+#[test]
+fn bursty_runs_schedule_bursts_of_the_concurrency_and_heterogeneous_runs_a_mixed_fleet() {
+    let config = ExperimentConfig {
+        workloads: vec![WorkloadKind::Bursty, WorkloadKind::Heterogeneous],
+        concurrency: vec![8],
+        policies: vec![Policy::Random],
+        requests: RequestCount::Fixed(20),
+        warmup: Some(4),
+        seed: 3,
+        time_scale: 1.0,
+        shape: WorkloadShape::default(),
+        settle: Duration::ZERO,
+    };
+    let (warmup, measured) = config.sequences(WorkloadKind::Bursty, 8);
+    assert!(warmup.sessions.iter().all(|s| s.arrival_s.is_none()));
+    let arrivals: Vec<f64> = measured
+        .sessions
+        .iter()
+        .map(|s| s.arrival_s.expect("scheduled"))
+        .collect();
+    let period = config.shape.burst_period_s;
+    let first_burst = arrivals.iter().filter(|&&a| a < period).count();
+    assert_eq!((arrivals.len(), first_burst), (20, 8));
+    assert!(arrivals.iter().all(|&a| a < 3.0 * period));
+    assert_eq!(config.users_for(WorkloadKind::Bursty, 8), 32);
+    assert_eq!(config.users_for(WorkloadKind::SharedPrefix, 8), 8);
+
+    let (_, measured) = config.sequences(WorkloadKind::Heterogeneous, 8);
+    assert!(measured.sessions.iter().all(|s| s.arrival_s.is_none()));
+    assert_eq!(
+        config.fleet_for(WorkloadKind::Heterogeneous),
+        Some(FleetPlan::heterogeneous())
+    );
+    assert_eq!(config.fleet_for(WorkloadKind::Bursty), None);
+}

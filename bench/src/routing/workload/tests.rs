@@ -10,6 +10,8 @@ fn small_shape() -> WorkloadShape {
         followup_words: (5, 10),
         turns: (2, 4),
         turn_max_tokens: 12,
+        burst_period_s: 10.0,
+        burst_spread_s: 0.5,
     }
 }
 
@@ -135,4 +137,53 @@ fn a_warm_up_phase_splits_off_whole_sessions() {
         Workload::generate(WorkloadKind::Unique, &small_shape(), 1, 4).split_at_requests(0);
     assert!(none.is_empty());
     assert_eq!(all.len(), 4);
+}
+
+#[test]
+fn heterogeneous_and_bursty_send_the_shared_prefix_requests() {
+    let shared = Workload::generate(WorkloadKind::SharedPrefix, &small_shape(), 9, 20);
+    for kind in [WorkloadKind::Heterogeneous, WorkloadKind::Bursty] {
+        let w = Workload::generate(kind, &small_shape(), 9, 20);
+        assert_eq!(w.kind, kind);
+        assert!(w.requests().eq(shared.requests()), "{kind}");
+        assert!(w.sessions.iter().all(|s| s.arrival_s.is_none()), "{kind}");
+    }
+}
+
+#[test]
+fn bursts_arrive_every_period_in_groups_of_the_burst_size_the_same_for_a_seed() {
+    let shape = small_shape();
+    let scheduled = |seed: u64| {
+        let mut w = Workload::generate(WorkloadKind::Bursty, &shape, 1, 23);
+        w.schedule_bursts(&shape, 8, seed);
+        w
+    };
+    let w = scheduled(4);
+    assert_eq!(w, scheduled(4), "same seed, same schedule");
+    assert_ne!(
+        w,
+        scheduled(5),
+        "another seed spreads the bursts differently"
+    );
+    let arrivals: Vec<f64> = w
+        .sessions
+        .iter()
+        .map(|s| s.arrival_s.expect("scheduled"))
+        .collect();
+    assert!(
+        arrivals.windows(2).all(|p| p[0] <= p[1]),
+        "in arrival order"
+    );
+    // 23 sessions: bursts of 8, 8 and 7, at 0, 10 and 20 s, each spread over its first 0.5 s.
+    for (burst, size) in [(0.0, 8), (10.0, 8), (20.0, 7)] {
+        let within = arrivals
+            .iter()
+            .filter(|&&a| a >= burst && a < burst + shape.burst_spread_s)
+            .count();
+        assert_eq!(within, size, "burst at {burst} s: {arrivals:?}");
+    }
+    // The schedule only reorders sessions inside a burst: the requests are the same.
+    let mut sent: Vec<usize> = w.requests().map(|r| r.session).collect();
+    sent.sort_unstable();
+    assert_eq!(sent, (0..23).collect::<Vec<_>>());
 }
