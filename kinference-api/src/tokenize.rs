@@ -6,7 +6,8 @@
 //! `transformers`) and then encoding the rendered text *without* adding special tokens again, because
 //! the template already wrote them. Both paths are reproduced here so the ids equal vLLM's `/tokenize`.
 //!
-//! The template is compiled once in [`ModelTokenizer::from_dir`]; each request only renders and encodes.
+//! The template is compiled once in [`ModelTokenizer::from_dir`]; each request only renders and encodes,
+//! and a message list rendered recently is not rendered again (`rendered`).
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use serde::ser::{Serialize, SerializeMap, Serializer};
 use serde_json::{Map, Value};
 
 mod fast;
+mod rendered;
 #[cfg(test)]
 mod tests;
 
@@ -68,6 +70,7 @@ pub struct ModelTokenizer {
     eos_token: Option<String>,
     /// Hand-written pre-tokenization for Qwen2-style pipelines (see `fast`); `None` for others.
     fast: Option<fast::FastPath>,
+    rendered: rendered::RenderCache,
 }
 
 impl std::fmt::Debug for ModelTokenizer {
@@ -153,6 +156,7 @@ impl ModelTokenizer {
             bos_token,
             eos_token,
             fast: None,
+            rendered: rendered::RenderCache::default(),
         })
     }
 
@@ -216,6 +220,15 @@ impl ModelTokenizer {
         if !self.has_chat_template {
             return Err(TokenizeError::NoChatTemplate);
         }
+        let input = rendered::RenderInput {
+            messages,
+            add_generation_prompt,
+            kwargs,
+        };
+        let hash = match self.rendered.get(&input) {
+            Ok(text) => return Ok(text),
+            Err(hash) => hash,
+        };
         let messages = normalize_messages(messages)?;
         let tmpl = self
             .env
@@ -235,7 +248,9 @@ impl ModelTokenizer {
             }
             _ => base,
         };
-        tmpl.render(ctx).map_err(TokenizeError::Render)
+        let text = tmpl.render(ctx).map_err(TokenizeError::Render)?;
+        self.rendered.put(hash, &input, &text);
+        Ok(text)
     }
 
     /// Renders a chat (with the generation prompt) and encodes it without adding special tokens again,

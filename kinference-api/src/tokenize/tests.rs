@@ -350,3 +350,42 @@ fn encode_within_declines_long_new_text_and_takes_cached_text_free() {
         Some(tok.encode_text_reference(&text, true).expect("reference")),
     );
 }
+
+#[test]
+fn a_repeated_render_equals_a_fresh_one_and_a_changed_input_renders_anew() {
+    let fresh = ModelTokenizer::from_dir(tokenizer_dir()).expect("Qwen2 tokenizer");
+    let chat = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something about latency."}
+    ]);
+    let first = fresh.render_chat(&chat, true).unwrap();
+    // The second render comes from the cache; it must equal the template's own.
+    assert_eq!(fresh.render_chat(&chat, true).unwrap(), first);
+    assert_eq!(qwen2().render_chat(&chat, true).unwrap(), first);
+    // Every input of the render is part of what is looked up.
+    let without_prompt = fresh.render_chat(&chat, false).unwrap();
+    assert_ne!(without_prompt, first);
+    assert_eq!(without_prompt, qwen2().render_chat(&chat, false).unwrap());
+    let changed = json!([
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say something about latency!"}
+    ]);
+    assert!(
+        fresh
+            .render_chat(&changed, true)
+            .unwrap()
+            .contains("latency!")
+    );
+    let kwargs = json!({"add_vision_id": true, "enable_thinking": false});
+    let with_kwargs = fresh.render_chat_with(&chat, true, Some(&kwargs)).unwrap();
+    assert_eq!(
+        with_kwargs,
+        qwen2()
+            .render_chat_with(&chat, true, Some(&kwargs))
+            .unwrap()
+    );
+    // Invalid input is still refused on a second try (errors are never kept).
+    let bad = json!([{"content": "no role"}]);
+    assert!(fresh.render_chat(&bad, true).is_err());
+    assert!(fresh.render_chat(&bad, true).is_err());
+}
