@@ -289,6 +289,38 @@ fn a_sealed_segment_left_by_a_crash_is_compacted_once_at_start_and_old_periods_d
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+fn a_compacted_segment_counts_each_record_once_however_its_id_is_spelled() {
+    // Compaction remembers the gateway's ids (32 lower-case hex digits) as numbers: a duplicate is
+    // still caught, and an id that reads as the same number (upper case, a sign) is another record.
+    let dir = scratch("journal-ids");
+    let path = dir.join("usage.jsonl");
+    std::fs::create_dir_all(&dir).unwrap();
+    let id = format!("{:032x}", (0xabcdef_u128 << 64) | 42);
+    let upper = id.to_uppercase();
+    let signed = format!("+{}", &id[1..]);
+    assert_eq!(
+        u128::from_str_radix(&signed, 16).ok(),
+        u128::from_str_radix(&id, 16).ok()
+    );
+    let segment: String = [id.as_str(), &id, &upper, &signed, "r1", "r1"]
+        .iter()
+        .map(|id| line(&record(id, 5)) + "\n")
+        .collect();
+    std::fs::write(segment_path(&path, 1), segment).unwrap();
+    let (_journal, replayed) = Journal::open(
+        &path,
+        &JournalConfig::default(),
+        StoreMetrics::default(),
+        None,
+    )
+    .unwrap();
+    assert!(sealed_segments(&path).unwrap().is_empty());
+    assert!(replayed.records.is_empty());
+    assert_eq!(replay_totals(&replayed).requests, 4);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Set in the child process that runs [`a_full_disk_is_counted_and_its_records_kept_in_a_bounded_buffer`]
 /// under a file-size limit: the directory of its journal.
 const FULL_DISK_DIR: &str = "KINFERENCE_TEST_JOURNAL_FULL_DISK_DIR";
