@@ -8,15 +8,99 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kinference_api::KeyHasher;
 use support::*;
 
-fn sim_binary() -> PathBuf {
-    testkit::bin_dir().join("vllm-sim")
+/// One healthy `vllm-sim` worker (block size 16) whose KV events reach a real agent, and a gateway-side
+/// watcher of that agent. The simulator connects its PUB (no `*` in the endpoint), as vLLM does: the
+/// agent binds.
+struct SimWorker {
+    url: String,
+    agent: Agent,
+    watch: Watch,
+    _sim: testkit::ChildGuard,
+}
+
+impl SimWorker {
+    /// Starts the agent, then the simulator with `flags` added to the common ones, and waits until the
+    /// simulator is healthy. `None` (after `testkit::require`'s message) when `vllm-sim` is not built.
+    async fn start(flags: &[&str]) -> Option<Self> {
+        let bin = testkit::bin_dir().join("vllm-sim");
+        if !testkit::require(
+            bin.is_file(),
+            "vllm-sim",
+            format_args!(
+                "{} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
+                bin.display()
+            ),
+        ) {
+            return None;
+        }
+        let (events, replay) = (
+            format!("tcp://127.0.0.1:{}", free_port()),
+            format!("tcp://127.0.0.1:{}", free_port()),
+        );
+        let port = free_port();
+        let url = format!("http://127.0.0.1:{port}");
+        let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
+        let sim = testkit::ChildGuard(
+            Command::new(&bin)
+                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--model", MODEL, "--block-size", "16"])
+                .arg("--tokenizer-dir")
+                .arg(testkit::tokenizer_dir())
+                .args(["--kv-events-endpoint", &events])
+                .args(["--kv-replay-endpoint", &replay])
+                .args(flags)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("vllm-sim starts"),
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !try_http_get(&format!("{url}/health"))
+            .await
+            .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
+        {
+            assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let watch = Watch::connect(&agent.grpc).await;
+        Some(Self {
+            url,
+            agent,
+            watch,
+            _sim: sim,
+        })
+    }
+
+    /// A completion of `prompt` by `model` (the base model or an adapter), asserted to succeed.
+    async fn complete(&self, model: &str, prompt: &str, max_tokens: u32) {
+        let body = serde_json::json!({"model": model, "prompt": prompt, "max_tokens": max_tokens});
+        let resp = http_post(&format!("{}/v1/completions", self.url), &body.to_string()).await;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+    }
+
+    /// The simulator's own tokenization of `prompt` (`POST /tokenize`).
+    async fn tokenize(&self, model: &str, prompt: &str) -> Vec<u32> {
+        let body = serde_json::json!({"model": model, "prompt": prompt});
+        let tokens =
+            json_body(&http_post(&format!("{}/tokenize", self.url), &body.to_string()).await);
+        tokens["tokens"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect()
+    }
+
+    /// The agent's keys for this worker as the watcher sees them now.
+    fn view(&self) -> std::collections::HashSet<u64> {
+        self.watch.view.get(&self.url).cloned().unwrap_or_default()
+    }
 }
 
 async fn http_post(url: &str, body: &str) -> String {
@@ -41,93 +125,24 @@ fn json_body(resp: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_follows_the_simulators_cache_exactly() {
-    let bin = sim_binary();
-    if !testkit::require(
-        bin.is_file(),
-        "vllm-sim",
-        format_args!(
-            "{} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
-            bin.display()
-        ),
-    ) {
+    let Some(mut sim) = SimWorker::start(&["--kv-topic", "kv@w1@qwen2-sim"]).await else {
         return;
-    }
-    let tokenizer = testkit::tokenizer_dir();
-
-    let (events, replay) = (
-        format!("tcp://127.0.0.1:{}", free_port()),
-        format!("tcp://127.0.0.1:{}", free_port()),
-    );
-    let port = free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    // The simulator connects its PUB (no `*` in the endpoint), as vLLM does: the agent binds.
-    let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
-    let _sim = testkit::ChildGuard(
-        Command::new(&bin)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--model",
-                MODEL,
-            ])
-            .arg("--tokenizer-dir")
-            .arg(&tokenizer)
-            .args([
-                "--block-size",
-                "16",
-                "--kv-events-endpoint",
-                &events,
-                "--kv-replay-endpoint",
-                &replay,
-            ])
-            .args(["--kv-topic", "kv@w1@qwen2-sim"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("vllm-sim starts"),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !try_http_get(&format!("{url}/health"))
-        .await
-        .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
-    {
-        assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let mut watch = Watch::connect(&agent.grpc).await;
-
+    };
     let prompt = "You are a careful assistant. ".repeat(20) + "What is the capital of France?";
-    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 8}).to_string();
-    let resp = http_post(&format!("{url}/v1/completions"), &body).await;
-    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-
-    let tokens = json_body(
-        &http_post(
-            &format!("{url}/tokenize"),
-            &serde_json::json!({"model": MODEL, "prompt": prompt}).to_string(),
-        )
-        .await,
-    );
-    let tokens: Vec<u32> = tokens["tokens"]
-        .as_array()
-        .expect("tokens")
-        .iter()
-        .map(|t| t.as_u64().expect("id") as u32)
-        .collect();
-    let prompt_keys = KeyHasher::for_model(MODEL).keys(None, &tokens, 16);
+    sim.complete(MODEL, &prompt, 8).await;
+    let prompt_keys =
+        KeyHasher::for_model(MODEL).keys(None, &sim.tokenize(MODEL, &prompt).await, 16);
     assert!(prompt_keys.len() >= 5);
 
     // Wait until the agent's view has as many keys as the simulator has cached blocks.
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let state = json_body(&http_get(&format!("{url}/sim/state")).await);
+        let state = json_body(&http_get(&format!("{}/sim/state", sim.url)).await);
         let cached = state["block_hashes"]
             .as_array()
             .expect("block_hashes")
             .len();
-        let view = watch.view.get(&url).cloned().unwrap_or_default();
+        let view = sim.view();
         if cached > 0 && view.len() == cached && prompt_keys.iter().all(|k| view.contains(k)) {
             break;
         }
@@ -139,16 +154,16 @@ async fn agent_follows_the_simulators_cache_exactly() {
             prompt_keys.len(),
             cached
         );
-        watch.step(Duration::from_millis(200)).await;
+        sim.watch.step(Duration::from_millis(200)).await;
     }
-    assert_eq!(watch.block_size.get(&url), Some(&16));
+    assert_eq!(sim.watch.block_size.get(&sim.url), Some(&16));
     // The simulator's capacity (its default --num-blocks), from its cache_config_info as vLLM writes it.
-    while !watch.capacity.contains_key(&url) && Instant::now() < deadline {
-        watch.step(Duration::from_millis(200)).await;
+    while !sim.watch.capacity.contains_key(&sim.url) && Instant::now() < deadline {
+        sim.watch.step(Duration::from_millis(200)).await;
     }
-    assert_eq!(watch.capacity.get(&url), Some(&4096));
+    assert_eq!(sim.watch.capacity.get(&sim.url), Some(&4096));
     assert_eq!(
-        agent
+        sim.agent
             .metric("kinference_agent_kv_decode_errors_total")
             .await,
         0.0
@@ -160,77 +175,20 @@ async fn agent_follows_the_simulators_cache_exactly() {
 /// name, exactly as the gateway keys a prompt sent to the adapter, never as the base model's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adapters_blocks_are_reported_under_the_adapters_name() {
-    let bin = sim_binary();
-    if !testkit::require(
-        bin.is_file(),
-        "vllm-sim",
-        format_args!(
-            "{} is not built (run `cargo build -p kinference-bench --bin vllm-sim`, or set KINFERENCE_BIN_DIR)",
-            bin.display()
-        ),
-    ) {
+    let Some(mut sim) = SimWorker::start(&["--lora-modules", "sql-lora=/adapters/sql-lora"]).await
+    else {
         return;
-    }
-    let tokenizer = testkit::tokenizer_dir();
-    let (events, replay) = (
-        format!("tcp://127.0.0.1:{}", free_port()),
-        format!("tcp://127.0.0.1:{}", free_port()),
-    );
-    let port = free_port();
-    let url = format!("http://127.0.0.1:{port}");
-    let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
-    let _sim = testkit::ChildGuard(
-        Command::new(&bin)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--model", MODEL, "--block-size", "16"])
-            .arg("--tokenizer-dir")
-            .arg(&tokenizer)
-            .args([
-                "--kv-events-endpoint",
-                &events,
-                "--kv-replay-endpoint",
-                &replay,
-            ])
-            .args(["--lora-modules", "sql-lora=/adapters/sql-lora"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("vllm-sim starts"),
-    );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !try_http_get(&format!("{url}/health"))
-        .await
-        .is_ok_and(|r| r.starts_with("HTTP/1.1 200"))
-    {
-        assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let mut watch = Watch::connect(&agent.grpc).await;
-
+    };
     let prompt = "Translate to SQL: every order over 100 euros. ".repeat(12);
-    let body = serde_json::json!({"model": "sql-lora", "prompt": prompt, "max_tokens": 4});
-    let resp = http_post(&format!("{url}/v1/completions"), &body.to_string()).await;
-    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
-    let tokens = json_body(
-        &http_post(
-            &format!("{url}/tokenize"),
-            &serde_json::json!({"model": "sql-lora", "prompt": prompt}).to_string(),
-        )
-        .await,
-    );
-    let tokens: Vec<u32> = tokens["tokens"]
-        .as_array()
-        .expect("tokens")
-        .iter()
-        .map(|t| t.as_u64().expect("id") as u32)
-        .collect();
+    sim.complete("sql-lora", &prompt, 4).await;
+    let tokens = sim.tokenize("sql-lora", &prompt).await;
     let adapter_keys = KeyHasher::for_model("sql-lora").keys(None, &tokens, 16);
     let base_keys = KeyHasher::for_model(MODEL).keys(None, &tokens, 16);
     assert!(adapter_keys.len() >= 5);
 
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        let view = watch.view.get(&url).cloned().unwrap_or_default();
+        let view = sim.view();
         if adapter_keys.iter().all(|k| view.contains(k)) {
             assert!(
                 base_keys.iter().all(|k| !view.contains(k)),
@@ -245,10 +203,10 @@ async fn an_adapters_blocks_are_reported_under_the_adapters_name() {
             adapter_keys.iter().filter(|k| view.contains(k)).count(),
             adapter_keys.len()
         );
-        watch.step(Duration::from_millis(200)).await;
+        sim.watch.step(Duration::from_millis(200)).await;
     }
     assert_eq!(
-        agent
+        sim.agent
             .metric("kinference_agent_kv_decode_errors_total")
             .await,
         0.0
