@@ -81,6 +81,10 @@ pub struct InferenceModelSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub context_length: Option<u32>,
+    /// The workers serve Anthropic's `POST /v1/messages` themselves (recent vLLM does): Anthropic
+    /// requests pass through to them unchanged instead of being translated to the chat API.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub serves_messages: bool,
 }
 
 /// Where the tokenizer comes from.

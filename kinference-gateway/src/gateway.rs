@@ -60,9 +60,18 @@ impl Gateway {
         !self.draining.load(Ordering::Relaxed)
     }
 
-    /// Whether the workers of `model` take Anthropic requests as they are.
+    /// Whether the workers of `model` (a served name) take Anthropic requests as they are:
+    /// `serves_messages` in `gateway.yaml`, or `servesMessages` on its `InferenceModel` in the
+    /// current policy set (read per request, so a reload applies at once).
     pub fn serves_messages(&self, model: &str) -> bool {
         self.messages_models.iter().any(|m| m == model)
+            || self.policy.as_ref().is_some_and(|stage| {
+                stage
+                    .current()
+                    .models
+                    .values()
+                    .any(|m| m.spec.served_name == model && m.spec.serves_messages)
+            })
     }
 
     /// Starts draining: `/readyz` answers 503 from now on.

@@ -1005,3 +1005,55 @@ async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
     drop(cluster);
     drop(server);
 }
+
+/// `servesMessages` on an `InferenceModel` survives the API server (its schema has the field, so
+/// nothing is pruned) and reaches the model configuration the router is built from; an edit
+/// turning it off applies on the next snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_messages_on_an_inference_model_reaches_the_gateway() {
+    let _serial = SERIAL.lock().await;
+    let Some((_server, kube)) = apiserver_with(&[NS]).await else {
+        return;
+    };
+    let model = |serves: bool| {
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "small", "namespace": NS},
+            "spec": {"servedName": "small-served", "servesMessages": serves}
+        })
+    };
+    apply(&kube, model(true)).await;
+    let stored = get(&kube, "InferenceModel", "small").await;
+    assert_eq!(stored.data["spec"]["servesMessages"], json!(true));
+
+    let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-messages")).await;
+    let settings = StageSettings {
+        dir: Default::default(),
+        reload_interval: Duration::from_secs(1),
+        load_interval: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    let serves = |stage: &PolicyStage| {
+        stage
+            .routing_additions()
+            .1
+            .into_iter()
+            .find(|m| m.name == "small-served")
+            .map(|m| m.serves_messages)
+    };
+    wait_until(
+        "servesMessages: true served",
+        Duration::from_secs(30),
+        || serves(&stage) == Some(true),
+    )
+    .await;
+
+    apply(&kube, model(false)).await;
+    wait_until(
+        "servesMessages: false served",
+        Duration::from_secs(30),
+        || serves(&stage) == Some(false),
+    )
+    .await;
+}

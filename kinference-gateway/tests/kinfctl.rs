@@ -282,3 +282,39 @@ fn a_misspelt_key_in_a_cases_file_names_its_position_and_the_nearest_key() {
         "{all}"
     );
 }
+
+#[test]
+fn serves_messages_on_a_model_lints_clean_and_a_misspelling_names_the_key() {
+    let dir = std::env::temp_dir().join(format!("kinfctl-messages-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let pool = "apiVersion: kinference.ai/v1alpha1\nkind: InferencePool\nmetadata: {name: pool}\n\
+        spec:\n  models: [chat]\n  gpuClass: l4\n  endpoints: [{url: \"http://127.0.0.1:8001\"}]\n  \
+        prices: {cachedInputPerMillion: 0.0, uncachedInputPerMillion: 0.1, outputPerMillion: 0.2}\n";
+    std::fs::write(dir.join("pool.yaml"), pool).expect("write pool");
+    std::fs::copy(
+        repo().join("kinference-gateway/tests/policies-broken/schema-unknown-field/guard.yaml"),
+        dir.join("guard.yaml"),
+    )
+    .expect("copy guard");
+    let model = |key: &str| {
+        format!(
+            "apiVersion: kinference.ai/v1alpha1\nkind: InferenceModel\nmetadata: {{name: chat}}\n\
+             spec:\n  servedName: org/chat\n  {key}: true\n"
+        )
+    };
+    let lint = |key: &str| {
+        std::fs::write(dir.join("model.yaml"), model(key)).expect("write model");
+        kinfctl(&["lint", dir.to_str().expect("utf-8 path")])
+    };
+    let clean = lint("servesMessages");
+    let misspelt = lint("servesMessage");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(clean.status.code(), Some(0), "{}", stdout(&clean));
+    let out = stdout(&misspelt);
+    assert_eq!(misspelt.status.code(), Some(1), "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.contains("model.yaml:6:") && l.contains("did you mean `servesMessages`?")),
+        "{out}"
+    );
+}

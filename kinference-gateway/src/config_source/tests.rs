@@ -379,3 +379,54 @@ async fn a_tenants_file_missing_at_start_is_unsynced_until_it_appears_then_follo
     assert!(source.current().set.tenants.contains_key("acme"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn model(name: &str, spec: serde_json::Value) -> serde_json::Value {
+    json!({
+        "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+        "metadata": {"name": name, "namespace": "ns", "generation": 1},
+        "spec": spec
+    })
+}
+
+#[test]
+fn serves_messages_reaches_the_routers_model_configuration() {
+    let mut a = Applier::default();
+    a.upsert_value(
+        "InferenceModel",
+        &model(
+            "chat",
+            json!({"servedName": "chat-served", "servesMessages": true}),
+        ),
+    );
+    a.upsert_value(
+        "InferenceModel",
+        &model("plain", json!({"servedName": "plain-served"})),
+    );
+    // A misspelt key is refused, naming it; nothing of that object serves.
+    a.upsert_value(
+        "InferenceModel",
+        &model(
+            "typo",
+            json!({"servedName": "typo-served", "serveMessages": true}),
+        ),
+    );
+    let s = a.build(true);
+    let models = crate::policy::stage::pool_models(&s.set);
+    let serves = |name: &str| {
+        models
+            .iter()
+            .find(|m| m.name == name)
+            .map(|m| m.serves_messages)
+    };
+    assert_eq!(serves("chat-served"), Some(true));
+    assert_eq!(serves("plain-served"), Some(false));
+    assert_eq!(serves("typo-served"), None);
+    let typo = &s.objects[&obj("InferenceModel", "ns", "typo")];
+    assert!(
+        typo.state
+            .error()
+            .is_some_and(|e| e.contains("serveMessages")),
+        "{:?}",
+        typo.state
+    );
+}

@@ -686,8 +686,9 @@ fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
     out
 }
 
-/// Served models with a tokenizer directory (`spec.tokenizer.dir`).
-fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
+/// Served models with their tokenizer directory (`spec.tokenizer.dir`) and whether their workers
+/// serve Anthropic's `/v1/messages` (`spec.servesMessages`).
+pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
     set.models
         .values()
         .map(|m| ModelConfig {
@@ -698,7 +699,7 @@ fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
                 .as_ref()
                 .and_then(|t| t.dir.as_ref())
                 .map(PathBuf::from),
-            serves_messages: false,
+            serves_messages: m.spec.serves_messages,
         })
         .collect()
 }
