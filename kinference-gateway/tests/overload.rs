@@ -14,11 +14,9 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, free_port, tokenizer_dir};
+use testkit::ChildGuard;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -32,39 +30,15 @@ async fn worker() -> Option<(ChildGuard, u16)> {
 
 /// [`worker`] with its clock scaled (`0.1`: ten times faster).
 async fn worker_at(time_scale: f64) -> Option<(ChildGuard, u16)> {
-    let sim = testkit::bin_dir().join("vllm-sim");
-    if !testkit::require(
-        sim.exists(),
-        "vllm-sim",
-        format_args!("{} not built", sim.display()),
-    ) {
-        return None;
-    }
-    let port = free_port();
-    let child = ChildGuard(
-        Command::new(&sim)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--model", MODEL, "--preset", "l40s-27b-fp8"])
-            .args(["--time-scale", &time_scale.to_string()])
-            .arg("--tokenizer-dir")
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim"),
+    let sim = support::vllm_sim_binary()?;
+    let time_scale = time_scale.to_string();
+    let (child, port) = support::spawn_vllm_sim_with(
+        &sim,
+        MODEL,
+        &["--preset", "l40s-27b-fp8", "--time-scale", &time_scale],
     );
-    wait_for(port, "/health").await;
+    support::wait_until_ok(port, "/health").await;
     Some((child, port))
-}
-
-fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!(
-        "kinference-overload-{tag}-{}-{}",
-        std::process::id(),
-        rand::random::<u32>()
-    ));
-    std::fs::create_dir_all(&dir).expect("scratch dir");
-    dir
 }
 
 /// A gateway in front of the worker on `worker_port`, with `tenancy` (YAML under `tenancy:`, or
@@ -83,33 +57,7 @@ async fn gateway(
         ),
     )
     .expect("write config");
-    let (child, api, admin) = support::spawn_gateway_with(&config, flags);
-    wait_for(admin, "/readyz").await;
-    (child, api, admin)
-}
-
-async fn wait_for(port: u16, path: &str) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(response) = get(port, path).await
-            && response.starts_with("HTTP/1.1 200")
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{path} on {port} never answered");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-async fn get(port: u16, path: &str) -> std::io::Result<String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).await?;
-    let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
-    s.write_all(req.as_bytes()).await?;
-    let mut buf = Vec::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf))
-        .await
-        .map_err(|_| std::io::Error::other("timed out"))??;
-    Ok(String::from_utf8_lossy(&buf).into_owned())
+    support::start_gateway(&config, flags).await
 }
 
 fn chat_body(max_tokens: u32, stream: bool) -> String {
@@ -185,7 +133,7 @@ fn sample(metrics: &str, name: &str) -> Option<f64> {
 }
 
 async fn in_flight(admin: u16) -> f64 {
-    let metrics = get(admin, "/metrics").await.expect("gateway metrics");
+    let metrics = support::metrics_text(admin).await;
     sample(&metrics, "kinference_gateway_overload_in_flight").expect("in-flight gauge")
 }
 
@@ -194,9 +142,10 @@ async fn a_slow_body_times_out_and_frees_its_slot_and_the_next_request_is_shed_u
     let Some((_worker, worker_port)) = worker().await else {
         return;
     };
-    let dir = scratch("slow");
+    let scratch = support::TempDir::new("overload-slow");
+    let dir = &scratch.0;
     let (_gw, api, admin) = gateway(
-        &dir,
+        dir,
         worker_port,
         "",
         &[
@@ -246,7 +195,7 @@ async fn a_slow_body_times_out_and_frees_its_slot_and_the_next_request_is_shed_u
     let served = post(api, "/v1/chat/completions", None, &chat_body(1, false)).await;
     assert_eq!(status(&served), 200, "{served}");
 
-    let metrics = get(admin, "/metrics").await.expect("metrics");
+    let metrics = support::metrics_text(admin).await;
     assert!(
         metrics
             .contains(r#"kinference_gateway_shed_total{reason="queue_full",priority="medium"} 2"#),
@@ -269,7 +218,8 @@ async fn near_the_limit_a_low_priority_tenant_is_shed_and_a_high_priority_one_ad
     let Some((_worker, worker_port)) = worker().await else {
         return;
     };
-    let dir = scratch("priority");
+    let scratch = support::TempDir::new("overload-priority");
+    let dir = &scratch.0;
     let tenants = dir.join("tenants");
     std::fs::create_dir_all(&tenants).expect("tenants dir");
     for (name, priority) in [("gold", "High"), ("bronze", "Low")] {
@@ -290,7 +240,7 @@ async fn near_the_limit_a_low_priority_tenant_is_shed_and_a_high_priority_one_ad
     );
     // Limit 10, reserve 20%: high may use 10 slots, medium 8, low 6.
     let (_gw, api, admin) = gateway(
-        &dir,
+        dir,
         worker_port,
         &tenancy,
         &[
@@ -336,7 +286,7 @@ async fn near_the_limit_a_low_priority_tenant_is_shed_and_a_high_priority_one_ad
     .await;
     assert_eq!(status(&high), 200, "{high}");
 
-    let metrics = get(admin, "/metrics").await.expect("metrics");
+    let metrics = support::metrics_text(admin).await;
     assert!(
         metrics
             .contains(r#"kinference_gateway_shed_total{reason="queue_timeout",priority="low"} 1"#),
@@ -346,7 +296,7 @@ async fn near_the_limit_a_low_priority_tenant_is_shed_and_a_high_priority_one_ad
 }
 
 async fn running(worker_port: u16) -> f64 {
-    let metrics = get(worker_port, "/metrics").await.expect("worker metrics");
+    let metrics = support::metrics_text(worker_port).await;
     sample(&metrics, "vllm:num_requests_running").expect("vllm:num_requests_running")
 }
 
@@ -355,8 +305,9 @@ async fn a_client_that_hangs_up_mid_stream_cancels_its_upstream_request() {
     let Some((_worker, worker_port)) = worker().await else {
         return;
     };
-    let dir = scratch("vanish");
-    let (_gw, api, admin) = gateway(&dir, worker_port, "", &[]).await;
+    let scratch = support::TempDir::new("overload-vanish");
+    let dir = &scratch.0;
+    let (_gw, api, admin) = gateway(dir, worker_port, "", &[]).await;
 
     // 2,000 tokens: about a minute at this preset's decode speed.
     let body = chat_body(2_000, true);
@@ -404,9 +355,9 @@ async fn a_client_that_stops_reading_is_cut_after_the_write_deadline_and_its_ups
     let Some((_worker, worker_port)) = worker_at(0.02).await else {
         return;
     };
-    let dir = scratch("stall");
-    let (_gw, api, admin) =
-        gateway(&dir, worker_port, "", &["--client-write-timeout-ms=500"]).await;
+    let scratch = support::TempDir::new("overload-stall");
+    let dir = &scratch.0;
+    let (_gw, api, admin) = gateway(dir, worker_port, "", &["--client-write-timeout-ms=500"]).await;
 
     // A small receive window, so the gateway's writes block soon after the client stops reading.
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
@@ -449,7 +400,7 @@ async fn a_client_that_stops_reading_is_cut_after_the_write_deadline_and_its_ups
     }
     assert_eq!(in_flight(admin).await, 0.0);
     // Cut, not finished: the request is counted as abandoned (499), not as a 200.
-    let metrics = get(admin, "/metrics").await.expect("metrics");
+    let metrics = support::metrics_text(admin).await;
     assert!(
         metrics
             .lines()

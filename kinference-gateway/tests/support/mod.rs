@@ -1,6 +1,7 @@
 //! What several integration tests of the gateway share: the real gateway binary started on free
 //! loopback ports and waited for, a real `vllm-sim` worker, the tenants' key files, and one raw
-//! HTTP/1.1 exchange; test certificates in [`certs`], policy documents in [`policies`].
+//! HTTP/1.1 exchange; test certificates in [`certs`], policy documents in [`policies`], an OTLP
+//! trace receiver in [`otlp`].
 // Each test crate compiles this module and calls only some of it.
 #![allow(dead_code)]
 
@@ -15,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 pub mod certs;
+pub mod otlp;
 pub mod policies;
 
 /// How long a process gets to start answering: generous, for a busy machine.
@@ -56,6 +58,14 @@ pub fn spawn_gateway_with(config: &Path, flags: &[&str]) -> (ChildGuard, u16, u1
         .spawn()
         .expect("starting kinference-gateway");
     (ChildGuard(child), api, admin)
+}
+
+/// [`spawn_gateway_with`], waited for until `/readyz` answers (a gateway that exits first fails the
+/// test with its exit status): (the process, API port, admin port).
+pub async fn start_gateway(config: &Path, flags: &[&str]) -> (ChildGuard, u16, u16) {
+    let (mut child, api, admin) = spawn_gateway_with(config, flags);
+    wait_until_ready(&mut child, admin).await;
+    (child, api, admin)
 }
 
 /// The command that starts the gateway with `config` on loopback `api` and `admin` ports, its
@@ -169,10 +179,17 @@ pub fn vllm_sim_binary() -> Option<PathBuf> {
 /// Starts `sim` (a `vllm-sim` binary) serving `model` with the `fast` preset and the test
 /// tokenizer on a free loopback port: (the process, its port). It may not answer yet.
 pub fn spawn_vllm_sim(sim: &Path, model: &str) -> (ChildGuard, u16) {
+    spawn_vllm_sim_with(sim, model, &["--preset", "fast"])
+}
+
+/// [`spawn_vllm_sim`] with `flags` instead of the `fast` preset (another preset, `--time-scale`).
+pub fn spawn_vllm_sim_with(sim: &Path, model: &str, flags: &[&str]) -> (ChildGuard, u16) {
     let port = free_port();
     let child = Command::new(sim)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--model", model, "--preset", "fast", "--tokenizer-dir"])
+        .args(["--model", model])
+        .args(flags)
+        .arg("--tokenizer-dir")
         .arg(tokenizer_dir())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
