@@ -33,6 +33,8 @@ use crate::backend::worker::{error_chain, read_body};
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 
+mod glance;
+
 /// What a relay reports to while the answer passes (the pipeline's settlement).
 pub trait Meter: Send + 'static {
     /// A chunk carrying generated text arrived (the first one is the first token).
@@ -268,44 +270,65 @@ impl<M: Meter> Relay<M> {
         if self.ended {
             return;
         }
+        if self.to_anthropic.is_none() {
+            return self.on_passed_chunk(data);
+        }
+        // Translated for an Anthropic client: the whole chunk is needed.
         let chunk: StreamChunk = match serde_json::from_slice(data) {
             Ok(chunk) => chunk,
             Err(e) => {
                 tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
-                if self.to_anthropic.is_none() && !self.spec.verbatim() {
+                return;
+            }
+        };
+        if let Some(error) = &chunk.error {
+            return self.fail(self.spec.bad(stream_error_detail(error)));
+        }
+        if chunk.has_text() {
+            self.heard_text();
+        }
+        if chunk.usage.is_some() {
+            self.usage = chunk.usage;
+        }
+        if let Some(t) = &mut self.to_anthropic {
+            t.chunk(&mut self.out, &chunk);
+        }
+    }
+
+    /// [`Self::on_openai_chunk`] for a chunk the client gets as it is (or not at all): only glanced
+    /// at, not parsed into a [`StreamChunk`].
+    fn on_passed_chunk(&mut self, data: &[u8]) {
+        let chunk: glance::ChunkGlance = match serde_json::from_slice(data) {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
+                if !self.spec.verbatim() {
                     put_data(&mut self.out, data);
                 }
                 return;
             }
         };
         if let Some(error) = &chunk.error {
-            let detail = error
-                .get("message")
-                .and_then(|m| m.as_str())
-                .unwrap_or("error event in the stream")
-                .to_string();
-            return self.fail(self.spec.bad(detail));
+            return self.fail(self.spec.bad(stream_error_detail(error)));
         }
-        if chunk.has_text()
-            && let Some(meter) = &mut self.meter
-        {
-            meter.text_chunk();
-            if !std::mem::replace(&mut self.first_token, true) {
-                self.span
-                    .record("first_token_ms", self.started.elapsed().as_millis() as u64);
-            }
+        if chunk.has_text() {
+            self.heard_text();
         }
         if chunk.usage.is_some() {
             self.usage = chunk.usage;
         }
-        match &mut self.to_anthropic {
-            Some(t) => t.chunk(&mut self.out, &chunk),
-            None if self.spec.verbatim() => {}
-            None => {
-                let usage_only = chunk.choices.is_empty() && chunk.usage.is_some();
-                if !usage_only || self.pass_usage_chunk {
-                    put_data(&mut self.out, data);
-                }
+        if !self.spec.verbatim() && (!chunk.usage_only() || self.pass_usage_chunk) {
+            put_data(&mut self.out, data);
+        }
+    }
+
+    /// A chunk carried generated output: the meter hears it, the span notes the first one.
+    fn heard_text(&mut self) {
+        if let Some(meter) = &mut self.meter {
+            meter.text_chunk();
+            if !std::mem::replace(&mut self.first_token, true) {
+                self.span
+                    .record("first_token_ms", self.started.elapsed().as_millis() as u64);
             }
         }
     }
@@ -351,6 +374,15 @@ impl<M: Meter> Relay<M> {
             meter.finish(status, self.usage.as_ref());
         }
     }
+}
+
+/// The message of an error event in a stream.
+fn stream_error_detail(error: &serde_json::Value) -> String {
+    error
+        .get("message")
+        .and_then(|m| m.as_str())
+        .unwrap_or("error event in the stream")
+        .to_string()
 }
 
 /// Waits at most `idle` for the next frame of `backend`'s body: `Ok(None)` when it ended, the error
