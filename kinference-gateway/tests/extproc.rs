@@ -5,14 +5,18 @@
 //! - The real `kinference-gateway` binary with `--extproc-listen`, in front of real `vllm-sim` workers
 //!   (from `$KINFERENCE_BIN_DIR` or the target directory; an in-test HTTP worker when it is not built):
 //!   for the same request and the same cluster state the handler picks the worker the gateway's own
-//!   HTTP path picks, in both directions (a prefix warmed by either is found by the other).
+//!   HTTP path picks, in both directions (a prefix warmed by either is found by the other); past
+//!   its in-flight limit it answers 503 with `Retry-After` and admits a high-priority tenant's
+//!   request before a low-priority one queued earlier; with traces exported to an OTLP receiver on
+//!   loopback, the request's span continues the client's trace with the HTTP path's stage spans, and
+//!   the worker's `traceparent` names it.
 //! - In-process, on one router: 503 without a ready worker, 400 for a malformed body, 404 for an
 //!   unknown model, 429 when shedding, streamed bodies, and the in-flight ticket released by the
-//!   response's end or by the stream's end (never leaked).
+//!   response's end or by the stream's end (never leaked); the `x-request-id` honoured or made and
+//!   set for the worker and the client; the pass-through endpoints routed and billed as over HTTP.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -39,37 +43,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 
+mod support;
+
 const MODEL: &str = "qwen2-sim";
 
 // ---------------------------------------------------------------------------------------------
 // Harness
-
-/// `vllm-sim` from `$KINFERENCE_BIN_DIR`, else next to this package's binaries; without it the in-test
-/// worker stands in (under `CI=true` that is a failure: the real simulator must run there).
-fn vllm_sim() -> Option<PathBuf> {
-    let p = testkit::bin_dir().join("vllm-sim");
-    testkit::require(
-        p.exists(),
-        "vllm-sim",
-        format_args!("{} not built; an in-test worker stands in", p.display()),
-    )
-    .then_some(p)
-}
-
-async fn wait_http(url: &str, timeout: Duration) {
-    let client = http_client();
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Ok(uri) = url.parse::<http::Uri>()
-            && let Ok(r) = client.get(uri).await
-            && r.status().is_success()
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{url} not up within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 fn http_client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
@@ -82,36 +61,19 @@ enum Worker {
     InTest(#[allow(dead_code)] tokio::task::JoinHandle<()>),
 }
 
-async fn start_worker(port: u16) -> Worker {
-    if let Some(bin) = vllm_sim() {
-        let child = Command::new(bin)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--model",
-                MODEL,
-            ])
-            .args(["--preset", "fast", "--tokenizer-dir"])
-            .arg(tokenizer_dir())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start vllm-sim");
-        let guard = ChildGuard(child);
-        wait_http(
-            &format!("http://127.0.0.1:{port}/health"),
-            Duration::from_secs(60),
-        )
-        .await;
-        Worker::Sim(guard)
+/// A worker on a free loopback port, and its port, once it answers.
+async fn start_worker() -> (Worker, u16) {
+    if let Some(sim) = support::vllm_sim_binary() {
+        let (child, port) = support::spawn_vllm_sim(&sim, MODEL);
+        support::wait_until_ok(port, "/health").await;
+        (Worker::Sim(child), port)
     } else {
-        eprintln!("vllm-sim not built: using an in-test worker on port {port}");
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind worker");
-        Worker::InTest(tokio::spawn(tiny_worker(listener)))
+        let port = listener.local_addr().expect("worker address").port();
+        eprintln!("vllm-sim not built: using an in-test worker on port {port}");
+        (Worker::InTest(tokio::spawn(tiny_worker(listener))), port)
     }
 }
 
@@ -206,7 +168,17 @@ impl Stream {
     }
 
     async fn send(&mut self, msg: ProcessingRequest) -> ProcessingResponse {
+        self.push(msg).await;
+        self.next().await
+    }
+
+    /// Sends `msg` without waiting for its answer.
+    async fn push(&mut self, msg: ProcessingRequest) {
         self.tx.send(msg).await.expect("send");
+    }
+
+    /// The next answer.
+    async fn next(&mut self) -> ProcessingResponse {
         tokio::time::timeout(Duration::from_secs(30), self.rx.message())
             .await
             .expect("answer within 30 s")
@@ -353,14 +325,15 @@ fn endpoint(url: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn extproc_picks_what_the_gateway_picks() {
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let mut workers = Vec::new();
-    for p in &ports {
-        workers.push(start_worker(*p).await);
+    let mut ports = Vec::new();
+    for _ in 0..3 {
+        let (worker, port) = start_worker().await;
+        workers.push(worker);
+        ports.push(port);
     }
-    let dir = std::env::temp_dir().join(format!("kinference-extproc-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let config = dir.join("gateway.yaml");
+    let scratch = support::TempDir::new("extproc");
+    let config = scratch.0.join("gateway.yaml");
     let worker_lines: String = ports
         .iter()
         .map(|p| format!("  - {{url: \"http://127.0.0.1:{p}\", model: {MODEL}}}\n"))
@@ -373,24 +346,9 @@ async fn extproc_picks_what_the_gateway_picks() {
         ),
     )
     .expect("write config");
-    let (api, admin, xp) = (free_port(), free_port(), free_port());
-    let gateway = ChildGuard(
-        Command::new(env!("CARGO_BIN_EXE_kinference-gateway"))
-            .arg(format!("--listen=127.0.0.1:{api}"))
-            .arg(format!("--admin-listen=127.0.0.1:{admin}"))
-            .arg(format!("--extproc-listen=127.0.0.1:{xp}"))
-            .arg("--config")
-            .arg(&config)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start gateway"),
-    );
-    wait_http(
-        &format!("http://127.0.0.1:{admin}/readyz"),
-        Duration::from_secs(60),
-    )
-    .await;
+    let xp = free_port();
+    let (gateway, api, _admin) =
+        support::start_gateway(&config, &[&format!("--extproc-listen=127.0.0.1:{xp}")]).await;
     let mut client = connect(SocketAddr::from(([127, 0, 0, 1], xp))).await;
     let http = http_client();
 
@@ -428,7 +386,6 @@ async fn extproc_picks_what_the_gateway_picks() {
     }
     drop(gateway);
     drop(workers);
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -689,33 +646,6 @@ async fn sheds_with_429_when_every_worker_is_at_the_limit() {
 
 const ACME_KEY: &str = "sk-acme-extproc-0123456789abcdef";
 
-/// A scratch directory removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "kinference-extproc-{tag}-{}-{:x}",
-            std::process::id(),
-            rand_suffix()
-        ));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Self(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn rand_suffix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
 /// Tenant `acme` (one request per minute) with its key in a mounted-secret layout.
 fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
     let tenants = dir.join("tenants.yaml");
@@ -742,6 +672,22 @@ fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
         &mut registry,
     )
     .expect("tenancy")
+}
+
+/// Tenant `acme`'s usage report once it counts `requests` requests (after a generous wait, the
+/// report as it is, for the caller's assertion to show).
+async fn settled_report(tenancy: &Tenancy, requests: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let report = tenancy
+            .usage_report("tenant=acme", None)
+            .await
+            .expect("report");
+        if report["total"]["requests"] == requests || Instant::now() > deadline {
+            return report;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 fn response_end(usage: &str) -> [ProcessingRequest; 2] {
@@ -771,7 +717,7 @@ fn response_end(usage: &str) -> [ProcessingRequest; 2] {
 
 #[tokio::test]
 async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
-    let scratch = Scratch::new("tenancy");
+    let scratch = support::TempDir::new("extproc-tenancy");
     let tenancy = tenancy(&scratch.0);
     let t = Arc::clone(&tenancy);
     let mut h = in_process_with(1, Settings::default(), move |_| Governance {
@@ -824,17 +770,7 @@ async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
         s.send(msg).await;
     }
     until_in_flight(&h.router, 0).await;
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let report = loop {
-        let report = tenancy
-            .usage_report("tenant=acme", None)
-            .await
-            .expect("report");
-        if report["total"]["requests"] == 1 || Instant::now() > deadline {
-            break report;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let report = settled_report(&tenancy, 1).await;
     assert_eq!(report["total"]["requests"], 1, "{report}");
     assert_eq!(report["total"]["output_tokens"], 2, "{report}");
 
@@ -852,7 +788,7 @@ async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
 
 #[tokio::test]
 async fn policies_run_before_the_pick_and_personal_data_stays_on_workers() {
-    let scratch = Scratch::new("policy");
+    let scratch = support::TempDir::new("extproc-policy");
     let policy_dir = scratch.0.join("policies");
     std::fs::create_dir_all(&policy_dir).expect("policy dir");
     let tokenizer = tokenizer_dir();
@@ -867,6 +803,7 @@ kind: InferenceModel
 metadata: {{name: {MODEL}}}
 spec:
   servedName: {MODEL}
+  aliases: [sim-alias]
   classes: [general]
   tokenizer: {{dir: \"{tok}\"}}
 ---
@@ -976,4 +913,433 @@ spec:
     ));
     drop((s, s2));
     until_in_flight(&h.router, 0).await;
+
+    // An alias the HTTP gateway renames in the body: Envoy forwards the body as sent, so it is
+    // refused, naming the served name.
+    let aliased = json!({"model": "sim-alias", "input": "hello"}).to_string();
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(&mut s, "/v1/embeddings", &[], aliased.as_bytes()).await {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 400, "{body}");
+            let message = body["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(&format!("ask for `{MODEL}`")), "{body}");
+        }
+        other => panic!("expected 400, got {other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Telemetry: the request id and the trace context, as over HTTP
+
+/// The headers an answer sets (on the request to the worker, or on the response to the client).
+fn set_by(answer: &ProcessingResponse) -> HashMap<String, String> {
+    let mutation = match &answer.response {
+        Some(PResp::RequestHeaders(h) | PResp::ResponseHeaders(h)) => {
+            h.response.as_ref().and_then(|c| c.header_mutation.clone())
+        }
+        Some(PResp::RequestBody(b) | PResp::ResponseBody(b)) => {
+            b.response.as_ref().and_then(|c| c.header_mutation.clone())
+        }
+        Some(PResp::ImmediateResponse(ir)) => ir.headers.clone(),
+        _ => None,
+    };
+    mutation
+        .map(|m| m.set_headers)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|h| h.header)
+        .map(|h| (h.key, String::from_utf8_lossy(&h.raw_value).into_owned()))
+        .collect()
+}
+
+/// The response headers Envoy sends when the worker answers `status`.
+fn response_headers(status: u16) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(PReq::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":status", &status.to_string()),
+                    header("content-type", "application/json"),
+                ],
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+#[tokio::test]
+async fn the_request_id_is_honoured_or_made_and_set_for_the_worker_and_the_client() {
+    let mut h = in_process(1, Settings::default()).await;
+    let path = "/v1/chat/completions";
+
+    // The client's id and trace context: on the request to the worker and on the response.
+    let mut s = Stream::open(&mut h.client).await;
+    let client = [("x-request-id", "xp-req-1"), ("traceparent", TRACEPARENT)];
+    let headers = s.send(request_headers_with(path, &client)).await;
+    assert_eq!(set_by(&headers)["x-request-id"], "xp-req-1");
+    let routed = s.send(request_body(&chat_body("id"), true)).await;
+    let set = set_by(&routed);
+    assert!(
+        set.contains_key("x-gateway-destination-endpoint"),
+        "{set:?}"
+    );
+    assert_eq!(set["x-request-id"], "xp-req-1", "{set:?}");
+    // Traces are not exported here: the client's own trace context goes on unchanged.
+    assert_eq!(set["traceparent"], TRACEPARENT, "{set:?}");
+    let response = s.send(response_headers(200)).await;
+    assert_eq!(set_by(&response)["x-request-id"], "xp-req-1");
+
+    // No id, or one unsafe to log: a new one, the same for the worker and the client.
+    for sent in [None, Some("not safe; <script>")] {
+        let mut s = Stream::open(&mut h.client).await;
+        let extra: Vec<(&str, &str)> = sent.map(|id| ("x-request-id", id)).into_iter().collect();
+        s.send(request_headers_with(path, &extra)).await;
+        let routed = set_by(&s.send(request_body(&chat_body("new-id"), true)).await);
+        let id = routed["x-request-id"].clone();
+        assert_eq!(id.len(), 32, "{id}");
+        assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        assert!(!routed.contains_key("traceparent"), "{routed:?}");
+        let response = s.send(response_headers(200)).await;
+        assert_eq!(set_by(&response)["x-request-id"], id);
+    }
+
+    // A local reply carries it too.
+    let mut s = Stream::open(&mut h.client).await;
+    s.send(request_headers_with(
+        path,
+        &[("x-request-id", "xp-refused")],
+    ))
+    .await;
+    let refused = s
+        .send(request_body(br#"{"model":"nope","prompt":"x"}"#, true))
+        .await;
+    assert!(matches!(
+        refused.response,
+        Some(PResp::ImmediateResponse(_))
+    ));
+    assert_eq!(set_by(&refused)["x-request-id"], "xp-refused");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The pass-through endpoints, routed as the HTTP gateway routes them
+
+/// The worker a request was routed to; panics on a local reply.
+fn routed_worker(outcome: Outcome) -> String {
+    match outcome {
+        Outcome::Routed { worker, .. } => worker,
+        other => panic!("expected a worker, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenant() {
+    let scratch = support::TempDir::new("extproc-passthrough");
+    let tenancy = tenancy(&scratch.0);
+    let t = Arc::clone(&tenancy);
+    let mut h = in_process_with(2, Settings::default(), move |_| Governance {
+        tenancy: Some(t),
+        policy: None,
+    })
+    .await;
+    let bearer = format!("Bearer {ACME_KEY}");
+    let auth = [("authorization", bearer.as_str())];
+
+    // An embedding: a worker of the model; its usage settled from the worker's answer.
+    let embedding = json!({"model": MODEL, "input": "hello there"}).to_string();
+    let mut first = Stream::open(&mut h.client).await;
+    let first_worker =
+        routed_worker(decide_with(&mut first, "/v1/embeddings", &auth, embedding.as_bytes()).await);
+    assert!(h.worker_urls.contains(&first_worker), "{first_worker}");
+
+    // Tokenizing is not billed (the tenant's one request a minute is spent) and, with the first
+    // request still in flight, goes to the other, less loaded, worker.
+    let tokenize = json!({"model": MODEL, "prompt": "hello there"}).to_string();
+    let mut second = Stream::open(&mut h.client).await;
+    let second_worker =
+        routed_worker(decide_with(&mut second, "/tokenize", &auth, tokenize.as_bytes()).await);
+    assert_ne!(second_worker, first_worker, "least loaded");
+    let detokenize = json!({"model": MODEL, "tokens": [1, 2, 3]}).to_string();
+    let mut s = Stream::open(&mut h.client).await;
+    routed_worker(decide_with(&mut s, "/detokenize", &auth, detokenize.as_bytes()).await);
+    drop(s);
+
+    for msg in response_end(r#"{"prompt_tokens":5,"total_tokens":5}"#) {
+        first.send(msg).await;
+    }
+    let report = settled_report(&tenancy, 1).await;
+    assert_eq!(report["total"]["requests"], 1, "{report}");
+    assert_eq!(report["total"]["input_uncached_tokens"], 5, "{report}");
+
+    // A response generates: admitted like a chat turn, so past the tenant's limit it is 429.
+    let responses = json!({"model": MODEL, "input": "hi", "max_output_tokens": 4}).to_string();
+    let mut s = Stream::open(&mut h.client).await;
+    match decide_with(&mut s, "/v1/responses", &auth, responses.as_bytes()).await {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 429, "{body}");
+            assert_eq!(body["error"]["type"], "rate_limit_error", "{body}");
+        }
+        other => panic!("expected 429, got {other:?}"),
+    }
+    // A body the HTTP gateway refuses is refused the same way, in OpenAI's shape.
+    let mut s = Stream::open(&mut h.client).await;
+    let no_input = json!({"model": MODEL}).to_string();
+    match decide_with(&mut s, "/v1/embeddings", &auth, no_input.as_bytes()).await {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 400, "{body}");
+            assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        }
+        other => panic!("expected 400, got {other:?}"),
+    }
+    drop((first, second));
+    until_in_flight(&h.router, 0).await;
+}
+
+#[tokio::test]
+async fn a_streamed_response_settles_the_usage_of_its_completed_event() {
+    let scratch = support::TempDir::new("extproc-responses");
+    let tenancy = tenancy(&scratch.0);
+    let t = Arc::clone(&tenancy);
+    let mut h = in_process_with(2, Settings::default(), move |_| Governance {
+        tenancy: Some(t),
+        policy: None,
+    })
+    .await;
+    let bearer = format!("Bearer {ACME_KEY}");
+    let auth = [("authorization", bearer.as_str())];
+    let body = json!({"model": MODEL, "input": "tell me about ext_proc", "stream": true});
+    let mut s = Stream::open(&mut h.client).await;
+    let worker = routed_worker(
+        decide_with(&mut s, "/v1/responses", &auth, body.to_string().as_bytes()).await,
+    );
+    assert!(h.worker_urls.contains(&worker), "{worker}");
+    assert_eq!(in_flight(&h.router), 1);
+    s.send(response_headers(200)).await;
+    let completed = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"ok\"}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":6,\"output_tokens\":2}}}\n\n";
+    s.send(ProcessingRequest {
+        request: Some(PReq::ResponseBody(HttpBody {
+            body: completed.as_bytes().to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await;
+    until_in_flight(&h.router, 0).await;
+    let report = settled_report(&tenancy, 1).await;
+    assert_eq!(report["total"]["input_uncached_tokens"], 6, "{report}");
+    assert_eq!(report["total"]["output_tokens"], 2, "{report}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The real gateway: overload admission and traces through ext_proc
+
+/// A gateway.yaml for one worker on `port` (and `extra` YAML after it) in `dir`.
+fn one_worker_config(dir: &std::path::Path, port: u16, extra: &str) -> std::path::PathBuf {
+    let config = dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: {MODEL}\n    tokenizer_dir: {}\nworkers:\n  - {{url: \"http://127.0.0.1:{port}\", model: {MODEL}}}\n{extra}",
+            tokenizer_dir().display()
+        ),
+    )
+    .expect("write config");
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_in_flight_limit_ext_proc_sheds_with_503_and_admits_high_priority_first() {
+    let (_worker, port) = start_worker().await;
+    let scratch = support::TempDir::new("extproc-overload");
+    let dir = &scratch.0;
+    let mut tenants = Vec::new();
+    for (name, priority) in [("gold", "High"), ("bronze", "Low")] {
+        tenants.push(format!(
+            "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec:\n  apiKeys:\n    - secretRef: {{name: {name}, key: api-key}}\n  priority: {priority}\n"
+        ));
+        let secret = dir.join("secrets").join(name);
+        std::fs::create_dir_all(&secret).expect("secret dir");
+        std::fs::write(secret.join("api-key"), format!("sk-{name}-extproc")).expect("key");
+    }
+    std::fs::write(dir.join("tenants.yaml"), tenants.join("---\n")).expect("tenants");
+    let tenancy = format!(
+        "tenancy:\n  tenants_dir: {}\n  secrets_dir: {}\n  usage_journal: {}\n",
+        dir.join("tenants.yaml").display(),
+        dir.join("secrets").display(),
+        dir.join("usage.jsonl").display()
+    );
+    let config = one_worker_config(dir, port, &tenancy);
+    let xp = free_port();
+    // One slot, two places in the queue, and a queue wait far longer than the test.
+    let (_gateway, _api, admin) = support::start_gateway(
+        &config,
+        &[
+            &format!("--extproc-listen=127.0.0.1:{xp}"),
+            "--max-in-flight=1",
+            "--priority-reserve-percent=0",
+            "--overload-queue=2",
+            "--overload-queue-timeout-ms=60000",
+            "--overload-retry-after-seconds=2",
+        ],
+    )
+    .await;
+    let mut client = connect(SocketAddr::from(([127, 0, 0, 1], xp))).await;
+    let path = "/v1/chat/completions";
+    let gold = [("authorization", "Bearer sk-gold-extproc")];
+    let bronze = [("authorization", "Bearer sk-bronze-extproc")];
+    let queued = || support::metric(admin, "kinference_gateway_overload_queued");
+
+    // A gold request holds the only slot while its stream is open.
+    let mut holder = Stream::open(&mut client).await;
+    routed_worker(decide_with(&mut holder, path, &gold, &chat_body("holder")).await);
+
+    // A bronze, then a gold request wait for it.
+    let mut waiting = Vec::new();
+    for (n, key) in [bronze, gold].iter().enumerate() {
+        let mut s = Stream::open(&mut client).await;
+        s.send(request_headers_with(path, key)).await;
+        s.push(request_body(&chat_body(&format!("waiting{n}")), true))
+            .await;
+        support::wait_for("the request waiting for a slot", || async {
+            queued().await == (n + 1) as f64
+        })
+        .await;
+        waiting.push(s);
+    }
+    let (mut gold_waiting, mut bronze_waiting) = (waiting.pop().unwrap(), waiting.pop().unwrap());
+
+    // The queue is full: the next request is shed at once, 503 with Retry-After, in its protocol.
+    let mut shed = Stream::open(&mut client).await;
+    shed.send(request_headers_with(path, &gold)).await;
+    let answer = shed.send(request_body(&chat_body("shed"), true)).await;
+    let set = set_by(&answer);
+    assert_eq!(
+        set.get("retry-after").map(String::as_str),
+        Some("2"),
+        "{set:?}"
+    );
+    assert!(set.contains_key("x-request-id"), "{set:?}");
+    match outcome(answer) {
+        Outcome::Local { status, body } => {
+            assert_eq!(status, 503, "{body}");
+            assert_eq!(body["error"]["code"], "overloaded", "{body}");
+        }
+        other => panic!("expected 503, got {other:?}"),
+    }
+
+    // The slot given back: the gold request, queued after the bronze one, is admitted first; the
+    // bronze one waits on until the gold one ends.
+    drop(holder);
+    routed_worker(outcome(gold_waiting.next().await));
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), bronze_waiting.rx.message())
+            .await
+            .is_err(),
+        "the bronze request has no slot while the gold one holds it"
+    );
+    drop(gold_waiting);
+    routed_worker(outcome(bronze_waiting.next().await));
+    let metrics = support::metrics_text(admin).await;
+    assert!(
+        metrics.contains(r#"kinference_gateway_shed_total{reason="queue_full",priority="high"} 1"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_request_exports_the_http_paths_spans_and_the_worker_continues_the_trace() {
+    use support::otlp::{Receiver, attributes, hex};
+    let (_worker, port) = start_worker().await;
+    let receiver = Receiver::default();
+    let endpoint = receiver.start().await;
+    let scratch = support::TempDir::new("extproc-trace");
+    let config = one_worker_config(&scratch.0, port, "routing: kinference\n");
+    let (api, admin, xp) = (free_port(), free_port(), free_port());
+    let mut gateway = ChildGuard(
+        support::gateway_command(&config, api, admin)
+            .arg(format!("--extproc-listen=127.0.0.1:{xp}"))
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
+            .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+            .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
+            .spawn()
+            .expect("starting kinference-gateway"),
+    );
+    support::wait_until_ready(&mut gateway, admin).await;
+    let mut client = connect(SocketAddr::from(([127, 0, 0, 1], xp))).await;
+
+    let mut s = Stream::open(&mut client).await;
+    let client_headers = [("traceparent", TRACEPARENT), ("x-request-id", "xp-trace-1")];
+    s.send(request_headers_with(
+        "/v1/chat/completions",
+        &client_headers,
+    ))
+    .await;
+    let routed = set_by(&s.send(request_body(&chat_body("trace"), true)).await);
+    assert_eq!(routed["x-request-id"], "xp-trace-1");
+    for msg in response_end(r#"{"prompt_tokens":700,"completion_tokens":2,"total_tokens":702}"#) {
+        s.send(msg).await;
+    }
+
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let root_name = "POST /v1/chat/completions";
+    let stages = ["authenticate", "admission", "routing"];
+    let mut spans = Vec::new();
+    support::wait_for("the request's spans at the receiver", || {
+        spans = receiver.spans(trace_id);
+        let all = std::iter::once(&root_name)
+            .chain(stages.iter())
+            .all(|name| spans.iter().any(|s| s.name == *name));
+        async move { all }
+    })
+    .await;
+    let by_name = |name: &str| {
+        let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
+        assert_eq!(found.len(), 1, "one {name} span: {spans:#?}");
+        found[0].clone()
+    };
+    let root = by_name(root_name);
+    assert_eq!(
+        hex(&root.parent_span_id),
+        "00f067aa0ba902b7",
+        "the client's span is the parent"
+    );
+    assert_eq!(
+        attributes(&root).get("request_id").map(String::as_str),
+        Some("xp-trace-1")
+    );
+    let mut previous_end = root.start_time_unix_nano;
+    for name in stages {
+        let span = by_name(name);
+        assert_eq!(
+            span.parent_span_id, root.span_id,
+            "{name} is a child of the request span"
+        );
+        assert!(
+            span.start_time_unix_nano >= previous_end,
+            "{name} starts after the stage before it ended: {spans:#?}"
+        );
+        assert!(
+            span.end_time_unix_nano <= root.end_time_unix_nano,
+            "{name}: {spans:#?}"
+        );
+        previous_end = span.end_time_unix_nano;
+    }
+    let routing = attributes(&by_name("routing"));
+    assert_eq!(
+        routing.get("worker").map(String::as_str),
+        Some(format!("http://127.0.0.1:{port}").as_str()),
+        "{routing:?}"
+    );
+    for estimate in ["reason", "prompt_tokens", "cached_tokens", "est_ttft_s"] {
+        assert!(routing.contains_key(estimate), "{estimate}: {routing:?}");
+    }
+    // The worker continues the trace under the request span (Envoy makes the upstream call).
+    assert_eq!(
+        routed["traceparent"],
+        format!("00-{trace_id}-{}-01", hex(&root.span_id)),
+        "{routed:?}"
+    );
 }

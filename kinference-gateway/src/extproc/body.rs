@@ -1,5 +1,6 @@
 //! The inference request inside an ext_proc body: which API it speaks (from `:path`, else from the
-//! JSON's shape) and what the router needs from it (model, prompt).
+//! JSON's shape), or which pass-through endpoint it calls (from `:path`), and what the router needs
+//! from it (model, prompt).
 //!
 //! Parsing and validation are the HTTP pipeline's own parse stage, so a body the gateway would refuse
 //! with 400 is refused here with the same message, and a body it accepts is
@@ -10,10 +11,24 @@ use serde_json::Value;
 use bytes::Bytes;
 
 use crate::api::openai;
+use crate::api::openai::passthrough::Route;
 use crate::errors::{GatewayError, Protocol};
 use crate::pipeline::Endpoint;
 use crate::pipeline::exchange::{self, OpenAiRequest};
 use crate::routing::Prompt;
+
+/// The pass-through endpoint a request path names (query string ignored), routed the way the HTTP
+/// gateway routes it ([`crate::pipeline::passthrough`]); `None` for other paths.
+pub fn passthrough_of(path: &str) -> Option<Route> {
+    let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+    Some(match path {
+        "/v1/embeddings" => Route::Embeddings,
+        "/v1/responses" => Route::Responses,
+        "/tokenize" => Route::Tokenize,
+        "/detokenize" => Route::Detokenize,
+        _ => return None,
+    })
+}
 
 /// Which inference API a request uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,23 +10,35 @@
 //! limits admitted (429), the policies evaluated (a refusal, or local pools only: personal data never
 //! gets a provider as target). Like an HTTP request it first takes a slot of the gateway's in-flight
 //! gate (the same [`Admitter`], by the tenant's priority; past the limit a bounded queue, then 503
-//! in the client's protocol with `Retry-After`), held until the response ends. It then picks a worker with the same [`Router`] and answers the last
-//! body chunk with the header `x-gateway-destination-endpoint: ip:port` (route cache cleared) and the
-//! dynamic metadata `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination
-//! cluster reads. Envoy forwards to workers only: a plan's providers are passed over, and so are pools
-//! serving another model name than the one in the body (Envoy forwards the body unchanged). Refusals
+//! in the client's protocol with `Retry-After`), held until the response ends. It then picks a
+//! worker with the same [`Router`] and answers the last body chunk with the header
+//! `x-gateway-destination-endpoint: ip:port` (route cache cleared) and the dynamic metadata
+//! `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination cluster reads.
+//! Envoy forwards to workers only: a plan's providers are passed over, and so are pools serving
+//! another model name than the one in the body (Envoy forwards the body unchanged). Refusals
 //! are local replies with a JSON error body in the client's protocol: 400 malformed body, 401 no or a
 //! wrong API key, 403 refused by a policy, 404 unknown model, 413 body too large, 429 tenant limits or
 //! shed (every worker of the model at the in-flight limit), 503 overloaded (the gateway's in-flight
 //! gate) or no ready worker.
 //!
 //! The decision's [`InFlight`](crate::routing::InFlight) ticket and the tenant's admission live as long
-//! as the stream. With
-//! `response_header_mode: SEND` and `response_body_mode: STREAMED` (the endpoint picker's setting) the
-//! handler also sees the response: the first event of an SSE stream is reported as the first token,
-//! and the end of the body finishes the ticket and settles the tenant's usage with the `usage` it
-//! carries. Without the response phase both are released when Envoy closes the stream (the request is
+//! as the stream. With `response_header_mode: SEND` and `response_body_mode: STREAMED` (the endpoint
+//! picker's setting) the handler also sees the response: the first event of an SSE stream is
+//! reported as the first token, and the end of the body finishes the ticket and settles the tenant's
+//! usage with the `usage` it carries. Without the response phase both are released when Envoy closes the stream (the request is
 //! then recorded as abandoned, with the gateway's own figures).
+//!
+//! The pass-through endpoints go where the HTTP gateway sends them ([`crate::pipeline::passthrough`]):
+//! `/v1/embeddings`, `/tokenize` and `/detokenize` to the model's least loaded worker,
+//! `/v1/responses` to the worker the router picks for its input, the tenant admitted and billed for
+//! embeddings and responses. A model alias the HTTP gateway would rename is refused (400): Envoy
+//! forwards the body as sent.
+//!
+//! Telemetry as over HTTP ([`crate::telemetry`]): the client's `x-request-id` (or a new one) is set
+//! on the request to the worker, on the response headers and on local replies, and carried by the
+//! usage record; the request's span continues the client's `traceparent`, its stages
+//! (`authenticate`, `admission`, `policy`, `routing`) are its children, and the worker gets a
+//! `traceparent` naming it (Envoy, not the gateway, makes the upstream call).
 //!
 //! [`session`] is one stream's state; [`body`] the request parsing; [`reply`] the messages sent back.
 
@@ -45,7 +57,9 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument as _;
 
+use crate::api::openai::passthrough::{PassthroughRequest, Route};
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
 use crate::overload::Admitter;
@@ -54,7 +68,8 @@ use crate::pipeline::exchange::{self, Request as Parsed};
 use crate::pipeline::govern::{self, PlanInput};
 use crate::policy::stage::{PlanTarget, PolicyStage};
 use crate::routing::tokenize::PromptTokens;
-use crate::routing::{Decision, RouteRequest, Router};
+use crate::routing::{Decision, Prompt, RouteRequest, Router};
+use crate::telemetry::{REQUEST_ID_HEADER, RequestId};
 use crate::tenancy::{Admission, Tenancy};
 use session::Session;
 
@@ -168,8 +183,9 @@ impl Refusal {
         }
     }
 
-    /// The ext_proc local reply (with `Retry-After` when the gateway is overloaded).
-    pub fn reply(&self, protocol: Protocol) -> ProcessingResponse {
+    /// The ext_proc local reply, with the request's `x-request-id` (and `Retry-After` when the
+    /// gateway is overloaded).
+    pub fn reply(&self, protocol: Protocol, request_id: &RequestId) -> ProcessingResponse {
         let details = match self {
             Refusal::Gateway(e) => e.kind(),
             Refusal::Shed { .. } => "shed",
@@ -180,11 +196,8 @@ impl Refusal {
             }
             _ => None,
         };
-        let headers: Vec<(&str, &str)> = retry_after
-            .as_deref()
-            .map(|s| ("retry-after", s))
-            .into_iter()
-            .collect();
+        let mut headers = vec![(REQUEST_ID_HEADER, request_id.as_str())];
+        headers.extend(retry_after.as_deref().map(|s| ("retry-after", s)));
         reply::immediate(
             self.status(),
             &self.body(protocol),
@@ -207,11 +220,38 @@ pub struct Routed {
     pub slot: Option<Slot>,
 }
 
+impl Routed {
+    /// The decision's endpoint, with the tenant's admission told where the request went.
+    fn new(
+        decision: Decision,
+        mut admission: Option<Admission>,
+        slot: Option<Slot>,
+    ) -> Result<Routed, Refusal> {
+        let endpoint = endpoint_of(&decision.worker).ok_or_else(|| {
+            Refusal::Gateway(GatewayError::BadUpstream {
+                worker: decision.worker.clone(),
+                detail: "worker URL has no host".into(),
+            })
+        })?;
+        if let Some(a) = &mut admission {
+            a.routed(&decision.worker, decision.reason, decision.prompt_tokens);
+        }
+        Ok(Routed {
+            decision,
+            endpoint,
+            admission,
+            slot,
+        })
+    }
+}
+
 /// What a request through ext_proc tells about itself besides its body.
 #[derive(Debug, Default, Clone)]
 pub struct Head {
     /// The API, from `:path`.
     pub api: Option<body::Api>,
+    /// The pass-through endpoint, from `:path`.
+    pub passthrough: Option<Route>,
     /// `x-kinference-debug: 1`.
     pub debug: bool,
     /// The headers governance reads: the API key (`authorization`, `x-api-key`) and
@@ -286,7 +326,11 @@ impl Handler {
     pub async fn decide(&self, head: &Head, body: bytes::Bytes) -> Result<Routed, Refusal> {
         // As over HTTP: the caller before the body, so an unknown one learns nothing about it.
         let caller = match &self.tenancy {
-            Some(t) => Some(t.authenticate(&head.headers).map_err(Refusal::Gateway)?),
+            Some(t) => Some(
+                tracing::debug_span!("authenticate")
+                    .in_scope(|| t.authenticate(&head.headers))
+                    .map_err(Refusal::Gateway)?,
+            ),
             None => None,
         };
         // Then the in-flight gate, as over HTTP: past the limit, shed before any work is spent.
@@ -299,6 +343,11 @@ impl Handler {
             }
             None => None,
         };
+        if let Some(route) = head.passthrough {
+            return self
+                .decide_passthrough(route, head, &body, caller.as_ref(), slot)
+                .await;
+        }
         let api = body::detect(head.api, &body).map_err(Refusal::Gateway)?;
         let protocol = api.protocol();
         let request = exchange::parse_as(api.endpoint(), body, self.policy.is_some())
@@ -311,6 +360,7 @@ impl Handler {
         let admission = match (&self.tenancy, &caller) {
             (Some(t), Some(c)) => Some(
                 govern::admit(t, c, &request, &tokens, protocol)
+                    .instrument(tracing::debug_span!("admission", tenant = c.name()))
                     .await
                     .map_err(Refusal::Gateway)?,
             ),
@@ -320,22 +370,85 @@ impl Handler {
             .pick(head, &request, &tokens, caller.as_ref(), admission.as_ref())
             .await
             .map_err(Refusal::Gateway)?;
-        let endpoint = endpoint_of(&decision.worker).ok_or_else(|| {
-            Refusal::Gateway(GatewayError::BadUpstream {
-                worker: decision.worker.clone(),
-                detail: "worker URL has no host".into(),
-            })
-        })?;
-        let mut admission = admission;
-        if let Some(a) = &mut admission {
-            a.routed(&decision.worker, decision.reason, decision.prompt_tokens);
+        Routed::new(decision, admission, slot)
+    }
+
+    /// A pass-through endpoint, as the HTTP gateway routes it ([`crate::pipeline::passthrough`]):
+    /// `/v1/responses` to the worker the router picks for the input's text, the others to the
+    /// model's least loaded worker; the tenant admitted for what generates or embeds. No policy
+    /// runs (these requests only go to the model's own workers). An alias the HTTP gateway would
+    /// rename is refused: Envoy forwards the body unchanged.
+    async fn decide_passthrough(
+        &self,
+        route: Route,
+        head: &Head,
+        body: &[u8],
+        caller: Option<&crate::tenancy::Caller>,
+        slot: Option<Slot>,
+    ) -> Result<Routed, Refusal> {
+        let request = PassthroughRequest::parse(route, body).map_err(Refusal::Gateway)?;
+        self.refuse_renamed(&request.model)?;
+        self.admit(&request.model)?;
+        let text = request.text();
+        let admission = match (&self.tenancy, caller) {
+            (Some(t), Some(c)) if route.billed() => {
+                let estimate = Prompt::Text(&text).estimated_tokens();
+                let (input, output) = match route {
+                    // The tenant's output reservation, as for a chat turn with the same limit.
+                    Route::Responses => {
+                        let mut fields = serde_json::Map::new();
+                        if let Some(n) = request.max_output_tokens {
+                            fields.insert("max_tokens".into(), n.into());
+                        }
+                        t.demand(estimate, &fields, false)
+                    }
+                    // An embedding generates nothing.
+                    _ => (estimate, 0),
+                };
+                Some(
+                    t.admit(c, &request.model, input, output, Protocol::OpenAi)
+                        .instrument(tracing::debug_span!("admission", tenant = c.name()))
+                        .await
+                        .map_err(Refusal::Gateway)?,
+                )
+            }
+            _ => None,
+        };
+        let decision = match route {
+            Route::Responses => {
+                self.router
+                    .pick(RouteRequest {
+                        model: &request.model,
+                        prompt: Prompt::Text(&text),
+                        debug: head.debug,
+                        tokens: None,
+                    })
+                    .await
+            }
+            _ => self.router.pick_least_loaded(&request.model, head.debug),
         }
-        Ok(Routed {
-            decision,
-            endpoint,
-            admission,
-            slot,
-        })
+        .map_err(|e| Refusal::Gateway(e.into()))?;
+        Routed::new(decision, admission, slot)
+    }
+
+    /// Refuses a model name that policies serve under another name (an `InferenceModel`'s alias):
+    /// the HTTP gateway rewrites the body for the worker, Envoy forwards it as sent.
+    fn refuse_renamed(&self, model: &str) -> Result<(), Refusal> {
+        let Some(stage) = &self.policy else {
+            return Ok(());
+        };
+        let set = stage.current();
+        match set.model_named(model) {
+            Some(m) if m.spec.served_name != model => Err(Refusal::Gateway(GatewayError::invalid(
+                "model",
+                format!(
+                    "`{model}` is served as `{}`, and a request through Envoy reaches the \
+                         worker unchanged: ask for `{}`",
+                    m.spec.served_name, m.spec.served_name
+                ),
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// The plan (with policies: its pools in order, providers passed over) and the router's pick.
@@ -375,6 +488,7 @@ impl Handler {
             input,
             &mut explain,
         )
+        .instrument(tracing::debug_span!("policy"))
         .await?;
         let mut last = None;
         for target in &plan.targets {
@@ -385,11 +499,11 @@ impl Handler {
                 tracing::debug!(backend = %target.label(), %model, "ext_proc cannot rename the model; pool passed over");
                 continue;
             }
-            let picked = match workers {
-                Some(w) => self.router.pick_among(route(model), w).await,
-                None => self.router.pick(route(model)).await,
-            };
-            match picked {
+            match self
+                .router
+                .pick_except(route(model), workers.as_deref(), &[])
+                .await
+            {
                 Ok(decision) => {
                     stage.count_sent(target, plan.burst);
                     return Ok(decision);

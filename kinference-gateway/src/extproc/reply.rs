@@ -54,18 +54,29 @@ pub fn destination_metadata(endpoint: &str) -> Struct {
     }
 }
 
+/// `headers` as header settings (values that are not text are left out: ids and trace contexts
+/// are).
+fn set_all(headers: &http::HeaderMap) -> impl Iterator<Item = HeaderValueOption> + '_ {
+    headers
+        .iter()
+        .filter_map(|(name, value)| Some(set_header(name.as_str(), value.to_str().ok()?)))
+}
+
 /// The answer to the last request-body chunk once a worker is chosen: the destination header (the
-/// route cache is cleared so Envoy re-evaluates the route with it) and the `envoy.lb` metadata. The
-/// admin key a client may have sent (`x-kinference-admin-key`) is removed: it never reaches a worker.
-pub fn routed(endpoint: &str, worker: &str) -> ProcessingResponse {
+/// route cache is cleared so Envoy re-evaluates the route with it), the `envoy.lb` metadata, and
+/// `telemetry` (the request's `x-request-id` and trace context) for the worker. The admin key a
+/// client may have sent (`x-kinference-admin-key`) is removed: it never reaches a worker.
+pub fn routed(endpoint: &str, worker: &str, telemetry: &http::HeaderMap) -> ProcessingResponse {
+    let mut set_headers = vec![
+        set_header(DESTINATION_HEADER, endpoint),
+        set_header(WORKER_HEADER, worker),
+    ];
+    set_headers.extend(set_all(telemetry));
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
-                    set_headers: vec![
-                        set_header(DESTINATION_HEADER, endpoint),
-                        set_header(WORKER_HEADER, worker),
-                    ],
+                    set_headers,
                     remove_headers: vec![crate::access::ADMIN_KEY_HEADER.to_string()],
                 }),
                 clear_route_cache: true,
@@ -77,12 +88,24 @@ pub fn routed(endpoint: &str, worker: &str) -> ProcessingResponse {
     }
 }
 
-/// Continue unchanged after request headers.
-pub fn request_headers_continue() -> ProcessingResponse {
+/// Continue after request headers, setting `headers` on the request (its `x-request-id`, so a
+/// request Envoy routes without a body still carries it to the backend).
+pub fn request_headers_continue(headers: &http::HeaderMap) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::RequestHeaders(HeadersResponse {
-            response: Some(CommonResponse::default()),
+            response: Some(setting(headers)),
         })),
+        ..Default::default()
+    }
+}
+
+/// A common response that sets `headers` (none: unchanged).
+fn setting(headers: &http::HeaderMap) -> CommonResponse {
+    CommonResponse {
+        header_mutation: (!headers.is_empty()).then(|| HeaderMutation {
+            set_headers: set_all(headers).collect(),
+            remove_headers: Vec::new(),
+        }),
         ..Default::default()
     }
 }
@@ -97,11 +120,12 @@ pub fn request_body_continue() -> ProcessingResponse {
     }
 }
 
-/// Continue after response headers.
-pub fn response_headers_continue() -> ProcessingResponse {
+/// Continue after response headers, setting `headers` on the response (the `x-request-id` echoed
+/// to the client).
+pub fn response_headers_continue(headers: &http::HeaderMap) -> ProcessingResponse {
     ProcessingResponse {
         response: Some(Response::ResponseHeaders(HeadersResponse {
-            response: Some(CommonResponse::default()),
+            response: Some(setting(headers)),
         })),
         ..Default::default()
     }

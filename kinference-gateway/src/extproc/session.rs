@@ -1,12 +1,15 @@
 //! One ext_proc stream, i.e. one HTTP request through Envoy: the state between its messages.
 //!
-//! Request phase: headers (path, debug flag), then the body, buffered here until `end_of_stream`
+//! Request phase: headers (path, debug flag, request id and trace context: the request's root span
+//! starts here), then the body, buffered here until `end_of_stream`
 //! (Envoy's `BUFFERED` mode sends one chunk; `STREAMED` sends several, each acknowledged), then the
 //! decision. Response phase (when Envoy is configured to send it): the status, the first body chunk
 //! of a server-sent-event stream (the first token: it feeds the router's learned rates), and the end
 //! of the body with its `usage`, which finishes the router's in-flight ticket and settles the tenant's
-//! admission (usage, cost, token limits). Whatever happens, both are dropped with the session, so an
-//! aborted request never leaks an in-flight count and is recorded once.
+//! admission (usage, cost, token limits), and ends the request's span. Whatever happens, they are
+//! dropped with the session, so an aborted request never leaks an in-flight count and is recorded
+//! once. The request's `x-request-id` is set on the request (headers and routed answer) and on the
+//! response headers, and is in every local reply.
 
 use bytes::BytesMut;
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
@@ -17,14 +20,25 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::body::Api;
 use super::{Handler, Head, Refusal, reply};
+use crate::api::openai::passthrough::{Route, usage_of};
 use crate::api::openai::{Usage, UsageOnly};
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
+use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
 use crate::tenancy::Admission;
+use tracing::Instrument as _;
 
-/// The request headers governance reads (the API key, the policy tags).
-const GOVERNANCE_HEADERS: [&str; 3] = ["authorization", "x-api-key", "x-kinference-tags"];
+/// The request headers the handler reads: governance's (the API key, the policy tags) and
+/// telemetry's (the request id, the W3C trace context).
+const KEPT_HEADERS: [&str; 6] = [
+    "authorization",
+    "x-api-key",
+    "x-kinference-tags",
+    REQUEST_ID_HEADER,
+    propagation::TRACEPARENT,
+    propagation::TRACESTATE,
+];
 
 /// The most response-body bytes kept to find `usage` at the end (the tail of a stream suffices).
 const USAGE_TAIL_BYTES: usize = 64 * 1024;
@@ -33,6 +47,10 @@ const USAGE_TAIL_BYTES: usize = 64 * 1024;
 #[derive(Debug, Default)]
 pub struct Session {
     head: Head,
+    /// The request's id and the client's trace context (from the request headers).
+    context: Option<RequestContext>,
+    /// The request's root span, ended with the response (or the stream).
+    span: Option<tracing::Span>,
     body: BytesMut,
     /// The decision's ledger entry, held until the response ends (or the stream does).
     ticket: Option<InFlight>,
@@ -64,7 +82,7 @@ impl Session {
                     // No body (GET /v1/models, health checks): nothing to route on; Envoy's route decides.
                     tracing::debug!("ext_proc request without body; not routed");
                 }
-                reply::request_headers_continue()
+                reply::request_headers_continue(&self.id_header())
             }
             Request::RequestBody(b) => self.on_request_body(handler, b).await,
             Request::RequestTrailers(_) => reply::request_trailers_continue(),
@@ -73,7 +91,7 @@ impl Session {
                 if h.end_of_stream {
                     self.finish(None);
                 }
-                reply::response_headers_continue()
+                reply::response_headers_continue(&self.id_header())
             }
             Request::ResponseBody(b) => {
                 self.on_response_body(b);
@@ -90,10 +108,28 @@ impl Session {
         (!msg.observability_mode).then_some(answer)
     }
 
+    /// The request's `x-request-id`, as a header to set (none before the request headers).
+    fn id_header(&self) -> http::HeaderMap {
+        let mut headers = http::HeaderMap::new();
+        if let Some(context) = &self.context {
+            headers.insert(REQUEST_ID_HEADER, context.id.header_value());
+        }
+        headers
+    }
+
+    /// The request's context (with a new id if the request headers never came).
+    fn context(&mut self) -> RequestContext {
+        self.context
+            .get_or_insert_with(|| RequestContext::from_headers(&http::HeaderMap::new()))
+            .clone()
+    }
+
     fn on_request_headers(&mut self, headers: Option<&HeaderMap>) {
-        self.head.api = header(headers, ":path").and_then(|p| Api::from_path(&p));
+        let path = header(headers, ":path").unwrap_or_default();
+        self.head.api = Api::from_path(&path);
+        self.head.passthrough = super::body::passthrough_of(&path);
         self.head.debug = header(headers, "x-kinference-debug").as_deref() == Some("1");
-        for name in GOVERNANCE_HEADERS {
+        for name in KEPT_HEADERS {
             if let Some(v) =
                 header(headers, name).and_then(|v| http::HeaderValue::from_str(&v).ok())
             {
@@ -102,6 +138,14 @@ impl Session {
                     .insert(http::HeaderName::from_static(name), v);
             }
         }
+        // As over HTTP: the client's id when it is safe, else a new one; its trace continued.
+        let path = path.split('?').next().unwrap_or_default();
+        let context = RequestContext::for_request(path, &self.head.headers);
+        let method = header(headers, ":method")
+            .and_then(|m| http::Method::from_bytes(m.as_bytes()).ok())
+            .unwrap_or(http::Method::POST);
+        self.span = Some(context.span(&method, path));
+        self.context = Some(context);
     }
 
     async fn on_request_body(&mut self, handler: &Handler, b: HttpBody) -> ProcessingResponse {
@@ -109,32 +153,55 @@ impl Session {
             return reply::request_body_continue();
         }
         let protocol = self.head.api.map_or(Protocol::OpenAi, Api::protocol);
+        let context = self.context();
+        let id = context.id.clone();
         if self.body.len() + b.body.len() > handler.settings.body_limit_bytes {
             self.done = true;
             let limit = handler.settings.body_limit_bytes;
-            return Refusal::Gateway(GatewayError::BodyTooLarge { limit }).reply(protocol);
+            return Refusal::Gateway(GatewayError::BodyTooLarge { limit }).reply(protocol, &id);
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
             return reply::request_body_continue();
         }
         let body = std::mem::take(&mut self.body).freeze();
-        // A body whose API only its shape tells answers errors in OpenAI's protocol, as before.
-        let protocol = super::body::detect(self.head.api, &body).map_or(protocol, Api::protocol);
-        match handler.decide(&self.head, body).await {
+        // A body whose API only its shape tells answers errors in OpenAI's protocol, as before;
+        // the pass-through endpoints are OpenAI's.
+        let protocol = if self.head.passthrough.is_some() {
+            Protocol::OpenAi
+        } else {
+            super::body::detect(self.head.api, &body).map_or(protocol, Api::protocol)
+        };
+        let span = self.span.clone().unwrap_or_else(tracing::Span::none);
+        // In the request's span and context: the stages' spans are its children, and the worker's
+        // `traceparent` names it (or is the client's own when traces are not exported).
+        let (decided, telemetry) = context
+            .scope(
+                async {
+                    let decided = handler.decide(&self.head, body).await;
+                    (decided, telemetry::current_headers())
+                }
+                .instrument(span.clone()),
+            )
+            .await;
+        let _in_span = span.enter();
+        match decided {
             Ok(routed) => {
-                let answer = reply::routed(&routed.endpoint, &routed.decision.worker);
+                let answer = reply::routed(&routed.endpoint, &routed.decision.worker, &telemetry);
                 tracing::debug!(worker = %routed.decision.worker,
                     endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
                 self.ticket = Some(routed.decision.ticket);
                 self.admission = routed.admission;
+                if let Some(admission) = &mut self.admission {
+                    admission.request_id(id.as_str());
+                }
                 self.slot = routed.slot;
                 answer
             }
             Err(refusal) => {
                 self.done = true;
                 tracing::debug!(error = %refusal, "ext_proc refused");
-                refusal.reply(protocol)
+                refusal.reply(protocol, &id)
             }
         }
     }
@@ -162,7 +229,7 @@ impl Session {
             let _ = self.response_tail.split_to(cut);
         }
         if b.end_of_stream {
-            let usage = usage_in(&self.response_tail);
+            let usage = usage_at_end(self.head.passthrough, &self.response_tail);
             self.finish(usage);
         }
     }
@@ -187,6 +254,8 @@ impl Session {
                 usage.cached_tokens().and_then(|c| usize::try_from(c).ok()),
             );
         }
+        // The request span ends once the request is settled, as over HTTP.
+        self.span = None;
     }
 }
 
@@ -209,12 +278,28 @@ fn header(headers: Option<&HeaderMap>, name: &str) -> Option<String> {
         })
 }
 
-/// `usage` from the end of a response body: a whole JSON answer, or the last SSE event carrying it.
+/// `usage` from the end of a response body: a pass-through endpoint's in that endpoint's terms
+/// (a Responses stream's in its `response.completed` event), else [`usage_in`].
+pub fn usage_at_end(passthrough: Option<Route>, tail: &[u8]) -> Option<Usage> {
+    match passthrough {
+        Some(route) => last_json(tail, |json| usage_of(route, json)),
+        None => usage_in(tail),
+    }
+}
+
+/// `usage` from the end of a chat or completion response body: a whole JSON answer, or the last
+/// SSE event carrying it.
 pub fn usage_in(tail: &[u8]) -> Option<Usage> {
-    if let Ok(u) = serde_json::from_slice::<UsageOnly>(tail)
-        && u.usage.is_some()
-    {
-        return u.usage;
+    last_json(tail, |json| {
+        serde_json::from_slice::<UsageOnly>(json).ok()?.usage
+    })
+}
+
+/// `read` of the end of a response body: of the whole body when it is one JSON answer, else of the
+/// last SSE event mentioning `usage` that `read` finds it in.
+fn last_json(tail: &[u8], read: impl Fn(&[u8]) -> Option<Usage>) -> Option<Usage> {
+    if let Some(usage) = read(tail) {
+        return Some(usage);
     }
     let text = std::str::from_utf8(tail).ok().or_else(|| {
         // The tail may start mid-character; skip to the first line start.
@@ -226,5 +311,5 @@ pub fn usage_in(tail: &[u8]) -> Option<Usage> {
         .filter_map(|l| l.strip_prefix("data:"))
         .map(str::trim)
         .filter(|d| d.contains("\"usage\""))
-        .find_map(|d| serde_json::from_str::<UsageOnly>(d).ok()?.usage)
+        .find_map(|d| read(d.as_bytes()))
 }

@@ -2,7 +2,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::google::protobuf::value::Kind;
 use serde_json::json;
 
-use super::body::{Api, OwnedPrompt, parse};
+use super::body::{Api, OwnedPrompt, parse, passthrough_of};
 use super::session::usage_in;
 use super::*;
 
@@ -15,6 +15,11 @@ fn paths_name_the_api() {
     );
     assert_eq!(Api::from_path("/v1/messages/"), Some(Api::Messages));
     assert_eq!(Api::from_path("/v1/models"), None);
+    assert_eq!(passthrough_of("/v1/embeddings"), Some(Route::Embeddings));
+    assert_eq!(passthrough_of("/v1/responses?x=1"), Some(Route::Responses));
+    assert_eq!(passthrough_of("/tokenize"), Some(Route::Tokenize));
+    assert_eq!(passthrough_of("/detokenize/"), Some(Route::Detokenize));
+    assert_eq!(passthrough_of("/v1/chat/completions"), None);
 }
 
 #[test]
@@ -73,7 +78,9 @@ fn endpoints_are_host_and_port() {
 
 #[test]
 fn routed_reply_sets_header_and_lb_metadata() {
-    let r = reply::routed("10.0.0.7:8000", "http://10.0.0.7:8000");
+    let mut telemetry = http::HeaderMap::new();
+    telemetry.insert("x-request-id", http::HeaderValue::from_static("req-7"));
+    let r = reply::routed("10.0.0.7:8000", "http://10.0.0.7:8000", &telemetry);
     let Some(Response::RequestBody(body)) = r.response else {
         panic!("request body response expected")
     };
@@ -88,6 +95,12 @@ fn routed_reply_sets_header_and_lb_metadata() {
         .find(|h| h.key == reply::DESTINATION_HEADER)
         .expect("destination header");
     assert_eq!(dest.raw_value, b"10.0.0.7:8000");
+    let id = set
+        .iter()
+        .filter_map(|h| h.header.as_ref())
+        .find(|h| h.key == "x-request-id")
+        .expect("the request id for the worker");
+    assert_eq!(id.raw_value, b"req-7");
     let md = r.dynamic_metadata.expect("metadata");
     let Some(Kind::StructValue(lb)) = md.fields["envoy.lb"].kind.clone() else {
         panic!("envoy.lb struct expected")
@@ -115,10 +128,20 @@ fn refusals_map_to_status_and_protocol_body() {
     );
     let none = Refusal::Gateway(GatewayError::NoHealthyWorker("m".into()));
     assert_eq!(none.status(), 503);
-    let Some(Response::ImmediateResponse(ir)) = none.reply(Protocol::OpenAi).response else {
+    let id = crate::telemetry::RequestId::generate();
+    let Some(Response::ImmediateResponse(ir)) = none.reply(Protocol::OpenAi, &id).response else {
         panic!("immediate response expected")
     };
     assert_eq!(ir.status.map(|s| s.code), Some(503));
+    let echoed = ir
+        .headers
+        .expect("headers")
+        .set_headers
+        .into_iter()
+        .filter_map(|h| h.header)
+        .find(|h| h.key == "x-request-id")
+        .expect("x-request-id");
+    assert_eq!(echoed.raw_value, id.as_str().as_bytes());
     let body: serde_json::Value = serde_json::from_slice(&ir.body).expect("json body");
     assert_eq!(body["error"]["code"], "no_healthy_worker");
 }
@@ -132,6 +155,16 @@ fn usage_is_found_in_json_and_sse_tails() {
     let u = usage_in(sse).expect("usage");
     assert_eq!((u.completion_tokens, u.cached_tokens()), (7, Some(8)));
     assert_eq!(usage_in(b"data: [DONE]\n\n"), None);
+}
+
+#[test]
+fn pass_through_usage_is_read_the_way_the_http_gateway_reads_it() {
+    let embeddings = br#"{"data":[],"usage":{"prompt_tokens":5,"total_tokens":5}}"#;
+    let u = super::session::usage_at_end(Some(Route::Embeddings), embeddings).expect("usage");
+    assert_eq!((u.prompt_tokens, u.completion_tokens), (5, 0));
+    let streamed = b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\"}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":12,\"output_tokens\":3}}}\n\n";
+    let u = super::session::usage_at_end(Some(Route::Responses), streamed).expect("usage");
+    assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 3));
 }
 
 #[tokio::test]
@@ -182,7 +215,9 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
         refusal.body(Protocol::Anthropic)["error"]["type"],
         "overloaded_error"
     );
-    let Some(Response::ImmediateResponse(ir)) = refusal.reply(Protocol::Anthropic).response else {
+    let id = crate::telemetry::RequestId::generate();
+    let Some(Response::ImmediateResponse(ir)) = refusal.reply(Protocol::Anthropic, &id).response
+    else {
         panic!("immediate response expected")
     };
     let headers = ir.headers.expect("headers").set_headers;
