@@ -39,7 +39,7 @@ use serde_json::Value;
 
 use super::classify::Classifier;
 use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts};
-use super::model::{Named, PolicySet};
+use super::model::{Named, PolicySet, Requested};
 use super::pool_members;
 use super::source::{PolicyWatcher, SourceError};
 use super::worker_load::WorkerLoad;
@@ -355,7 +355,20 @@ impl PolicyStage {
         explain_out: &mut Option<String>,
     ) -> Result<Plan, GatewayError> {
         let set = self.current();
+        // A LoRA adapter is no `InferenceModel`: the policies decide for the model it adapts, and
+        // the plan's pools then serve the adapter itself (on the workers that have it loaded).
+        let adapter = adapted_model(&set, router, req.model);
+        let req = match &adapter {
+            Some(a) => StageRequest {
+                model: &a.base,
+                ..req
+            },
+            None => req,
+        };
         let mut facts = self.classify(&set, router, req).await?;
+        if let Some(a) = &adapter {
+            facts.model = a.base.clone();
+        }
         let may_be_local_only = facts.tags.contains(engine::PII_TAG) || has_require_local(&set);
         let states = self.pool_states(&set, router, req, may_be_local_only).await;
         facts.prompt_tokens = Some(req.tokens.size(req.prompt));
@@ -408,15 +421,22 @@ impl PolicyStage {
                             } else {
                                 set.pools.get(pool).and_then(|p| self.members(&p.spec))
                             };
+                            let model = match &adapter {
+                                Some(a) if a.base == t.model => a.name.to_string(),
+                                // A pool serving another model has no worker with the adapter.
+                                Some(_) => continue,
+                                None => t.model.clone(),
+                            };
                             targets.push(PlanTarget::Pool {
                                 pool: pool.clone(),
-                                model: t.model.clone(),
+                                model,
                                 workers,
                             });
                         }
                         Backend::Provider(name) => {
-                            // Fail closed: a local-only request never reaches a provider.
-                            if local_only {
+                            // Fail closed: a local-only request never reaches a provider; nor
+                            // does an adapter's, which no provider has.
+                            if local_only || adapter.is_some() {
                                 continue;
                             }
                             let Some(p) = set.providers.get(name) else {
@@ -643,6 +663,29 @@ fn local_pool_workers(
         .filter(|w| w.model == served && !listed.contains(&w.url))
         .map(|w| w.url)
         .collect()
+}
+
+/// A requested LoRA adapter and the served name of the model it adapts.
+#[derive(Debug)]
+struct Adapter<'a> {
+    name: &'a str,
+    base: String,
+}
+
+/// `requested` as a LoRA adapter some worker has loaded, when it names no model or class of the
+/// set (an `InferenceModel` of the same name wins).
+fn adapted_model<'a>(set: &PolicySet, router: &Router, requested: &'a str) -> Option<Adapter<'a>> {
+    if !matches!(set.resolve(requested), Requested::Unknown(_)) {
+        return None;
+    }
+    let (_, base) = router
+        .adapters()
+        .into_iter()
+        .find(|(name, _)| name == requested)?;
+    Some(Adapter {
+        name: requested,
+        base,
+    })
 }
 
 /// The served names a requested model (name, alias or class) may be served as; the name itself

@@ -10,6 +10,7 @@ cached is no hit for the adapter, and one the adapter has cached is no hit for t
 from __future__ import annotations
 
 import re
+import textwrap
 import time
 
 import openai
@@ -147,3 +148,60 @@ def test_adapter_requests_go_to_its_worker_and_hits_count_per_adapter(cluster):
     per_worker = {url: int(n) for url, n in re.findall(
         r"\*?(http://\S+) cached=(\d+)", raw.headers.get("x-kinference-decision", ""))}
     assert per_worker == {with_lora.url: 0, plain.url: 0}, per_worker
+
+
+def test_adapter_requests_are_routed_under_a_policy_directory(cluster, tmp_path):
+    """Policies name models, not adapters: a request for an adapter is decided as the model it adapts
+    (here pinned to the pool of both workers) and served by the worker that has the adapter loaded."""
+    from policy_cluster import model_yaml, pool_yaml, start_gateway as start_policy_gateway, start_sim, write_dir
+
+    with_lora = start_sim(cluster, "fast", "--lora-modules", f"{ADAPTER}=/adapters/{ADAPTER}")
+    plain = start_sim(cluster, "fast")
+    policies = tmp_path / "policies"
+    write_dir(policies, {
+        "model.yaml": model_yaml(),
+        "pool.yaml": pool_yaml("sims", [with_lora, plain]),
+        "policy.yaml": textwrap.dedent(f"""\
+            apiVersion: kinference.ai/v1alpha1
+            kind: InferencePolicy
+            metadata: {{name: pin}}
+            spec:
+              priority: 10
+              rules:
+                - name: base-to-sims
+                  match: {{models: [{MODEL}]}}
+                  action: {{route: {{targets: [{{pool: sims}}]}}}}
+            """),
+    })
+    gw = start_policy_gateway(cluster, policies)
+    wait_for_adapter(gw)
+    client = openai.OpenAI(base_url=gw.openai_base, api_key="unused", max_retries=0, timeout=60)
+    for i in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model=ADAPTER, messages=[{"role": "user", "content": f"Adapter question {i}"}], max_tokens=4,
+            extra_headers=DEBUG)
+        explain = raw.headers.get("x-kinference-decision", "")
+        assert raw.headers["x-kinference-worker"] == with_lora, explain
+        assert "policy=pin/base-to-sims" in explain, explain
+        # The router's candidates are the workers with the adapter, not every worker of the pool.
+        candidates = {url for url, _ in re.findall(r"\*?(http://\S+) cached=(\d+)", explain)}
+        assert candidates == {with_lora}, explain
+        assert raw.parse().choices[0].message.content
+    # A name that is neither a model, a class nor a loaded adapter is still unknown.
+    try:
+        client.chat.completions.create(
+            model="no-such-adapter", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        raise AssertionError("an unknown model was served")
+    except openai.NotFoundError as e:
+        assert e.code == "model_not_found", e.body
+
+
+def wait_for_adapter(gw: Gateway) -> None:
+    """Until the gateway's `/v1/models` lists the adapter (read from the workers when it starts)."""
+    deadline = time.monotonic() + 30
+    while True:
+        ids = {m["id"] for m in requests.get(f"{gw.url}/v1/models", timeout=5).json()["data"]}
+        if ADAPTER in ids:
+            return
+        assert time.monotonic() < deadline, f"the gateway never listed {ADAPTER}: {sorted(ids)}"
+        time.sleep(0.2)
