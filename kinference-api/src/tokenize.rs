@@ -20,6 +20,7 @@ mod fast;
 mod rendered;
 #[cfg(test)]
 mod tests;
+mod tojson;
 
 /// The name the compiled chat template is stored under inside the Jinja environment.
 const CHAT_TEMPLATE: &str = "chat_template";
@@ -144,6 +145,7 @@ impl ModelTokenizer {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson::tojson);
         let has_chat_template = chat_template.is_some();
         if let Some(src) = chat_template {
             env.add_template_owned(CHAT_TEMPLATE, src)
@@ -244,7 +246,7 @@ impl ModelTokenizer {
             Some(Value::Object(map)) if !map.is_empty() => {
                 // Later contexts are looked up only for names the first one lacks, so the request
                 // cannot override `messages` (vLLM rejects that too).
-                context! { ..base, ..minijinja::Value::from_serialize(map) }
+                context! { ..base, ..tojson::template_kwargs(map) }
             }
             _ => base,
         };
