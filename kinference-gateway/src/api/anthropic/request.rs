@@ -8,7 +8,7 @@
 //! | `tool_use` blocks of an assistant turn | `tool_calls` of the assistant message |
 //! | `tool_result` blocks of a user turn | `role: tool` messages, before the turn's other content (their images in it) |
 //! | `thinking` blocks of earlier turns | dropped (the model's template re-renders no reasoning) |
-//! | `tools`, `tool_choice` | `tools` (functions), `tool_choice`, `parallel_tool_calls` |
+//! | `tools` (`strict` included), `tool_choice` | `tools` (functions), `tool_choice`, `parallel_tool_calls` |
 //! | `thinking` | `chat_template_kwargs.enable_thinking`; its budget as `thinking_token_budget` and `chat_template_kwargs.thinking_budget` |
 //! | `stop_sequences`, `metadata.user_id` | `stop`, `user` |
 //!
@@ -199,6 +199,10 @@ pub struct Tool {
     /// JSON schema of its input.
     #[serde(default)]
     pub input_schema: Option<Value>,
+    /// The input must follow the schema: passed on as the function's `strict`, which is what makes
+    /// vLLM (0.32) constrain a forced call's arguments to the schema and not only the call's envelope.
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// `tool_choice`.
@@ -427,6 +431,9 @@ fn openai_tool(i: usize, tool: &Tool) -> Result<Value, GatewayError> {
     let mut function = json!({"name": tool.name, "parameters": schema});
     if let Some(description) = &tool.description {
         function["description"] = json!(description);
+    }
+    if let Some(strict) = tool.strict {
+        function["strict"] = json!(strict);
     }
     Ok(json!({"type": "function", "function": function}))
 }

@@ -285,6 +285,22 @@ fn tools_and_a_tool_round_trip_translate() {
     assert_eq!(body["user"], "u-42");
 }
 
+/// `strict` reaches the worker: vLLM 0.32 constrains a forced call's arguments to the schema only for a
+/// strict function (otherwise any JSON, a string included, which no `tool_use` input can carry).
+#[test]
+fn a_strict_tool_stays_strict() {
+    let strict = |tool: Value| {
+        let chat = request(json!({"model": "m", "max_tokens": 5, "tools": [tool],
+                                  "messages": [{"role": "user", "content": "Hi"}]}))
+        .expect("translates");
+        serde_json::to_value(&chat).expect("serializes")["tools"][0]["function"]["strict"].clone()
+    };
+    let mut tool = weather_tool();
+    assert_eq!(strict(tool.clone()), Value::Null);
+    tool["strict"] = json!(true);
+    assert_eq!(strict(tool), json!(true));
+}
+
 #[test]
 fn tool_choice_forms_translate() {
     let choice = |c: Value| {
