@@ -1050,8 +1050,10 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
     // An embedding: a worker of the model; its usage settled from the worker's answer.
     let embedding = json!({"model": MODEL, "input": "hello there"}).to_string();
     let mut first = Stream::open(&mut h.client).await;
-    let first_worker =
-        routed_worker(decide_with(&mut first, "/v1/embeddings", &auth, embedding.as_bytes()).await);
+    let with_id = [auth[0], ("x-request-id", "xp-embed-1")];
+    let first_worker = routed_worker(
+        decide_with(&mut first, "/v1/embeddings", &with_id, embedding.as_bytes()).await,
+    );
     assert!(h.worker_urls.contains(&first_worker), "{first_worker}");
 
     // Tokenizing is not billed (the tenant's one request a minute is spent) and, with the first
@@ -1072,6 +1074,19 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
     let report = settled_report(&tenancy, 1).await;
     assert_eq!(report["total"]["requests"], 1, "{report}");
     assert_eq!(report["total"]["input_uncached_tokens"], 5, "{report}");
+    // The usage record, written a moment later, carries the request's id.
+    let journal = scratch.0.join("usage.jsonl");
+    let read = || std::fs::read_to_string(&journal).unwrap_or_default();
+    support::wait_for("the usage record", || {
+        let written = read().contains("request_id");
+        async move { written }
+    })
+    .await;
+    assert!(
+        read().contains(r#""request_id":"xp-embed-1""#),
+        "{}",
+        read()
+    );
 
     // A response generates: admitted like a chat turn, so past the tenant's limit it is 429.
     let responses = json!({"model": MODEL, "input": "hi", "max_output_tokens": 4}).to_string();
