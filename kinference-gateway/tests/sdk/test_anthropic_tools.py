@@ -140,6 +140,20 @@ def test_count_tokens_equals_the_workers_prompt(gateway):
     assert e.value.body["type"] == "error"
 
 
+def test_a_strict_tool_reaches_the_worker_and_is_counted(gateway):
+    """`strict` is sent to the worker as the function's `strict` (vLLM 0.32 constrains a forced call's
+    arguments to the schema only then), and it is part of the prompt the template renders: the worker's
+    prompt grows by it and count_tokens still equals that prompt (keys and spacing as vLLM renders
+    them: transformers' `tojson`, the tool in vLLM's field order)."""
+    ant = client(gateway)
+    strict = {**WEATHER, "strict": True}
+    loose = ant.messages.create(model=MODEL, max_tokens=1, tools=[WEATHER], messages=[ASK])
+    created = ant.messages.create(model=MODEL, max_tokens=1, tools=[strict], messages=[ASK])
+    assert prompt_tokens(created.usage) > prompt_tokens(loose.usage)
+    counted = ant.messages.count_tokens(model=MODEL, tools=[strict], messages=[ASK])
+    assert counted.input_tokens == prompt_tokens(created.usage)
+
+
 def test_count_tokens_without_a_tokenizer_is_a_clear_error(cluster):
     gw = cluster.gateway([cluster.worker()], tokenizer=False)
     with pytest.raises(anthropic.BadRequestError) as e:
