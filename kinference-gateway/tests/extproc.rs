@@ -914,17 +914,22 @@ spec:
     drop((s, s2));
     until_in_flight(&h.router, 0).await;
 
-    // An alias the HTTP gateway renames in the body: Envoy forwards the body as sent, so it is
-    // refused, naming the served name.
-    let aliased = json!({"model": "sim-alias", "input": "hello"}).to_string();
-    let mut s = Stream::open(&mut h.client).await;
-    match decide_with(&mut s, "/v1/embeddings", &[], aliased.as_bytes()).await {
-        Outcome::Local { status, body } => {
-            assert_eq!(status, 400, "{body}");
-            let message = body["error"]["message"].as_str().unwrap_or_default();
-            assert!(message.contains(&format!("ask for `{MODEL}`")), "{body}");
+    // An alias or a class the HTTP gateway resolves by rewriting the body: Envoy forwards the
+    // body as sent, so it is refused, saying what to ask for.
+    for (model, says) in [
+        ("sim-alias", format!("ask for `{MODEL}`")),
+        ("general", "is a model class".to_string()),
+    ] {
+        let request = json!({"model": model, "input": "hello"}).to_string();
+        let mut s = Stream::open(&mut h.client).await;
+        match decide_with(&mut s, "/v1/embeddings", &[], request.as_bytes()).await {
+            Outcome::Local { status, body } => {
+                assert_eq!(status, 400, "{body}");
+                let message = body["error"]["message"].as_str().unwrap_or_default();
+                assert!(message.contains(&says), "{body}");
+            }
+            other => panic!("expected 400, got {other:?}"),
         }
-        other => panic!("expected 400, got {other:?}"),
     }
 }
 

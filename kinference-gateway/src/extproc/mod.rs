@@ -31,8 +31,8 @@
 //! The pass-through endpoints go where the HTTP gateway sends them ([`crate::pipeline::passthrough`]):
 //! `/v1/embeddings`, `/tokenize` and `/detokenize` to the model's least loaded worker,
 //! `/v1/responses` to the worker the router picks for its input, the tenant admitted and billed for
-//! embeddings and responses. A model alias the HTTP gateway would rename is refused (400): Envoy
-//! forwards the body as sent.
+//! embeddings and responses. A model alias or class the HTTP gateway would rewrite in the body is
+//! refused (400): Envoy forwards the body as sent.
 //!
 //! Telemetry as over HTTP ([`crate::telemetry`]): the client's `x-request-id` (or a new one) is set
 //! on the request to the worker, on the response headers and on local replies, and carried by the
@@ -66,6 +66,7 @@ use crate::overload::Admitter;
 use crate::overload::gate::Slot;
 use crate::pipeline::exchange::{self, Request as Parsed};
 use crate::pipeline::govern::{self, PlanInput};
+use crate::policy::model::Requested;
 use crate::policy::stage::{PlanTarget, PolicyStage};
 use crate::routing::tokenize::PromptTokens;
 use crate::routing::{Decision, Prompt, RouteRequest, Router};
@@ -431,24 +432,28 @@ impl Handler {
         Routed::new(decision, admission, slot)
     }
 
-    /// Refuses a model name that policies serve under another name (an `InferenceModel`'s alias):
-    /// the HTTP gateway rewrites the body for the worker, Envoy forwards it as sent.
+    /// Refuses a model name the HTTP gateway would rewrite in the body for the worker under
+    /// policies (an `InferenceModel`'s alias, or a model class): Envoy forwards the body as sent.
     fn refuse_renamed(&self, model: &str) -> Result<(), Refusal> {
         let Some(stage) = &self.policy else {
             return Ok(());
         };
         let set = stage.current();
-        match set.model_named(model) {
-            Some(m) if m.spec.served_name != model => Err(Refusal::Gateway(GatewayError::invalid(
-                "model",
-                format!(
-                    "`{model}` is served as `{}`, and a request through Envoy reaches the \
-                         worker unchanged: ask for `{}`",
-                    m.spec.served_name, m.spec.served_name
-                ),
-            ))),
-            _ => Ok(()),
-        }
+        let detail = match set.resolve(model) {
+            Requested::Model(name) => match set.models.get(&name) {
+                Some(m) if m.spec.served_name != model => {
+                    let served = &m.spec.served_name;
+                    format!("`{model}` is served as `{served}`: ask for `{served}`")
+                }
+                _ => return Ok(()),
+            },
+            Requested::Class(_) => format!("`{model}` is a model class: name one of its models"),
+            Requested::Unknown(_) => return Ok(()),
+        };
+        Err(Refusal::Gateway(GatewayError::invalid(
+            "model",
+            format!("{detail} (a request through Envoy reaches the worker unchanged)"),
+        )))
     }
 
     /// The plan (with policies: its pools in order, providers passed over) and the router's pick.
