@@ -25,6 +25,7 @@ use crate::backend::sse::SseParser;
 use crate::body::{Body, full};
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
+use crate::policy::model::{PolicySet, Requested};
 use crate::routing::{Prompt, RouteRequest};
 
 /// Serves one request to a pass-through endpoint; errors in OpenAI's shape.
@@ -88,7 +89,7 @@ async fn run(
     )
     .await?;
     let mut request = PassthroughRequest::parse(route, &body)?;
-    let body = served_as(gw, &mut request, body)?;
+    let body = served_as(gw, route, &mut request, body)?;
     settlement.model(&request.model);
     let text = request.text();
     if route.billed() {
@@ -191,10 +192,13 @@ async fn run(
     Ok(Answer::Whole(out, usage))
 }
 
-/// `body` for the served name of `request.model` when it is an `InferenceModel`'s alias (or its
-/// name) under policies: the workers know only the served name. Anything else is left as sent.
+/// `body` for the served name of `request.model` under policies, resolved as chat resolves it: an
+/// `InferenceModel`'s name or alias is its served name; a class is one of its local models (see
+/// [`class_member`]). The workers know only served names. Anything else (a model only workers
+/// name, a LoRA adapter) is left as sent.
 fn served_as(
     gw: &Gateway,
+    route: Route,
     request: &mut PassthroughRequest,
     body: Bytes,
 ) -> Result<Bytes, GatewayError> {
@@ -202,19 +206,75 @@ fn served_as(
         return Ok(body);
     };
     let set = stage.current();
-    let Some(model) = set.model_named(&request.model) else {
-        return Ok(body);
+    let served = match set.resolve(&request.model) {
+        Requested::Model(name) => match set.models.get(&name) {
+            Some(model) => model.spec.served_name.clone(),
+            None => return Ok(body),
+        },
+        Requested::Class(class) => {
+            let workers: Vec<String> = gw.router.workers().into_iter().map(|w| w.model).collect();
+            class_member(&set, route, &class, &workers)?
+        }
+        Requested::Unknown(_) => return Ok(body),
     };
-    let served = &model.spec.served_name;
-    if *served == request.model {
+    if served == request.model {
         return Ok(body);
     }
     let mut json: serde_json::Value = crate::api::openai::parse_body(&body)?;
     json["model"] = serde_json::Value::String(served.clone());
-    request.model = served.clone();
+    request.model = served;
     serde_json::to_vec(&json)
         .map(Bytes::from)
         .map_err(|e| GatewayError::MalformedJson(e.to_string()))
+}
+
+/// The served name a model class stands for on `route`: the first of its local models (in name
+/// order) that some worker serves. Token ids and embedding vectors mean different things for
+/// different models, so `/tokenize`, `/detokenize` and `/v1/embeddings` take a class only when it
+/// has a single local model; a class only providers serve has no worker here (pass-through
+/// requests never go to a provider).
+fn class_member(
+    set: &PolicySet,
+    route: Route,
+    class: &str,
+    worker_models: &[String],
+) -> Result<String, GatewayError> {
+    let members: Vec<&str> = set
+        .models_in_class(class)
+        .filter_map(|m| set.models.get(m))
+        .map(|m| m.spec.served_name.as_str())
+        .collect();
+    if members.len() > 1 && route != Route::Responses {
+        return Err(GatewayError::invalid(
+            "model",
+            format!(
+                "model class {class:?} has several models ({}); {} needs one model, since \
+                 each has its own {}: name one of them",
+                members.join(", "),
+                route.path(),
+                if route == Route::Embeddings {
+                    "embeddings"
+                } else {
+                    "token ids"
+                },
+            ),
+        ));
+    }
+    members
+        .iter()
+        .find(|m| worker_models.iter().any(|w| w == *m))
+        .or(members.first())
+        .map(|m| m.to_string())
+        .ok_or_else(|| {
+            GatewayError::invalid(
+                "model",
+                format!(
+                    "model class {class:?} has no local model: {} is served by the gateway's own \
+                     workers only, never by a provider",
+                    route.path()
+                ),
+            )
+        })
 }
 
 /// A worker's non-2xx answer: a route it does not serve (404 on `/v1/responses`: vLLM before

@@ -269,6 +269,11 @@ spec:
             chat = client(gw).chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
                                                       max_tokens=2)
             assert chat.choices[0].message.content
+        # A class resolves on the pass-through endpoints as it does for chat (here its only model).
+        assert client(gw).embeddings.create(model="general", input="hi").model == MODEL
+        assert client(gw).responses.create(model="general", input="hi", max_output_tokens=2).output_text
+        tokens = requests.post(f"{gw.url}/tokenize", json={"model": "general", "prompt": "hi"}, timeout=10)
+        assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
     finally:
         c.close()
 
@@ -277,3 +282,31 @@ def test_models_list_without_policies(surface):
     models = list(client(surface).models.list())
     assert [m.id for m in models] == [MODEL]
     assert models[0].owned_by == "kinference" and models[0].root == MODEL
+
+
+def test_a_class_of_two_models_on_the_pass_through_endpoints(tmp_path):
+    """`/v1/responses` takes a class of two models as chat does; `/v1/embeddings` and `/tokenize`,
+    whose answers mean different things per model, refuse it with an error naming the models."""
+    from policy_cluster import model_yaml, pool_yaml, start_gateway, start_sim, write_dir
+    c = Cluster(tmp_path)
+    try:
+        other = "qwen2-sim-b"
+        first, second = start_sim(c), start_sim(c, model=other)
+        write_dir(tmp_path / "policies", {
+            "models.yaml": model_yaml() + "---\n" + model_yaml(other),
+            "pools.yaml": pool_yaml("a", [first]) + "---\n" + pool_yaml("b", [second], model=other),
+        })
+        gw = start_gateway(c, tmp_path / "policies")
+        chat = client(gw).chat.completions.create(model="general", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert chat.model in (MODEL, other)
+        assert client(gw).responses.create(model="general", input="hi", max_output_tokens=2).output_text
+        with pytest.raises(openai.BadRequestError) as e:
+            client(gw).embeddings.create(model="general", input="hi")
+        assert "several models" in e.value.body["message"] and other in e.value.body["message"], e.value.body
+        tokens = requests.post(f"{gw.url}/tokenize", json={"model": "general", "prompt": "hi"}, timeout=10)
+        assert tokens.status_code == 400 and "/tokenize" in tokens.json()["error"]["message"], tokens.text
+        # Each model by name still works.
+        assert client(gw).embeddings.create(model=other, input="hi").data
+    finally:
+        c.close()
