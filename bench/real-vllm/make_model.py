@@ -19,7 +19,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+# transformers' fast tokenizer needs only the first two; the slow tokenizer's files are copied when present
+# (`cargo xtask setup` fetches only tokenizer.json and tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+OPTIONAL_TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 
 def main() -> None:
@@ -51,6 +54,9 @@ def main() -> None:
     GenerationConfig(bos_token_id=151643, eos_token_id=151645).save_pretrained(args.out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(args.tokenizer_dir / name, args.out / name)
+    for name in OPTIONAL_TOKENIZER_FILES:
+        if (args.tokenizer_dir / name).is_file():
+            shutil.copyfile(args.tokenizer_dir / name, args.out / name)
     params = sum(p.numel() for p in model.parameters())
     print(f"tiny Qwen2: {params / 1e6:.1f}M parameters -> {args.out}")
 
