@@ -8,8 +8,8 @@
 //!   HTTP path picks, in both directions (a prefix warmed by either is found by the other); past
 //!   its in-flight limit it answers 503 with `Retry-After` and admits a high-priority tenant's
 //!   request before a low-priority one queued earlier; with traces exported to an OTLP receiver on
-//!   loopback, the request's span continues the client's trace with the HTTP path's stage spans, and
-//!   the worker's `traceparent` names it.
+//!   loopback, the request's span continues the client's trace with the HTTP path's stage spans,
+//!   the worker's `traceparent` names it, and the JSON access line carries the request id.
 //! - In-process, on one router: 503 without a ready worker, 400 for a malformed body, 404 for an
 //!   unknown model, 429 when shedding, streamed bodies, and the in-flight ticket released by the
 //!   response's end or by the stream's end (never leaked); the `x-request-id` honoured or made and
@@ -1278,9 +1278,13 @@ async fn a_routed_request_exports_the_http_paths_spans_and_the_worker_continues_
     let scratch = support::TempDir::new("extproc-trace");
     let config = one_worker_config(&scratch.0, port, "routing: kinference\n");
     let (api, admin, xp) = (free_port(), free_port(), free_port());
+    let log = scratch.0.join("gateway.log");
     let mut gateway = ChildGuard(
         support::gateway_command(&config, api, admin)
             .arg(format!("--extproc-listen=127.0.0.1:{xp}"))
+            .args(["--log-format", "json"])
+            .env_remove("RUST_LOG")
+            .stdout(std::fs::File::create(&log).expect("log file"))
             .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
             .env("OTEL_BSP_SCHEDULE_DELAY", "100")
             .env_remove("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -1362,4 +1366,31 @@ async fn a_routed_request_exports_the_http_paths_spans_and_the_worker_continues_
         format!("00-{trace_id}-{}-01", hex(&root.span_id)),
         "{routed:?}"
     );
+
+    // One JSON access line, as over HTTP, with the request id.
+    let access_line = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|l| l["target"] == "kinference_gateway::access_log")
+    };
+    support::wait_for("the access line", || {
+        let written = access_line().is_some();
+        async move { written }
+    })
+    .await;
+    let access = access_line().expect("the access line");
+    let fields = &access["fields"];
+    assert_eq!(fields["request_id"], "xp-trace-1", "{access}");
+    assert_eq!(fields["status"], 200, "{access}");
+    assert_eq!(fields["path"], "/v1/chat/completions", "{access}");
+    assert_eq!(fields["model"], MODEL, "{access}");
+    assert_eq!(
+        fields["backend"],
+        format!("http://127.0.0.1:{port}").as_str(),
+        "{access}"
+    );
+    assert_eq!(fields["output_tokens"], 2, "{access}");
+    assert_eq!(access["span"]["request_id"], "xp-trace-1", "{access}");
 }

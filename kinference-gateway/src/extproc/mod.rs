@@ -213,6 +213,8 @@ impl Refusal {
 pub struct Routed {
     /// The decision (its ticket must be kept until the request ends).
     pub decision: Decision,
+    /// The model asked for.
+    pub model: String,
     /// `host:port` of the worker.
     pub endpoint: String,
     /// The tenant's admission (settled when the response ends).
@@ -225,6 +227,7 @@ impl Routed {
     /// The decision's endpoint, with the tenant's admission told where the request went.
     fn new(
         decision: Decision,
+        model: &str,
         mut admission: Option<Admission>,
         slot: Option<Slot>,
     ) -> Result<Routed, Refusal> {
@@ -239,6 +242,7 @@ impl Routed {
         }
         Ok(Routed {
             decision,
+            model: model.to_string(),
             endpoint,
             admission,
             slot,
@@ -371,7 +375,7 @@ impl Handler {
             .pick(head, &request, &tokens, caller.as_ref(), admission.as_ref())
             .await
             .map_err(Refusal::Gateway)?;
-        Routed::new(decision, admission, slot)
+        Routed::new(decision, request.model(), admission, slot)
     }
 
     /// A pass-through endpoint, as the HTTP gateway routes it ([`crate::pipeline::passthrough`]):
@@ -429,7 +433,7 @@ impl Handler {
             _ => self.router.pick_least_loaded(&request.model, head.debug),
         }
         .map_err(|e| Refusal::Gateway(e.into()))?;
-        Routed::new(decision, admission, slot)
+        Routed::new(decision, &request.model, admission, slot)
     }
 
     /// Refuses a model name the HTTP gateway would rewrite in the body for the worker under

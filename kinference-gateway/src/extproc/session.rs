@@ -9,7 +9,10 @@
 //! admission (usage, cost, token limits), and ends the request's span. Whatever happens, they are
 //! dropped with the session, so an aborted request never leaks an in-flight count and is recorded
 //! once. The request's `x-request-id` is set on the request (headers and routed answer) and on the
-//! response headers, and is in every local reply.
+//! response headers, and is in every local reply. One access line per request, as over HTTP, when
+//! it is refused or its response ends (a request whose response Envoy does not send has none).
+
+use std::time::Instant;
 
 use bytes::BytesMut;
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
@@ -43,6 +46,39 @@ const KEPT_HEADERS: [&str; 6] = [
 /// The most response-body bytes kept to find `usage` at the end (the tail of a stream suffices).
 const USAGE_TAIL_BYTES: usize = 64 * 1024;
 
+/// The access line of one request, written once when it ends (as over HTTP: target
+/// `kinference_gateway::access_log`, in the request's span).
+#[derive(Debug)]
+struct AccessLine {
+    method: http::Method,
+    path: String,
+    started: Instant,
+    tenant: String,
+    model: String,
+    backend: String,
+}
+
+impl AccessLine {
+    fn write(self, status: u16, usage: Option<&Usage>, id: &str) {
+        let usage = usage.copied().unwrap_or_default();
+        tracing::info!(
+            target: "kinference_gateway::access_log",
+            method = %self.method,
+            path = %self.path,
+            status,
+            tenant = %self.tenant,
+            model = %self.model,
+            backend = %self.backend,
+            input_tokens = usage.prompt_tokens,
+            cached_tokens = usage.cached_tokens().unwrap_or(0),
+            output_tokens = usage.completion_tokens,
+            duration_ms = self.started.elapsed().as_millis() as u64,
+            request_id = id,
+            "request"
+        );
+    }
+}
+
 /// Per-stream state.
 #[derive(Debug, Default)]
 pub struct Session {
@@ -51,6 +87,8 @@ pub struct Session {
     context: Option<RequestContext>,
     /// The request's root span, ended with the response (or the stream).
     span: Option<tracing::Span>,
+    /// The access line, until it is written (by a local reply, or at the response's end).
+    access: Option<AccessLine>,
     body: BytesMut,
     /// The decision's ledger entry, held until the response ends (or the stream does).
     ticket: Option<InFlight>,
@@ -146,6 +184,14 @@ impl Session {
             .unwrap_or(http::Method::POST);
         self.span = Some(context.span(&method, path));
         self.context = Some(context);
+        self.access = Some(AccessLine {
+            method,
+            path: path.to_string(),
+            started: Instant::now(),
+            tenant: String::new(),
+            model: String::new(),
+            backend: String::new(),
+        });
     }
 
     async fn on_request_body(&mut self, handler: &Handler, b: HttpBody) -> ProcessingResponse {
@@ -190,6 +236,14 @@ impl Session {
                 let answer = reply::routed(&routed.endpoint, &routed.decision.worker, &telemetry);
                 tracing::debug!(worker = %routed.decision.worker,
                     endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
+                if let Some(line) = &mut self.access {
+                    line.model = routed.model;
+                    line.backend = routed.decision.worker;
+                    line.tenant = routed
+                        .admission
+                        .as_ref()
+                        .map_or_else(String::new, |a| a.tenant().to_string());
+                }
                 self.ticket = Some(routed.decision.ticket);
                 self.admission = routed.admission;
                 if let Some(admission) = &mut self.admission {
@@ -201,6 +255,9 @@ impl Session {
             Err(refusal) => {
                 self.done = true;
                 tracing::debug!(error = %refusal, "ext_proc refused");
+                if let Some(line) = self.access.take() {
+                    line.write(refusal.status(), None, id.as_str());
+                }
                 refusal.reply(protocol, &id)
             }
         }
@@ -238,13 +295,19 @@ impl Session {
     /// reported.
     fn finish(&mut self, usage: Option<Usage>) {
         self.slot = None;
+        let status = if self.response_status == 0 {
+            200
+        } else {
+            self.response_status
+        };
         if let Some(admission) = self.admission.take() {
-            let status = if self.response_status == 0 {
-                200
-            } else {
-                self.response_status
-            };
             admission.settle(status, usage.as_ref());
+        }
+        if self.ticket.is_some()
+            && let (Some(line), Some(span)) = (self.access.take(), &self.span)
+        {
+            let id = self.context.as_ref().map_or("", |c| c.id.as_str());
+            span.in_scope(|| line.write(status, usage.as_ref(), id));
         }
         if let Some(ticket) = self.ticket.take() {
             let usage = usage.unwrap_or_default();
