@@ -368,8 +368,13 @@ impl Serialize for TemplateMessage<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let others = self.fields.iter().filter(|(k, _)| *k != "content");
         let mut map = serializer.serialize_map(Some(others.clone().count() + 1))?;
+        let assistant = self.fields.get("role").and_then(Value::as_str) == Some("assistant");
         for (k, v) in others {
-            map.serialize_entry(k, v)?;
+            if assistant && k == "tool_calls" {
+                map.serialize_entry(k, &tojson::ToolCalls(v))?;
+            } else {
+                map.serialize_entry(k, v)?;
+            }
         }
         map.serialize_entry("content", &self.content)?;
         map.end()

@@ -27,6 +27,33 @@ pub(super) fn template_kwargs(kwargs: &Map<String, serde_json::Value>) -> Value 
         .collect()
 }
 
+/// An assistant message's `tool_calls` as vLLM hands them to the template: each call's `arguments`
+/// string parsed to its JSON value (`{}` when empty or not JSON), so the template writes it with
+/// `tojson` as vLLM's does, not the client's string verbatim.
+pub(super) struct ToolCalls<'a>(pub &'a serde_json::Value);
+
+impl Serialize for ToolCalls<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let Some(calls) = self.0.as_array() else {
+            return self.0.serialize(serializer);
+        };
+        let calls: Vec<serde_json::Value> = calls.iter().map(parsed_arguments).collect();
+        calls.serialize(serializer)
+    }
+}
+
+fn parsed_arguments(call: &serde_json::Value) -> serde_json::Value {
+    let mut call = call.clone();
+    if let Some(arguments) = call
+        .get_mut("function")
+        .and_then(|f| f.get_mut("arguments"))
+        && let serde_json::Value::String(text) = arguments
+    {
+        *arguments = serde_json::from_str(text).unwrap_or_else(|_| serde_json::json!({}));
+    }
+    call
+}
+
 /// One tool in vLLM's layout (a function tool; anything else as given).
 fn tool(tool: &serde_json::Value) -> Value {
     let (Some(kind), Some(serde_json::Value::Object(function))) =

@@ -81,3 +81,25 @@ fn tojson_writes_what_pythons_json_dumps_writes() {
         "[\n  1,\n  2.5,\n  null,\n  true\n]"
     );
 }
+
+/// An earlier call's `arguments` (a JSON string in OpenAI's messages) reach the template parsed, as
+/// vLLM parses them: vLLM 0.32 rendered this conversation as 207 tokens with the call line below.
+#[test]
+fn a_tool_calls_arguments_render_as_vllm_renders_them() {
+    let messages = json!([
+        {"role": "user", "content": "What is the weather like in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "chatcmpl-tool-a2ebb616985fb4c1",
+            "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Oslo\"}"}}]},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-a2ebb616985fb4c1", "content": "18 C and sunny"}
+    ]);
+    let tool = weather(json!({"description": "The current weather in a city.", "strict": true}));
+    let tok = qwen2();
+    let text = tok
+        .render_chat_with(&messages, true, Some(&json!({"tools": [tool]})))
+        .expect("render");
+    assert!(
+        text.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"),
+        "{text}"
+    );
+    assert_eq!(tok.encode_text(&text, false).unwrap().len(), 207);
+}
