@@ -15,8 +15,9 @@
 //! `cache_control` on any block or tool is accepted and ignored: vLLM's prefix cache is automatic.
 //!
 //! The thinking budget goes where vLLM and the reasoning models' templates read one: the request field
-//! `thinking_token_budget` (vLLM stops the reasoning there when it runs with a reasoning parser; a vLLM
-//! without the field ignores it, as it ignores every unknown field) and the template variable
+//! `thinking_token_budget` (vLLM stops the reasoning there when it runs with a reasoning parser; vLLM
+//! 0.32 without `--reasoning-parser` refuses the request with 400, which reaches the client as an
+//! `invalid_request_error`; a vLLM without the field ignores it) and the template variable
 //! `thinking_budget` (Qwen3's template reads it; others leave it unused).
 
 use serde::Deserialize;
