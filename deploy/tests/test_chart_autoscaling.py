@@ -102,6 +102,18 @@ def test_prometheus_adapter_example_serves_what_the_hpa_asks_for() -> None:
     asked = {m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
     assert asked <= served.keys(), f"{asked - served.keys()} not served"
     # Replicas add their in-flight counts; the estimate is the highest replica's.
-    assert served["kinference_gateway_pool_requests_in_flight"]["metricsQuery"].startswith("sum by (model)")
-    assert served["kinference_gateway_pool_estimated_ttft_seconds"]["metricsQuery"].startswith("max by (model)")
+    assert served["kinference_gateway_pool_requests_in_flight"]["metricsQuery"].startswith("sum by (model, pool)")
+    assert served["kinference_gateway_pool_estimated_ttft_seconds"]["metricsQuery"].startswith("max by (model, pool)")
     assert all(rule["resources"] == {"namespaced": False} for rule in served.values())
+
+
+def test_an_inference_pool_narrows_the_gauges_to_its_workers() -> None:
+    hpa = one(render(scaling("hpa", ttftSeconds=0.5, inferencePool="near")), "HorizontalPodAutoscaler")
+    for metric in hpa["spec"]["metrics"]:
+        assert metric["external"]["metric"]["selector"]["matchLabels"] == {"model": "qwen2.5-7b", "pool": "near"}
+    scaled = one(render(scaling("keda", ttftSeconds=0.5, inferencePool="near")), "ScaledObject")
+    queue, ttft = scaled["spec"]["triggers"]
+    assert queue["metadata"]["query"] == \
+        'sum(kinference_gateway_pool_requests_in_flight{model="qwen2.5-7b",pool="near"})'
+    assert ttft["metadata"]["query"] == \
+        'max(kinference_gateway_pool_estimated_ttft_seconds{model="qwen2.5-7b",pool="near"})'

@@ -74,6 +74,15 @@ impl Gateway {
             })
     }
 
+    /// The current policy set's `InferencePool`s with their workers, for the pool gauges (none
+    /// without policies).
+    pub fn pool_members(&self) -> Vec<crate::metrics::fleet::PoolMembers> {
+        self.policy
+            .as_ref()
+            .map(|stage| stage.pool_members())
+            .unwrap_or_default()
+    }
+
     /// Starts draining: `/readyz` answers 503 from now on.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Relaxed);

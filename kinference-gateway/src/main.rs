@@ -142,7 +142,12 @@ async fn main() -> anyhow::Result<()> {
     prober.probe_all().await;
     // Which signals routing has per worker (also `kinference_gateway_routing_signal` and
     // `/healthz/workers`); agents that have not connected yet show as stale.
-    for w in gw.metrics.refresh_fleet(&gw.router).await.workers {
+    for w in gw
+        .metrics
+        .refresh_fleet(&gw.router, &gw.pool_members())
+        .await
+        .workers
+    {
         tracing::info!(worker = %w.view.url, model = %w.view.model,
             signals = %w.signals_json(), "routing signals");
     }

@@ -212,10 +212,14 @@ impl Metrics {
         out
     }
 
-    /// Brings the fleet gauges up to date with `router` (before each scrape) and returns what they
-    /// were set from (for `/healthz/workers`).
-    pub async fn refresh_fleet(&self, router: &crate::routing::Router) -> fleet::Snapshot {
-        self.fleet.refresh(router).await
+    /// Brings the fleet gauges up to date with `router` and the `pools` (before each scrape) and
+    /// returns what they were set from (for `/healthz/workers`).
+    pub async fn refresh_fleet(
+        &self,
+        router: &crate::routing::Router,
+        pools: &[fleet::PoolMembers],
+    ) -> fleet::Snapshot {
+        self.fleet.refresh(router, pools).await
     }
 
     /// Names the gateway serves (configured models, aliases, classes): kept as `model` label values

@@ -119,7 +119,9 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
             if gw.access.metrics_need_key() && !admin {
                 return unauthorized();
             }
-            gw.metrics.refresh_fleet(&gw.router).await;
+            gw.metrics
+                .refresh_fleet(&gw.router, &gw.pool_members())
+                .await;
             let mut response = Response::new(full(gw.metrics.encode()));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
@@ -191,7 +193,7 @@ async fn workers_health(gw: &Gateway) -> String {
         gw.health.states().into_iter().collect();
     let workers: Vec<serde_json::Value> = gw
         .metrics
-        .refresh_fleet(&gw.router)
+        .refresh_fleet(&gw.router, &gw.pool_members())
         .await
         .workers
         .iter()

@@ -83,7 +83,7 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
     let (status, text) = get(admin, "/metrics").await;
     assert_eq!(status, 200);
     for line in [
-        format!("kinference_gateway_pool_workers{{model=\"{MODEL}\",state=\"healthy\"}} 1"),
+        format!("kinference_gateway_pool_workers{{model=\"{MODEL}\",pool=\"\",state=\"healthy\"}} 1"),
         format!(
             "kinference_gateway_routing_signal{{model=\"{MODEL}\",signal=\"kv_events\",state=\"absent\"}} 1"
         ),
@@ -93,7 +93,7 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
         format!(
             "kinference_gateway_routing_signal{{model=\"{MODEL}\",signal=\"tokenizer\",state=\"live\"}} 1"
         ),
-        format!("kinference_gateway_pool_requests_in_flight{{model=\"{MODEL}\"}} "),
+        format!("kinference_gateway_pool_requests_in_flight{{model=\"{MODEL}\",pool=\"\"}} "),
         // Open gateway: the per-tenant counters are there.
         "kinference_gateway_tenant_requests_total{tenant=\"anonymous\"".to_string(),
     ] {
@@ -103,7 +103,7 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
         .lines()
         .find_map(|l| {
             l.strip_prefix(&format!(
-                "kinference_gateway_pool_estimated_ttft_seconds{{model=\"{MODEL}\"}} "
+                "kinference_gateway_pool_estimated_ttft_seconds{{model=\"{MODEL}\",pool=\"\"}} "
             ))
         })
         .unwrap_or_else(|| panic!("no estimated TTFT:\n{text}"))

@@ -1,5 +1,6 @@
-//! What operators and autoscalers read about the workers behind the gateway, per served model (the
-//! workers of an InferencePool serve one model), and which routing signals each worker has.
+//! What operators and autoscalers read about the workers behind the gateway, per served model and
+//! `InferencePool` (label `pool`; empty for workers no pool lists, e.g. without policies), and which
+//! routing signals each worker has.
 //!
 //! Refreshed from the router's state on every scrape of `/metrics` ([`Fleet::refresh`]), so the
 //! figures are as fresh as the scrape and cost nothing between scrapes. Every gauge is per gateway
@@ -226,25 +227,50 @@ impl WorkerReport {
     }
 }
 
-/// The router's state now: every worker with its signals, every model's figures.
+/// One `InferencePool` as the pool gauges see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolMembers {
+    /// The pool's name (the `pool` label).
+    pub name: String,
+    /// The served names of its models.
+    pub models: Vec<String>,
+    /// Its worker URLs; `None`: every worker serving its models.
+    pub workers: Option<Vec<String>>,
+}
+
+/// One series of the pool gauges: a served model's workers in one `InferencePool`, or (pool empty)
+/// those of its workers no pool lists.
+#[derive(Clone, Debug)]
+pub struct PoolSeries {
+    /// Served model name.
+    pub model: String,
+    /// `InferencePool` name; empty for workers outside every pool (and without policies).
+    pub pool: String,
+    /// The figures over those workers.
+    pub figures: PoolFigures,
+}
+
+/// The router's state now: every worker with its signals, every pool's figures.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     /// Every worker, in the router's order.
     pub workers: Vec<WorkerReport>,
-    /// Per served model.
-    pub pools: Vec<(String, PoolFigures)>,
+    /// Per served model and pool.
+    pub pools: Vec<PoolSeries>,
 }
 
 /// Reads the router's state through its public views: the worker list and, per model, the estimate
-/// of an empty prompt (which records nothing and tokenizes nothing).
-pub async fn snapshot(router: &Router) -> Snapshot {
+/// of an empty prompt (which records nothing and tokenizes nothing), summed up per pool of
+/// `pools`. The series stay bounded by the configuration: one per (model, pool) a pool names, and
+/// one per model for its workers outside every pool.
+pub async fn snapshot(router: &Router, pools: &[PoolMembers]) -> Snapshot {
     let views = router.workers();
     let agents = !router.agent_urls().is_empty();
     let mut models: Vec<&str> = views.iter().map(|w| w.model.as_str()).collect();
     models.sort_unstable();
     models.dedup();
     let mut estimates: HashMap<String, WorkerEstimate> = HashMap::new();
-    let mut pools = Vec::new();
+    let mut series = Vec::new();
     let mut local_tokenizer = HashMap::new();
     for &model in &models {
         let empty = PromptTokens::default();
@@ -261,7 +287,7 @@ pub async fn snapshot(router: &Router) -> Snapshot {
             .await
             .unwrap_or_default();
         let workers: Vec<&WorkerView> = views.iter().filter(|w| w.model == model).collect();
-        pools.push((model.to_string(), pool_figures(&workers, &model_estimates)));
+        series.extend(pool_series(model, &workers, &model_estimates, pools));
         estimates.extend(model_estimates.into_iter().map(|e| (e.worker.clone(), e)));
         local_tokenizer.insert(model, router.tokenizer(model).is_some());
     }
@@ -277,19 +303,75 @@ pub async fn snapshot(router: &Router) -> Snapshot {
             ),
         })
         .collect();
-    Snapshot { workers, pools }
+    Snapshot {
+        workers,
+        pools: series,
+    }
 }
 
-/// `{model}`.
+/// The series of `model`'s `workers`: one per pool serving it, over the pool's workers, and one
+/// (pool empty) over the workers no such pool lists, when there are any or no pool serves it.
+fn pool_series(
+    model: &str,
+    workers: &[&WorkerView],
+    estimates: &[WorkerEstimate],
+    pools: &[PoolMembers],
+) -> Vec<PoolSeries> {
+    let figures = |keep: &dyn Fn(&str) -> bool| {
+        let members: Vec<&WorkerView> = workers.iter().copied().filter(|w| keep(&w.url)).collect();
+        let estimates: Vec<WorkerEstimate> = estimates
+            .iter()
+            .filter(|e| keep(&e.worker))
+            .cloned()
+            .collect();
+        pool_figures(&members, &estimates)
+    };
+    let mut series = Vec::new();
+    let serving: Vec<&PoolMembers> = pools
+        .iter()
+        .filter(|p| p.models.iter().any(|m| m == model))
+        .collect();
+    for pool in &serving {
+        let member = |url: &str| {
+            pool.workers
+                .as_ref()
+                .is_none_or(|w| w.iter().any(|m| m == url))
+        };
+        series.push(PoolSeries {
+            model: model.to_string(),
+            pool: pool.name.clone(),
+            figures: figures(&member),
+        });
+    }
+    let pooled = |url: &str| {
+        serving.iter().any(|p| {
+            p.workers
+                .as_ref()
+                .is_none_or(|w| w.iter().any(|m| m == url))
+        })
+    };
+    if serving.is_empty() || workers.iter().any(|w| !pooled(&w.url)) {
+        series.push(PoolSeries {
+            model: model.to_string(),
+            pool: String::new(),
+            figures: figures(&|url| !pooled(url)),
+        });
+    }
+    series
+}
+
+/// `{model, pool}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ModelLabel {
+struct PoolLabels {
     model: String,
+    pool: String,
 }
 
-/// `{model, state}` of the worker count.
+/// `{model, pool, state}` of the worker count.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerStateLabels {
     model: String,
+    pool: String,
     /// `healthy` or `unhealthy`.
     state: &'static str,
 }
@@ -308,10 +390,10 @@ type FloatGauge = Gauge<f64, AtomicU64>;
 #[derive(Clone, Debug, Default)]
 pub struct Fleet {
     workers: Family<WorkerStateLabels, Gauge>,
-    in_flight: Family<ModelLabel, Gauge>,
-    waiting: Family<ModelLabel, Gauge>,
-    kv_usage: Family<ModelLabel, FloatGauge>,
-    ttft: Family<ModelLabel, FloatGauge>,
+    in_flight: Family<PoolLabels, Gauge>,
+    waiting: Family<PoolLabels, Gauge>,
+    kv_usage: Family<PoolLabels, FloatGauge>,
+    ttft: Family<PoolLabels, FloatGauge>,
     signals: Family<SignalLabels, Gauge>,
     /// Each worker's signals at the last refresh, to log a signal once when it degrades.
     last: Arc<parking_lot::Mutex<HashMap<String, WorkerSignals>>>,
@@ -328,27 +410,27 @@ impl Fleet {
         let r = registry.sub_registry_with_prefix("kinference_gateway");
         r.register(
             "pool_workers",
-            "Workers per served model, healthy (routable) or not",
+            "Workers per served model and pool, healthy (routable) or not",
             Described(self.workers.clone()),
         );
         r.register(
             "pool_requests_in_flight",
-            "Requests this gateway replica has on the model's workers, waiting there or running (sum over replicas: the queue depth)",
+            "Requests this gateway replica has on the pool's workers of the model, waiting there or running (sum over replicas: the queue depth)",
             Described(self.in_flight.clone()),
         );
         r.register(
             "pool_requests_waiting",
-            "vllm:num_requests_waiting summed over the model's workers whose node agent reports it (the same on every replica)",
+            "vllm:num_requests_waiting summed over the pool's workers of the model whose node agent reports it (the same on every replica)",
             Described(self.waiting.clone()),
         );
         r.register(
             "pool_kv_cache_usage_ratio",
-            "Mean KV-cache usage (0..1) of the model's workers whose node agent reports it",
+            "Mean KV-cache usage (0..1) of the pool's workers of the model whose node agent reports it",
             Described(self.kv_usage.clone()),
         );
         r.register(
             "pool_estimated_ttft_seconds",
-            "Median over the model's healthy workers of the router's estimated time to first token for an empty prompt (queue and overhead)",
+            "Median over the pool's healthy workers of the model of the router's estimated time to first token for an empty prompt (queue and overhead)",
             Described(self.ttft.clone()),
         );
         r.register(
@@ -365,9 +447,9 @@ impl Fleet {
     }
 
     /// Brings the gauges up to date with the router's state; returns the snapshot it read.
-    pub async fn refresh(&self, router: &Router) -> Snapshot {
+    pub async fn refresh(&self, router: &Router, pools: &[PoolMembers]) -> Snapshot {
         let _one_at_a_time = self.refreshing.lock().await;
-        let snapshot = snapshot(router).await;
+        let snapshot = snapshot(router, pools).await;
         self.set(&snapshot);
         snapshot
     }
@@ -382,14 +464,17 @@ impl Fleet {
         self.kv_usage.clear();
         self.ttft.clear();
         self.signals.clear();
-        for (model, pool) in &snapshot.pools {
-            let label = ModelLabel {
-                model: model.clone(),
+        for series in &snapshot.pools {
+            let pool = &series.figures;
+            let label = PoolLabels {
+                model: series.model.clone(),
+                pool: series.pool.clone(),
             };
             for (state, n) in [("healthy", pool.healthy), ("unhealthy", pool.unhealthy)] {
                 self.workers
                     .get_or_create(&WorkerStateLabels {
-                        model: model.clone(),
+                        model: series.model.clone(),
+                        pool: series.pool.clone(),
                         state,
                     })
                     .set(n as i64);
@@ -408,16 +493,20 @@ impl Fleet {
             if let Some(ttft) = pool.ttft_s {
                 self.ttft.get_or_create(&label).set(ttft);
             }
+        }
+        let mut models: Vec<&str> = snapshot.pools.iter().map(|p| p.model.as_str()).collect();
+        models.dedup();
+        for model in models {
             for (i, signal) in SIGNALS.iter().enumerate() {
                 for state in STATES {
                     let n = snapshot
                         .workers
                         .iter()
-                        .filter(|w| &w.view.model == model && w.signals[i] == state)
+                        .filter(|w| w.view.model == model && w.signals[i] == state)
                         .count();
                     self.signals
                         .get_or_create(&SignalLabels {
-                            model: model.clone(),
+                            model: model.to_string(),
                             signal: signal.as_str(),
                             state: state.as_str(),
                         })

@@ -239,6 +239,29 @@ impl PolicyStage {
         pool_members::members(pool, discovered.as_deref())
     }
 
+    /// Every pool of the current set: its name, its models' served names and its workers
+    /// ([`pool_members::members`]; `None`: every worker of its models).
+    pub fn pool_members(&self) -> Vec<crate::metrics::fleet::PoolMembers> {
+        let set = self.current();
+        set.pools
+            .iter()
+            .map(|(name, pool)| crate::metrics::fleet::PoolMembers {
+                name: name.clone(),
+                models: pool
+                    .spec
+                    .models
+                    .iter()
+                    .map(|m| {
+                        set.models
+                            .get(m)
+                            .map_or(m.clone(), |m| m.spec.served_name.clone())
+                    })
+                    .collect(),
+                workers: self.members(&pool.spec),
+            })
+            .collect()
+    }
+
     /// [`local_pool_workers`] with the discovered workers.
     fn local_members(
         &self,

@@ -308,5 +308,9 @@ def test_a_class_of_two_models_on_the_pass_through_endpoints(tmp_path):
         assert tokens.status_code == 400 and "/tokenize" in tokens.json()["error"]["message"], tokens.text
         # Each model by name still works.
         assert client(gw).embeddings.create(model=other, input="hi").data
+        # The pool gauges are per InferencePool.
+        assert gw.metric("kinference_gateway_pool_workers", model=MODEL, pool="a", state="healthy") == 1
+        assert gw.metric("kinference_gateway_pool_workers", model=other, pool="b", state="healthy") == 1
+        assert f'pool_workers{{model="{MODEL}",pool="b"' not in gw.metrics()
     finally:
         c.close()

@@ -119,7 +119,7 @@ fn exposition(fleet: &Fleet) -> String {
 async fn without_agents_the_signals_are_absent_and_the_ttft_still_estimated() {
     let router = router(&[]);
     let fleet = Fleet::default();
-    let snapshot = fleet.refresh(&router).await;
+    let snapshot = fleet.refresh(&router, &[]).await;
     assert_eq!(snapshot.workers.len(), 2);
     assert_eq!(
         snapshot.workers[0].signals,
@@ -127,8 +127,8 @@ async fn without_agents_the_signals_are_absent_and_the_ttft_still_estimated() {
     );
     let text = exposition(&fleet);
     for line in [
-        "kinference_gateway_pool_workers{model=\"m\",state=\"healthy\"} 2",
-        "kinference_gateway_pool_requests_in_flight{model=\"m\"} 0",
+        "kinference_gateway_pool_workers{model=\"m\",pool=\"\",state=\"healthy\"} 2",
+        "kinference_gateway_pool_requests_in_flight{model=\"m\",pool=\"\"} 0",
         "kinference_gateway_routing_signal{model=\"m\",signal=\"kv_events\",state=\"absent\"} 2",
         "kinference_gateway_routing_signal{model=\"m\",signal=\"kv_events\",state=\"live\"} 0",
         "kinference_gateway_routing_signal{model=\"m\",signal=\"tokenizer\",state=\"fallback\"} 2",
@@ -136,7 +136,7 @@ async fn without_agents_the_signals_are_absent_and_the_ttft_still_estimated() {
         assert!(text.contains(line), "{line} missing:\n{text}");
     }
     assert!(
-        text.contains("kinference_gateway_pool_estimated_ttft_seconds{model=\"m\"} "),
+        text.contains("kinference_gateway_pool_estimated_ttft_seconds{model=\"m\",pool=\"\"} "),
         "{text}"
     );
     // Without an agent the engine's figures are unknown: no series rather than a false zero.
@@ -181,7 +181,7 @@ async fn an_agent_brings_the_engine_figures_and_its_loss_shows_as_stale() {
     let router = router(&["http://agent:7070"]);
     let fleet = Fleet::default();
     // Followed, nothing heard yet: every agent signal is stale.
-    let before = fleet.refresh(&router).await;
+    let before = fleet.refresh(&router, &[]).await;
     assert_eq!(before.workers[0].signals, [Stale, Stale, Stale, Fallback]);
     let text = exposition(&fleet);
     assert!(text.contains(
@@ -192,18 +192,77 @@ async fn an_agent_brings_the_engine_figures_and_its_loss_shows_as_stale() {
         0,
         summary_of(&[("http://w0", 3, 0.5), ("http://w1", 1, 0.25)]),
     );
-    let after = fleet.refresh(&router).await;
+    let after = fleet.refresh(&router, &[]).await;
     assert_eq!(after.workers[0].signals, [Live, Live, Unknown, Fallback]);
     let json = after.workers[1].signals_json();
     assert_eq!(json["kv_events"], "live");
     assert_eq!(json["ebpf"], "unknown");
     let text = exposition(&fleet);
     for line in [
-        "kinference_gateway_pool_requests_waiting{model=\"m\"} 4",
-        "kinference_gateway_pool_kv_cache_usage_ratio{model=\"m\"} 0.375",
+        "kinference_gateway_pool_requests_waiting{model=\"m\",pool=\"\"} 4",
+        "kinference_gateway_pool_kv_cache_usage_ratio{model=\"m\",pool=\"\"} 0.375",
         "kinference_gateway_routing_signal{model=\"m\",signal=\"engine_metrics\",state=\"live\"} 2",
         "kinference_gateway_routing_signal{model=\"m\",signal=\"engine_metrics\",state=\"stale\"} 0",
     ] {
         assert!(text.contains(line), "{line} missing:\n{text}");
     }
+}
+
+#[test]
+fn pool_series_split_a_models_workers_by_inference_pool() {
+    let views = [
+        view("http://a", true, 1, true),
+        view("http://b", true, 2, true),
+        view("http://c", false, 4, true),
+    ];
+    let workers: Vec<&WorkerView> = views.iter().collect();
+    let estimates = [
+        estimate("http://a", 0.1, Some(1), Some(0.2)),
+        estimate("http://b", 0.3, Some(5), Some(0.6)),
+    ];
+    let pool = |name: &str, workers: Option<&[&str]>| PoolMembers {
+        name: name.into(),
+        models: vec!["m".into()],
+        workers: workers.map(|w| w.iter().map(|u| u.to_string()).collect()),
+    };
+    let of = |series: &[PoolSeries], pool: &str| {
+        series
+            .iter()
+            .find(|s| s.pool == pool)
+            .map(|s| s.figures.clone())
+            .unwrap_or_else(|| panic!("no series for pool {pool:?}: {series:?}"))
+    };
+
+    // Without pools: one series, as before, with an empty pool label.
+    let series = pool_series("m", &workers, &estimates, &[]);
+    assert_eq!(series.len(), 1);
+    assert_eq!(of(&series, "").in_flight, 7);
+
+    // Two pools: each over its own workers; c, in neither, has the empty-pool series.
+    let pools = [
+        pool("near", Some(&["http://a"])),
+        pool("far", Some(&["http://b"])),
+    ];
+    let series = pool_series("m", &workers, &estimates, &pools);
+    assert_eq!(series.len(), 3, "{series:?}");
+    let near = of(&series, "near");
+    assert_eq!(
+        (near.healthy, near.in_flight, near.waiting),
+        (1, 1, Some(1))
+    );
+    let far = of(&series, "far");
+    assert_eq!((far.healthy, far.in_flight, far.waiting), (1, 2, Some(5)));
+    let rest = of(&series, "");
+    assert_eq!((rest.healthy, rest.unhealthy, rest.in_flight), (0, 1, 4));
+
+    // A pool without a worker list stands for every worker of its model: no leftover series.
+    let series = pool_series("m", &workers, &estimates, &[pool("all", None)]);
+    assert_eq!(series.len(), 1);
+    assert_eq!(of(&series, "all").in_flight, 7);
+    // Pools of another model add nothing.
+    let other = PoolMembers {
+        models: vec!["other".into()],
+        ..pool("x", None)
+    };
+    assert_eq!(pool_series("m", &workers, &estimates, &[other]).len(), 1);
 }
