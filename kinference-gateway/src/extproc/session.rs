@@ -28,7 +28,7 @@ use crate::api::openai::{Usage, UsageOnly};
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
-use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
+use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, RequestId, propagation};
 use crate::tenancy::Admission;
 use tracing::Instrument as _;
 
@@ -202,9 +202,9 @@ impl Session {
         let context = self.context();
         let id = context.id.clone();
         if self.body.len() + b.body.len() > handler.settings.body_limit_bytes {
-            self.done = true;
             let limit = handler.settings.body_limit_bytes;
-            return Refusal::Gateway(GatewayError::BodyTooLarge { limit }).reply(protocol, &id);
+            let refusal = Refusal::Gateway(GatewayError::BodyTooLarge { limit });
+            return self.refuse(&refusal, protocol, &id);
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
@@ -253,14 +253,26 @@ impl Session {
                 answer
             }
             Err(refusal) => {
-                self.done = true;
                 tracing::debug!(error = %refusal, "ext_proc refused");
-                if let Some(line) = self.access.take() {
-                    line.write(refusal.status(), None, id.as_str());
-                }
-                refusal.reply(protocol, &id)
+                self.refuse(&refusal, protocol, &id)
             }
         }
+    }
+
+    /// Answers the request locally with `refusal` (Envoy sends nothing more of it) and writes its
+    /// access line.
+    fn refuse(
+        &mut self,
+        refusal: &Refusal,
+        protocol: Protocol,
+        id: &RequestId,
+    ) -> ProcessingResponse {
+        self.done = true;
+        if let Some(line) = self.access.take() {
+            let span = self.span.clone().unwrap_or_else(tracing::Span::none);
+            span.in_scope(|| line.write(refusal.status(), None, id.as_str()));
+        }
+        refusal.reply(protocol, id)
     }
 
     fn on_response_headers(&mut self, headers: Option<&HeaderMap>) {

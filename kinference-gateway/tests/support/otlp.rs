@@ -5,6 +5,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use bytes::Bytes;
+use http::StatusCode;
+use http_body_util::{BodyExt as _, Full};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -13,6 +16,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::trace::v1::Span;
+use prost::Message as _;
 use tokio::net::TcpListener;
 
 /// The spans an OTLP receiver on loopback was sent.
@@ -47,55 +51,16 @@ impl Receiver {
     }
 
     /// Serves OTLP/HTTP (protobuf bodies posted to `/v1/traces`) on a free loopback port; its
-    /// `http://` endpoint (the base URL: the exporter appends the path). A post elsewhere, or in
-    /// another encoding, is answered 404 or 415 and its spans are not kept.
+    /// `http://` endpoint (the base URL: the exporter appends the path).
     pub async fn start_http(&self) -> String {
-        use http_body_util::BodyExt as _;
-        use prost::Message as _;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let receiver = self.clone();
         tokio::spawn(async move {
             while let Ok((stream, _)) = listener.accept().await {
                 let receiver = receiver.clone();
-                let service = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let receiver = receiver.clone();
-                        async move {
-                            let protobuf = req
-                                .headers()
-                                .get("content-type")
-                                .is_some_and(|v| v == "application/x-protobuf");
-                            let status = if req.uri().path() != "/v1/traces" {
-                                404
-                            } else if !protobuf {
-                                415
-                            } else {
-                                let body = req.into_body().collect().await?.to_bytes();
-                                match ExportTraceServiceRequest::decode(body) {
-                                    Ok(request) => {
-                                        receiver.keep(request);
-                                        200
-                                    }
-                                    Err(_) => 400,
-                                }
-                            };
-                            let answer = ExportTraceServiceResponse {
-                                partial_success: None,
-                            }
-                            .encode_to_vec();
-                            let mut response = hyper::Response::new(http_body_util::Full::new(
-                                bytes::Bytes::from(answer),
-                            ));
-                            *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
-                            response.headers_mut().insert(
-                                "content-type",
-                                http::HeaderValue::from_static("application/x-protobuf"),
-                            );
-                            Ok::<_, hyper::Error>(response)
-                        }
-                    },
-                );
+                let service =
+                    hyper::service::service_fn(move |req| receiver.clone().export_http(req));
                 tokio::spawn(
                     hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
@@ -103,6 +68,42 @@ impl Receiver {
             }
         });
         format!("http://127.0.0.1:{port}")
+    }
+
+    /// One OTLP/HTTP export: its spans kept when it is protobuf posted to `/v1/traces`; anything
+    /// else is answered 404, 415 or 400 and kept out.
+    async fn export_http(
+        self,
+        req: hyper::Request<hyper::body::Incoming>,
+    ) -> Result<hyper::Response<Full<Bytes>>, hyper::Error> {
+        let protobuf = req
+            .headers()
+            .get("content-type")
+            .is_some_and(|v| v == "application/x-protobuf");
+        let status = if req.uri().path() != "/v1/traces" {
+            StatusCode::NOT_FOUND
+        } else if !protobuf {
+            StatusCode::UNSUPPORTED_MEDIA_TYPE
+        } else {
+            let body = req.into_body().collect().await?.to_bytes();
+            match ExportTraceServiceRequest::decode(body) {
+                Ok(request) => {
+                    self.keep(request);
+                    StatusCode::OK
+                }
+                Err(_) => StatusCode::BAD_REQUEST,
+            }
+        };
+        let answer = ExportTraceServiceResponse {
+            partial_success: None,
+        };
+        let mut response = hyper::Response::new(Full::new(Bytes::from(answer.encode_to_vec())));
+        *response.status_mut() = status;
+        response.headers_mut().insert(
+            "content-type",
+            http::HeaderValue::from_static("application/x-protobuf"),
+        );
+        Ok(response)
     }
 
     /// Keeps the spans of an export.
