@@ -6,7 +6,7 @@ use kube::CustomResource;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::common::{Locality, ResourceStatus, TokenPrices};
+use crate::common::{CredentialRef, Locality, ResourceStatus, TokenPrices};
 
 /// A set of vLLM workers (found by label selector in a cluster, or listed statically in local mode)
 /// that serve the listed models on one GPU class.
@@ -78,6 +78,13 @@ pub struct InferencePoolSpec {
     pub locality: Locality,
     /// What serving a token on this pool costs.
     pub prices: TokenPrices,
+    /// The workers' API key (vLLM `--api-key`), sent as `Authorization: Bearer`; without it the
+    /// gateway-wide `worker_api_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_credentials: Option<CredentialRef>,
+    /// Headers sent with every request to the pool's workers, over the gateway-wide `worker_headers`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub worker_headers: BTreeMap<String, String>,
 }
 
 /// Label selector for the pool's worker pods.

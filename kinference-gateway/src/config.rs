@@ -378,6 +378,7 @@ pub fn with_cluster_policy_stage(
     let credentials = cluster.credentials();
     let sets = cluster.source.policy_sets();
     let stage = PolicyStage::start_with(sets, &settings, Some(credentials));
+    stage.set_pool_credentials(cluster.pool_credentials());
     stage.classifier().configure(&config.classifier);
     (with_pool_endpoints(config, &stage), stage)
 }

@@ -127,6 +127,11 @@ async fn main() -> anyhow::Result<()> {
         draining: Default::default(),
     });
 
+    // Pools with their own worker key or headers (InferencePool workerCredentials/workerHeaders).
+    let _pool_headers = gw.policy.as_ref().map(|stage| {
+        stage.spawn_worker_headers(gw.upstream.clone(), gw.settings.health_interval())
+    });
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;

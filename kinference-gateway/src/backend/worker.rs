@@ -21,6 +21,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use parking_lot::RwLock;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -37,6 +38,8 @@ pub struct Upstream {
     idle_timeout: Duration,
     /// Sent with every request to a worker (its API key, configured headers).
     headers: http::HeaderMap,
+    /// Workers whose `InferencePool` has its own key or headers: these instead of `headers`.
+    per_worker: Arc<RwLock<HashMap<String, http::HeaderMap>>>,
 }
 
 impl Upstream {
@@ -64,6 +67,7 @@ impl Upstream {
             first_byte_timeout: settings.first_byte_timeout(),
             idle_timeout: settings.idle_timeout(),
             headers: http::HeaderMap::new(),
+            per_worker: Default::default(),
         }
     }
 
@@ -72,6 +76,26 @@ impl Upstream {
     pub fn with_headers(mut self, headers: http::HeaderMap) -> Self {
         self.headers = headers;
         self
+    }
+
+    /// The gateway-wide headers ([`Upstream::with_headers`]).
+    pub fn headers(&self) -> &http::HeaderMap {
+        &self.headers
+    }
+
+    /// Sends `headers` (worker URL -> headers) to those workers instead of the gateway-wide ones,
+    /// replacing what was set before (every client cloned from this one follows).
+    pub fn set_worker_headers(&self, headers: HashMap<String, http::HeaderMap>) {
+        *self.per_worker.write() = headers;
+    }
+
+    /// What a request to `worker` carries: its pool's headers, else the gateway-wide ones.
+    fn headers_for(&self, worker: &str) -> http::HeaderMap {
+        self.per_worker
+            .read()
+            .get(worker)
+            .unwrap_or(&self.headers)
+            .clone()
     }
 
     /// Longest silence allowed between two body chunks.
@@ -103,7 +127,7 @@ impl Upstream {
         request
             .headers_mut()
             .extend(crate::telemetry::current_headers());
-        request.headers_mut().extend(self.headers.clone());
+        request.headers_mut().extend(self.headers_for(worker));
         match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
             Err(_) => Err(GatewayError::UpstreamTimeout {
                 worker: worker.to_string(),
@@ -139,7 +163,7 @@ impl Upstream {
             .uri(format!("{worker}{path}"))
             .body(Empty::new())
             .map_err(|e| e.to_string())?;
-        request.headers_mut().extend(self.headers.clone());
+        request.headers_mut().extend(self.headers_for(worker));
         let exchange = async {
             let response = self
                 .probe

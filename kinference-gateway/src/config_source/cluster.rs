@@ -87,22 +87,30 @@ impl Cluster {
 
     /// Providers' keys from the watched Secrets (in the provider's namespace).
     pub fn credentials(&self) -> CredentialResolver {
+        self.credentials_of("InferenceProvider")
+    }
+
+    /// Pools' worker keys (`workerCredentials`) from the watched Secrets (in the pool's namespace).
+    pub fn pool_credentials(&self) -> CredentialResolver {
+        self.credentials_of("InferencePool")
+    }
+
+    /// Keys of objects of `kind` (by name) from the watched Secrets, in the object's namespace.
+    fn credentials_of(&self, kind: &'static str) -> CredentialResolver {
         let snapshots = self.source.subscribe();
         let secrets = self.secrets.clone();
-        Arc::new(
-            move |provider: &str, cred: &kinference_crds::CredentialRef| {
-                let namespace = {
-                    let snapshot: Arc<Snapshot> = Arc::clone(&snapshots.borrow());
-                    snapshot
-                        .entry("InferenceProvider", provider)
-                        .map(|e| e.object.namespace.clone())?
-                };
-                let values = Arc::clone(&secrets.borrow());
-                values
-                    .resolve(&namespace, cred)
-                    .ok()
-                    .and_then(|v| String::from_utf8(v).ok())
-            },
-        )
+        Arc::new(move |name: &str, cred: &kinference_crds::CredentialRef| {
+            let namespace = {
+                let snapshot: Arc<Snapshot> = Arc::clone(&snapshots.borrow());
+                snapshot
+                    .entry(kind, name)
+                    .map(|e| e.object.namespace.clone())?
+            };
+            let values = Arc::clone(&secrets.borrow());
+            values
+                .resolve(&namespace, cred)
+                .ok()
+                .and_then(|v| String::from_utf8(v).ok())
+        })
     }
 }

@@ -1,4 +1,5 @@
-//! The Secrets that tenants' API keys and providers' credentials name (`secretRef`), watched.
+//! The Secrets that tenants' API keys, providers' credentials and pools' worker credentials name
+//! (`secretRef`), watched.
 //!
 //! Only the Secrets a serving object references are read, each by its own watch with a
 //! `metadata.name` field selector (so RBAC can name them: get/list/watch on those Secrets, nothing
@@ -95,6 +96,16 @@ pub fn referenced(snapshot: &Snapshot) -> BTreeSet<SecretName> {
     for (name, p) in &snapshot.set.providers {
         if let Some(r) = &p.spec.credentials.secret_ref {
             out.insert((ns_of("InferenceProvider", name), r.name.clone()));
+        }
+    }
+    for (name, p) in &snapshot.set.pools {
+        if let Some(r) = p
+            .spec
+            .worker_credentials
+            .as_ref()
+            .and_then(|c| c.secret_ref.as_ref())
+        {
+            out.insert((ns_of("InferencePool", name), r.name.clone()));
         }
     }
     out.retain(|(ns, _)| !ns.is_empty());

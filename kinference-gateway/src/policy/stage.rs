@@ -170,6 +170,8 @@ pub struct PolicyStage {
     discovered: std::sync::OnceLock<tokio::sync::watch::Receiver<WorkerSet>>,
     /// The built-in classifiers and the external one, when configured.
     classifier: Classifier,
+    /// Pools' worker keys from Secrets (cluster mode); unset: from the environment.
+    pool_credentials: std::sync::OnceLock<crate::backend::provider::CredentialResolver>,
 }
 
 impl std::fmt::Debug for PolicyStage {
@@ -194,6 +196,7 @@ impl PolicyStage {
             metrics: StageMetrics::default(),
             discovered: Default::default(),
             classifier: Classifier::default(),
+            pool_credentials: Default::default(),
         }))
     }
 
@@ -217,6 +220,7 @@ impl PolicyStage {
             metrics: StageMetrics::default(),
             discovered: Default::default(),
             classifier: Classifier::default(),
+            pool_credentials: Default::default(),
         })
     }
 
@@ -260,6 +264,84 @@ impl PolicyStage {
                 workers: self.members(&pool.spec),
             })
             .collect()
+    }
+
+    /// Reads pools' `workerCredentials` through `resolver` (cluster mode: Secrets) instead of the
+    /// environment. Set once, at start.
+    pub fn set_pool_credentials(&self, resolver: crate::backend::provider::CredentialResolver) {
+        if self.pool_credentials.set(resolver).is_err() {
+            tracing::warn!("the policy stage already has a pool credential resolver");
+        }
+    }
+
+    /// What each worker of a pool with its own `workerCredentials` or `workerHeaders` is sent instead
+    /// of `gateway` (the gateway-wide headers, its key included): `gateway` with the pool's headers
+    /// over it, and the pool's key as `Authorization`. A key that is named but cannot be read is sent
+    /// as no key at all, never as the gateway-wide one: the worker refuses, the client gets 502.
+    /// A pool whose workers are not known by URL (no endpoints, no discovered members) is skipped.
+    pub fn worker_headers(&self, gateway: &http::HeaderMap) -> HashMap<String, http::HeaderMap> {
+        let set = self.current();
+        let mut out = HashMap::new();
+        for (name, pool) in &set.pools {
+            let spec = &pool.spec;
+            if spec.worker_credentials.is_none() && spec.worker_headers.is_empty() {
+                continue;
+            }
+            let Some(members) = self.members(spec) else {
+                tracing::warn!(pool = %name, "pool with its own worker headers but no known workers");
+                continue;
+            };
+            let mut headers = gateway.clone();
+            match crate::backend::worker::credentials::worker_headers(None, &spec.worker_headers) {
+                Ok(extra) => headers.extend(extra),
+                Err(error) => tracing::warn!(pool = %name, %error, "pool workerHeaders skipped"),
+            }
+            if let Some(cred) = &spec.worker_credentials {
+                let key = match self.pool_credentials.get() {
+                    Some(resolve) => resolve(name, cred),
+                    None => cred.env.as_deref().and_then(|var| std::env::var(var).ok()),
+                }
+                .filter(|k| !k.trim().is_empty());
+                headers.remove(http::header::AUTHORIZATION);
+                match crate::backend::worker::credentials::worker_headers(
+                    key.as_deref().map(str::trim),
+                    &Default::default(),
+                ) {
+                    Ok(auth) if key.is_some() => headers.extend(auth),
+                    Ok(_) => tracing::warn!(pool = %name,
+                        "pool workerCredentials cannot be read: its workers get no key"),
+                    Err(error) => tracing::warn!(pool = %name, %error,
+                        "pool workerCredentials unusable: its workers get no key"),
+                }
+            }
+            for url in members {
+                out.insert(url, headers.clone());
+            }
+        }
+        out
+    }
+
+    /// Keeps `upstream`'s per-worker headers in line with the pools ([`PolicyStage::worker_headers`]):
+    /// set now, then on every new policy set and every `interval` (Secrets rotate, discovered
+    /// members change).
+    pub fn spawn_worker_headers(
+        self: &Arc<Self>,
+        upstream: crate::backend::worker::Upstream,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let gateway = upstream.headers().clone();
+        upstream.set_worker_headers(self.worker_headers(&gateway));
+        let stage = Arc::clone(self);
+        let mut rx = self.watcher.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return },
+                    _ = tokio::time::sleep(interval) => {}
+                }
+                upstream.set_worker_headers(stage.worker_headers(&gateway));
+            }
+        })
     }
 
     /// [`local_pool_workers`] with the discovered workers.

@@ -314,3 +314,37 @@ def test_a_class_of_two_models_on_the_pass_through_endpoints(tmp_path):
         assert f'pool_workers{{model="{MODEL}",pool="b"' not in gw.metrics()
     finally:
         c.close()
+
+
+def test_each_pool_sends_its_own_worker_key(tmp_path, monkeypatch):
+    """Two pools whose workers want different keys (`--api-key`), each key named by its
+    InferencePool's `workerCredentials`; a pool whose key is wrong answers 502 bad_upstream."""
+    from policy_cluster import model_yaml, pool_yaml, start_gateway, start_sim, write_dir
+    c = Cluster(tmp_path)
+    try:
+        models = {"a": MODEL, "b": "qwen2-sim-b", "c": "qwen2-sim-c"}
+        files = {}
+        for pool, model in models.items():
+            url = start_sim(c, "fast", "--api-key", f"sk-{pool}", model=model)
+            assert requests.get(f"{url}/v1/models", timeout=10).status_code == 401
+            monkeypatch.setenv(f"KINFERENCE_TEST_POOL_KEY_{pool.upper()}", "sk-wrong" if pool == "c" else f"sk-{pool}")
+            files[f"model-{pool}.yaml"] = model_yaml(model, classes=(f"class-{pool}",))
+            files[f"pool-{pool}.yaml"] = pool_yaml(pool, [url], model=model) + \
+                f"  workerCredentials: {{env: KINFERENCE_TEST_POOL_KEY_{pool.upper()}}}\n" + \
+                "  workerHeaders: {x-pool-tag: " + pool + "}\n"
+        write_dir(tmp_path / "policies", files)
+        gw = start_gateway(c, tmp_path / "policies")
+        for model in (models["a"], models["b"]):
+            chat = client(gw).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=2)
+            assert chat.choices[0].message.content
+            assert client(gw).embeddings.create(model=model, input="hi").data
+        with pytest.raises(openai.InternalServerError) as e:
+            client(gw).chat.completions.create(model=models["c"], messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+        assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream", e.value.body
+        with pytest.raises(openai.InternalServerError) as e:
+            client(gw).embeddings.create(model=models["c"], input="hi")
+        assert e.value.status_code == 502 and e.value.body["code"] == "bad_upstream", e.value.body
+    finally:
+        c.close()
