@@ -430,3 +430,35 @@ fn serves_messages_reaches_the_routers_model_configuration() {
         typo.state
     );
 }
+
+#[test]
+fn a_pools_worker_credentials_secret_is_watched_in_its_namespace() {
+    let mut a = Applier::default();
+    a.upsert_value("InferenceModel", &model("m", json!({"servedName": "m"})));
+    a.upsert_value(
+        "InferencePool",
+        &json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "keyed", "namespace": "workers", "generation": 1},
+            "spec": {"models": ["m"], "gpuClass": "l4", "endpoints": [{"url": "http://10.0.0.1:8000"}],
+                "prices": {"cachedInputPerMillion": 0.0, "uncachedInputPerMillion": 0.1, "outputPerMillion": 0.2},
+                "workerCredentials": {"secretRef": {"name": "vllm-key", "key": "api-key"}},
+                "workerHeaders": {"x-team": "search"}}
+        }),
+    );
+    let s = a.build(true);
+    assert_eq!(
+        s.objects[&obj("InferencePool", "workers", "keyed")].state,
+        ObjectState::Accepted
+    );
+    let pool = &s.set.pools["keyed"].spec;
+    assert_eq!(
+        pool.worker_headers.get("x-team").map(String::as_str),
+        Some("search")
+    );
+    assert!(
+        secrets::referenced(&s).contains(&("workers".to_string(), "vllm-key".to_string())),
+        "{:?}",
+        secrets::referenced(&s)
+    );
+}
