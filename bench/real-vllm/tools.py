@@ -2,8 +2,12 @@
 
 The worker runs with vLLM's hermes tool parser (`--enable-auto-tool-choice --tool-call-parser hermes`).
 A random model does not decide to call tools, so the first turn names the tool (`tool_choice` of type
-`tool`): vLLM then constrains the output to the tool's schema, whose only property is an enum, so the
-call is short and valid. The conversation, over plain HTTP as any client sends it:
+`tool`) and the tool is `strict`: vLLM 0.32 constrains a forced call's arguments to the schema only for
+a strict tool (otherwise any JSON value, a string included). Its grammar for the call (a structural
+tag) allows free whitespace, which a random model emits until `max_tokens`; so the worker runs with
+`VLLM_ENFORCE_STRICT_TOOL_CALLING=0` (the forced call is constrained by the JSON schema alone) and
+`disable_any_whitespace`. The schema's only property is an enum, so the call is short and valid. The
+conversation, over plain HTTP as any client sends it:
 
 1. `POST /v1/messages/count_tokens` with the tools;
 2. `POST /v1/messages`: a `tool_use` block, `stop_reason: tool_use`, and the prompt size equal to step 1;
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from bench import MODEL, WORKER_ENV, Stack, free_ports, log, write_yaml
+from bench import MODEL, WORKER_ENV, Stack, free_ports, log, metric_sum, write_yaml
 
 WEATHER = {
     "name": "get_weather",
@@ -34,15 +38,21 @@ WEATHER = {
         "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
         "required": ["city"],
     },
+    "strict": True,
 }
 ASK = {"role": "user", "content": "What is the weather like in Paris?"}
 FORCED = {"type": "tool", "name": "get_weather"}
+
+
+# The checks passed so far, in order (the transcript lists them).
+PASSED: list[str] = []
 
 
 def check(condition: bool, what: str, detail) -> None:
     if not condition:
         raise SystemExit(f"FAILED: {what}: {detail}")
     log(f"ok: {what}")
+    PASSED.append(what)
 
 
 def post(url: str, body: dict) -> dict:
@@ -76,7 +86,8 @@ def start(args: argparse.Namespace, stack: Stack) -> None:
         "--dtype", "bfloat16", "--max-model-len", "4096",
         "--enable-prompt-tokens-details",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    ], env=WORKER_ENV)
+        "--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}),
+    ], env={**WORKER_ENV, "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})
     config = args.work_dir / "gateway.yaml"
     write_yaml(config, {
         "models": [{"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}],
@@ -92,7 +103,10 @@ def start(args: argparse.Namespace, stack: Stack) -> None:
     stack.gateway_url = f"http://127.0.0.1:{gw_port}"
     stack.gateway_admin = f"http://127.0.0.1:{admin_port}"
     stack.wait_ready(proc, f"{worker}/health", args.ready_timeout)
-    stack.wait_ready(gateway, f"{stack.gateway_admin}/readyz", 60)
+    # Ready means the worker healthy in the gateway's eyes: the gateway starts before the worker
+    # answers, and until its next health check it has no worker to send a request to (503).
+    stack.wait_ready(gateway, f"{stack.gateway_admin}/metrics", 60,
+                     check=lambda text: metric_sum(text, "kinference_gateway_worker_healthy") >= 1)
 
 
 def conversation(gw: str) -> dict:
@@ -129,17 +143,25 @@ def conversation(gw: str) -> dict:
                                  "tool_choice": {"type": "none"}, "messages": history})
     check(answer["content"] and answer["content"][0]["type"] == "text", "text answer after the result",
           answer["content"])
+    counted_answer = post(f"{messages_url}/count_tokens", {"model": MODEL, "tools": [WEATHER],
+                                                           "tool_choice": {"type": "none"}, "messages": history})
+    answer_prompt = answer["usage"]["input_tokens"] + answer["usage"].get("cache_read_input_tokens", 0)
+    check(counted_answer["input_tokens"] == answer_prompt, "count_tokens of the tool_result turn equals vLLM's",
+          f"{counted_answer['input_tokens']} counted, {answer_prompt} by vLLM")
 
     chat = post(f"{gw}/v1/chat/completions", {
         "model": MODEL, "max_tokens": 64, "messages": [ASK],
-        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"],
+                                                     "strict": True}}],
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
     })
     tool_calls = chat["choices"][0]["message"].get("tool_calls") or []
     check(len(tool_calls) == 1 and tool_calls[0]["function"]["name"] == "get_weather",
           "OpenAI chat: message.tool_calls", chat["choices"][0])
-    return {"count_tokens": counted["input_tokens"], "first": first, "answer": answer,
-            "streamed_events": [n for n, _ in events], "openai_tool_calls": tool_calls}
+    return {"checks": PASSED, "count_tokens": counted["input_tokens"], "prompt_tokens": prompt,
+            "tool_result_turn": {"count_tokens": counted_answer["input_tokens"], "prompt_tokens": answer_prompt},
+            "first": first, "answer": answer, "streamed_events": [n for n, _ in events],
+            "input_json_delta_pieces": pieces, "openai_tool_calls": tool_calls}
 
 
 def main() -> None:
@@ -158,7 +180,8 @@ def main() -> None:
         args.model_dir.resolve(), args.tokenizer_dir.resolve(), args.bin_dir.resolve())
     try:
         start(args, stack)
-        result = conversation(stack.gateway_url)
+        version = requests.get(f"{stack.workers[0]}/version", timeout=10).json().get("version")
+        result = {"vllm_version": version, **conversation(stack.gateway_url)}
     finally:
         stack.stop()
     (args.work_dir / "tools.json").write_text(json.dumps(result, indent=2) + "\n")
