@@ -1057,3 +1057,65 @@ async fn serves_messages_on_an_inference_model_reaches_the_gateway() {
     )
     .await;
 }
+
+/// An `InferencePool`'s `workerCredentials` names a Secret: its workers get that key (over the
+/// gateway-wide headers), and a rotated Secret applies without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pools_worker_key_comes_from_its_secret() {
+    let _serial = SERIAL.lock().await;
+    let Some((_server, kube)) = apiserver_with(&[NS]).await else {
+        return;
+    };
+    apply(
+        &kube,
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+            "metadata": {"name": "small", "namespace": NS},
+            "spec": {"servedName": "small-served"}
+        }),
+    )
+    .await;
+    put_secret(&kube, "pool-key", "sk-pool-one").await;
+    let mut keyed = pool("keyed", "http://127.0.0.1:9");
+    keyed["spec"]["workerCredentials"] =
+        json!({"secretRef": {"name": "pool-key", "key": "api-key"}});
+    keyed["spec"]["workerHeaders"] = json!({"x-pool": "keyed"});
+    apply(&kube, keyed).await;
+
+    let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-pool-key")).await;
+    let settings = StageSettings {
+        dir: Default::default(),
+        reload_interval: Duration::from_secs(1),
+        load_interval: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(1),
+    };
+    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    stage.set_pool_credentials(cluster.pool_credentials());
+    let mut gateway_wide = HeaderMap::new();
+    gateway_wide.insert(
+        "authorization",
+        HeaderValue::from_static("Bearer sk-gateway"),
+    );
+    gateway_wide.insert("x-team", HeaderValue::from_static("search"));
+    let sent = |stage: &PolicyStage, name: &str| {
+        stage
+            .worker_headers(&gateway_wide)
+            .get("http://127.0.0.1:9")
+            .and_then(|h| h.get(name))
+            .and_then(|v| v.to_str().ok().map(str::to_string))
+    };
+    wait_until(
+        "the pool's key from its Secret",
+        Duration::from_secs(30),
+        || sent(&stage, "authorization").as_deref() == Some("Bearer sk-pool-one"),
+    )
+    .await;
+    assert_eq!(sent(&stage, "x-pool").as_deref(), Some("keyed"));
+    assert_eq!(sent(&stage, "x-team").as_deref(), Some("search"));
+
+    put_secret(&kube, "pool-key", "sk-pool-two").await;
+    wait_until("the rotated key", Duration::from_secs(30), || {
+        sent(&stage, "authorization").as_deref() == Some("Bearer sk-pool-two")
+    })
+    .await;
+}
