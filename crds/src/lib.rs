@@ -13,6 +13,7 @@ pub mod model;
 pub mod policy;
 pub mod pool;
 pub mod provider;
+pub mod reference;
 pub mod schema;
 pub mod tenant;
 
