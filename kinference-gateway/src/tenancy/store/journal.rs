@@ -158,7 +158,9 @@ pub struct Replayed {
 }
 
 enum JournalMsg {
-    Record(UsageRecord),
+    /// Boxed: the queue reserves every one of its `max_buffered_records` places up front, and a
+    /// place holds a whole message (a pointer, not the record's 200-odd bytes: 1.6 MB, not 21 MB).
+    Record(Box<UsageRecord>),
     Flush(oneshot::Sender<()>),
 }
 
@@ -277,7 +279,7 @@ impl Journal {
     /// Queues a record (written and synced within [`JOURNAL_FLUSH`]). When the writer's queue is
     /// full (the disk has stalled) the record is dropped and counted.
     pub fn append(&self, record: UsageRecord) {
-        match self.tx.try_send(JournalMsg::Record(record)) {
+        match self.tx.try_send(JournalMsg::Record(Box::new(record))) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) => {
                 self.shared.metrics.journal_lost.inc();
@@ -377,7 +379,7 @@ impl Writer {
             let mut next = first;
             loop {
                 match next.take() {
-                    Some(JournalMsg::Record(r)) => batch.push(r),
+                    Some(JournalMsg::Record(r)) => batch.push(*r),
                     Some(JournalMsg::Flush(w)) => {
                         waiters.push(w);
                         break;
