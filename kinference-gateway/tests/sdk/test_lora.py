@@ -109,7 +109,9 @@ def test_adapter_requests_go_to_its_worker_and_hits_count_per_adapter(cluster):
     # The workers say which adapters they have, as vLLM does.
     listed = requests.get(f"{with_lora.url}/v1/models", timeout=5).json()["data"]
     assert {"id": ADAPTER, "parent": MODEL}.items() <= next(m for m in listed if m["id"] == ADAPTER).items()
-    # The gateway lists it too, with the model it adapts.
+    # The gateway lists it too, with the model it adapts (once it has read the workers' lists: it
+    # starts serving before that, and an adapter it has not seen yet is an unknown model).
+    wait_for_adapter(gw)
     served = requests.get(f"{gw.url}/v1/models", timeout=5).json()["data"]
     assert {"id": ADAPTER, "parent": MODEL, "kind": "adapter"}.items() <= next(
         m for m in served if m["id"] == ADAPTER).items()
