@@ -370,7 +370,12 @@ def test_gateway_logs_and_traces() -> None:
     assert env["KINFERENCE_LOG_FORMAT"] == "json"
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector:4317"
     assert env["OTEL_SERVICE_NAME"] == "kinference-gateway"
-    for bad in ({"logFormat": "xml"}, {"tracing": {"otlpEndpoint": "collector:4317"}}):
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
+    http = {"gateway": {"tracing": {"otlpEndpoint": "http://collector:4318", "otlpProtocol": "http"}}}
+    env = {e["name"]: e.get("value") for e in container(one(render(http), GATEWAY))["env"]}
+    assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "http"
+    for bad in ({"logFormat": "xml"}, {"tracing": {"otlpEndpoint": "collector:4317"}},
+                {"tracing": {"otlpProtocol": "http/json"}}):
         with pytest.raises(helm.HelmError, match="schema"):
             render({"gateway": bad})
 
