@@ -19,6 +19,7 @@ use std::convert::Infallible;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use http::StatusCode;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Incoming;
@@ -91,6 +92,29 @@ impl Spec {
         GatewayError::BadUpstream {
             worker: self.label.clone(),
             detail,
+        }
+    }
+
+    /// What an error event in the backend's stream stands for. vLLM refuses a streamed request it
+    /// cannot serve (a model without image input, a parameter it does not take) with status 200 and
+    /// one `{"error": {"message", "code": 400}}` chunk: that refusal reaches the client with its
+    /// status and message, as the same refusal of a non-streamed request does. Anything else is an
+    /// answer the gateway cannot use.
+    fn stream_error(&self, error: &serde_json::Value) -> GatewayError {
+        let message = stream_error_detail(error);
+        let code = error.get("code").and_then(|code| match code {
+            serde_json::Value::Number(n) => n.as_u64(),
+            serde_json::Value::String(s) => s.parse().ok(),
+            _ => None,
+        });
+        match code
+            .and_then(|code| u16::try_from(code).ok())
+            .and_then(|code| StatusCode::from_u16(code).ok())
+        {
+            Some(status) if status.is_client_error() => {
+                GatewayError::UpstreamRejected { status, message }
+            }
+            _ => self.bad(message),
         }
     }
 }
@@ -282,7 +306,7 @@ impl<M: Meter> Relay<M> {
             }
         };
         if let Some(error) = &chunk.error {
-            return self.fail(self.spec.bad(stream_error_detail(error)));
+            return self.fail(self.spec.stream_error(error));
         }
         if chunk.has_text() {
             self.heard_text();
@@ -309,7 +333,7 @@ impl<M: Meter> Relay<M> {
             }
         };
         if let Some(error) = &chunk.error {
-            return self.fail(self.spec.bad(stream_error_detail(error)));
+            return self.fail(self.spec.stream_error(error));
         }
         if chunk.has_text() {
             self.heard_text();
@@ -427,3 +451,6 @@ pub(crate) fn put_data(out: &mut BytesMut, data: &[u8]) {
     out.extend_from_slice(data);
     out.extend_from_slice(b"\n\n");
 }
+
+#[cfg(test)]
+mod tests;
