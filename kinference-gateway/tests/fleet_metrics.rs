@@ -83,7 +83,9 @@ async fn one_command_mode_reports_its_signals_and_the_pool_gauges() {
     let (status, text) = get(admin, "/metrics").await;
     assert_eq!(status, 200);
     for line in [
-        format!("kinference_gateway_pool_workers{{model=\"{MODEL}\",pool=\"\",state=\"healthy\"}} 1"),
+        format!(
+            "kinference_gateway_pool_workers{{model=\"{MODEL}\",pool=\"\",state=\"healthy\"}} 1"
+        ),
         format!(
             "kinference_gateway_routing_signal{{model=\"{MODEL}\",signal=\"kv_events\",state=\"absent\"}} 1"
         ),
