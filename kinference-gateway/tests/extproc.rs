@@ -915,20 +915,25 @@ spec:
     until_in_flight(&h.router, 0).await;
 
     // An alias or a class the HTTP gateway resolves by rewriting the body: Envoy forwards the
-    // body as sent, so it is refused, saying what to ask for.
+    // body as sent, so it is refused, saying what to ask for, on chat as on the other endpoints.
     for (model, says) in [
         ("sim-alias", format!("ask for `{MODEL}`")),
         ("general", "is a model class".to_string()),
     ] {
-        let request = json!({"model": model, "input": "hello"}).to_string();
-        let mut s = Stream::open(&mut h.client).await;
-        match decide_with(&mut s, "/v1/embeddings", &[], request.as_bytes()).await {
-            Outcome::Local { status, body } => {
-                assert_eq!(status, 400, "{body}");
-                let message = body["error"]["message"].as_str().unwrap_or_default();
-                assert!(message.contains(&says), "{body}");
+        let embeddings = json!({"model": model, "input": "hello"}).to_string();
+        let chat = json!({"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hello"}]})
+        .to_string();
+        for (endpoint, request) in [("/v1/embeddings", embeddings), (path, chat)] {
+            let mut s = Stream::open(&mut h.client).await;
+            match decide_with(&mut s, endpoint, &[], request.as_bytes()).await {
+                Outcome::Local { status, body } => {
+                    assert_eq!(status, 400, "{endpoint} {body}");
+                    let message = body["error"]["message"].as_str().unwrap_or_default();
+                    assert!(message.contains(&says), "{endpoint} {body}");
+                }
+                other => panic!("{endpoint} {model}: expected 400, got {other:?}"),
             }
-            other => panic!("expected 400, got {other:?}"),
         }
     }
 }

@@ -32,7 +32,8 @@
 //! `/v1/embeddings`, `/tokenize` and `/detokenize` to the model's least loaded worker,
 //! `/v1/responses` to the worker the router picks for its input, the tenant admitted and billed for
 //! embeddings and responses. A model alias or class the HTTP gateway would rewrite in the body is
-//! refused (400): Envoy forwards the body as sent.
+//! refused (400), on these endpoints and on chat alike: Envoy forwards the body as sent, so choosing a
+//! class's model (a cheaper one for a simple prompt) needs the HTTP gateway.
 //!
 //! Telemetry as over HTTP ([`crate::telemetry`]): the client's `x-request-id` (or a new one) is set
 //! on the request to the worker, on the response headers and on local replies, and carried by the
@@ -357,6 +358,7 @@ impl Handler {
         let protocol = api.protocol();
         let request = exchange::parse_as(api.endpoint(), body, self.policy.is_some())
             .map_err(Refusal::Gateway)?;
+        self.refuse_renamed(request.model())?;
         self.admit(request.model())?;
         let tokens = PromptTokens::default();
         self.router
