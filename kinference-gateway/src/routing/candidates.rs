@@ -34,8 +34,13 @@ pub(super) struct Candidate<'w> {
     pub(super) kernel_missing: Option<KernelMissing>,
     /// The worker's rates, shrunk toward the fleet's.
     pub(super) rates: Rates,
+    /// Its own prefill rate before the shrinkage, seconds per token (for the explanation).
+    pub(super) own_s_per_token: f64,
     /// Leading blocks of the prompt the worker holds (index or speculative credit).
     pub(super) run: usize,
+    /// Of the run, the leading blocks shared with this gateway's requests in flight there (kept whatever
+    /// the room); only counted where the room is short of the run.
+    pub(super) pinned: usize,
     /// Blocks of any prompt the index believes the worker holds (how full its cache is).
     pub(super) held_blocks: usize,
     /// The worker's cache as this request will find it; `None`: capacity unknown (the run counts in full).
@@ -47,7 +52,7 @@ impl Candidate<'_> {
     /// queue ahead will evict when the cache is short of room.
     pub(super) fn surviving_run(&self) -> usize {
         self.kv_room
-            .map_or(self.run, |room| room.surviving(self.run))
+            .map_or(self.run, |room| room.surviving(self.run, self.pinned))
     }
 
     /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
@@ -145,7 +150,9 @@ impl Shared {
                     signal,
                     kernel_missing: kernel.err(),
                     rates: estimate::blended(&st.rates, &fleet, now),
+                    own_s_per_token: st.rates.s_per_token,
                     run: 0,
+                    pinned: 0,
                     held_blocks: 0,
                     kv_room,
                 }
@@ -208,6 +215,14 @@ impl Shared {
         }
         drop(spec);
         drop(index);
+        // Only where the room would cut the run: the comparison walks this gateway's prompts in flight.
+        for c in cands.iter_mut() {
+            if c.kv_room.is_some_and(|room| room.free() < c.run)
+                && let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == c.block_size)
+            {
+                c.pinned = c.worker.state.lock().prompts.shared_run(&keys[..c.run]);
+            }
+        }
         keys_by_size
     }
 }

@@ -60,7 +60,10 @@
 //! our own ones are the in-flight tickets' uncached prompts). Only `min(run, free)` leading blocks of the
 //! request's cached run count as cached. The rule is optimistic on purpose (it takes the prefix as the
 //! most recently used blocks of the cache, the last to go): it discounts only a prefix the cache cannot
-//! hold in any order, so it changes no decision on a worker with room to spare. Without a capacity (an
+//! hold in any order, so it changes no decision on a worker with room to spare. Nor does it discount
+//! the leading blocks the prompt shares with one of this gateway's requests in flight there
+//! ([`super::workers::InFlightPrompts`]): a running request holds them (they are part of *in use*), and
+//! one queued ahead allocates or recomputes them before this one runs. Without a capacity (an
 //! older agent, vLLM not profiled yet, no fresh scrape) the run counts in full, as before, and the
 //! decision's explanation says `kv=capacity_unknown`.
 //!
@@ -308,9 +311,12 @@ impl KvRoom {
             .saturating_sub(self.queued)
     }
 
-    /// Of a cached run of `run` leading blocks, how many are still there when the request is scheduled.
-    pub fn surviving(&self, run: usize) -> usize {
-        run.min(self.free())
+    /// Of a cached run of `run` leading blocks, how many are still there when the request is scheduled,
+    /// when the first `pinned` of them are shared with requests in flight there (held or recomputed by
+    /// them whatever the room): those, and as much of the rest as the room left keeps.
+    pub fn surviving(&self, run: usize, pinned: usize) -> usize {
+        let pinned = pinned.min(run);
+        pinned + (run - pinned).min(self.free())
     }
 }
 

@@ -645,7 +645,7 @@ impl Router {
             reason,
             explain,
             prompt_tokens: None,
-            ticket: InFlight::new(Arc::clone(shared), worker, None, None, None),
+            ticket: InFlight::new(Arc::clone(shared), worker, None, None, None, None),
         }
     }
 
@@ -720,18 +720,22 @@ impl Router {
             span.record("est_ttft_s", est.ttft_s);
         }
         let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
-        let position = {
+        let keys = keys_by_size
+            .iter()
+            .find(|(bs, _)| *bs == chosen.block_size)
+            .map(|(_, keys)| Arc::clone(keys));
+        let (position, prompt) = {
             let mut st = chosen.worker.state.lock();
             st.in_flight += 1;
             st.awaiting_first_token += 1;
             st.log.started(now);
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
-            st.backlog.push(uncached, now, chosen.rates.s_per_token)
+            let prompt = keys.as_ref().map(|keys| st.prompts.add(Arc::clone(keys)));
+            (
+                st.backlog.push(uncached, now, chosen.rates.s_per_token),
+                prompt,
+            )
         };
-        let keys = keys_by_size
-            .iter()
-            .find(|(bs, _)| *bs == chosen.block_size)
-            .map(|(_, keys)| Arc::clone(keys));
         if let Some(keys) = &keys {
             let ttl = if chosen.live {
                 tuning.speculative_ttl
@@ -757,7 +761,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -766,6 +770,9 @@ impl Router {
                     e.queue_s,
                     e.ttft_s,
                     e.cost_s,
+                    c.rates.s_per_token * 1e6,
+                    c.own_s_per_token * 1e6,
+                    c.rates.rate_samples,
                     if c.live { "live" } else { "none" },
                     c.kernel_missing.map_or("live", KernelMissing::as_str),
                     c.signal.as_str(),
@@ -775,13 +782,14 @@ impl Router {
                     c.kv_room.map_or_else(
                         || "capacity_unknown".to_string(),
                         |r| format!(
-                            "capacity:{} in_use:{} queued:{} free:{} run:{}->{}",
+                            "capacity:{} in_use:{} queued:{} free:{} run:{}->{} pinned:{}",
                             r.capacity,
                             r.in_use,
                             r.queued,
                             r.free(),
                             c.run,
-                            c.surviving_run()
+                            c.surviving_run(),
+                            c.pinned
                         )
                     ),
                 );
@@ -799,6 +807,7 @@ impl Router {
                 Some(position),
                 Some(est.work),
                 credit,
+                prompt,
             ),
         }
     }

@@ -597,6 +597,76 @@ async fn agents_added_and_removed_at_runtime_bring_and_take_their_cache_view() {
 }
 
 #[tokio::test]
+async fn a_prefix_shared_with_a_request_in_flight_survives_a_full_cache() {
+    // w0 holds the prompt's prefix with room to spare and draws the first request, which stays in
+    // flight (decoding). Then w0's cache fills up (99% held by running requests, ours among them): the prefix the
+    // request in flight holds cannot be evicted, so the next request with it still goes to w0. Once the
+    // first request ends, the prefix is exposed to the room again and the next one goes to w1.
+    let system = system_prompt();
+    let keys = keys_of(&system);
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let apply = |epoch: u64, w0: pb::WorkerLoad| {
+        let idle = pb::WorkerLoad {
+            num_gpu_blocks: 64,
+            ..load(0, 0)
+        };
+        agents::apply(
+            &router.shared,
+            0,
+            snapshot(
+                epoch,
+                vec![
+                    worker_state("http://w0", keys.clone(), w0),
+                    worker_state("http://w1", vec![], idle),
+                ],
+            ),
+        );
+    };
+    apply(
+        1,
+        pb::WorkerLoad {
+            num_gpu_blocks: 64,
+            ..load(0, 0)
+        },
+    );
+    let first = router
+        .pick(text(&format!("{system}Where is parcel 1234?")))
+        .await
+        .unwrap();
+    assert_eq!(first.worker, "http://w0", "{:?}", first.explain);
+    // It is decoding now (running, not waiting).
+    let mut first = first;
+    first.ticket.first_token();
+
+    let full = pb::WorkerLoad {
+        kv_usage: 0.99,
+        num_gpu_blocks: 64,
+        ..load(8, 0)
+    };
+    apply(2, full);
+    let second = router
+        .pick(text(&format!("{system}Where is parcel 5678?")))
+        .await
+        .unwrap();
+    let explain = second.explain.clone().unwrap();
+    assert_eq!(second.worker, "http://w0", "{explain}");
+    assert!(
+        explain.contains(&format!("free:1 run:{0}->{0} pinned:{0}", keys.len())),
+        "{explain}"
+    );
+
+    drop(first);
+    drop(second);
+    apply(3, full);
+    let third = router
+        .pick(text(&format!("{system}Where is parcel 9012?")))
+        .await
+        .unwrap();
+    assert_eq!(third.worker, "http://w1", "{:?}", third.explain);
+}
+
+#[tokio::test]
 async fn a_worker_with_no_room_for_the_prefix_loses_it_in_the_estimate() {
     // w0 holds the prompt's prefix but its cache is all held by 8 running requests (63 of 64 blocks):
     // the prefix is evicted before the request runs. With the capacity unknown it still draws the
@@ -645,7 +715,7 @@ async fn a_worker_with_no_room_for_the_prefix_loses_it_in_the_estimate() {
     assert_eq!(d.worker, "http://w1", "{explain}");
     assert!(
         explain.contains(&format!(
-            "kv=capacity:64 in_use:63 queued:0 free:1 run:{}->1",
+            "kv=capacity:64 in_use:63 queued:0 free:1 run:{}->1 pinned:0",
             keys.len()
         )),
         "{explain}"

@@ -27,6 +27,8 @@ pub struct InFlight {
     credit: Option<Arc<[BlockKey]>>,
     /// The estimate's work in tokens, to learn from the observed TTFT.
     work: Option<f64>,
+    /// Its prompt in the worker's [`super::workers::InFlightPrompts`], until the request ends.
+    prompt: Option<u64>,
     /// Counted in the worker's `awaiting_first_token` until the first token (or the end).
     awaiting: bool,
     first_token: Option<Instant>,
@@ -50,6 +52,7 @@ impl InFlight {
         backlog_position: Option<f64>,
         work: Option<f64>,
         credit: Option<Arc<[BlockKey]>>,
+        prompt: Option<u64>,
     ) -> Self {
         Self {
             shared,
@@ -58,6 +61,7 @@ impl InFlight {
             backlog_position,
             work,
             credit,
+            prompt,
             awaiting: true,
             first_token: None,
             done: false,
@@ -133,6 +137,9 @@ impl InFlight {
         // Ended before its first token (failed, aborted, or not streamed): its prefill is over one way
         // or the other.
         st.prefill_over(position, awaited, now);
+        if let Some(prompt) = self.prompt.take() {
+            st.prompts.remove(prompt);
+        }
         drop(st);
         self.end_credit(now);
     }

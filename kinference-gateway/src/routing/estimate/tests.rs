@@ -804,13 +804,18 @@ fn kv_room_counts_capacity_less_in_use_less_what_the_queue_ahead_allocates() {
     let room = KvRoom::new(2048, 0.9, 2000.0, 16);
     assert_eq!((room.in_use, room.queued, room.free()), (1843, 125, 80));
     assert_eq!(
-        room.surviving(340),
+        room.surviving(340, 0),
         80,
         "only the room left keeps leading blocks"
     );
-    assert_eq!(room.surviving(50), 50, "a run that fits survives whole");
+    assert_eq!(room.surviving(50, 0), 50, "a run that fits survives whole");
+    // Blocks shared with a request in flight there survive whatever the room; the rest takes the room.
+    assert_eq!(room.surviving(340, 200), 280);
+    assert_eq!(room.surviving(340, 340), 340);
+    assert_eq!(room.surviving(340, 1_000), 340, "never more than the run");
     // Over-full (the queue alone outgrows the room) and garbage usage never underflow.
-    assert_eq!(KvRoom::new(2048, 0.99, 2000.0, 16).surviving(340), 0);
+    assert_eq!(KvRoom::new(2048, 0.99, 2000.0, 16).surviving(340, 0), 0);
+    assert_eq!(KvRoom::new(2048, 0.99, 2000.0, 16).surviving(340, 300), 300);
     assert_eq!(KvRoom::new(2048, f32::NAN, 0.0, 16).free(), 2048);
     assert_eq!(KvRoom::new(2048, 7.0, 0.0, 16).free(), 0);
 }
@@ -821,7 +826,7 @@ fn pressure_choice(holder_room: Option<KvRoom>) -> (usize, Why) {
     let c = cfg();
     let rates = Rates::prior(&c);
     let run = 340;
-    let cached = holder_room.map_or(run, |r| r.surviving(run)) * 16;
+    let cached = holder_room.map_or(run, |r| r.surviving(run, 0)) * 16;
     let holder = estimate(
         &rates,
         &Inputs {
