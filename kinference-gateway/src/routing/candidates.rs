@@ -36,6 +36,9 @@ pub(super) struct Candidate<'w> {
     pub(super) rates: Rates,
     /// Its own prefill rate before the shrinkage, seconds per token (for the explanation).
     pub(super) own_s_per_token: f64,
+    /// How many times slower than estimated it runs now, from our requests still awaiting their first
+    /// token there ([`super::workers::InFlightPrompts::lateness`]); `rates` are scaled by it.
+    pub(super) late: f64,
     /// Leading blocks of the prompt the worker holds (index or speculative credit).
     pub(super) run: usize,
     /// Of the run, the leading blocks shared with this gateway's requests in flight there (kept whatever
@@ -131,6 +134,7 @@ impl Shared {
                 let (queue, signal) =
                     estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
                 let block_size = st.block_size.unwrap_or(tuning.default_block_size).max(1);
+                let late = st.prompts.lateness(now);
                 let kv_room = scraped.and_then(|l| {
                     let capacity = l.kv_capacity_blocks?;
                     Some(KvRoom::new(
@@ -149,8 +153,9 @@ impl Shared {
                     queue,
                     signal,
                     kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet, now),
+                    rates: estimate::blended(&st.rates, &fleet, now).slowed(late),
                     own_s_per_token: st.rates.s_per_token,
+                    late,
                     run: 0,
                     pinned: 0,
                     held_blocks: 0,

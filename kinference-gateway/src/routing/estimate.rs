@@ -183,6 +183,15 @@ impl Rates {
         }
     }
 
+    /// The rates of a worker running `factor` times slower than they say (both parameters scaled).
+    pub fn slowed(mut self, factor: f64) -> Self {
+        if factor.is_finite() && factor > 1.0 {
+            self.s_per_token *= factor;
+            self.overhead_s *= factor;
+        }
+        self
+    }
+
     /// Learns from one observed TTFT of a request whose `work` (tokens, as estimated at decision) is
     /// known.
     pub fn observe(&mut self, ttft_s: f64, work: f64, cfg: &EstimatorConfig) {

@@ -730,7 +730,9 @@ impl Router {
             st.awaiting_first_token += 1;
             st.log.started(now);
             st.avg_uncached = 0.9 * st.avg_uncached + 0.1 * uncached;
-            let prompt = keys.as_ref().map(|keys| st.prompts.add(Arc::clone(keys)));
+            let prompt = keys
+                .as_ref()
+                .map(|keys| st.prompts.add(Arc::clone(keys), now, est.ttft_s));
             (
                 st.backlog.push(uncached, now, chosen.rates.s_per_token),
                 prompt,
@@ -761,7 +763,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
+                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -773,6 +775,7 @@ impl Router {
                     c.rates.s_per_token * 1e6,
                     c.own_s_per_token * 1e6,
                     c.rates.rate_samples,
+                    c.late,
                     if c.live { "live" } else { "none" },
                     c.kernel_missing.map_or("live", KernelMissing::as_str),
                     c.signal.as_str(),

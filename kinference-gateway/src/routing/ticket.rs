@@ -82,6 +82,9 @@ impl InFlight {
         );
         let mut st = self.worker.state.lock();
         st.prefill_over(position, awaited, now);
+        if let Some(prompt) = self.prompt {
+            st.prompts.first_token(prompt);
+        }
         if let Some(work) = self.work {
             st.rates.observe(ttft, work, &self.shared.tuning.estimator);
             self.shared

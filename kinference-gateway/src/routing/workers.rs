@@ -80,26 +80,75 @@ pub struct WorkerState {
 /// heterogeneous benchmark at concurrency 32 the cache of a worker holding a popular system prompt was
 /// 94% in use, by requests running that very prompt, and the discount sent the next request with it to
 /// another worker cold.
+///
+/// Each also keeps when it was sent and the TTFT estimated for it until its first token, which measures
+/// how late the worker runs against the estimate ([`InFlightPrompts::lateness`]).
 #[derive(Debug, Default)]
 pub struct InFlightPrompts {
     next_id: u64,
-    prompts: Vec<(u64, Arc<[BlockKey]>)>,
+    prompts: Vec<InFlightPrompt>,
 }
 
+#[derive(Debug)]
+struct InFlightPrompt {
+    id: u64,
+    keys: Arc<[BlockKey]>,
+    sent: Instant,
+    /// The TTFT estimated at the decision, seconds, while the first token is awaited.
+    awaiting: Option<f64>,
+}
+
+/// A request awaiting its first token counts as late only past this many times its estimated TTFT...
+const LATE_AFTER_ESTIMATES: f64 = 2.0;
+/// ... and never before this long (a short estimate is mostly noise).
+const LATE_MIN_S: f64 = 0.05;
+
 impl InFlightPrompts {
-    /// Adds a routed request's prompt; the id removes it when the request ends.
-    pub fn add(&mut self, keys: Arc<[BlockKey]>) -> u64 {
+    /// Adds a routed request's prompt with its estimated TTFT; the id removes it when the request ends.
+    pub fn add(&mut self, keys: Arc<[BlockKey]>, sent: Instant, estimated_ttft_s: f64) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        self.prompts.push((id, keys));
+        self.prompts.push(InFlightPrompt {
+            id,
+            keys,
+            sent,
+            awaiting: Some(estimated_ttft_s),
+        });
         id
+    }
+
+    /// The request's first token arrived: it no longer tells how late the worker runs.
+    pub fn first_token(&mut self, id: u64) {
+        if let Some(p) = self.prompts.iter_mut().find(|p| p.id == id) {
+            p.awaiting = None;
+        }
     }
 
     /// Removes a prompt added with `id` (nothing if it is gone already).
     pub fn remove(&mut self, id: u64) {
-        if let Some(i) = self.prompts.iter().position(|(p, _)| *p == id) {
+        if let Some(i) = self.prompts.iter().position(|p| p.id == id) {
             self.prompts.swap_remove(i);
         }
+    }
+
+    /// How many times slower than estimated the worker runs now, from the requests still awaiting their
+    /// first token there: 1 while each has waited less than [`LATE_AFTER_ESTIMATES`] times its estimate,
+    /// else the largest `waited / (LATE_AFTER_ESTIMATES x estimate)`.
+    ///
+    /// The estimate learns a worker's rates only from first tokens, which come late exactly when the
+    /// worker is far slower than estimated, and its model can be wrong in ways no rate fixes (on the
+    /// heterogeneous benchmark a slow worker with a small cache ran 24 requests of three prompts that
+    /// did not fit in it together: estimated 0.15 s, their first tokens took 15-20 s while more were
+    /// sent). A request that has already waited several times its estimate says so at once.
+    pub fn lateness(&self, now: Instant) -> f64 {
+        self.prompts
+            .iter()
+            .filter_map(|p| {
+                let estimate = p.awaiting?;
+                let waited = now.saturating_duration_since(p.sent).as_secs_f64();
+                Some(waited / (LATE_AFTER_ESTIMATES * estimate).max(LATE_MIN_S))
+            })
+            .fold(1.0, f64::max)
     }
 
     /// Prompts in flight.
@@ -115,11 +164,16 @@ impl InFlightPrompts {
     /// The longest run of leading blocks `keys` shares with a prompt in flight.
     pub fn shared_run(&self, keys: &[BlockKey]) -> usize {
         let mut best = 0;
-        for (_, prompt) in &self.prompts {
-            if prompt.len() <= best || keys.len() <= best {
+        for prompt in &self.prompts {
+            if prompt.keys.len() <= best || keys.len() <= best {
                 continue;
             }
-            let run = prompt.iter().zip(keys).take_while(|(a, b)| a == b).count();
+            let run = prompt
+                .keys
+                .iter()
+                .zip(keys)
+                .take_while(|(a, b)| a == b)
+                .count();
             best = best.max(run);
         }
         best

@@ -89,3 +89,47 @@ fn the_backlog_drains_first_come_first_served() {
     b.push(300.0, at(10_000), 1e-3);
     assert!((b.tokens(at(10_000)) - 300.0).abs() < 1e-6);
 }
+
+#[test]
+fn prompts_in_flight_share_their_leading_blocks_and_leave_when_their_request_ends() {
+    let mut prompts = InFlightPrompts::default();
+    let now = Instant::now();
+    let a = prompts.add(vec![1, 2, 3, 4].into(), now, 0.1);
+    let b = prompts.add(vec![1, 2, 9].into(), now, 0.1);
+    assert_eq!(prompts.len(), 2);
+    assert_eq!(
+        prompts.shared_run(&[1, 2, 3, 7]),
+        3,
+        "the longest shared run"
+    );
+    assert_eq!(prompts.shared_run(&[1, 2, 9, 9]), 3);
+    assert_eq!(prompts.shared_run(&[5, 2, 3]), 0, "leading blocks only");
+    prompts.remove(a);
+    assert_eq!(prompts.shared_run(&[1, 2, 3, 7]), 2);
+    prompts.remove(a);
+    prompts.remove(b);
+    assert!(prompts.is_empty());
+    assert_eq!(prompts.shared_run(&[1, 2, 3]), 0);
+}
+
+#[test]
+fn a_worker_is_late_once_a_request_waits_past_twice_its_estimate() {
+    let mut prompts = InFlightPrompts::default();
+    let sent = Instant::now();
+    let at = |s: f64| sent + Duration::from_secs_f64(s);
+    assert_eq!(prompts.lateness(at(10.0)), 1.0, "nothing in flight");
+    let slow = prompts.add(vec![1].into(), sent, 0.5);
+    let _fast = prompts.add(vec![2].into(), sent, 2.0);
+    assert_eq!(prompts.lateness(at(0.9)), 1.0, "within twice its estimate");
+    // 6 s against an estimate of 0.5 s: 6 times twice the estimate.
+    assert!((prompts.lateness(at(6.0)) - 6.0).abs() < 1e-9);
+    // Its first token came: the other one (estimated 2 s) is not late at 3 s, and at 6 s (three times its
+    // estimate) it is 1.5 times past the allowance.
+    prompts.first_token(slow);
+    assert_eq!(prompts.lateness(at(3.0)), 1.0);
+    assert!((prompts.lateness(at(6.0)) - 1.5).abs() < 1e-9);
+    // A tiny estimate counts as 50 ms: noise is not lateness.
+    let _tiny = prompts.add(vec![3].into(), sent, 0.001);
+    assert_eq!(prompts.lateness(at(0.04)), 1.0);
+    assert!((prompts.lateness(at(0.2)) - 4.0).abs() < 1e-9);
+}
