@@ -67,6 +67,14 @@
 //! older agent, vLLM not profiled yet, no fresh scrape) the run counts in full, as before, and the
 //! decision's explanation says `kv=capacity_unknown`.
 //!
+//! ## Running late ([`Rates::slowed`])
+//!
+//! The rates learn only from first tokens, and those come late exactly when a worker is far slower than
+//! estimated (a slowed GPU, a cache too small for the prompts it runs, a hung engine). So a candidate's
+//! rates are scaled by its *lateness*: the largest `waited / (2 x estimated TTFT)` among this gateway's
+//! requests still awaiting their first token there ([`super::workers::InFlightPrompts::lateness`]; 1,
+//! no change, while every one is within twice its estimate). The explanation shows it as `late:F`.
+//!
 //! ## The choice
 //!
 //! Each candidate's cost is its estimated TTFT plus the delay its uncached prefill imposes on other
