@@ -46,7 +46,7 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         (&Method::POST, "/v1/completions") => Endpoint::Completions,
         (&Method::POST, "/v1/messages") => Endpoint::Messages,
         (&Method::POST, "/v1/messages/count_tokens") => return count_tokens(&gw, req).await,
-        (&Method::POST, path) if let Some(route) = passthrough_route(path) => {
+        (&Method::POST, path) if let Some(route) = Route::of_path(path) => {
             return pipeline::passthrough::handle(&gw, route, req).await;
         }
         (&Method::GET, "/v1/models") => {
@@ -63,17 +63,6 @@ async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         }
     };
     pipeline::handle(gw, endpoint, req).await
-}
-
-/// The endpoints passed to a worker as they are.
-fn passthrough_route(path: &str) -> Option<Route> {
-    Some(match path {
-        "/v1/embeddings" => Route::Embeddings,
-        "/v1/responses" => Route::Responses,
-        "/tokenize" => Route::Tokenize,
-        "/detokenize" => Route::Detokenize,
-        _ => return None,
-    })
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's size from the gateway's own tokenizer, for an

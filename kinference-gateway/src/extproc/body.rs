@@ -21,13 +21,7 @@ use crate::routing::Prompt;
 /// gateway routes it ([`crate::pipeline::passthrough`]); `None` for other paths.
 pub fn passthrough_of(path: &str) -> Option<Route> {
     let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
-    Some(match path {
-        "/v1/embeddings" => Route::Embeddings,
-        "/v1/responses" => Route::Responses,
-        "/tokenize" => Route::Tokenize,
-        "/detokenize" => Route::Detokenize,
-        _ => return None,
-    })
+    Route::of_path(path)
 }
 
 /// Which inference API a request uses.

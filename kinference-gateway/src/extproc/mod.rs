@@ -67,10 +67,11 @@ use crate::overload::Admitter;
 use crate::overload::gate::Slot;
 use crate::pipeline::exchange::{self, Request as Parsed};
 use crate::pipeline::govern::{self, PlanInput};
+use crate::pipeline::passthrough;
 use crate::policy::model::Requested;
 use crate::policy::stage::{PlanTarget, PolicyStage};
 use crate::routing::tokenize::PromptTokens;
-use crate::routing::{Decision, Prompt, RouteRequest, Router};
+use crate::routing::{Decision, RouteRequest, Router};
 use crate::telemetry::{REQUEST_ID_HEADER, RequestId};
 use crate::tenancy::{Admission, Tenancy};
 use session::Session;
@@ -399,19 +400,7 @@ impl Handler {
         let text = request.text();
         let admission = match (&self.tenancy, caller) {
             (Some(t), Some(c)) if route.billed() => {
-                let estimate = Prompt::Text(&text).estimated_tokens();
-                let (input, output) = match route {
-                    // The tenant's output reservation, as for a chat turn with the same limit.
-                    Route::Responses => {
-                        let mut fields = serde_json::Map::new();
-                        if let Some(n) = request.max_output_tokens {
-                            fields.insert("max_tokens".into(), n.into());
-                        }
-                        t.demand(estimate, &fields, false)
-                    }
-                    // An embedding generates nothing.
-                    _ => (estimate, 0),
-                };
+                let (input, output) = passthrough::token_demand(t, route, &request, &text);
                 Some(
                     t.admit(c, &request.model, input, output, Protocol::OpenAi)
                         .instrument(tracing::debug_span!("admission", tenant = c.name()))
@@ -421,20 +410,9 @@ impl Handler {
             }
             _ => None,
         };
-        let decision = match route {
-            Route::Responses => {
-                self.router
-                    .pick(RouteRequest {
-                        model: &request.model,
-                        prompt: Prompt::Text(&text),
-                        debug: head.debug,
-                        tokens: None,
-                    })
-                    .await
-            }
-            _ => self.router.pick_least_loaded(&request.model, head.debug),
-        }
-        .map_err(|e| Refusal::Gateway(e.into()))?;
+        let decision = passthrough::pick(&self.router, route, &request, &text, head.debug)
+            .await
+            .map_err(|e| Refusal::Gateway(e.into()))?;
         Routed::new(decision, &request.model, admission, slot)
     }
 

@@ -26,7 +26,8 @@ use crate::body::{Body, full};
 use crate::errors::{GatewayError, Protocol};
 use crate::gateway::Gateway;
 use crate::policy::model::{PolicySet, Requested};
-use crate::routing::{Prompt, RouteRequest};
+use crate::routing::{Decision, Prompt, RouteError, RouteRequest, Router};
+use crate::tenancy::Tenancy;
 
 /// Serves one request to a pass-through endpoint; errors in OpenAI's shape.
 pub async fn handle(gw: &Gateway, route: Route, req: HttpRequest<Incoming>) -> Response<Body> {
@@ -93,38 +94,14 @@ async fn run(
     settlement.model(&request.model);
     let text = request.text();
     if route.billed() {
-        let estimate = Prompt::Text(&text).estimated_tokens();
-        let (input, output) = match route {
-            // The tenant's output reservation, as for a chat turn with the same limit.
-            Route::Responses => {
-                let mut fields = serde_json::Map::new();
-                if let Some(n) = request.max_output_tokens {
-                    fields.insert("max_tokens".into(), n.into());
-                }
-                gw.tenancy.demand(estimate, &fields, false)
-            }
-            // An embedding generates nothing.
-            _ => (estimate, 0),
-        };
+        let (input, output) = token_demand(&gw.tenancy, route, &request, &text);
         let admission = gw
             .tenancy
             .admit(&caller, &request.model, input, output, Protocol::OpenAi)
             .await?;
         settlement.admitted(admission);
     }
-    let decision = match route {
-        Route::Responses => {
-            gw.router
-                .pick(RouteRequest {
-                    model: &request.model,
-                    prompt: Prompt::Text(&text),
-                    debug,
-                    tokens: None,
-                })
-                .await?
-        }
-        _ => gw.router.pick_least_loaded(&request.model, debug)?,
-    };
+    let decision = pick(&gw.router, route, &request, &text, debug).await?;
     let worker = decision.worker.clone();
     let mut headers = settlement.tenancy_headers();
     if admin && let Ok(v) = HeaderValue::from_str(&worker) {
@@ -398,3 +375,49 @@ impl<M: Meter> Passing<M> {
 
 #[cfg(test)]
 mod tests;
+
+/// What a billed pass-through request asks of its tenant: the prompt's estimated tokens (of `text`,
+/// [`PassthroughRequest::text`]) and the output reservation (a response's `max_output_tokens`, as a chat
+/// turn's limit; an embedding generates nothing). Shared with the ext_proc handler.
+pub(crate) fn token_demand(
+    tenancy: &Tenancy,
+    route: Route,
+    request: &PassthroughRequest,
+    text: &str,
+) -> (u64, u64) {
+    let estimate = Prompt::Text(text).estimated_tokens();
+    match route {
+        Route::Responses => {
+            let mut fields = serde_json::Map::new();
+            if let Some(n) = request.max_output_tokens {
+                fields.insert("max_tokens".into(), n.into());
+            }
+            tenancy.demand(estimate, &fields, false)
+        }
+        _ => (estimate, 0),
+    }
+}
+
+/// The worker for a pass-through request: a response by the estimate over its prompt (`text`), the
+/// other endpoints to the least-loaded worker of the model. Shared with the ext_proc handler.
+pub(crate) async fn pick(
+    router: &Router,
+    route: Route,
+    request: &PassthroughRequest,
+    text: &str,
+    debug: bool,
+) -> Result<Decision, RouteError> {
+    match route {
+        Route::Responses => {
+            router
+                .pick(RouteRequest {
+                    model: &request.model,
+                    prompt: Prompt::Text(text),
+                    debug,
+                    tokens: None,
+                })
+                .await
+        }
+        _ => router.pick_least_loaded(&request.model, debug),
+    }
+}

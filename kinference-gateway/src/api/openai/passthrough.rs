@@ -23,6 +23,18 @@ pub enum Route {
 }
 
 impl Route {
+    /// The route a request path names exactly (the inverse of [`Route::path`]); `None` for other paths.
+    pub fn of_path(path: &str) -> Option<Self> {
+        [
+            Route::Embeddings,
+            Route::Responses,
+            Route::Tokenize,
+            Route::Detokenize,
+        ]
+        .into_iter()
+        .find(|r| r.path() == path)
+    }
+
     /// The worker's path (the client's).
     pub fn path(self) -> &'static str {
         match self {
