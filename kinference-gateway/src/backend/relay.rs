@@ -16,6 +16,7 @@
 //! client goes away first, nothing: dropping the meter settles it as abandoned.
 
 use std::convert::Infallible;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -24,6 +25,7 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
+use serde::Deserialize;
 use tracing::Instrument as _;
 
 use crate::api::anthropic::{self, StreamTranslator};
@@ -298,21 +300,11 @@ impl<M: Meter> Relay<M> {
             return self.on_passed_chunk(data);
         }
         // Translated for an Anthropic client: the whole chunk is needed.
-        let chunk: StreamChunk = match serde_json::from_slice(data) {
-            Ok(chunk) => chunk,
-            Err(e) => {
-                tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
-                return;
-            }
+        let Some(chunk) = self.parse::<StreamChunk>(data) else {
+            return;
         };
-        if let Some(error) = &chunk.error {
-            return self.fail(self.spec.stream_error(error));
-        }
-        if chunk.has_text() {
-            self.heard_text();
-        }
-        if chunk.usage.is_some() {
-            self.usage = chunk.usage;
+        if self.hear(&chunk).is_break() {
+            return;
         }
         if let Some(t) = &mut self.to_anthropic {
             t.chunk(&mut self.out, &chunk);
@@ -322,28 +314,44 @@ impl<M: Meter> Relay<M> {
     /// [`Self::on_openai_chunk`] for a chunk the client gets as it is (or not at all): only glanced
     /// at, not parsed into a [`StreamChunk`].
     fn on_passed_chunk(&mut self, data: &[u8]) {
-        let chunk: glance::ChunkGlance = match serde_json::from_slice(data) {
-            Ok(chunk) => chunk,
-            Err(e) => {
-                tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
-                if !self.spec.verbatim() {
-                    put_data(&mut self.out, data);
-                }
-                return;
+        let Some(chunk) = self.parse::<glance::ChunkGlance>(data) else {
+            if !self.spec.verbatim() {
+                put_data(&mut self.out, data);
             }
+            return;
         };
-        if let Some(error) = &chunk.error {
-            return self.fail(self.spec.stream_error(error));
-        }
-        if chunk.has_text() {
-            self.heard_text();
-        }
-        if chunk.usage.is_some() {
-            self.usage = chunk.usage;
+        if self.hear(&chunk).is_break() {
+            return;
         }
         if !self.spec.verbatim() && (!chunk.usage_only() || self.pass_usage_chunk) {
             put_data(&mut self.out, data);
         }
+    }
+
+    /// An OpenAI chunk read as `C`; `None` (noted in the debug log) when it does not parse.
+    fn parse<'a, C: Deserialize<'a>>(&self, data: &'a [u8]) -> Option<C> {
+        serde_json::from_slice(data)
+            .inspect_err(|e| {
+                tracing::debug!(backend = %self.spec.label, error = %e, "unparsable stream chunk");
+            })
+            .ok()
+    }
+
+    /// What every OpenAI chunk tells the relay, however much of it was parsed: an error event fails
+    /// the stream (`Break`: nothing more of the chunk goes out), generated output reaches the meter,
+    /// usage is kept for the end.
+    fn hear(&mut self, chunk: &impl HeardChunk) -> ControlFlow<()> {
+        if let Some(error) = chunk.error() {
+            self.fail(self.spec.stream_error(error));
+            return ControlFlow::Break(());
+        }
+        if chunk.carries_text() {
+            self.heard_text();
+        }
+        if let Some(usage) = chunk.usage() {
+            self.usage = Some(usage);
+        }
+        ControlFlow::Continue(())
     }
 
     /// A chunk carried generated output: the meter hears it, the span notes the first one.
@@ -397,6 +405,41 @@ impl<M: Meter> Relay<M> {
         if let Some(mut meter) = self.meter.take() {
             meter.finish(status, self.usage.as_ref());
         }
+    }
+}
+
+/// What [`Relay::hear`] reads of an OpenAI chunk, the same whether the chunk was parsed whole (a
+/// [`StreamChunk`], to translate it) or only glanced at (a [`glance::ChunkGlance`], passed as it is).
+trait HeardChunk {
+    /// The error event the backend sent instead of output.
+    fn error(&self) -> Option<&serde_json::Value>;
+    /// Whether the chunk carries generated output: text, reasoning or a piece of a tool call.
+    fn carries_text(&self) -> bool;
+    /// The backend's token counts, when the chunk has them.
+    fn usage(&self) -> Option<Usage>;
+}
+
+impl HeardChunk for StreamChunk {
+    fn error(&self) -> Option<&serde_json::Value> {
+        self.error.as_ref()
+    }
+    fn carries_text(&self) -> bool {
+        self.has_text()
+    }
+    fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+}
+
+impl HeardChunk for glance::ChunkGlance<'_> {
+    fn error(&self) -> Option<&serde_json::Value> {
+        self.error.as_ref()
+    }
+    fn carries_text(&self) -> bool {
+        self.has_text()
+    }
+    fn usage(&self) -> Option<Usage> {
+        self.usage
     }
 }
 
