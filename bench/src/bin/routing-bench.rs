@@ -34,8 +34,9 @@ struct Args {
     /// Workloads to run: shared-prefix, unique, multi-turn, and two that stress what a hash cannot
     /// see: bursty (shared-prefix requests in bursts of `--concurrency` every few simulated seconds)
     /// and heterogeneous (shared-prefix requests on a fleet of its own: two fast workers with large
-    /// caches and two 2.5x slower with small ones, a fast one slowed to 4x halfway; run it alone,
-    /// `--workers` does not apply).
+    /// caches and two 2.5x slower with small ones, a fast one slowed to 4x halfway) and restart (the
+    /// same fleet, a fast worker killed halfway and started again, cold, 10 simulated seconds later);
+    /// run these two apart from the others, `--workers` does not apply to them.
     #[arg(
         long,
         value_delimiter = ',',
@@ -307,16 +308,23 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
             per_user: args.requests_per_user,
         },
     };
-    let fleet = if args.workloads.contains(&WorkloadKind::Heterogeneous) {
-        if args.workloads.len() > 1 {
+    // The workloads of a mixed fleet share one cluster only when they run on the same workers.
+    let fleets: Vec<FleetPlan> = args
+        .workloads
+        .iter()
+        .filter_map(|&kind| FleetPlan::for_workload(kind))
+        .collect();
+    let fleet = match fleets.first() {
+        Some(first)
+            if fleets.len() < args.workloads.len()
+                || fleets.iter().any(|f| f.workers != first.workers) =>
+        {
             eprintln!(
-                "routing-bench: the heterogeneous workload runs on a fleet of its own: run it in a command of its own"
+                "routing-bench: the heterogeneous and restart workloads run on a fleet of their own: run them in a command of their own"
             );
             return ExitCode::FAILURE;
         }
-        Some(FleetPlan::heterogeneous())
-    } else {
-        None
+        first => first.cloned(),
     };
     let mut policies = args.policies.clone();
     policies.extend(wanted_peers.iter().filter(|p| !args.policies.contains(p)));

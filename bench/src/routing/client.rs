@@ -202,8 +202,9 @@ pub enum Route {
 pub struct RunExtras<'a> {
     /// Wall seconds per simulated second: turns sessions' `arrival_s` into wall-clock times.
     pub time_scale: f64,
-    /// Awaited once, by the virtual user that takes the session of this index, before it sends it
-    /// (e.g. slowing a worker down halfway through the run).
+    /// Started once, when a virtual user takes the session of this index, and run beside the users
+    /// (e.g. slowing a worker down, or restarting one, halfway through the run); the run ends when
+    /// both the users and the event are done. It does not start when the run ends before that session.
     pub event: Option<(usize, BoxFuture<'a, ()>)>,
 }
 
@@ -256,7 +257,8 @@ impl LoadClient {
             Some((at, event)) => (Some(at), Some(event)),
             None => (None, None),
         };
-        let event = tokio::sync::Mutex::new(event);
+        let fire = tokio::sync::Notify::new();
+        let users_done = tokio::sync::Notify::new();
         let start = Instant::now();
         let users = (0..concurrency.max(1)).map(|_| async {
             let mut outcomes = Vec::new();
@@ -265,10 +267,8 @@ impl LoadClient {
                 let Some(session) = workload.sessions.get(i) else {
                     break;
                 };
-                if event_at == Some(i)
-                    && let Some(event) = event.lock().await.take()
-                {
-                    event.await;
+                if event_at == Some(i) {
+                    fire.notify_one();
                 }
                 // An open-loop arrival: wait for it, and count the request's time from it even when
                 // this user took the session late (every user was busy: the client's own queue).
@@ -285,11 +285,21 @@ impl LoadClient {
             }
             outcomes
         });
-        let outcomes: Vec<RequestOutcome> = futures::future::join_all(users)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let users = async {
+            let outcomes = futures::future::join_all(users).await;
+            users_done.notify_one();
+            outcomes
+        };
+        let event = async {
+            let Some(event) = event else { return };
+            tokio::select! {
+                biased;
+                _ = fire.notified() => event.await,
+                _ = users_done.notified() => {}
+            }
+        };
+        let (outcomes, ()) = futures::join!(users, event);
+        let outcomes: Vec<RequestOutcome> = outcomes.into_iter().flatten().collect();
         RunResult {
             outcomes,
             wall: start.elapsed(),

@@ -341,8 +341,9 @@ impl ChildGuard {
     }
 }
 
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
+impl ChildGuard {
+    /// Kills the process (with its group when it leads one) and reaps it.
+    fn stop(&mut self) {
         if self.group {
             // The whole group: `kill -TERM -- -PGID`, then the leader for certain.
             let _ = Command::new("kill")
@@ -354,6 +355,21 @@ impl Drop for ChildGuard {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A simulated worker's process and how it was started, so that it can be started again.
+struct WorkerProcess {
+    guard: ChildGuard,
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    restarts: usize,
 }
 
 /// One gateway process.
@@ -379,7 +395,10 @@ pub struct Cluster {
     gateways: BTreeMap<String, GatewayEndpoint>,
     agent_metrics_url: String,
     work_dir: PathBuf,
-    // Dropped last, after the fields above.
+    ready_timeout: Duration,
+    /// The workers' processes, in worker order (locked while one restarts).
+    worker_processes: Vec<tokio::sync::Mutex<WorkerProcess>>,
+    // Dropped last, after the fields above: the agent and the gateways.
     children: Vec<ChildGuard>,
 }
 
@@ -472,6 +491,8 @@ impl Cluster {
             gateways: BTreeMap::new(),
             agent_metrics_url: format!("http://{agent_metrics}/metrics"),
             work_dir: config.work_dir.clone(),
+            ready_timeout: config.ready_timeout,
+            worker_processes: Vec::new(),
             children: Vec::new(),
         };
 
@@ -543,16 +564,27 @@ impl Cluster {
                     .flatten()
                     .cloned(),
             );
-            let child = ChildGuard::spawn(
-                &format!("vllm-sim w{}", i + 1),
+            let name = format!("vllm-sim w{}", i + 1);
+            let guard = ChildGuard::spawn(
+                &name,
                 &sim_bin,
                 &args,
                 config.work_dir.join(format!("worker-{}.log", i + 1)),
             )?;
-            cluster.children.push(child);
+            cluster
+                .worker_processes
+                .push(tokio::sync::Mutex::new(WorkerProcess {
+                    guard,
+                    name,
+                    program: sim_bin.clone(),
+                    args,
+                    restarts: 0,
+                }));
         }
 
         let gateway_yaml_base = gateway_yaml(&worker_urls, &tokenizer_dir, &agent_grpc);
+        // Their readiness URLs, in the order they start (the order of `children` after the agent).
+        let mut gateway_ready = Vec::with_capacity(gateway_names.len());
         for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
             let file = name.replace('#', "-");
             let mut yaml = gateway_yaml_base.clone();
@@ -576,6 +608,7 @@ impl Cluster {
             )?;
             let pid = child.pid();
             cluster.children.push(child);
+            gateway_ready.push(format!("http://{admin}/readyz"));
             cluster.gateways.insert(
                 name.clone(),
                 GatewayEndpoint {
@@ -587,45 +620,24 @@ impl Cluster {
             );
         }
 
-        // Readiness, in the order the children were started.
-        let mut probes = vec![cluster.agent_metrics_url.clone()];
-        probes.extend(worker_urls.iter().map(|u| format!("{u}/health")));
-        probes.extend(
-            cluster
-                .gateways
-                .values()
-                .map(|g| format!("{}/readyz", g.admin_url)),
-        );
-        for (index, url) in probes.iter().enumerate() {
-            cluster.wait_ready(index, url, config.ready_timeout).await?;
+        // Readiness, in the order the processes were started: the agent, the workers, the gateways.
+        let http = cluster.http.clone();
+        let timeout = config.ready_timeout;
+        wait_ready(
+            &http,
+            &mut cluster.children[0],
+            &cluster.agent_metrics_url,
+            timeout,
+        )
+        .await?;
+        for (process, url) in cluster.worker_processes.iter_mut().zip(&worker_urls) {
+            let guard = &mut process.get_mut().guard;
+            wait_ready(&http, guard, &format!("{url}/health"), timeout).await?;
+        }
+        for (child, url) in cluster.children[1..].iter_mut().zip(&gateway_ready) {
+            wait_ready(&http, child, url, timeout).await?;
         }
         Ok(cluster)
-    }
-
-    async fn wait_ready(
-        &mut self,
-        child: usize,
-        url: &str,
-        timeout: Duration,
-    ) -> Result<(), ClusterError> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(exited) = self.children[child].exited() {
-                return Err(exited);
-            }
-            if self.http.get_text(url).await.is_ok() {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(ClusterError::NotReady {
-                    name: self.children[child].name.clone(),
-                    url: url.to_string(),
-                    timeout,
-                    log: self.children[child].log_tail(),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
     }
 
     /// Base URLs of the workers.
@@ -731,6 +743,38 @@ impl Cluster {
         Ok(())
     }
 
+    /// Kills worker `index` (from 0) as a crash would (SIGKILL: what it was running fails), waits
+    /// `down`, starts it again with the same arguments and ports, and waits until it answers
+    /// `/health`. It comes back with an empty cache, its KV event sequence starting over, and the
+    /// preset's speed it was started with.
+    pub async fn restart_worker(&self, index: usize, down: Duration) -> Result<(), ClusterError> {
+        let (Some(process), Some(url)) =
+            (self.worker_processes.get(index), self.workers.get(index))
+        else {
+            return Err(ClusterError::NoWorker(index));
+        };
+        let mut process = process.lock().await;
+        process.guard.stop();
+        tracing::info!(worker = %url, ?down, "worker killed");
+        tokio::time::sleep(down).await;
+        process.restarts += 1;
+        let log = self.work_dir.join(format!(
+            "worker-{}.restart-{}.log",
+            index + 1,
+            process.restarts
+        ));
+        process.guard = ChildGuard::spawn(&process.name, &process.program, &process.args, log)?;
+        wait_ready(
+            &self.http,
+            &mut process.guard,
+            &format!("{url}/health"),
+            self.ready_timeout,
+        )
+        .await?;
+        tracing::info!(worker = %url, "worker back");
+        Ok(())
+    }
+
     /// Prefix-cache counters summed over the workers.
     pub async fn cache_counters(&self) -> Result<CacheCounters, ClusterError> {
         let mut total = CacheCounters::default();
@@ -744,12 +788,43 @@ impl Cluster {
 
     /// Whether every child is still running (the name and log of the first one that is not).
     pub fn check_alive(&mut self) -> Result<(), ClusterError> {
-        for child in &mut self.children {
+        let workers = self
+            .worker_processes
+            .iter_mut()
+            .map(|p| &mut p.get_mut().guard);
+        for child in self.children.iter_mut().chain(workers) {
             if let Some(exited) = child.exited() {
                 return Err(exited);
             }
         }
         Ok(())
+    }
+}
+
+/// Polls `url` until it answers, failing early when `child` exits.
+async fn wait_ready(
+    http: &HttpClient,
+    child: &mut ChildGuard,
+    url: &str,
+    timeout: Duration,
+) -> Result<(), ClusterError> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(exited) = child.exited() {
+            return Err(exited);
+        }
+        if http.get_text(url).await.is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(ClusterError::NotReady {
+                name: child.name.clone(),
+                url: url.to_string(),
+                timeout,
+                log: child.log_tail(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::client::{LoadClient, Route, RunExtras};
 use super::cluster::{Cluster, ClusterError};
-use super::fleet::FleetPlan;
+use super::fleet::{FleetChange, FleetPlan};
 use super::oracle::Oracle;
 use super::stats::{RequestOutcome, RunSummary, summarize};
 use super::workload::{Workload, WorkloadKind, WorkloadShape};
@@ -186,9 +186,10 @@ impl ExperimentConfig {
     /// prompts have no state to build up across sessions).
     pub fn warmup_for(&self, kind: WorkloadKind) -> usize {
         self.warmup.unwrap_or(match kind {
-            WorkloadKind::SharedPrefix | WorkloadKind::Heterogeneous | WorkloadKind::Bursty => {
-                2 * self.shape.shared_prefixes
-            }
+            WorkloadKind::SharedPrefix
+            | WorkloadKind::Heterogeneous
+            | WorkloadKind::Restart
+            | WorkloadKind::Bursty => 2 * self.shape.shared_prefixes,
             WorkloadKind::Unique | WorkloadKind::MultiTurn => 0,
         })
     }
@@ -237,7 +238,7 @@ impl ExperimentConfig {
 
     /// The mixed fleet `kind` runs on (`None`: the cluster's identical workers).
     pub fn fleet_for(&self, kind: WorkloadKind) -> Option<FleetPlan> {
-        (kind == WorkloadKind::Heterogeneous).then(FleetPlan::heterogeneous)
+        FleetPlan::for_workload(kind)
     }
 
     /// Number of runs in the matrix.
@@ -345,14 +346,27 @@ pub async fn run_one(
         client.run(&route, warmup, concurrency).await;
     }
     let before = cluster.cache_counters().await.ok();
-    let event = fleet.and_then(|f| f.event).map(|e| {
-        let slow_down: futures::future::BoxFuture<'_, ()> = Box::pin(async move {
-            if let Err(err) = cluster.set_slowdown(e.worker, e.slowdown).await {
-                tracing::warn!(worker = e.worker, error = %err, "mid-run slowdown failed");
+    let event = fleet.as_ref().and_then(|f| f.event).map(|e| {
+        let time_scale = config.time_scale;
+        let change: futures::future::BoxFuture<'_, ()> = Box::pin(async move {
+            let done = match e.change {
+                FleetChange::Slowdown(factor) => cluster.set_slowdown(e.worker, factor).await,
+                FleetChange::Restart { down_s } => {
+                    let down = Duration::from_secs_f64(down_s * time_scale);
+                    cluster.restart_worker(e.worker, down).await
+                }
+            };
+            if let Err(err) = done {
+                tracing::warn!(worker = e.worker, change = ?e.change, error = %err, "mid-run fleet event failed");
             }
         });
-        (e.at_session(workload.sessions.len()), slow_down)
+        (e.at_session(workload.sessions.len()), change)
     });
+    // A restarted worker's counters start over: the workers' own hit share would mix two runs.
+    let restarts = matches!(
+        fleet.as_ref().and_then(|f| f.event).map(|e| e.change),
+        Some(FleetChange::Restart { .. })
+    );
     let extras = RunExtras {
         time_scale: config.time_scale,
         event,
@@ -371,7 +385,10 @@ pub async fn run_one(
         policy,
         concurrency,
         summary,
-        cache_hit_share: before.zip(after).map(|(b, a)| a.hit_share_since(&b)),
+        cache_hit_share: before
+            .zip(after)
+            .filter(|_| !restarts)
+            .map(|(b, a)| a.hit_share_since(&b)),
         wall_s: result.wall.as_secs_f64(),
         unavailable: None,
         outcomes: result.outcomes,

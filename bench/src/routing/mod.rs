@@ -5,7 +5,7 @@
 //! client-side [`oracle`] that asks every simulated worker for its exact TTFT estimate. [`cluster`] starts
 //! and stops the real processes; [`stats`] turns the measured requests into the figures that
 //! [`report`] writes (JSON, markdown, SVG). [`experiment`] ties them together for `routing-bench` and
-//! `demo`; [`fleet`] describes the mixed fleet of the `heterogeneous` workload.
+//! `demo`; [`fleet`] describes the mixed fleet of the `heterogeneous` and `restart` workloads.
 
 pub mod client;
 pub mod cluster;

@@ -5,10 +5,11 @@
 //! real chat client would). The same seed always gives the same sequence, so every routing policy is
 //! measured on exactly the same requests.
 //!
-//! Two workloads change *when* and *where* the shared-prefix requests run rather than what they are:
-//! `bursty` sends them in bursts at fixed times ([`Workload::schedule_bursts`]: an open-loop arrival
-//! schedule, the same for every policy) and `heterogeneous` runs them on a mixed fleet (workers of
-//! different speeds and cache sizes, one slowed halfway: `super::fleet`).
+//! Three workloads change *when* and *where* the shared-prefix requests run rather than what they
+//! are: `bursty` sends them in bursts at fixed times ([`Workload::schedule_bursts`]: an open-loop
+//! arrival schedule, the same for every policy), `heterogeneous` runs them on a mixed fleet (workers
+//! of different speeds and cache sizes, one slowed halfway: `super::fleet`) and `restart` on the same
+//! fleet with one worker restarted halfway instead.
 //!
 //! Text is drawn from a vocabulary of common English words that the Qwen2 tokenizer encodes as one token
 //! each (with their leading space), so a prompt of `n` words is close to `n` tokens.
@@ -38,6 +39,9 @@ pub enum WorkloadKind {
     /// Shared-prefix requests on a mixed fleet: fast workers with large caches beside slow ones with
     /// small caches, one fast worker slowed halfway through the run (`super::fleet::FleetPlan`).
     Heterogeneous,
+    /// Shared-prefix requests on the heterogeneous fleet with one fast worker killed halfway through
+    /// the run and started again, cold, a little later (`super::fleet::FleetPlan::restart`).
+    Restart,
     /// Shared-prefix requests arriving in bursts (a burst of `concurrency` requests every
     /// [`WorkloadShape::burst_period_s`]) instead of from users that each wait for their last answer.
     Bursty,
@@ -45,18 +49,23 @@ pub enum WorkloadKind {
 
 impl WorkloadKind {
     /// All workloads, in report order.
-    pub const ALL: [WorkloadKind; 5] = [
+    pub const ALL: [WorkloadKind; 6] = [
         Self::SharedPrefix,
         Self::Unique,
         Self::MultiTurn,
         Self::Heterogeneous,
+        Self::Restart,
         Self::Bursty,
     ];
 
     /// The TTFT service-level objective used for goodput (published: 8 s shared prefix, 4 s multi-turn).
     pub fn ttft_slo_s(self) -> f64 {
         match self {
-            Self::SharedPrefix | Self::Unique | Self::Heterogeneous | Self::Bursty => 8.0,
+            Self::SharedPrefix
+            | Self::Unique
+            | Self::Heterogeneous
+            | Self::Restart
+            | Self::Bursty => 8.0,
             Self::MultiTurn => 4.0,
         }
     }
@@ -68,6 +77,7 @@ impl WorkloadKind {
             Self::Unique => "unique",
             Self::MultiTurn => "multi-turn",
             Self::Heterogeneous => "heterogeneous",
+            Self::Restart => "restart",
             Self::Bursty => "bursty",
         }
     }
@@ -82,7 +92,7 @@ impl fmt::Display for WorkloadKind {
 /// A workload name that is not one of [`WorkloadKind::ALL`].
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "unknown workload {0:?} (expected shared-prefix, unique, multi-turn, heterogeneous or bursty)"
+    "unknown workload {0:?} (expected shared-prefix, unique, multi-turn, heterogeneous, restart or bursty)"
 )]
 pub struct UnknownWorkload(String);
 
@@ -94,6 +104,7 @@ impl FromStr for WorkloadKind {
             "unique" => Ok(Self::Unique),
             "multi-turn" => Ok(Self::MultiTurn),
             "heterogeneous" => Ok(Self::Heterogeneous),
+            "restart" => Ok(Self::Restart),
             "bursty" => Ok(Self::Bursty),
             other => Err(UnknownWorkload(other.to_string())),
         }
@@ -229,9 +240,10 @@ impl Workload {
     /// a prefix of the sequence used at high concurrency).
     pub fn generate(kind: WorkloadKind, shape: &WorkloadShape, seed: u64, requests: usize) -> Self {
         let sessions = match kind {
-            WorkloadKind::SharedPrefix | WorkloadKind::Heterogeneous | WorkloadKind::Bursty => {
-                shared_prefix(shape, seed, requests)
-            }
+            WorkloadKind::SharedPrefix
+            | WorkloadKind::Heterogeneous
+            | WorkloadKind::Restart
+            | WorkloadKind::Bursty => shared_prefix(shape, seed, requests),
             WorkloadKind::Unique => unique(shape, seed, requests),
             WorkloadKind::MultiTurn => multi_turn(shape, seed, requests),
         };

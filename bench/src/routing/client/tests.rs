@@ -104,7 +104,7 @@ async fn sim_worker(shutdown: tokio_util::sync::CancellationToken) -> String {
 }
 
 #[tokio::test]
-async fn sessions_wait_for_their_arrival_and_the_event_fires_once_before_its_session() {
+async fn sessions_wait_for_their_arrival_and_the_event_runs_once_beside_the_users() {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use crate::routing::workload::{Workload, WorkloadKind, WorkloadShape};
@@ -128,13 +128,18 @@ async fn sessions_wait_for_their_arrival_and_the_event_fires_once_before_its_ses
         false,
         Duration::from_secs(60),
     );
+    // A long event (as a worker restart is): the users go on beside it and the run waits for it.
+    let event_takes = Duration::from_secs(3);
     let fired = AtomicUsize::new(0);
+    let finished = AtomicUsize::new(0);
     let extras = RunExtras {
         time_scale: 1.0,
         event: Some((
             3,
             Box::pin(async {
                 fired.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(event_takes).await;
+                finished.fetch_add(1, Ordering::SeqCst);
             }),
         )),
     };
@@ -143,6 +148,12 @@ async fn sessions_wait_for_their_arrival_and_the_event_fires_once_before_its_ses
         .run_with(&Route::Endpoint(worker), &workload, 6, extras)
         .await;
     assert_eq!(fired.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        1,
+        "the run waited for the event"
+    );
+    assert!(result.wall >= event_takes);
     assert_eq!(result.outcomes.len(), 6);
     for o in &result.outcomes {
         assert!(o.ok(), "{o:?}");
@@ -151,6 +162,8 @@ async fn sessions_wait_for_their_arrival_and_the_event_fires_once_before_its_ses
             .any(|s| s.requests[0].session == o.session);
         if second_burst {
             assert!(o.sent_at >= Duration::from_millis(400), "{o:?}");
+            let answered = o.sent_at + o.e2e.expect("answered");
+            assert!(answered < event_takes, "not held back by the event: {o:?}");
         } else {
             assert!(o.sent_at < Duration::from_millis(400), "{o:?}");
         }

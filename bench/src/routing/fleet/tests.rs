@@ -13,7 +13,17 @@ fn the_heterogeneous_fleet_mixes_speeds_and_cache_sizes_and_slows_a_fast_worker_
     );
     let event = plan.event.expect("a mid-run event");
     assert_eq!(plan.workers[event.worker].slowdown, 1.0, "a fast worker");
-    assert!(event.slowdown > 1.0);
+    assert!(matches!(event.change, FleetChange::Slowdown(f) if f > 1.0));
+    assert_eq!(event.at_session(96), 48);
+}
+
+#[test]
+fn the_restart_fleet_is_the_same_fleet_with_a_fast_worker_restarted_halfway() {
+    let plan = FleetPlan::restart();
+    assert_eq!(plan.workers, FleetPlan::heterogeneous().workers);
+    let event = plan.event.expect("a mid-run event");
+    assert_eq!(plan.workers[event.worker].slowdown, 1.0, "a fast worker");
+    assert!(matches!(event.change, FleetChange::Restart { down_s } if down_s > 0.0));
     assert_eq!(event.at_session(96), 48);
 }
 
@@ -32,7 +42,7 @@ fn an_event_fires_inside_the_run_whatever_its_share() {
         FleetEvent {
             at_share: share,
             worker: 0,
-            slowdown: 2.0,
+            change: FleetChange::Slowdown(2.0),
         }
         .at_session(sessions)
     };
