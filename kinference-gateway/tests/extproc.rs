@@ -674,6 +674,21 @@ fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
     .expect("tenancy")
 }
 
+/// An in-process handler over `workers` workers, governed by tenant `acme` ([`tenancy`]) set up in a
+/// fresh directory named after `name`: the handler, the tenancy (for its usage report) and the
+/// directory (its usage journal; kept until the test ends).
+async fn acme_handler(name: &str, workers: usize) -> (Handler, Arc<Tenancy>, support::TempDir) {
+    let scratch = support::TempDir::new(name);
+    let tenancy = tenancy(&scratch.0);
+    let t = Arc::clone(&tenancy);
+    let handler = in_process_with(workers, Settings::default(), move |_| Governance {
+        tenancy: Some(t),
+        policy: None,
+    })
+    .await;
+    (handler, tenancy, scratch)
+}
+
 /// Tenant `acme`'s usage report once it counts `requests` requests (after a generous wait, the
 /// report as it is, for the caller's assertion to show).
 async fn settled_report(tenancy: &Tenancy, requests: u64) -> Value {
@@ -717,14 +732,7 @@ fn response_end(usage: &str) -> [ProcessingRequest; 2] {
 
 #[tokio::test]
 async fn api_key_is_401_and_tenant_limit_429_and_usage_is_settled() {
-    let scratch = support::TempDir::new("extproc-tenancy");
-    let tenancy = tenancy(&scratch.0);
-    let t = Arc::clone(&tenancy);
-    let mut h = in_process_with(1, Settings::default(), move |_| Governance {
-        tenancy: Some(t),
-        policy: None,
-    })
-    .await;
+    let (mut h, tenancy, _scratch) = acme_handler("extproc-tenancy", 1).await;
     let body = chat_body("tenant");
     let path = "/v1/chat/completions";
 
@@ -1046,14 +1054,7 @@ fn routed_worker(outcome: Outcome) -> String {
 
 #[tokio::test]
 async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenant() {
-    let scratch = support::TempDir::new("extproc-passthrough");
-    let tenancy = tenancy(&scratch.0);
-    let t = Arc::clone(&tenancy);
-    let mut h = in_process_with(2, Settings::default(), move |_| Governance {
-        tenancy: Some(t),
-        policy: None,
-    })
-    .await;
+    let (mut h, tenancy, scratch) = acme_handler("extproc-passthrough", 2).await;
     let bearer = format!("Bearer {ACME_KEY}");
     let auth = [("authorization", bearer.as_str())];
 
@@ -1124,14 +1125,7 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
 
 #[tokio::test]
 async fn a_streamed_response_settles_the_usage_of_its_completed_event() {
-    let scratch = support::TempDir::new("extproc-responses");
-    let tenancy = tenancy(&scratch.0);
-    let t = Arc::clone(&tenancy);
-    let mut h = in_process_with(2, Settings::default(), move |_| Governance {
-        tenancy: Some(t),
-        policy: None,
-    })
-    .await;
+    let (mut h, tenancy, _scratch) = acme_handler("extproc-responses", 2).await;
     let bearer = format!("Bearer {ACME_KEY}");
     let auth = [("authorization", bearer.as_str())];
     let body = json!({"model": MODEL, "input": "tell me about ext_proc", "stream": true});
