@@ -71,12 +71,65 @@ async fn recording_relay(upstream: u16) -> (u16, Arc<Mutex<Vec<u8>>>) {
     (port, seen)
 }
 
-/// A `vllm-sim` worker behind a recording relay: (process, relay port, bytes the worker got).
-async fn worker(sim: &Path) -> (ChildGuard, u16, Arc<Mutex<Vec<u8>>>) {
-    let (child, port) = support::spawn_vllm_sim(sim, MODEL);
-    support::wait_until_ok(port, "/health").await;
-    let (relay, seen) = recording_relay(port).await;
-    (child, relay, seen)
+/// A started gateway in front of one `vllm-sim` worker reached through a recording relay, its
+/// config, log and usage journal in a fresh directory.
+struct Setup {
+    /// The gateway, stopped (dropped) before its directory is removed.
+    _gateway: ChildGuard,
+    /// The gateway's API port.
+    api: u16,
+    /// The relay's port: the worker's URL in the gateway's config.
+    relay: u16,
+    /// The bytes the worker got.
+    seen: Arc<Mutex<Vec<u8>>>,
+    dir: support::TempDir,
+    _sim: ChildGuard,
+}
+
+impl Setup {
+    /// Starts the worker, its relay and the gateway (with `envs` and `flags`, in directory `name`),
+    /// and waits until they serve.
+    async fn start(sim: &Path, name: &str, envs: &[(&str, &str)], flags: &[&str]) -> Setup {
+        let (sim, port) = support::spawn_vllm_sim(sim, MODEL);
+        support::wait_until_ok(port, "/health").await;
+        let (relay, seen) = recording_relay(port).await;
+        let dir = support::TempDir::new(name);
+        let config = write_config(&dir.0, relay);
+        let (gateway, api) = gateway(&config, envs, flags, &dir.0.join("gateway.log")).await;
+        Setup {
+            _gateway: gateway,
+            api,
+            relay,
+            seen,
+            dir,
+            _sim: sim,
+        }
+    }
+
+    /// The file of the gateway's log lines (its standard output).
+    fn log(&self) -> PathBuf {
+        self.dir.0.join("gateway.log")
+    }
+
+    /// Everything the worker was sent so far, lower-cased (header names and values).
+    fn sent(&self) -> String {
+        String::from_utf8_lossy(&self.seen.lock().unwrap()).to_ascii_lowercase()
+    }
+
+    /// Waits until the usage journal has a record of `request_id`.
+    async fn usage_record_of(&self, request_id: &str) {
+        let record = format!(r#""request_id":"{request_id}""#);
+        eventually(
+            &format!("the usage record with request id {request_id}"),
+            || {
+                std::fs::read_to_string(self.dir.0.join("usage.jsonl"))
+                    .ok()?
+                    .contains(&record)
+                    .then_some(())
+            },
+        )
+        .await;
+    }
 }
 
 fn write_config(dir: &Path, worker: u16) -> PathBuf {
@@ -183,28 +236,20 @@ async fn exports_the_trace(protocol: Protocol) {
             vec!["--log-format", "json", "--otlp-protocol", "http"],
         ),
     };
-    let (_sim, relay, seen) = worker(&sim).await;
-    let dir = std::env::temp_dir().join(format!(
-        "kinference-tracing-{protocol:?}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = write_config(&dir, relay);
-    let log = dir.join("gateway.log");
-    let (gw, api) = gateway(
-        &config,
+    let setup = Setup::start(
+        &sim,
+        &format!("tracing-{protocol:?}"),
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
             ("OTEL_BSP_SCHEDULE_DELAY", "100"),
         ],
         &flags,
-        &log,
     )
     .await;
 
     let traceparent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
     let (status, head, body) = stream_chat(
-        api,
+        setup.api,
         &[
             ("traceparent", &traceparent),
             ("x-request-id", "trace-test-1"),
@@ -264,7 +309,7 @@ async fn exports_the_trace(protocol: Protocol) {
         previous_end = span.end_time_unix_nano;
     }
     let routing = attributes(by_name("routing"));
-    let worker_url = format!("http://127.0.0.1:{relay}");
+    let worker_url = format!("http://127.0.0.1:{}", setup.relay);
     assert_eq!(routing.get("worker"), Some(&worker_url), "{routing:?}");
     for estimate in ["reason", "prompt_tokens", "cached_tokens", "est_ttft_s"] {
         assert!(routing.contains_key(estimate), "{estimate}: {routing:?}");
@@ -275,7 +320,7 @@ async fn exports_the_trace(protocol: Protocol) {
 
     // The worker's request continues the trace under the upstream span, with the request id.
     let upstream = hex(&by_name("upstream").span_id);
-    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    let sent = setup.sent();
     assert!(
         sent.contains(&format!("traceparent: 00-{TRACE_ID}-{upstream}-01")),
         "{sent}"
@@ -284,7 +329,7 @@ async fn exports_the_trace(protocol: Protocol) {
 
     // The JSON access line and the usage record carry the request id.
     let access = eventually("the access line", || {
-        std::fs::read_to_string(&log)
+        std::fs::read_to_string(setup.log())
             .ok()?
             .lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
@@ -299,15 +344,7 @@ async fn exports_the_trace(protocol: Protocol) {
     assert_eq!(fields["backend"], worker_url.as_str(), "{access}");
     assert!(fields["output_tokens"].as_u64() > Some(0), "{access}");
     assert_eq!(access["span"]["request_id"], "trace-test-1", "{access}");
-    eventually("the usage record with the request id", || {
-        std::fs::read_to_string(dir.join("usage.jsonl"))
-            .ok()?
-            .contains(r#""request_id":"trace-test-1""#)
-            .then_some(())
-    })
-    .await;
-    drop(gw);
-    let _ = std::fs::remove_dir_all(&dir);
+    setup.usage_record_of("trace-test-1").await;
 }
 
 #[tokio::test]
@@ -316,11 +353,8 @@ async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_
     let Some(sim) = support::vllm_sim_binary() else {
         return;
     };
-    let (_sim, relay, seen) = worker(&sim).await;
-    let dir = std::env::temp_dir().join(format!("kinference-tracing-off-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = write_config(&dir, relay);
-    let (_gw, api) = gateway(&config, &[], &[], &dir.join("gateway.log")).await;
+    let setup = Setup::start(&sim, "tracing-off", &[], &[]).await;
+    let api = setup.api;
 
     let traceparent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
     let (status, head, body) = stream_chat(
@@ -339,7 +373,7 @@ async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_
         .expect("an x-request-id in the answer");
     assert_eq!(id.len(), 32, "{id}");
     assert!(id.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
-    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    let sent = setup.sent();
     assert!(
         sent.contains(&format!("traceparent: {traceparent}")),
         "{sent}"
@@ -373,14 +407,7 @@ async fn without_an_endpoint_the_clients_traceparent_passes_unchanged_and_a_bad_
     .await;
     assert_eq!(status, 200, "{body}");
     assert!(head.contains("x-request-id: embed-1"), "{head}");
-    let sent = String::from_utf8_lossy(&seen.lock().unwrap()).to_ascii_lowercase();
+    let sent = setup.sent();
     assert!(sent.contains("x-request-id: embed-1"), "{sent}");
-    eventually("the embeddings usage record with the request id", || {
-        std::fs::read_to_string(dir.join("usage.jsonl"))
-            .ok()?
-            .contains(r#""request_id":"embed-1""#)
-            .then_some(())
-    })
-    .await;
-    let _ = std::fs::remove_dir_all(&dir);
+    setup.usage_record_of("embed-1").await;
 }
