@@ -134,6 +134,19 @@ fn tenant(name: &str, secret: &str) -> Value {
     })
 }
 
+/// The model `small`, served as `small-served`, with the rest of its spec in `spec`.
+fn small_model(spec: Value) -> Value {
+    let mut model = json!({
+        "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
+        "metadata": {"name": "small", "namespace": NS},
+        "spec": {"servedName": "small-served"}
+    });
+    if let (Some(all), Some(more)) = (model["spec"].as_object_mut(), spec.as_object()) {
+        all.extend(more.clone());
+    }
+    model
+}
+
 fn pool(name: &str, url: &str) -> Value {
     json!({
         "apiVersion": "kinference.ai/v1alpha1", "kind": "InferencePool",
@@ -171,6 +184,17 @@ fn first_target(snapshot: &Snapshot) -> String {
     }
 }
 
+/// The policy stage serving `cluster`'s policy sets (no policy directory), as main.rs starts it.
+fn policy_stage(cluster: &mut Cluster) -> Arc<PolicyStage> {
+    let settings = StageSettings {
+        dir: Default::default(),
+        reload_interval: Duration::from_secs(1),
+        load_interval: Duration::from_secs(60),
+        connect_timeout: Duration::from_secs(1),
+    };
+    PolicyStage::start_with(cluster.source.policy_sets(), &settings, None)
+}
+
 fn config(identity: &str) -> KubeSourceConfig {
     serde_yaml::from_str(&format!(
         "namespaces: [{NS}]\nidentity: {identity}\nlease_duration_s: 3\n"
@@ -203,6 +227,24 @@ fn auth(t: &Tenancy, h: &HeaderMap) -> StatusCode {
     }
 }
 
+/// Polls the policy `route` until `found` reads what the test waits for from it; fails the test
+/// with `what` after 10 s.
+async fn route_policy_until<T>(
+    kube: &Client,
+    what: &str,
+    mut found: impl FnMut(&DynamicObject) -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let policy = get(kube, "InferencePolicy", "route").await;
+        if let Some(value) = found(&policy) {
+            return value;
+        }
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn condition(obj: &DynamicObject, type_: &str) -> Option<Value> {
     obj.data["status"]["conditions"]
         .as_array()?
@@ -222,15 +264,7 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     put_secret(&kube, "acme-key", "sk-acme-old").await;
     put_secret(&kube, "beta-key", "sk-beta").await;
     put_secret(&kube, "cloud-key", "sk-cloud").await;
-    apply(
-        &kube,
-        json!({
-            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
-            "metadata": {"name": "small", "namespace": NS},
-            "spec": {"servedName": "small-served", "classes": ["general"]}
-        }),
-    )
-    .await;
+    apply(&kube, small_model(json!({"classes": ["general"]}))).await;
     apply(&kube, pool("pool-a", "http://127.0.0.1:1")).await;
     apply(&kube, pool("pool-b", "http://127.0.0.1:2")).await;
     apply(
@@ -297,17 +331,10 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     assert_eq!(holder, leader_id);
 
     // Status written by the leader (server-side apply, our field manager), none by the follower.
-    let mut policy = None;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        let p = get(&kube, "InferencePolicy", "route").await;
-        if condition(&p, "Accepted").is_some() {
-            policy = Some(p);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let policy = policy.expect("the leader never wrote the policy's status");
+    let policy = route_policy_until(&kube, "the leader never wrote the policy's status", |p| {
+        condition(p, "Accepted").is_some().then(|| p.clone())
+    })
+    .await;
     assert_eq!(
         condition(&policy, "Accepted").expect("Accepted")["status"],
         "True"
@@ -371,17 +398,13 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
     })
     .await;
     assert_eq!(first_target(&a.source.current()), "pool/pool-b");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let rolled_back = loop {
-        let p = get(&kube, "InferencePolicy", "route").await;
-        if let Some(c) = condition(&p, "RolledBack").filter(|c| c["status"] == "True") {
-            assert_eq!(p.data["status"]["observedGeneration"], 3);
-            assert_eq!(p.data["status"]["activeGeneration"], 2);
-            break c;
-        }
-        assert!(Instant::now() < deadline, "no RolledBack condition written");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let rolled_back = route_policy_until(&kube, "no RolledBack condition written", |p| {
+        let c = condition(p, "RolledBack").filter(|c| c["status"] == "True")?;
+        assert_eq!(p.data["status"]["observedGeneration"], 3);
+        assert_eq!(p.data["status"]["activeGeneration"], 2);
+        Some(c)
+    })
+    .await;
     let message = rolled_back["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("pool-missing") && message.contains("generation 2"),
@@ -472,17 +495,12 @@ async fn the_five_crds_drive_the_gateway_with_status_leases_and_secrets() {
         Some(survivor_id)
     );
     apply(&kube, route_policy("pool-a")).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let p = get(&kube, "InferencePolicy", "route").await;
-        if p.data["status"]["observedGeneration"] == 4
-            && condition(&p, "Accepted").is_some_and(|c| c["status"] == "True")
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the new leader wrote no status");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    route_policy_until(&kube, "the new leader wrote no status", |p| {
+        (p.data["status"]["observedGeneration"] == 4
+            && condition(p, "Accepted").is_some_and(|c| c["status"] == "True"))
+        .then_some(())
+    })
+    .await;
     // The write is visible on the apiserver a moment before the writer counts it.
     wait_until(
         "the new leader counted its write",
@@ -574,15 +592,7 @@ async fn the_gateway_binary_in_cluster_mode_authenticates_and_routes_from_the_cr
     let Some((server, kube)) = apiserver_with(&[NS, OTHER_NS]).await else {
         return;
     };
-    apply(
-        &kube,
-        json!({
-            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
-            "metadata": {"name": "small", "namespace": NS},
-            "spec": {"servedName": "small-served", "classes": ["general"]}
-        }),
-    )
-    .await;
+    apply(&kube, small_model(json!({"classes": ["general"]}))).await;
     apply(&kube, pool("pool-a", "http://127.0.0.1:1")).await;
 
     let dir = std::env::temp_dir().join(format!("kinference-crds-gateway-{}", std::process::id()));
@@ -873,32 +883,11 @@ async fn planned_pools(stage: &PolicyStage, router: &Router) -> Vec<(String, Vec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
     let _serial = SERIAL.lock().await;
-    let Some(server) = Apiserver::start("crds-pools") else {
+    let Some((server, kube)) = apiserver_with(&[NS]).await else {
         return;
     };
-    let kube = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(kube.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(
-                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}),
-            )
-            .expect("ns"),
-        )
-        .await
-        .expect("namespace");
-    install_crds(&kube).await;
     let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2");
-    apply(
-        &kube,
-        json!({
-            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
-            "metadata": {"name": "small", "namespace": NS},
-            "spec": {"servedName": "small-served", "tokenizer": {"dir": tokenizer}}
-        }),
-    )
-    .await;
+    apply(&kube, small_model(json!({"tokenizer": {"dir": tokenizer}}))).await;
     // Two pools of the same model, told apart by label and GPU class.
     for (name, tier, gpu) in [("near", "a", "l40s"), ("far", "b", "h100")] {
         apply(&kube, json!({
@@ -947,13 +936,7 @@ async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
         &discovery_config,
         Arc::clone(&router) as Arc<dyn WorkerSink>,
     );
-    let settings = StageSettings {
-        dir: Default::default(),
-        reload_interval: Duration::from_secs(1),
-        load_interval: Duration::from_secs(60),
-        connect_timeout: Duration::from_secs(1),
-    };
-    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    let stage = policy_stage(&mut cluster);
     stage.follow_discovered(discovery.workers());
 
     // Pods: w1 is near's; w2 far's; w3 has near's label but runs on h100: nobody's.
@@ -1015,25 +998,13 @@ async fn serves_messages_on_an_inference_model_reaches_the_gateway() {
     let Some((_server, kube)) = apiserver_with(&[NS]).await else {
         return;
     };
-    let model = |serves: bool| {
-        json!({
-            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
-            "metadata": {"name": "small", "namespace": NS},
-            "spec": {"servedName": "small-served", "servesMessages": serves}
-        })
-    };
+    let model = |serves: bool| small_model(json!({"servesMessages": serves}));
     apply(&kube, model(true)).await;
     let stored = get(&kube, "InferenceModel", "small").await;
     assert_eq!(stored.data["spec"]["servesMessages"], json!(true));
 
     let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-messages")).await;
-    let settings = StageSettings {
-        dir: Default::default(),
-        reload_interval: Duration::from_secs(1),
-        load_interval: Duration::from_secs(60),
-        connect_timeout: Duration::from_secs(1),
-    };
-    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    let stage = policy_stage(&mut cluster);
     let serves = |stage: &PolicyStage| {
         stage
             .routing_additions()
@@ -1066,15 +1037,7 @@ async fn a_pools_worker_key_comes_from_its_secret() {
     let Some((_server, kube)) = apiserver_with(&[NS]).await else {
         return;
     };
-    apply(
-        &kube,
-        json!({
-            "apiVersion": "kinference.ai/v1alpha1", "kind": "InferenceModel",
-            "metadata": {"name": "small", "namespace": NS},
-            "spec": {"servedName": "small-served"}
-        }),
-    )
-    .await;
+    apply(&kube, small_model(json!({}))).await;
     put_secret(&kube, "pool-key", "sk-pool-one").await;
     let mut keyed = pool("keyed", "http://127.0.0.1:9");
     keyed["spec"]["workerCredentials"] =
@@ -1083,13 +1046,7 @@ async fn a_pools_worker_key_comes_from_its_secret() {
     apply(&kube, keyed).await;
 
     let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-pool-key")).await;
-    let settings = StageSettings {
-        dir: Default::default(),
-        reload_interval: Duration::from_secs(1),
-        load_interval: Duration::from_secs(60),
-        connect_timeout: Duration::from_secs(1),
-    };
-    let stage = PolicyStage::start_with(cluster.source.policy_sets(), &settings, None);
+    let stage = policy_stage(&mut cluster);
     stage.set_pool_credentials(cluster.pool_credentials());
     let mut gateway_wide = HeaderMap::new();
     gateway_wide.insert(
