@@ -14,12 +14,20 @@
 //! The [`Meter`] hears every text chunk (first token, inter-token latency, the tenant's streamed
 //! output) and the end exactly once: `finish` with the status and the backend's usage, or, when the
 //! client goes away first, nothing: dropping the meter settles it as abandoned.
+//!
+//! A stream whose backend breaks or closes it before any output (a worker that crashed or restarted
+//! while the request waited or ran its prefill) gets one second chance when the caller gave one
+//! ([`Resend`]): the same request goes to another backend and its answer continues the stream, so
+//! the client sees a later first token instead of an error. Once output has reached the client
+//! nothing is sent again (the answer would be a different one), and a stall past the idle timeout
+//! is not a break (the worker may be alive and busy: sending again would double its load).
 
 use std::convert::Infallible;
 use std::ops::ControlFlow;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use futures::future::BoxFuture;
 use http::StatusCode;
 use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
@@ -44,6 +52,20 @@ pub trait Meter: Send + 'static {
     fn text_chunk(&mut self);
     /// The answer ended with `status` and the backend's `usage` (called at most once).
     fn finish(&mut self, status: u16, usage: Option<&Usage>);
+}
+
+/// A stream's second chance: asked once, only when the backend broke the stream before any output,
+/// it sends the same request to another backend; `None` when none could take it.
+pub type Resend<M> = Box<dyn FnOnce() -> BoxFuture<'static, Option<Resent<M>>> + Send>;
+
+/// Another backend's answer to a request sent again ([`Resend`]).
+pub struct Resent<M> {
+    /// Its streamed body, relayed from its first event.
+    pub body: Incoming,
+    /// Its label (worker URL), for errors and logs.
+    pub label: String,
+    /// Tells the meter which backend serves the request now.
+    pub moved: Box<dyn FnOnce(&mut M) + Send>,
 }
 
 /// What the client expects back.
@@ -161,7 +183,8 @@ pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>)
 
 /// A streamed answer as a response body, relayed event by event; `meter` hears it pass. The relay
 /// runs in the `stream` span (a child of the current one), which notes the first token's time.
-pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
+/// `resend`, when given, is the stream's second chance if the backend breaks it before any output.
+pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M, resend: Option<Resend<M>>) -> Body {
     let span = tracing::debug_span!(
         "stream",
         backend = %spec.label,
@@ -198,6 +221,9 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M) -> Body {
         span,
         started: std::time::Instant::now(),
         first_token: false,
+        resend,
+        passed_any: false,
+        skip_preamble: false,
     };
     if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
         (&mut relay.to_anthropic, &relay.spec.shape)
@@ -234,6 +260,13 @@ struct Relay<M: Meter> {
     span: tracing::Span,
     started: std::time::Instant,
     first_token: bool,
+    /// The second chance, until used ([`Resend`]).
+    resend: Option<Resend<M>>,
+    /// Some chunk of the backend's went to an OpenAI client as it is.
+    passed_any: bool,
+    /// Sent again after the client had the first backend's opening chunk (the role, no text):
+    /// the new backend's chunks without output are not passed until its first output.
+    skip_preamble: bool,
 }
 
 impl<M: Meter> Relay<M> {
@@ -247,7 +280,11 @@ impl<M: Meter> Relay<M> {
                 return None;
             }
             match next_frame(&mut self.body, self.spec.idle_timeout, &self.spec.label).await {
-                Err(error) => self.fail(error),
+                Err(error) => self.broken(error).await,
+                Ok(None) if !self.done => {
+                    let error = self.closed_early();
+                    self.broken(error).await
+                }
                 Ok(None) => self.upstream_ended(),
                 Ok(Some(frame)) => {
                     if let Some(data) = frame.data_ref() {
@@ -323,8 +360,15 @@ impl<M: Meter> Relay<M> {
         if self.hear(&chunk).is_break() {
             return;
         }
+        if self.skip_preamble {
+            if !chunk.carries_text() && chunk.usage().is_none() {
+                return;
+            }
+            self.skip_preamble = false;
+        }
         if !self.spec.verbatim() && (!chunk.usage_only() || self.pass_usage_chunk) {
             put_data(&mut self.out, data);
+            self.passed_any = true;
         }
     }
 
@@ -374,22 +418,54 @@ impl<M: Meter> Relay<M> {
         }
     }
 
+    /// The backend's body ended before it said the answer was complete.
+    fn closed_early(&self) -> GatewayError {
+        let who = if self.spec.label.starts_with("provider/") {
+            "provider"
+        } else {
+            "worker"
+        };
+        self.spec.bad(format!(
+            "the {who} closed the stream before it was complete"
+        ))
+    }
+
+    /// The backend's body ended.
     fn upstream_ended(&mut self) {
         if !self.done {
-            let who = if self.spec.label.starts_with("provider/") {
-                "provider"
-            } else {
-                "worker"
-            };
-            return self.fail(self.spec.bad(format!(
-                "the {who} closed the stream before it was complete"
-            )));
+            return self.fail(self.closed_early());
         }
         if let Some(t) = &mut self.to_anthropic {
             t.finish(&mut self.out);
         }
         self.settle(200);
         self.ended = true;
+    }
+
+    /// The backend broke the stream (or closed it early, or stalled). Before any output, and
+    /// unless it only stalled, the request goes once more to another backend ([`Resend`]) and the
+    /// stream goes on with its answer; otherwise it fails.
+    async fn broken(&mut self, error: GatewayError) {
+        let stalled = matches!(error, GatewayError::UpstreamTimeout { .. });
+        // Only an OpenAI backend's stream can be continued by another's: the relay keeps no state
+        // of its events but the client's own.
+        let openai = self.from_anthropic.is_none() && !self.spec.verbatim();
+        let second_chance = match self.resend.take() {
+            Some(resend) if openai && !self.first_token && !stalled => resend,
+            _ => return self.fail(error),
+        };
+        tracing::warn!(backend = %self.spec.label, %error, "stream broke before any output; sending the request again");
+        let Some(resent) = second_chance().await else {
+            return self.fail(error);
+        };
+        tracing::info!(from = %self.spec.label, to = %resent.label, "stream continues from another backend");
+        self.body = resent.body;
+        self.parser = SseParser::new();
+        self.spec.label = resent.label;
+        if let Some(meter) = &mut self.meter {
+            (resent.moved)(meter);
+        }
+        self.skip_preamble = self.passed_any;
     }
 
     fn fail(&mut self, error: GatewayError) {

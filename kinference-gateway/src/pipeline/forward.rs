@@ -1,6 +1,8 @@
 //! Stages "forward" and "relay": the request to a backend (the plain pool's best worker, or the
 //! plan's targets in order, passing over those that cannot take it), and the backend's answer back
-//! to the client through the one relay ([`crate::backend::relay`]), settled once.
+//! to the client through the one relay ([`crate::backend::relay`]), settled once. A worker's stream
+//! carries a second chance ([`relay::Resend`]): broken before any output, it continues from another
+//! worker.
 
 use std::sync::Arc;
 
@@ -11,6 +13,7 @@ use kinference_crds::ApiStyle;
 
 use super::Endpoint;
 use super::exchange::{Exchange, Request};
+use super::settle::Settlement;
 use crate::api::openai::{UpstreamErrorBody, parse_body};
 use crate::backend::provider::ProviderClient;
 use crate::backend::relay::{self, ClientShape, Spec};
@@ -19,15 +22,37 @@ use crate::body::{Body, full};
 use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::policy::stage::{Plan, PlanTarget};
+use crate::routing::tokenize::PromptTokens;
 use crate::routing::{Decision, RouteError, RouteRequest};
 
 /// The backend that took the request, and its answer's headers (a 2xx).
 pub enum Forwarded {
     /// A worker chosen by the router, answering in its protocol (Anthropic when the request passed
     /// through to its `/v1/messages`).
-    Worker(Box<Decision>, Response<Incoming>, ApiStyle),
+    Worker(Box<WorkerAnswer>),
     /// A provider (cloud burst), asked for `model`.
     Provider(Arc<ProviderClient>, Response<Incoming>),
+}
+
+/// A worker's answer and how it was asked, so that a stream it breaks before any output can be
+/// sent again to another worker of the same pool ([`relay::Resend`]).
+pub struct WorkerAnswer {
+    decision: Decision,
+    response: Response<Incoming>,
+    style: ApiStyle,
+    call: WorkerCall,
+}
+
+/// What a worker is sent: the path, the body, the protocol it answers in, and the pool it was
+/// picked from (a policy's, or every worker of the model).
+#[derive(Clone)]
+struct WorkerCall {
+    path: &'static str,
+    body: Bytes,
+    style: ApiStyle,
+    /// The model the workers serve it as.
+    model: String,
+    pool: Option<Vec<String>>,
 }
 
 /// Stage "forward" under a policy plan: the targets in order. A pool without a healthy worker (or
@@ -51,7 +76,7 @@ pub async fn planned(
                     &retargeted
                 };
                 match to_worker(gw, ex, req, workers.as_deref()).await {
-                    Ok((mut decision, response, style)) => {
+                    Ok(mut answer) => {
                         if let Some(stage) = &gw.policy {
                             stage.count_sent(target, plan.burst);
                         }
@@ -59,13 +84,14 @@ pub async fn planned(
                             s.served(req.model());
                         }
                         if ex.debug {
+                            let decision = &mut answer.decision;
                             decision.explain = Some(format!(
                                 "{}; router: {}",
                                 ex.explain.as_deref().unwrap_or(""),
                                 decision.explain.as_deref().unwrap_or("")
                             ));
                         }
-                        return Ok(Forwarded::Worker(Box::new(decision), response, style));
+                        return Ok(Forwarded::Worker(Box::new(answer)));
                     }
                     Err(
                         error @ (GatewayError::NoHealthyWorker(_)
@@ -120,8 +146,8 @@ pub async fn plain(
     ex: &mut Exchange,
     request: &Request,
 ) -> Result<Forwarded, GatewayError> {
-    let (decision, response, style) = to_worker(gw, ex, request, None).await?;
-    Ok(Forwarded::Worker(Box::new(decision), response, style))
+    let answer = to_worker(gw, ex, request, None).await?;
+    Ok(Forwarded::Worker(Box::new(answer)))
 }
 
 /// What a worker is sent: the path, the body and the protocol it answers in. An Anthropic request
@@ -131,9 +157,17 @@ fn worker_call(
     gw: &Gateway,
     ex: &Exchange,
     request: &Request,
-) -> Result<(&'static str, Bytes, ApiStyle), GatewayError> {
+    pool: Option<&[String]>,
+) -> Result<WorkerCall, GatewayError> {
+    let call = |path, body, style| WorkerCall {
+        path,
+        body,
+        style,
+        model: request.model().to_string(),
+        pool: pool.map(<[String]>::to_vec),
+    };
     if ex.endpoint != Endpoint::Messages || !gw.serves_messages(request.model()) {
-        return Ok((
+        return Ok(call(
             ex.endpoint.upstream_path(),
             request.body.clone(),
             ApiStyle::OpenAI,
@@ -146,7 +180,7 @@ fn worker_call(
         body["model"] = request.model().into();
         Bytes::from(body.to_string())
     };
-    Ok(("/v1/messages", body, ApiStyle::Anthropic))
+    Ok(call("/v1/messages", body, ApiStyle::Anthropic))
 }
 
 fn outgoing(request: &Request) -> Outgoing<'_> {
@@ -157,49 +191,72 @@ fn outgoing(request: &Request) -> Outgoing<'_> {
     }
 }
 
-/// Picks a worker (among `pool` when a policy chose one) and sends the request. When the worker
-/// fails it before answering (refused or broken connection, 503) the request goes once more, to
-/// another worker: nothing has reached the client yet, and a worker that is shutting down closes its
-/// idle connections before every gateway has heard it is gone. A refused connection also marks the
-/// worker unhealthy. The settlement holds the router's ticket from then on.
+/// Picks a worker (among `pool` when a policy chose one) and sends the request
+/// ([`send_to_worker`]). The settlement holds the router's ticket from then on.
 async fn to_worker(
     gw: &Gateway,
     ex: &Exchange,
     request: &Request,
     pool: Option<&[String]>,
-) -> Result<(Decision, Response<Incoming>, ApiStyle), GatewayError> {
-    let (path, body, style) = worker_call(gw, ex, request)?;
-    let mut failed: Vec<String> = Vec::new();
+) -> Result<WorkerAnswer, GatewayError> {
+    let call = worker_call(gw, ex, request, pool)?;
+    let (decision, response) =
+        send_to_worker(gw, &call, request, ex.debug, &ex.tokens, Vec::new()).await?;
+    Ok(WorkerAnswer {
+        decision,
+        response,
+        style: call.style,
+        call,
+    })
+}
+
+/// Picks a worker of the call's pool for `request`, none of `failed`, and sends it the call (routed
+/// with the request's prompt and `tokens`, explained when `debug`). When the worker
+/// fails it before answering (refused or broken connection, 503) the request goes once more, to
+/// another worker: nothing has reached the client yet, and a worker that is shutting down closes
+/// its idle connections before every gateway has heard it is gone. A refused connection also marks
+/// the worker unhealthy.
+async fn send_to_worker(
+    gw: &Gateway,
+    call: &WorkerCall,
+    request: &Request,
+    debug: bool,
+    tokens: &PromptTokens,
+    mut failed: Vec<String>,
+) -> Result<(Decision, Response<Incoming>), GatewayError> {
     let mut last: Option<GatewayError> = None;
     loop {
         let route = RouteRequest {
-            model: request.model(),
+            model: &call.model,
             prompt: request.prompt(),
-            debug: ex.debug,
-            tokens: Some(&ex.tokens),
+            debug,
+            tokens: Some(tokens),
         };
-        let decision = match gw.router.pick_except(route, pool, &failed).await {
+        let decision = match gw
+            .router
+            .pick_except(route, call.pool.as_deref(), &failed)
+            .await
+        {
             Ok(decision) => decision,
             // The retry found no other worker: the first failure is the more useful answer.
             Err(RouteError::NoHealthyWorker(_)) if last.is_some() => {
-                return Err(
-                    last.unwrap_or(GatewayError::NoHealthyWorker(request.model().to_string()))
-                );
+                return Err(last.unwrap_or(GatewayError::NoHealthyWorker(call.model.clone())));
             }
             Err(e) => return Err(e.into()),
         };
         let target = Target::Worker {
             url: &decision.worker,
-            path,
+            path: call.path,
         };
         let outgoing = Outgoing {
-            body: &body,
+            body: &call.body,
             ..outgoing(request)
         };
+        let model = &call.model;
         let error = match backend::send(&gw.upstream, target, outgoing).await {
             Ok(response) if response.status().is_success() => {
                 gw.health.observe(&decision.worker, true);
-                return Ok((decision, response, style));
+                return Ok((decision, response));
             }
             Ok(response) => {
                 let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
@@ -212,12 +269,12 @@ async fn to_worker(
                 error
             }
             Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
-                tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker unreachable; marking it unhealthy");
+                tracing::warn!(worker = %decision.worker, %model, %error, "worker unreachable; marking it unhealthy");
                 gw.health.connect_failed(&decision.worker);
                 error
             }
             Err(SendError::Failed(error @ GatewayError::BadUpstream { .. })) => {
-                tracing::warn!(worker = %decision.worker, model = %request.model(), %error, "worker broke the connection before answering");
+                tracing::warn!(worker = %decision.worker, %model, %error, "worker broke the connection before answering");
                 gw.health.observe(&decision.worker, false);
                 error
             }
@@ -239,6 +296,51 @@ async fn to_worker(
         failed.push(decision.worker.clone());
         last = Some(error);
     }
+}
+
+/// A streamed request's second chance ([`relay::Resend`]): when `failed` breaks the stream before
+/// any output, the same call goes to another worker of its pool, routed like the first time.
+fn resend(
+    gw: &Arc<Gateway>,
+    request: &Arc<Request>,
+    ex: &Exchange,
+    call: WorkerCall,
+    failed: String,
+) -> relay::Resend<Settlement> {
+    let gw = Arc::clone(gw);
+    let request = Arc::clone(request);
+    let debug = ex.debug;
+    let tokens = PromptTokens::default();
+    if let Some(known) = ex.tokens.get(&call.model) {
+        tokens.set(&call.model, known);
+    }
+    Box::new(move || {
+        Box::pin(async move {
+            gw.health.observe(&failed, false);
+            gw.metrics.retry();
+            let (decision, response) = send_to_worker(
+                &gw,
+                &call,
+                &request,
+                debug,
+                &tokens,
+                vec![failed],
+            )
+            .await
+            .inspect_err(|error| {
+                tracing::warn!(%error, model = %call.model, "no other worker took the request");
+            })
+            .ok()?;
+            let label = decision.worker.clone();
+            Some(relay::Resent {
+                body: response.into_body(),
+                label,
+                moved: Box::new(move |settlement: &mut Settlement| {
+                    settlement.moved(&decision.worker, decision.ticket);
+                }),
+            })
+        })
+    })
 }
 
 /// A worker's non-2xx answer: its own 4xx passes on with its message, except a refusal of the
@@ -273,16 +375,22 @@ async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> 
 /// Stage "relay": the backend's answer to the client in the client's protocol, streamed or whole;
 /// the settlement is fed as it passes and settled once.
 pub async fn relay(
-    gw: &Gateway,
+    gw: &Arc<Gateway>,
     ex: &mut Exchange,
-    request: &Request,
+    request: &Arc<Request>,
     forwarded: Forwarded,
 ) -> Result<Response<Body>, GatewayError> {
     // A worker answering in Anthropic's protocol got the client's own request: its answer passes
     // as it is. A provider's is translated, so the client sees the model it asked for.
+    let mut resend = None;
     let (style, pass_through, label, input_tokens, response, mut headers) = match forwarded {
-        Forwarded::Worker(decision, response, style) => {
-            let decision = *decision;
+        Forwarded::Worker(answer) => {
+            let WorkerAnswer {
+                decision,
+                response,
+                style,
+                call,
+            } = *answer;
             let headers = worker_headers(&decision, ex);
             if let Some(s) = ex.settlement() {
                 s.worker(
@@ -291,6 +399,9 @@ pub async fn relay(
                     decision.prompt_tokens,
                     decision.ticket,
                 );
+            }
+            if request.stream && style == ApiStyle::OpenAI {
+                resend = Some(self::resend(gw, request, ex, call, decision.worker.clone()));
             }
             let input = decision.prompt_tokens.unwrap_or(0) as u64;
             let pass_through = style == ApiStyle::Anthropic;
@@ -342,7 +453,12 @@ pub async fn relay(
             });
         };
         settlement.relaying();
-        let mut out = Response::new(relay::stream(response.into_body(), spec, settlement));
+        let mut out = Response::new(relay::stream(
+            response.into_body(),
+            spec,
+            settlement,
+            resend,
+        ));
         out.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/event-stream"),

@@ -109,7 +109,7 @@ pub async fn handle(
 
 /// The stages in order; the first error ends the request.
 async fn run(
-    gw: &Gateway,
+    gw: &Arc<Gateway>,
     ex: &mut Exchange,
     req: HttpRequest<Incoming>,
 ) -> Result<Response<Body>, GatewayError> {
@@ -129,7 +129,8 @@ async fn run(
     )
     .await?;
     // Under policies the JSON is kept for the plan stage (the body is parsed once).
-    let request = exchange::parse_as(ex.endpoint, body, gw.policy.is_some())?;
+    // Shared: a stream's second chance ([`forward::relay`]) outlives this function.
+    let request = Arc::new(exchange::parse_as(ex.endpoint, body, gw.policy.is_some())?);
     if let Some(s) = ex.settlement() {
         s.model(request.model());
     }

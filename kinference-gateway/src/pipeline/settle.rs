@@ -141,6 +141,17 @@ impl Settlement {
         }
     }
 
+    /// The request went to another worker after the first broke its stream before any output
+    /// ([`crate::backend::relay::Resend`]): the new worker's ticket replaces the first's (released
+    /// as it drops) and the new worker is the one the request is counted and recorded under.
+    pub fn moved(&mut self, worker: &str, ticket: InFlight) {
+        self.labels.worker = worker.to_string();
+        self.ticket = Some(ticket);
+        if let Some(admission) = &mut self.admission {
+            admission.moved(worker);
+        }
+    }
+
     /// The plan's pool serves `model` (the served name behind an alias or class, or another
     /// model): the tenant's per-model limits and price follow it.
     pub fn served(&mut self, model: &str) {

@@ -88,6 +88,12 @@ impl Admission {
         h
     }
 
+    /// The request is served by `worker` now, in place of the one it was routed to (its stream was
+    /// sent again): the usage record names it.
+    pub fn moved(&mut self, worker: &str) {
+        self.worker = Some(worker.to_string());
+    }
+
     /// The router chose `worker` for `reason`; `prompt_tokens` is its own count, which replaces the
     /// admission's estimate in the input buckets right away.
     pub fn routed(&mut self, worker: &str, reason: &str, prompt_tokens: Option<usize>) {

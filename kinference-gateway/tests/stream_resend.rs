@@ -1,0 +1,217 @@
+//! A stream whose worker breaks it before any output is sent again to another worker and continues
+//! from there; one that breaks after output has reached the client ends with an error event.
+//!
+//! The real gateway binary in front of a real `vllm-sim` worker and a worker that answers 200, sends
+//! the opening chunk of a stream (the assistant's role, no text) and, in the second test, one chunk
+//! of text, then drops the connection: what a crashed or restarted vLLM does to the requests it
+//! holds. Routing is round-robin, so the breaking worker gets its share of requests for sure.
+
+mod support;
+
+use std::time::Duration;
+
+use testkit::ChildGuard;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const MODEL: &str = "resend-model";
+
+/// Reads one HTTP/1.1 request (head and a Content-Length body); its path, or `None` at EOF.
+async fn read_request(s: &mut TcpStream) -> Option<String> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            while buf.len() < end + 4 + length {
+                let n = s.read(&mut chunk).await.ok()?;
+                if n == 0 {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            return head.split_whitespace().nth(1).map(str::to_string);
+        }
+        let n = s.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// A worker that answers `/health` and breaks every stream: after the role chunk, and after one
+/// chunk of text when `text_first`. Serves one connection at a time.
+async fn breaking_worker(listener: TcpListener, text_first: bool) {
+    loop {
+        let Ok((mut s, _)) = listener.accept().await else {
+            return;
+        };
+        tokio::spawn(async move {
+            while let Some(path) = read_request(&mut s).await {
+                if path != "/v1/chat/completions" {
+                    let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if s.write_all(ok.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                let mut events = vec![
+                    r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                ];
+                if text_first {
+                    events.push(r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"content":"half"},"finish_reason":null}]}"#);
+                }
+                let mut out = String::from(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+                );
+                for e in events {
+                    let event = format!("data: {e}\n\n");
+                    out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                }
+                let _ = s.write_all(out.as_bytes()).await;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                // Gone mid-stream: no last chunk, no [DONE].
+                return;
+            }
+        });
+    }
+}
+
+struct Fleet {
+    _sim: ChildGuard,
+    _gateway: ChildGuard,
+    _dir: support::TempDir,
+    api: u16,
+    admin: u16,
+    sim_port: u16,
+    breaker_port: u16,
+}
+
+async fn fleet(text_first: bool) -> Option<Fleet> {
+    let sim = support::vllm_sim_binary()?;
+    let (sim_child, sim_port) = support::spawn_vllm_sim(&sim, MODEL);
+    support::wait_until_ok(sim_port, "/health").await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let breaker_port = listener.local_addr().expect("addr").port();
+    tokio::spawn(breaking_worker(listener, text_first));
+    let dir = support::TempDir::new("stream-resend");
+    let config = dir.0.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "models:\n  - name: {MODEL}\nworkers:\n  - url: http://127.0.0.1:{breaker_port}\n    model: {MODEL}\n  - url: http://127.0.0.1:{sim_port}\n    model: {MODEL}\nrouting: round-robin\n"
+        ),
+    )
+    .expect("config");
+    let (gateway, api, admin) = support::start_gateway(&config, &[]).await;
+    Some(Fleet {
+        _sim: sim_child,
+        _gateway: gateway,
+        _dir: dir,
+        api,
+        admin,
+        sim_port,
+        breaker_port,
+    })
+}
+
+async fn stream_chat(api: u16, n: usize) -> String {
+    let body = format!(
+        r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
+    );
+    let (status, _, body) =
+        support::call("127.0.0.1", api, "POST", "/v1/chat/completions", &[], &body).await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+#[tokio::test]
+async fn a_stream_broken_before_any_output_continues_from_another_worker() {
+    let Some(fleet) = fleet(false).await else {
+        return;
+    };
+    for n in 0..4 {
+        let body = stream_chat(fleet.api, n).await;
+        assert!(
+            body.contains("data: [DONE]") && !body.contains("\"error\""),
+            "request {n}: {body}"
+        );
+        // One opening chunk only, though the broken worker had sent its own.
+        assert_eq!(
+            body.matches(r#""role":"assistant""#).count(),
+            1,
+            "request {n}: {body}"
+        );
+    }
+    let openai_retries =
+        support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
+    assert!(openai_retries >= 1.0, "no stream was sent again");
+    // An Anthropic client's stream (translated from the workers' chat chunks) continues the same way.
+    for n in 4..6 {
+        let body = format!(
+            r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
+        );
+        let (status, _, body) =
+            support::call("127.0.0.1", fleet.api, "POST", "/v1/messages", &[], &body).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.contains("event: message_stop") && !body.contains("event: error"),
+            "request {n}: {body}"
+        );
+        assert_eq!(body.matches("event: message_start").count(), 1, "{body}");
+    }
+    let metrics = support::metrics_text(fleet.admin).await;
+    let retries = support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
+    assert!(
+        retries > openai_retries,
+        "no Anthropic stream was sent again:\n{metrics}"
+    );
+    // Every request is counted once, served (200) by the simulator; none under the broken worker.
+    let served: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kinference_gateway_requests_total{"))
+        .filter(|l| l.contains(&format!("127.0.0.1:{}", fleet.sim_port)))
+        .filter(|l| l.contains("status=\"200\""))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    assert_eq!(served, 6.0, "{metrics}");
+    assert!(
+        !metrics
+            .lines()
+            .any(|l| l.starts_with("kinference_gateway_requests_total{")
+                && l.contains(&format!("127.0.0.1:{}", fleet.breaker_port))),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_broken_after_output_ends_with_an_error_event() {
+    let Some(fleet) = fleet(true).await else {
+        return;
+    };
+    let mut broken = 0;
+    for n in 0..2 {
+        let body = stream_chat(fleet.api, n).await;
+        if body.contains("\"half\"") {
+            broken += 1;
+            assert!(
+                body.contains("\"error\"") && !body.contains("data: [DONE]"),
+                "request {n}: {body}"
+            );
+        } else {
+            assert!(body.contains("data: [DONE]"), "request {n}: {body}");
+        }
+    }
+    assert_eq!(broken, 1, "round-robin sends one of two to each worker");
+    let retries = support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
+    assert_eq!(
+        retries, 0.0,
+        "output had reached the client: nothing is sent again"
+    );
+}
