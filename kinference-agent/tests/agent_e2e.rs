@@ -160,8 +160,21 @@ async fn engine_restart_clears_the_workers_state() {
     for id in 1..=4 {
         vllm.publish(vec![stored(id, 0, 2)]).await;
     }
-    let before: Vec<u64> = (1..=4).flat_map(|id| keys(id, 2)).collect();
+    let mut before: Vec<u64> = (1..=4).flat_map(|id| keys(id, 2)).collect();
     watch.wait_for(URL, &before, WAIT).await;
+    // Those blocks may have come from the agent's start-up replay while the live connection (the
+    // engine's PUB to the agent's bound SUB) was still being set up: ZMQ drops what is published
+    // before it is up, and on a busy machine that can take seconds. The restart below must travel a
+    // live connection, so more batches go out until one is seen (a lost one is replayed once a later
+    // one arrives live).
+    for id in 5..=30 {
+        vllm.publish(vec![stored(id, 0, 2)]).await;
+        before.extend(keys(id, 2));
+        if watch.sees(URL, &before, Duration::from_secs(1)).await {
+            break;
+        }
+        assert!(id < 30, "no KV event reached the agent live");
+    }
 
     // The engine restarts: seq 0 again, an empty cache, then new blocks (no AllBlocksCleared is sent).
     vllm.restart_engine();

@@ -436,20 +436,27 @@ impl Watch {
 
     /// Applies messages until `worker`'s keys equal `expected`; panics with the last view after `timeout`.
     pub async fn wait_for(&mut self, worker: &str, expected: &[u64], timeout: Duration) {
+        assert!(
+            self.sees(worker, expected, timeout).await,
+            "timed out: {worker} has {:?} keys, expected {} (messages: {:?})",
+            self.view.get(worker).map(|v| v.len()),
+            expected.len(),
+            self.kinds
+        );
+    }
+
+    /// Applies messages until `worker`'s keys equal `expected`: whether they did within `timeout`.
+    pub async fn sees(&mut self, worker: &str, expected: &[u64], timeout: Duration) -> bool {
         let expected: HashSet<u64> = expected.iter().copied().collect();
         let deadline = Instant::now() + timeout;
         loop {
             if self.view.get(worker).is_some_and(|v| *v == expected) {
-                return;
+                return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            assert!(
-                !left.is_zero(),
-                "timed out: {worker} has {:?} keys, expected {} (messages: {:?})",
-                self.view.get(worker).map(|v| v.len()),
-                expected.len(),
-                self.kinds
-            );
+            if left.is_zero() {
+                return false;
+            }
             self.step(left.min(Duration::from_millis(200))).await;
         }
     }
