@@ -155,16 +155,21 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
     )
     .await;
 
-    // Its first KV event after the restart starts a new sequence: the agent counts a restart and
-    // drops the old blocks (the new cache holds only this short prompt's).
-    let short = json!({"model": MODEL, "prompt": words(40, 2), "max_tokens": 2});
-    http.post_json(&format!("{w0}/v1/completions"), &short)
-        .await
-        .expect("a request to the restarted worker");
+    // Its KV events after the restart start a new sequence: the agent counts a restart and drops
+    // the old blocks (the new cache holds only these short prompts'). Events published before the
+    // restarted worker's connection to the agent is up are dropped, as ZMQ does, so each try sends
+    // one more request, whose events come later in the new sequence.
+    let mut tries = 0;
     wait_for(
         "the agent to count the restart",
-        Duration::from_secs(20),
+        Duration::from_secs(30),
         async || {
+            tries += 1;
+            let prompt = format!("try {tries}:{}", words(40, 2));
+            let short = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+            let _ = http
+                .post_json(&format!("{w0}/v1/completions"), &short)
+                .await;
             let text = http.get_text(&agent_metrics).await.unwrap_or_default();
             metric(
                 &text,
