@@ -110,6 +110,13 @@ async fn fleet(text_first: bool) -> Option<Fleet> {
     )
     .expect("config");
     let (gateway, api, admin) = support::start_gateway(&config, &[]).await;
+    // Both workers in rotation before the first request, so that round-robin reaches each.
+    support::wait_for("both workers healthy", || async move {
+        let (_, _, body) =
+            support::call("127.0.0.1", admin, "GET", "/healthz/workers", &[], "").await;
+        body.contains(r#""healthy":2"#)
+    })
+    .await;
     Some(Fleet {
         _sim: sim_child,
         _gateway: gateway,
