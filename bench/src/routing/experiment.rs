@@ -346,7 +346,13 @@ pub async fn run_one(
         client.run(&route, warmup, concurrency).await;
     }
     let before = cluster.cache_counters().await.ok();
-    let event = fleet.as_ref().and_then(|f| f.event).map(|e| {
+    let fleet_event = fleet.as_ref().and_then(|f| f.event);
+    // A restarted worker's counters start over: the workers' own hit share would mix two runs.
+    let restarts = matches!(
+        fleet_event.map(|e| e.change),
+        Some(FleetChange::Restart { .. })
+    );
+    let event = fleet_event.map(|e| {
         let time_scale = config.time_scale;
         let change: futures::future::BoxFuture<'_, ()> = Box::pin(async move {
             let done = match e.change {
@@ -362,11 +368,6 @@ pub async fn run_one(
         });
         (e.at_session(workload.sessions.len()), change)
     });
-    // A restarted worker's counters start over: the workers' own hit share would mix two runs.
-    let restarts = matches!(
-        fleet.as_ref().and_then(|f| f.event).map(|e| e.change),
-        Some(FleetChange::Restart { .. })
-    );
     let extras = RunExtras {
         time_scale: config.time_scale,
         event,

@@ -285,7 +285,7 @@ impl<M: Meter> Relay<M> {
                     let error = self.closed_early();
                     self.broken(error).await
                 }
-                Ok(None) => self.upstream_ended(),
+                Ok(None) => self.completed(),
                 Ok(Some(frame)) => {
                     if let Some(data) = frame.data_ref() {
                         self.parser.feed(data);
@@ -430,11 +430,8 @@ impl<M: Meter> Relay<M> {
         ))
     }
 
-    /// The backend's body ended.
-    fn upstream_ended(&mut self) {
-        if !self.done {
-            return self.fail(self.closed_early());
-        }
+    /// The backend's body ended after it said the answer was complete.
+    fn completed(&mut self) {
         if let Some(t) = &mut self.to_anthropic {
             t.finish(&mut self.out);
         }

@@ -39,7 +39,7 @@ pub enum Forwarded {
 pub struct WorkerAnswer {
     decision: Decision,
     response: Response<Incoming>,
-    style: ApiStyle,
+    /// How it was asked (its protocol is the answer's).
     call: WorkerCall,
 }
 
@@ -205,7 +205,6 @@ async fn to_worker(
     Ok(WorkerAnswer {
         decision,
         response,
-        style: call.style,
         call,
     })
 }
@@ -388,9 +387,9 @@ pub async fn relay(
             let WorkerAnswer {
                 decision,
                 response,
-                style,
                 call,
             } = *answer;
+            let style = call.style;
             let headers = worker_headers(&decision, ex);
             if let Some(s) = ex.settlement() {
                 s.worker(
