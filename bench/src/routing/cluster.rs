@@ -583,7 +583,7 @@ impl Cluster {
         }
 
         let gateway_yaml_base = gateway_yaml(&worker_urls, &tokenizer_dir, &agent_grpc);
-        // Their readiness URLs, in the order they start (the order of `children` after the agent).
+        // Their worker-health URLs, in the order they start (the order of `children` after the agent).
         let mut gateway_ready = Vec::with_capacity(gateway_names.len());
         for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
             let file = name.replace('#', "-");
@@ -608,7 +608,7 @@ impl Cluster {
             )?;
             let pid = child.pid();
             cluster.children.push(child);
-            gateway_ready.push(format!("http://{admin}/readyz"));
+            gateway_ready.push(format!("http://{admin}/healthz/workers"));
             cluster.gateways.insert(
                 name.clone(),
                 GatewayEndpoint {
@@ -623,19 +623,27 @@ impl Cluster {
         // Readiness, in the order the processes were started: the agent, the workers, the gateways.
         let http = cluster.http.clone();
         let timeout = config.ready_timeout;
+        let answers = |_: &str| true;
         wait_ready(
             &http,
             &mut cluster.children[0],
             &cluster.agent_metrics_url,
             timeout,
+            answers,
         )
         .await?;
         for (process, url) in cluster.worker_processes.iter_mut().zip(&worker_urls) {
             let guard = &mut process.get_mut().guard;
-            wait_ready(&http, guard, &format!("{url}/health"), timeout).await?;
+            wait_ready(&http, guard, &format!("{url}/health"), timeout, answers).await?;
         }
+        // A gateway is ready once every worker is in its rotation: one probed before the worker
+        // listened stays out for a probe interval, and a run started then would find fewer workers.
+        let every_worker = |body: &str| {
+            serde_json::from_str::<serde_json::Value>(body)
+                .is_ok_and(|v| v["healthy"].as_u64() == Some(n as u64))
+        };
         for (child, url) in cluster.children[1..].iter_mut().zip(&gateway_ready) {
-            wait_ready(&http, child, url, timeout).await?;
+            wait_ready(&http, child, url, timeout, every_worker).await?;
         }
         Ok(cluster)
     }
@@ -769,6 +777,7 @@ impl Cluster {
             &mut process.guard,
             &format!("{url}/health"),
             self.ready_timeout,
+            |_| true,
         )
         .await?;
         tracing::info!(worker = %url, "worker back");
@@ -801,19 +810,20 @@ impl Cluster {
     }
 }
 
-/// Polls `url` until it answers, failing early when `child` exits.
+/// Polls `url` until it answers with a body that is `ready`, failing early when `child` exits.
 async fn wait_ready(
     http: &HttpClient,
     child: &mut ChildGuard,
     url: &str,
     timeout: Duration,
+    ready: impl Fn(&str) -> bool,
 ) -> Result<(), ClusterError> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(exited) = child.exited() {
             return Err(exited);
         }
-        if http.get_text(url).await.is_ok() {
+        if http.get_text(url).await.is_ok_and(|body| ready(&body)) {
             return Ok(());
         }
         if Instant::now() > deadline {
