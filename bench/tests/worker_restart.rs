@@ -1,7 +1,8 @@
 //! A worker killed and started again under a running cluster (`Cluster::restart_worker`, the
 //! `restart` workload's event): the gateway keeps answering through it, ejects the worker while it
-//! is down and takes it back once it answers, and the agent notices from the worker's KV event
-//! sequence starting over that its old cache is gone.
+//! is down and takes it back once it answers, and the agent notices that its old cache is gone (from
+//! the worker's process start time in its metrics, or its KV event sequence starting over, counted
+//! once).
 
 use std::time::{Duration, Instant};
 
@@ -155,10 +156,10 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
     )
     .await;
 
-    // Its KV events after the restart start a new sequence: the agent counts a restart and drops
-    // the old blocks (the new cache holds only these short prompts'). Events published before the
-    // restarted worker's connection to the agent is up are dropped, as ZMQ does, so each try sends
-    // one more request, whose events come later in the new sequence.
+    // The agent counts a restart and drops the old blocks (the new cache holds at most these short
+    // prompts'). Its metrics show the restart without a request; should its KV events come first,
+    // those published before the restarted worker's connection to the agent is up are dropped, as
+    // ZMQ does, so each try sends one more request, whose events come later in the new sequence.
     let mut tries = 0;
     wait_for(
         "the agent to count the restart",
@@ -183,6 +184,32 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
     assert!(
         cached_after < cached_before,
         "old blocks still counted: {cached_after} >= {cached_before}"
+    );
+    // Once the new engine's blocks arrive (its event sequence started over), the restart is still
+    // counted once, whichever signal showed it first.
+    let mut tries = 0;
+    wait_for(
+        "the new engine's blocks",
+        Duration::from_secs(30),
+        async || {
+            tries += 1;
+            let prompt = format!("again {tries}:{}", words(40, 3));
+            let short = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+            let _ = http
+                .post_json(&format!("{w0}/v1/completions"), &short)
+                .await;
+            blocks_of_w0().await > 0.0
+        },
+    )
+    .await;
+    let text = http.get_text(&agent_metrics).await.unwrap_or_default();
+    assert_eq!(
+        metric(
+            &text,
+            "kinference_agent_kv_engine_restarts_total",
+            &[("worker", &w0)],
+        ),
+        Some(1.0)
     );
     drop(cluster);
     let _ = std::fs::remove_dir_all(&work_dir);

@@ -115,7 +115,7 @@ impl AgentMetrics {
         );
         r.register(
             "kv_engine_restarts",
-            "Engine restarts detected (sequence went back)",
+            "Engine restarts detected (the worker's process start time changed, or its KV event sequence went back)",
             Described(self.kv_engine_restarts.clone()),
         );
         r.register(

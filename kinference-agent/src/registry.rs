@@ -31,6 +31,8 @@ pub struct Load {
     pub block_size: Option<u32>,
     /// KV cache capacity in blocks (`num_gpu_blocks` of `vllm:cache_config_info`), when reported.
     pub num_gpu_blocks: Option<u32>,
+    /// When the worker's process started, Unix seconds (`process_start_time_seconds`), when reported.
+    pub process_start_s: Option<f64>,
     /// Publisher timestamp (Unix seconds) of the newest batch applied.
     pub last_event_ts: Option<f64>,
     /// The kernel's view of the worker's port (eBPF); `None` when eBPF is off or does not watch it.

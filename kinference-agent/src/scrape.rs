@@ -14,6 +14,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::{self, AgentMetrics};
 use crate::registry::{Registry, WorkerSlot};
+#[cfg(doc)]
+use crate::worker_state::WorkerState;
 
 pub use kinference_api::vllm::metrics::{VllmLoad, parse};
 
@@ -69,7 +71,14 @@ pub async fn scrape_once(
         .map_err(|_| ScrapeError::Timeout)?
 }
 
-/// Scrapes one worker every `interval` until cancelled, updating its slot.
+/// A process start time that moves by less than this is the same process: the Python client derives it
+/// from the kernel's boot time, which can read a second apart from one scrape to the next. A vLLM
+/// restart takes far longer (the model loads again).
+const RESTART_MIN_S: f64 = 1.5;
+
+/// Scrapes one worker every `interval` until cancelled, updating its slot. A new process start time
+/// means the worker restarted: its block state is cleared at once ([`WorkerState::restarted`]), not at
+/// its first KV event, which comes only once it serves a request.
 pub async fn run(
     slot: Arc<WorkerSlot>,
     registry: Arc<Registry>,
@@ -92,7 +101,8 @@ pub async fn run(
             _ = cancel.cancelled() => return,
             r = scrape_once(&client, &slot.spec.url, timeout) => r,
         };
-        let changed = {
+        let mut restarted = None;
+        let mut changed = {
             let mut load = slot.load.lock();
             let before = (
                 load.running,
@@ -104,6 +114,13 @@ pub async fn run(
             );
             match &result {
                 Ok(v) => {
+                    restarted = match (load.process_start_s, v.process_start_s) {
+                        (Some(before), Some(now)) if (now - before).abs() >= RESTART_MIN_S => {
+                            Some(now)
+                        }
+                        _ => None,
+                    };
+                    load.process_start_s = v.process_start_s.or(load.process_start_s);
                     load.running = v.running.map_or(0, |x| x.max(0.0) as u32);
                     load.waiting = v.waiting.map_or(0, |x| x.max(0.0) as u32);
                     load.kv_usage = v.kv_usage.unwrap_or(0.0) as f32;
@@ -124,6 +141,14 @@ pub async fn run(
                     load.num_gpu_blocks,
                 )
         };
+        if let Some(started) = restarted
+            && slot.kv.lock().restarted(started)
+        {
+            metrics.kv_engine_restarts.get_or_create(&label).inc();
+            metrics.kv_blocks.get_or_create(&label).set(0);
+            tracing::warn!(worker = %slot.spec.url, started, "worker process restarted (its start time changed): its cache is empty, state cleared");
+            changed = true;
+        }
         match result {
             Ok(_) => {
                 metrics.scrape_ok.get_or_create(&label).set(1);

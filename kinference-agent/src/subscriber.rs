@@ -4,7 +4,8 @@
 //! every gap the missing batches are fetched from the worker's replay socket (a ROUTER; we use a DEALER
 //! and send `[b"", start_seq]`), accepting both reply shapes (`[seq, payload]` up to vLLM 0.25,
 //! `[topic, seq, payload]` from 0.26, each ending with an `ff x 8` sequence). Batches already applied
-//! are skipped. A sequence that goes back means the engine restarted: its state is cleared.
+//! are skipped. A sequence that goes back means the engine restarted: its state is cleared (unless the
+//! worker's metrics showed that restart first, [`crate::scrape`]: then it is counted once).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -327,8 +328,14 @@ impl Ingest {
                 }
             }
             Verdict::Restart => {
-                self.m.restarts.inc();
-                tracing::warn!(worker = %self.url(), last = ?tracker.last, got = seq, "KV event sequence went back: engine restarted, state cleared");
+                // The worker's metrics may have shown this restart first (its process start time):
+                // counted and cleared then, and nothing of the new engine applied since.
+                if self.slot.kv.lock().take_restart_note() {
+                    tracing::debug!(worker = %self.url(), got = seq, "KV event sequence went back: the restart seen in the worker's metrics");
+                } else {
+                    self.m.restarts.inc();
+                    tracing::warn!(worker = %self.url(), last = ?tracker.last, got = seq, "KV event sequence went back: engine restarted, state cleared");
+                }
                 self.clear();
                 *tracker = SeqTracker::default();
                 if let (Some(ep), true) = (replay, seq > 0) {

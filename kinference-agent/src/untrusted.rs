@@ -138,4 +138,10 @@ pub fn vllm_metrics(data: &[u8]) {
     {
         assert!(v.is_finite(), "load figures are finite: {load:?}");
     }
+    if let Some(started) = load.process_start_s {
+        assert!(
+            started.is_finite() && started > 0.0,
+            "a start time is a finite, positive instant: {load:?}"
+        );
+    }
 }

@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use kinference_api::{BlockKey, KeyHasher, with_extra_keys};
 
@@ -89,6 +90,12 @@ impl KeyDelta {
     }
 }
 
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// One worker's block keys and the bookkeeping to keep them exact.
 pub struct WorkerState {
     hasher: KeyHasher,
@@ -99,6 +106,11 @@ pub struct WorkerState {
     /// Keys touched since the last delta -> whether they were present at that delta.
     touched: FastMap<BlockKey, bool>,
     cleared: bool,
+    /// When the state was last cleared, Unix seconds (a restart seen one way need not be acted on again
+    /// when it is seen the other way: [`WorkerState::restarted`]).
+    cleared_at_unix: Option<f64>,
+    /// [`WorkerState::restarted`] cleared the state; the event sequence's restart is the same one.
+    restart_noted: bool,
     max_blocks: usize,
 }
 
@@ -112,6 +124,8 @@ impl WorkerState {
             keys: FastMap::default(),
             touched: FastMap::default(),
             cleared: false,
+            cleared_at_unix: None,
+            restart_noted: false,
             max_blocks,
         }
     }
@@ -197,6 +211,30 @@ impl WorkerState {
         self.keys = FastMap::default();
         self.touched = FastMap::default();
         self.cleared = true;
+        self.cleared_at_unix = Some(unix_now());
+    }
+
+    /// The worker's metrics say its process started (again) at `started_unix`: its cache is empty. Drops
+    /// every block unless the state was cleared since that start already (the engine's new event sequence
+    /// got there first). Returns whether it cleared; if so, the event sequence's restart, when it comes,
+    /// is this one ([`WorkerState::take_restart_note`]).
+    ///
+    /// A restarted worker sends its first KV event only once it serves a request, and until then the
+    /// router would believe it still holds its old prompts; its metrics show the restart within one
+    /// scrape of its coming back.
+    pub fn restarted(&mut self, started_unix: f64) -> bool {
+        if self.cleared_at_unix.is_some_and(|t| t >= started_unix) {
+            return false;
+        }
+        self.clear();
+        self.restart_noted = true;
+        true
+    }
+
+    /// Whether [`WorkerState::restarted`] already handled the restart the event sequence now shows (the
+    /// note is consumed).
+    pub fn take_restart_note(&mut self) -> bool {
+        std::mem::take(&mut self.restart_noted)
     }
 
     fn store(&mut self, stored: StoredBlocks<'_>, stats: &mut ApplyStats) {

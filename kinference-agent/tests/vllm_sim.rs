@@ -21,7 +21,9 @@ struct SimWorker {
     url: String,
     agent: Agent,
     watch: Watch,
-    _sim: testkit::ChildGuard,
+    /// The simulator's command line, to start it again ([`SimWorker::restart`]).
+    command: Vec<std::ffi::OsString>,
+    sim: testkit::ChildGuard,
 }
 
 impl SimWorker {
@@ -46,15 +48,44 @@ impl SimWorker {
         let port = free_port();
         let url = format!("http://127.0.0.1:{port}");
         let agent = Agent::start(&worker_yaml(&url, &events, true, &replay), free_port()).await;
+        let port = port.to_string();
+        let tokenizer = testkit::tokenizer_dir();
+        let mut command: Vec<std::ffi::OsString> = vec![bin.into()];
+        command.extend(
+            ["--host", "127.0.0.1", "--port", &port]
+                .into_iter()
+                .chain(["--model", MODEL, "--block-size", "16"])
+                .chain(["--tokenizer-dir"])
+                .map(Into::into),
+        );
+        command.push(tokenizer.into());
+        command.extend(
+            [
+                "--kv-events-endpoint",
+                &events,
+                "--kv-replay-endpoint",
+                &replay,
+            ]
+            .into_iter()
+            .chain(flags.iter().copied())
+            .map(Into::into),
+        );
+        let sim = Self::spawn(&command, &url).await;
+        let watch = Watch::connect(&agent.grpc).await;
+        Some(Self {
+            url,
+            agent,
+            watch,
+            command,
+            sim,
+        })
+    }
+
+    /// Starts the simulator and waits until it is healthy.
+    async fn spawn(command: &[std::ffi::OsString], url: &str) -> testkit::ChildGuard {
         let sim = testkit::ChildGuard(
-            Command::new(&bin)
-                .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--model", MODEL, "--block-size", "16"])
-                .arg("--tokenizer-dir")
-                .arg(testkit::tokenizer_dir())
-                .args(["--kv-events-endpoint", &events])
-                .args(["--kv-replay-endpoint", &replay])
-                .args(flags)
+            Command::new(&command[0])
+                .args(&command[1..])
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
@@ -68,13 +99,16 @@ impl SimWorker {
             assert!(Instant::now() < deadline, "vllm-sim did not become healthy");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let watch = Watch::connect(&agent.grpc).await;
-        Some(Self {
-            url,
-            agent,
-            watch,
-            _sim: sim,
-        })
+        sim
+    }
+
+    /// Kills the simulator and starts it again on the same ports after `down`, with an empty cache and
+    /// a new KV event sequence, as a crashed worker comes back.
+    async fn restart(&mut self, down: Duration) {
+        let _ = self.sim.0.kill();
+        let _ = self.sim.0.wait();
+        tokio::time::sleep(down).await;
+        self.sim = Self::spawn(&self.command, &self.url).await;
     }
 
     /// A completion of `prompt` by `model` (the base model or an adapter), asserted to succeed.
@@ -211,4 +245,57 @@ async fn an_adapters_blocks_are_reported_under_the_adapters_name() {
             .await,
         0.0
     );
+}
+
+/// A worker that restarts (a new process on the same ports, its cache empty): the agent learns it from
+/// the worker's metrics (its process start time moved) and drops the old blocks before the new engine
+/// sends any KV event, which it does only once it serves a request. When the new event sequence then
+/// starts over, that is the same restart: counted once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_is_forgotten_before_its_first_kv_event() {
+    let Some(mut sim) = SimWorker::start(&[]).await else {
+        return;
+    };
+    let restarts = async |sim: &SimWorker| {
+        sim.agent
+            .metric("kinference_agent_kv_engine_restarts_total")
+            .await
+    };
+    let prompt = "You are a careful assistant. ".repeat(20) + "What is the capital of France?";
+    sim.complete(MODEL, &prompt, 4).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while sim.view().len() < 5 {
+        assert!(Instant::now() < deadline, "the agent never saw the blocks");
+        sim.watch.step(Duration::from_millis(200)).await;
+    }
+
+    // Down for 2 s (more than the start time's jitter), then back with nothing sent to it.
+    sim.restart(Duration::from_secs(2)).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !sim.view().is_empty() || restarts(&sim).await != 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "{} old keys still held, {} restarts counted",
+            sim.view().len(),
+            restarts(&sim).await
+        );
+        sim.watch.step(Duration::from_millis(200)).await;
+    }
+
+    // Its first request: the new blocks arrive in a new sequence, and the restart is not counted again.
+    // Events published before the new engine's connection to the agent is up are lost, as ZMQ does, so
+    // each try sends one more request.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tries = 0;
+    while sim.view().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "no block of the new engine arrived"
+        );
+        tries += 1;
+        sim.complete(MODEL, &format!("try {tries}: {prompt}"), 2)
+            .await;
+        sim.watch.step(Duration::from_millis(500)).await;
+    }
+    assert_eq!(restarts(&sim).await, 1.0);
 }

@@ -99,6 +99,37 @@ fn clear_resets_and_the_next_delta_carries_the_full_set() {
 }
 
 #[test]
+fn a_restart_seen_in_the_metrics_clears_once_whichever_signal_comes_first() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    // The metrics come first: cleared, and the event sequence's restart is then the same one.
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.apply(&stored(&[1, 2], None, 0..8, 4));
+    assert!(s.restarted(now - 5.0));
+    assert!(s.is_empty());
+    assert!(s.take_delta().cleared);
+    assert!(s.take_restart_note());
+    assert!(!s.take_restart_note(), "consumed");
+    // The same start time again clears nothing: the new engine's blocks stay.
+    s.apply(&stored(&[3], None, 0..4, 4));
+    assert!(!s.restarted(now - 5.0));
+    assert_eq!(s.len(), 1);
+
+    // The event sequence came first (cleared after the process started): nothing more to do.
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.clear();
+    s.apply(&stored(&[3], None, 0..4, 4));
+    assert!(!s.restarted(now - 5.0));
+    assert_eq!(s.len(), 1);
+    assert!(!s.take_restart_note());
+    // A later restart still clears.
+    assert!(s.restarted(now + 60.0));
+    assert!(s.is_empty());
+}
+
+#[test]
 fn two_tiers_holding_one_block_keep_the_key_until_both_drop_it() {
     let mut s = WorkerState::new(MODEL, 1000);
     s.apply(&stored(&[5], None, 0..16, 16));

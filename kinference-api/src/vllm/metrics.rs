@@ -1,8 +1,8 @@
 //! vLLM's Prometheus `/metrics`: the few series that describe a worker's load and cache.
 //!
-//! Only four series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
-//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11) and the `block_size` and
-//! `num_gpu_blocks` labels of `vllm:cache_config_info`. With several engines (data parallel) counts are
+//! Only five series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11), the `block_size` and
+//! `num_gpu_blocks` labels of `vllm:cache_config_info`, and `process_start_time_seconds` (a restart). With several engines (data parallel) counts are
 //! summed, usage is the maximum and capacity the minimum (each engine has its own cache: the router
 //! plans against the tightest one). The text comes from a worker, so nothing in it may panic or
 //! poison a figure: malformed lines, non-finite values, a zero block size and a capacity vLLM has not
@@ -17,6 +17,9 @@ pub struct VllmLoad {
     pub block_size: Option<u32>,
     /// KV cache capacity in blocks (`num_gpu_blocks`); `None` before vLLM has profiled its memory.
     pub num_gpu_blocks: Option<u32>,
+    /// When the serving process started, Unix seconds (`process_start_time_seconds`): a different value
+    /// from one scrape to the next means the worker restarted, with an empty cache.
+    pub process_start_s: Option<f64>,
 }
 
 /// Parses the Prometheus text exposition format, keeping only the series above. Malformed lines are
@@ -41,6 +44,13 @@ pub fn parse(text: &str) -> VllmLoad {
             "vllm:num_requests_waiting" => add(&mut load.waiting, sample.value),
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 load.kv_usage = Some(load.kv_usage.map_or(sample.value, |u| u.max(sample.value)))
+            }
+            // The latest start among several processes: any restart moves it.
+            "process_start_time_seconds" if sample.value > 0.0 => {
+                load.process_start_s = Some(
+                    load.process_start_s
+                        .map_or(sample.value, |t| t.max(sample.value)),
+                )
             }
             "vllm:cache_config_info" => {
                 // 0 would mean "unknown" downstream; a worker reporting it tells us nothing.

@@ -247,6 +247,12 @@ impl Metrics {
             let _ = writeln!(out, "{name}_created{{{base}}} {created}");
         };
 
+        // The Python client's process metric, which vLLM exposes too: a restart changes it.
+        let _ = writeln!(
+            out,
+            "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}",
+            go_float(self.created)
+        );
         gauge(
             &mut out,
             "vllm:num_requests_running",

@@ -16,6 +16,7 @@ fn parses_the_real_vllm_scrape() {
             kv_usage: Some(0.0),
             block_size: Some(32),
             num_gpu_blocks: Some(32768),
+            process_start_s: Some(1.79623158924e9),
         }
     );
 }
