@@ -16,6 +16,10 @@ use tokio::net::{TcpListener, TcpStream};
 
 const MODEL: &str = "resend-model";
 
+/// One test at a time: each starts a simulator and a gateway on ports found free a moment before
+/// they bind, and two tests of this file at once can draw the same one.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Reads one HTTP/1.1 request (head and a Content-Length body); its path, or `None` at EOF.
 async fn read_request(s: &mut TcpStream) -> Option<String> {
     let mut buf = Vec::new();
@@ -46,7 +50,7 @@ async fn read_request(s: &mut TcpStream) -> Option<String> {
 }
 
 /// A worker that answers `/health` and breaks every stream: after the role chunk, and after one
-/// chunk of text when `text_first`. Serves one connection at a time.
+/// chunk of text when `text_first`; a Messages stream after its opening events.
 async fn breaking_worker(listener: TcpListener, text_first: bool) {
     loop {
         let Ok((mut s, _)) = listener.accept().await else {
@@ -54,24 +58,43 @@ async fn breaking_worker(listener: TcpListener, text_first: bool) {
         };
         tokio::spawn(async move {
             while let Some(path) = read_request(&mut s).await {
-                if path != "/v1/chat/completions" {
-                    let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if s.write_all(ok.as_bytes()).await.is_err() {
-                        return;
+                let events: Vec<String> = match path.as_str() {
+                    "/v1/chat/completions" => {
+                        let mut chunks = vec![
+                            r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+                        ];
+                        if text_first {
+                            chunks.push(r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"content":"half"},"finish_reason":null}]}"#);
+                        }
+                        chunks.iter().map(|c| format!("data: {c}\n\n")).collect()
                     }
-                    continue;
-                }
-                let mut events = vec![
-                    r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-                ];
-                if text_first {
-                    events.push(r#"{"id":"chatcmpl-broken","object":"chat.completion.chunk","created":1,"model":"resend-model","choices":[{"index":0,"delta":{"content":"half"},"finish_reason":null}]}"#);
-                }
+                    // Its own Messages API: the opening events, and no text.
+                    "/v1/messages" => [
+                        (
+                            "message_start",
+                            r#"{"type":"message_start","message":{"id":"msg_broken","type":"message","role":"assistant","content":[],"model":"resend-model","stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":9,"output_tokens":0}}}"#,
+                        ),
+                        (
+                            "content_block_start",
+                            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                        ),
+                        ("ping", r#"{"type":"ping"}"#),
+                    ]
+                    .iter()
+                    .map(|(name, data)| format!("event: {name}\ndata: {data}\n\n"))
+                    .collect(),
+                    _ => {
+                        let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(ok.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                };
                 let mut out = String::from(
                     "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
                 );
-                for e in events {
-                    let event = format!("data: {e}\n\n");
+                for event in events {
                     out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
                 }
                 let _ = s.write_all(out.as_bytes()).await;
@@ -93,7 +116,8 @@ struct Fleet {
     breaker_port: u16,
 }
 
-async fn fleet(text_first: bool) -> Option<Fleet> {
+/// The fleet; `serves_messages`: the workers' own `/v1/messages` takes Anthropic requests.
+async fn fleet(text_first: bool, serves_messages: bool) -> Option<Fleet> {
     let sim = support::vllm_sim_binary()?;
     let (sim_child, sim_port) = support::spawn_vllm_sim(&sim, MODEL);
     support::wait_until_ok(sim_port, "/health").await;
@@ -105,7 +129,7 @@ async fn fleet(text_first: bool) -> Option<Fleet> {
     std::fs::write(
         &config,
         format!(
-            "models:\n  - name: {MODEL}\nworkers:\n  - url: http://127.0.0.1:{breaker_port}\n    model: {MODEL}\n  - url: http://127.0.0.1:{sim_port}\n    model: {MODEL}\nrouting: round-robin\n"
+            "models:\n  - name: {MODEL}\n    serves_messages: {serves_messages}\nworkers:\n  - url: http://127.0.0.1:{breaker_port}\n    model: {MODEL}\n  - url: http://127.0.0.1:{sim_port}\n    model: {MODEL}\nrouting: round-robin\n"
         ),
     )
     .expect("config");
@@ -140,7 +164,8 @@ async fn stream_chat(api: u16, n: usize) -> String {
 
 #[tokio::test]
 async fn a_stream_broken_before_any_output_continues_from_another_worker() {
-    let Some(fleet) = fleet(false).await else {
+    let _serial = SERIAL.lock().await;
+    let Some(fleet) = fleet(false, false).await else {
         return;
     };
     for n in 0..4 {
@@ -199,7 +224,8 @@ async fn a_stream_broken_before_any_output_continues_from_another_worker() {
 
 #[tokio::test]
 async fn a_stream_broken_after_output_ends_with_an_error_event() {
-    let Some(fleet) = fleet(true).await else {
+    let _serial = SERIAL.lock().await;
+    let Some(fleet) = fleet(true, false).await else {
         return;
     };
     let mut broken = 0;
@@ -221,4 +247,42 @@ async fn a_stream_broken_after_output_ends_with_an_error_event() {
         retries, 0.0,
         "output had reached the client: nothing is sent again"
     );
+}
+
+#[tokio::test]
+async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_too() {
+    let _serial = SERIAL.lock().await;
+    // The workers serve `/v1/messages` themselves: the client gets their events as they are. The
+    // broken worker sent `message_start`, `content_block_start` and `ping` before it went; the
+    // client gets one of each opening event, then the other worker's text.
+    let Some(fleet) = fleet(false, true).await else {
+        return;
+    };
+    for n in 0..4 {
+        let body = format!(
+            r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
+        );
+        let (status, _, body) =
+            support::call("127.0.0.1", fleet.api, "POST", "/v1/messages", &[], &body).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.contains("event: message_stop") && !body.contains("event: error"),
+            "request {n}: {body}"
+        );
+        assert!(body.contains("event: content_block_delta"), "{body}");
+        for opening in ["event: message_start", "event: content_block_start"] {
+            assert_eq!(body.matches(opening).count(), 1, "{opening}: {body}");
+        }
+    }
+    let metrics = support::metrics_text(fleet.admin).await;
+    let retries = support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
+    assert!(retries >= 1.0, "no stream was sent again:\n{metrics}");
+    let served: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("kinference_gateway_requests_total{"))
+        .filter(|l| l.contains(&format!("127.0.0.1:{}", fleet.sim_port)))
+        .filter(|l| l.contains("status=\"200\""))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    assert_eq!(served, 4.0, "{metrics}");
 }

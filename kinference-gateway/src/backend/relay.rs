@@ -18,7 +18,9 @@
 //! A stream whose backend breaks or closes it before any output (a worker that crashed or restarted
 //! while the request waited or ran its prefill) gets one second chance when the caller gave one
 //! ([`Resend`]): the same request goes to another backend and its answer continues the stream, so
-//! the client sees a later first token instead of an error. Once output has reached the client
+//! the client sees a later first token instead of an error. The client gets the opening once: the new
+//! backend's chunks (or, passed through to an Anthropic client, its events) before its first output are
+//! not passed when the client had the first one's ([`Relay::pass_event`]). Once output has reached the client
 //! nothing is sent again (the answer would be a different one), and a stall past the idle timeout
 //! is not a break (the worker may be alive and busy: sending again would double its load).
 
@@ -224,6 +226,7 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M, resend: Option<Res
         resend,
         passed_any: false,
         skip_preamble: false,
+        opened: Opened::default(),
     };
     if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
         (&mut relay.to_anthropic, &relay.spec.shape)
@@ -267,6 +270,20 @@ struct Relay<M: Meter> {
     /// Sent again after the client had the first backend's opening chunk (the role, no text):
     /// the new backend's chunks without output are not passed until its first output.
     skip_preamble: bool,
+    /// The opening events an Anthropic client got as they are (pass-through), so that after a second
+    /// chance the new backend's are not passed again.
+    opened: Opened,
+}
+
+/// The opening events of an Anthropic stream passed to the client as they are ([`Relay::pass_event`]).
+#[derive(Default)]
+struct Opened {
+    /// `message_start` went out.
+    message: bool,
+    /// A `content_block_start` went out.
+    block: bool,
+    /// Sent again: the new backend's opening events are being passed over.
+    again: bool,
 }
 
 impl<M: Meter> Relay<M> {
@@ -293,7 +310,7 @@ impl<M: Meter> Relay<M> {
                             let forward = self.spec.verbatim() && !self.done;
                             self.on_event(&event.data);
                             // An event that failed the stream is replaced by the gateway's error.
-                            if forward && !self.ended {
+                            if forward && !self.ended && self.pass_event(event.event.as_deref()) {
                                 put_event(&mut self.out, event.event.as_deref(), &event.data);
                             }
                             if self.ended {
@@ -302,6 +319,26 @@ impl<M: Meter> Relay<M> {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Whether an Anthropic event goes to a pass-through client: every one, except, once the request
+    /// was sent again, the new backend's opening events the client already had from the first (its
+    /// `message_start`, a `content_block_start` before any output, `ping`).
+    fn pass_event(&mut self, name: Option<&str>) -> bool {
+        let opened = &mut self.opened;
+        match name {
+            Some("message_start") => !std::mem::replace(&mut opened.message, true),
+            Some("content_block_start") if opened.again && opened.block => false,
+            Some("content_block_start") => {
+                opened.block = true;
+                true
+            }
+            Some("ping") if opened.again => false,
+            _ => {
+                opened.again = false;
+                true
             }
         }
     }
@@ -444,11 +481,13 @@ impl<M: Meter> Relay<M> {
     /// stream goes on with its answer; otherwise it fails.
     async fn broken(&mut self, error: GatewayError) {
         let stalled = matches!(error, GatewayError::UpstreamTimeout { .. });
-        // Only an OpenAI backend's stream can be continued by another's: the relay keeps no state
-        // of its events but the client's own.
-        let openai = self.from_anthropic.is_none() && !self.spec.verbatim();
+        // A backend's stream can be continued by another's where the client gets either the chunks as
+        // the backend sent them (an OpenAI backend and client) or its events (an Anthropic worker
+        // passed through): the relay then knows which opening the client already has. A translated
+        // stream keeps state of the backend's events.
+        let continuable = self.spec.verbatim() || self.from_anthropic.is_none();
         let second_chance = match self.resend.take() {
-            Some(resend) if openai && !self.first_token && !stalled => resend,
+            Some(resend) if continuable && !self.first_token && !stalled => resend,
             _ => return self.fail(error),
         };
         tracing::warn!(backend = %self.spec.label, %error, "stream broke before any output; sending the request again");
@@ -463,6 +502,11 @@ impl<M: Meter> Relay<M> {
             (resent.moved)(meter);
         }
         self.skip_preamble = self.passed_any;
+        if self.from_anthropic.is_some() {
+            // A new stream from its own `message_start`.
+            self.from_anthropic = Some(AnthropicStream::new());
+            self.opened.again = true;
+        }
     }
 
     fn fail(&mut self, error: GatewayError) {

@@ -399,7 +399,7 @@ pub async fn relay(
                     decision.ticket,
                 );
             }
-            if request.stream && style == ApiStyle::OpenAI {
+            if request.stream {
                 resend = Some(self::resend(gw, request, ex, call, decision.worker.clone()));
             }
             let input = decision.prompt_tokens.unwrap_or(0) as u64;
