@@ -92,6 +92,7 @@ pub async fn run(
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut was_ok = true;
+    let mut restart_warned = None;
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -146,7 +147,14 @@ pub async fn run(
         {
             metrics.kv_engine_restarts.get_or_create(&label).inc();
             metrics.kv_blocks.get_or_create(&label).set(0);
-            tracing::warn!(worker = %slot.spec.url, started, "worker process restarted (its start time changed): its cache is empty, state cleared");
+            // At most one warning a minute: a worker whose start time keeps moving is counted, not
+            // allowed to flood the log.
+            if restart_warned.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(60)) {
+                restart_warned = Some(Instant::now());
+                tracing::warn!(worker = %slot.spec.url, started, "worker process restarted (its start time changed): its cache is empty, state cleared");
+            } else {
+                tracing::debug!(worker = %slot.spec.url, started, "worker process restarted again");
+            }
             changed = true;
         }
         match result {
