@@ -262,11 +262,16 @@ async fn a_restarted_worker_is_forgotten_before_its_first_kv_event() {
             .await
     };
     let prompt = "You are a careful assistant. ".repeat(20) + "What is the capital of France?";
-    sim.complete(MODEL, &prompt, 4).await;
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // Events published before the simulator's connection to the agent is up are lost, as ZMQ does
+    // (on a busy machine that can take seconds): each try sends one more request, whose events make
+    // the agent fetch any it missed.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut tries = 0;
     while sim.view().len() < 5 {
         assert!(Instant::now() < deadline, "the agent never saw the blocks");
-        sim.watch.step(Duration::from_millis(200)).await;
+        tries += 1;
+        sim.complete(MODEL, &format!("{prompt} ({tries})"), 4).await;
+        sim.watch.step(Duration::from_millis(500)).await;
     }
 
     // Down for 2 s (more than the start time's jitter), then back with nothing sent to it.
