@@ -2,9 +2,10 @@
 //!
 //! Only five series matter: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
 //! `vllm:kv_cache_usage_perc` (`vllm:gpu_cache_usage_perc` before 0.11), the `block_size` and
-//! `num_gpu_blocks` labels of `vllm:cache_config_info`, and `process_start_time_seconds` (a restart). With several engines (data parallel) counts are
-//! summed, usage is the maximum and capacity the minimum (each engine has its own cache: the router
-//! plans against the tightest one). The text comes from a worker, so nothing in it may panic or
+//! `num_gpu_blocks` labels of `vllm:cache_config_info`, and `process_start_time_seconds` (it moves
+//! when the worker restarts). With several engines (data parallel) counts are summed, usage is the
+//! maximum and capacity the minimum (each engine has its own cache: the router plans against the
+//! tightest one). The text comes from a worker, so nothing in it may panic or
 //! poison a figure: malformed lines, non-finite values, a zero block size and a capacity vLLM has not
 //! profiled yet (`num_gpu_blocks="None"`) are skipped. See `docs/vllm-interfaces.md`.
 

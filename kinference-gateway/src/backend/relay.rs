@@ -18,11 +18,12 @@
 //! A stream whose backend breaks or closes it before any output (a worker that crashed or restarted
 //! while the request waited or ran its prefill) gets one second chance when the caller gave one
 //! ([`Resend`]): the same request goes to another backend and its answer continues the stream, so
-//! the client sees a later first token instead of an error. The client gets the opening once: the new
-//! backend's chunks (or, passed through to an Anthropic client, its events) before its first output are
-//! not passed when the client had the first one's ([`Relay::pass_event`]). Once output has reached the client
-//! nothing is sent again (the answer would be a different one), and a stall past the idle timeout
-//! is not a break (the worker may be alive and busy: sending again would double its load).
+//! the client sees a later first token instead of an error. The client gets the opening once: the
+//! new backend's chunks (or, passed through to an Anthropic client, its events) before its first
+//! output are not passed when the client had the first one's (`Relay::pass_event`). Once output
+//! has reached the client nothing is sent again (the answer would be a different one), and a stall
+//! past the idle timeout is not a break (the worker may be alive and busy: sending again would
+//! double its load).
 
 use std::convert::Infallible;
 use std::ops::ControlFlow;
