@@ -156,6 +156,22 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
     )
     .await;
 
+    let restarts_of_w0 = async || {
+        let text = http.get_text(&agent_metrics).await.unwrap_or_default();
+        metric(
+            &text,
+            "kinference_agent_kv_engine_restarts_total",
+            &[("worker", &w0)],
+        )
+    };
+    // A short completion straight to worker 0 (its KV events come later in the new sequence).
+    let short_to_w0 = async |prompt: String| {
+        let short = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        let _ = http
+            .post_json(&format!("{w0}/v1/completions"), &short)
+            .await;
+    };
+
     // The agent counts a restart and drops the old blocks (the new cache holds at most these short
     // prompts'). Its metrics show the restart without a request; should its KV events come first,
     // those published before the restarted worker's connection to the agent is up are dropped, as
@@ -166,17 +182,8 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
         Duration::from_secs(30),
         async || {
             tries += 1;
-            let prompt = format!("try {tries}:{}", words(40, 2));
-            let short = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
-            let _ = http
-                .post_json(&format!("{w0}/v1/completions"), &short)
-                .await;
-            let text = http.get_text(&agent_metrics).await.unwrap_or_default();
-            metric(
-                &text,
-                "kinference_agent_kv_engine_restarts_total",
-                &[("worker", &w0)],
-            ) == Some(1.0)
+            short_to_w0(format!("try {tries}:{}", words(40, 2))).await;
+            restarts_of_w0().await == Some(1.0)
         },
     )
     .await;
@@ -193,24 +200,12 @@ async fn a_restarted_worker_is_routed_around_then_taken_back_with_its_old_cache_
         Duration::from_secs(30),
         async || {
             tries += 1;
-            let prompt = format!("again {tries}:{}", words(40, 3));
-            let short = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
-            let _ = http
-                .post_json(&format!("{w0}/v1/completions"), &short)
-                .await;
+            short_to_w0(format!("again {tries}:{}", words(40, 3))).await;
             blocks_of_w0().await > 0.0
         },
     )
     .await;
-    let text = http.get_text(&agent_metrics).await.unwrap_or_default();
-    assert_eq!(
-        metric(
-            &text,
-            "kinference_agent_kv_engine_restarts_total",
-            &[("worker", &w0)],
-        ),
-        Some(1.0)
-    );
+    assert_eq!(restarts_of_w0().await, Some(1.0));
     drop(cluster);
     let _ = std::fs::remove_dir_all(&work_dir);
 }

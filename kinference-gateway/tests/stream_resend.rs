@@ -152,14 +152,29 @@ async fn fleet(text_first: bool, serves_messages: bool) -> Option<Fleet> {
     })
 }
 
-async fn stream_chat(api: u16, n: usize) -> String {
+/// Streamed request `n` to `path` (`/v1/chat/completions` or `/v1/messages`: the body reads the same
+/// to both); asserts its 200 and returns the stream.
+async fn stream(api: u16, path: &str, n: usize) -> String {
     let body = format!(
         r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
     );
-    let (status, _, body) =
-        support::call("127.0.0.1", api, "POST", "/v1/chat/completions", &[], &body).await;
+    let (status, _, body) = support::call("127.0.0.1", api, "POST", path, &[], &body).await;
     assert_eq!(status, 200, "{body}");
     body
+}
+
+async fn stream_chat(api: u16, n: usize) -> String {
+    stream(api, "/v1/chat/completions", n).await
+}
+
+/// Requests counted as served (200) by the worker on `port`, from the gateway's metrics `text`.
+fn served_by(text: &str, port: u16) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with("kinference_gateway_requests_total{"))
+        .filter(|l| l.contains(&format!("127.0.0.1:{port}")))
+        .filter(|l| l.contains("status=\"200\""))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
 }
 
 #[tokio::test]
@@ -186,12 +201,7 @@ async fn a_stream_broken_before_any_output_continues_from_another_worker() {
     assert!(openai_retries >= 1.0, "no stream was sent again");
     // An Anthropic client's stream (translated from the workers' chat chunks) continues the same way.
     for n in 4..6 {
-        let body = format!(
-            r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
-        );
-        let (status, _, body) =
-            support::call("127.0.0.1", fleet.api, "POST", "/v1/messages", &[], &body).await;
-        assert_eq!(status, 200, "{body}");
+        let body = stream(fleet.api, "/v1/messages", n).await;
         assert!(
             body.contains("event: message_stop") && !body.contains("event: error"),
             "request {n}: {body}"
@@ -205,14 +215,7 @@ async fn a_stream_broken_before_any_output_continues_from_another_worker() {
         "no Anthropic stream was sent again:\n{metrics}"
     );
     // Every request is counted once, served (200) by the simulator; none under the broken worker.
-    let served: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("kinference_gateway_requests_total{"))
-        .filter(|l| l.contains(&format!("127.0.0.1:{}", fleet.sim_port)))
-        .filter(|l| l.contains("status=\"200\""))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum();
-    assert_eq!(served, 6.0, "{metrics}");
+    assert_eq!(served_by(&metrics, fleet.sim_port), 6.0, "{metrics}");
     assert!(
         !metrics
             .lines()
@@ -259,12 +262,7 @@ async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_to
         return;
     };
     for n in 0..4 {
-        let body = format!(
-            r#"{{"model":"{MODEL}","stream":true,"max_tokens":4,"messages":[{{"role":"user","content":"request {n} of the resend test"}}]}}"#
-        );
-        let (status, _, body) =
-            support::call("127.0.0.1", fleet.api, "POST", "/v1/messages", &[], &body).await;
-        assert_eq!(status, 200, "{body}");
+        let body = stream(fleet.api, "/v1/messages", n).await;
         assert!(
             body.contains("event: message_stop") && !body.contains("event: error"),
             "request {n}: {body}"
@@ -277,12 +275,5 @@ async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_to
     let metrics = support::metrics_text(fleet.admin).await;
     let retries = support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
     assert!(retries >= 1.0, "no stream was sent again:\n{metrics}");
-    let served: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("kinference_gateway_requests_total{"))
-        .filter(|l| l.contains(&format!("127.0.0.1:{}", fleet.sim_port)))
-        .filter(|l| l.contains("status=\"200\""))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum();
-    assert_eq!(served, 4.0, "{metrics}");
+    assert_eq!(served_by(&metrics, fleet.sim_port), 4.0, "{metrics}");
 }
