@@ -1,4 +1,7 @@
-"""A/B table of the drain-floor experiment: per workload, concurrency, policy and build (binA: cfe02c0; binC: cfe02c0 with the drain floor, drain-floor.patch, and the agent seeing a restart in the worker metrics), each seed and the median. Usage: python3 summarize_ab.py drain-ab"""
+"""A/B table of interleaved builds (`fade-ab/`, `drain-ab/`, `late-sweep/`): per workload, concurrency,
+policy and build, each seed and the median over seeds. Each run is a folder `<workload>-<build>-s<seed>`
+holding the routing.json routing-bench wrote; the README section of each experiment says which build is
+which. Usage: python3 summarize_ab.py DIR"""
 import json, os, statistics, sys
 root = sys.argv[1]
 rows = {}
