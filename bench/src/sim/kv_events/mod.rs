@@ -136,19 +136,13 @@ impl KvPublisher {
             let _ = sock_tx.send(socket);
         } else {
             // Like libzmq, connect in the background and keep retrying until the subscriber binds.
-            let mut opts = SocketOptions::default();
-            opts.no_connect_timeout();
-            let mut socket = zeromq::PubSocket::with_options(opts);
             let token = shutdown.clone();
             tokio::spawn(async move {
                 tokio::select! {
                     _ = token.cancelled() => {}
-                    res = socket.connect(&endpoint) => match res {
-                        Ok(()) => {
-                            tracing::info!(%endpoint, "kv events: connected");
-                            let _ = sock_tx.send(socket);
-                        }
-                        Err(e) => tracing::error!(%endpoint, error = %e, "kv events: connect failed"),
+                    socket = connect_until_bound(&endpoint) => {
+                        tracing::info!(%endpoint, "kv events: connected");
+                        let _ = sock_tx.send(socket);
                     }
                 }
             });
@@ -190,6 +184,32 @@ impl KvPublisher {
             .as_secs_f64();
         // The publisher task only ends at shutdown, when losing events no longer matters.
         let _ = self.tx.send((ts, events));
+    }
+}
+
+/// How often a connect-mode publisher dials a subscriber that is not bound yet: libzmq's default
+/// `ZMQ_RECONNECT_IVL` (100 ms, with no backoff since `ZMQ_RECONNECT_IVL_MAX` is 0), which vLLM's
+/// publisher keeps. The `zeromq` crate's own retry doubles its wait up to 30 s, so a worker started well
+/// before its agent would reach the agent only seconds after it binds.
+const RECONNECT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// How long one connect call may take, handshake included, before it is given up and made again. Inside
+/// it the crate dials at 0, 50 and 150 ms, so no two dials are more than 200 ms apart.
+const DIAL_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// Connects a PUB socket to `endpoint`, dialling again until the peer answers.
+async fn connect_until_bound(endpoint: &str) -> zeromq::PubSocket {
+    loop {
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(DIAL_TIMEOUT);
+        let mut socket = zeromq::PubSocket::with_options(opts);
+        match socket.connect(endpoint).await {
+            Ok(()) => return socket,
+            Err(e) => {
+                tracing::debug!(%endpoint, error = %e, "kv events: subscriber not reachable yet")
+            }
+        }
+        tokio::time::sleep(RECONNECT_INTERVAL).await;
     }
 }
 

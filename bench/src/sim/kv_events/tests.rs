@@ -84,3 +84,35 @@ fn an_adapters_blocks_carry_its_name_as_vllm_publishes_them() {
             .all(|k| k.as_array().map(|a| a[0].as_str()) == Some(Some("sql-lora")))
     );
 }
+
+/// vLLM's publisher (libzmq) dials a subscriber that is not bound yet every 100 ms, so a worker started
+/// long before its agent reaches it as soon as it binds. With the `zeromq` crate's doubling wait, a
+/// subscriber bound 4 s after the first dial would be reached only at about 6.4 s.
+#[tokio::test]
+async fn a_connect_mode_publisher_reaches_a_late_subscriber_at_once() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let dial = tokio::spawn({
+        let endpoint = endpoint.clone();
+        async move {
+            let _socket = connect_until_bound(&endpoint).await;
+            std::time::Instant::now()
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut sub = zeromq::SubSocket::new();
+    sub.bind(&endpoint).await.expect("bind the subscriber");
+    let bound = std::time::Instant::now();
+    let connected = tokio::time::timeout(Duration::from_secs(10), dial)
+        .await
+        .expect("the publisher connects")
+        .expect("the dial task");
+    let after = connected.saturating_duration_since(bound);
+    assert!(
+        after < Duration::from_millis(1500),
+        "connected {after:?} after the subscriber bound"
+    );
+}
