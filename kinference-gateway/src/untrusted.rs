@@ -11,6 +11,7 @@
 //! | [`anthropic_stream`] | an Anthropic-style provider's stream | [`crate::backend::provider::translate`] |
 //! | [`policy_file`] | a policy file (Git, a mounted ConfigMap) | [`crate::policy::source::parse_file`] |
 //! | [`worker_metrics`] | a worker's `/metrics` (policy pool state) | [`crate::policy::worker_load`] |
+//! | [`pii_scan`] | a client's prompt text | [`crate::policy::classify::pii`] |
 
 use std::path::Path;
 
@@ -22,13 +23,14 @@ use crate::backend::provider::translate::AnthropicStream;
 use crate::backend::sse::SseParser;
 
 /// The names of the entries, as the fuzz targets and corpus folders are named.
-pub const TARGETS: [&str; 6] = [
+pub const TARGETS: [&str; 7] = [
     "openai_request",
     "anthropic_request",
     "sse_stream",
     "anthropic_stream",
     "policy_file",
     "worker_metrics",
+    "pii_scan",
 ];
 
 /// Runs the entry called `target` (one of [`TARGETS`]) on `data`.
@@ -38,6 +40,7 @@ pub fn run(target: &str, data: &[u8]) {
         "anthropic_request" => anthropic_request(data),
         "sse_stream" => sse_stream(data),
         "anthropic_stream" => anthropic_stream(data),
+        "pii_scan" => pii_scan(data),
         "policy_file" => policy_file(data),
         "worker_metrics" => worker_metrics(data),
         other => panic!("no fuzz entry called {other:?}"),
@@ -137,5 +140,30 @@ pub fn worker_metrics(data: &[u8]) {
             !kv.is_nan(),
             "a NaN KV-cache usage reached the policy facts"
         );
+    }
+}
+
+/// A prompt's text through the PII detectors: every match is a range of the text on character
+/// boundaries, and each phone number or card number it reports passes the checks it was found by.
+pub fn pii_scan(data: &[u8]) {
+    use crate::policy::classify::pii::{PiiKind, card_valid, scan};
+    let text = String::from_utf8_lossy(data);
+    for m in scan(&text) {
+        assert!(
+            m.start < m.end
+                && m.end <= text.len()
+                && text.is_char_boundary(m.start)
+                && text.is_char_boundary(m.end),
+            "{m:?} is no range of the text"
+        );
+        let found = &text[m.start..m.end];
+        match m.kind {
+            PiiKind::Phone => assert!(
+                (8..=15).contains(&found.chars().filter(char::is_ascii_digit).count()),
+                "phone {found:?}"
+            ),
+            PiiKind::PaymentCard => assert!(card_valid(found), "card {found:?}"),
+            _ => {}
+        }
     }
 }

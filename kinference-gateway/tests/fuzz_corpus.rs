@@ -36,4 +36,15 @@ fn the_seeds_parse() {
     assert!(!parsed.manifests.is_empty() && parsed.problems.is_empty());
     let metrics = std::fs::read_to_string(root.join("worker_metrics/vllm-0.32.txt")).unwrap();
     assert!(kinference_gateway::policy::worker_load::parse_metrics(&metrics).is_some());
+    let prompt = std::fs::read_to_string(root.join("pii_scan/every-kind.txt")).unwrap();
+    let kinds: std::collections::BTreeSet<_> =
+        kinference_gateway::policy::classify::pii::scan(&prompt)
+            .into_iter()
+            .map(|m| m.kind)
+            .collect();
+    assert_eq!(
+        kinds.len(),
+        7,
+        "every kind of personal data in the seed is found: {kinds:?}"
+    );
 }

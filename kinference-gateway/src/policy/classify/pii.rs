@@ -99,17 +99,14 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
             end: m.end(),
         });
     }
-    for c in PHONE.captures_iter(text) {
-        if let Some(m) = c.get(1) {
-            let digits = m.as_str().chars().filter(char::is_ascii_digit).count();
-            if (8..=15).contains(&digits) {
-                out.push(PiiMatch {
-                    kind: PiiKind::Phone,
-                    start: m.start(),
-                    end: m.end(),
-                });
-            }
-        }
+    for (start, end) in checked(&PHONE, text, |number| {
+        (8..=15).contains(&number.chars().filter(char::is_ascii_digit).count())
+    }) {
+        out.push(PiiMatch {
+            kind: PiiKind::Phone,
+            start,
+            end,
+        });
     }
     for c in IBAN.captures_iter(text) {
         if let Some(m) = c.get(1)
@@ -122,16 +119,12 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
             });
         }
     }
-    for c in CARD.captures_iter(text) {
-        if let Some(m) = c.get(1)
-            && card_valid(m.as_str())
-        {
-            out.push(PiiMatch {
-                kind: PiiKind::PaymentCard,
-                start: m.start(),
-                end: m.end(),
-            });
-        }
+    for (start, end) in checked(&CARD, text, card_valid) {
+        out.push(PiiMatch {
+            kind: PiiKind::PaymentCard,
+            start,
+            end,
+        });
     }
     for c in IPV4.captures_iter(text) {
         if let Some(m) = c.get(1)
@@ -188,6 +181,52 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
     }
     out.sort_by_key(|m| (m.start, m.kind));
     out
+}
+
+/// The candidates `pattern` finds in `text` (its first capture group) that `valid` accepts, as byte
+/// ranges.
+///
+/// A number pattern can take more than one number: two phone numbers written side by side read as
+/// one, too long to be a number; a card number followed by its security code, as one that fails the
+/// checksum. So a rejected candidate does not hide what it holds:
+/// - its longest leading part that ends where a group of digits ends and that `valid` accepts is taken
+///   instead, and the search goes on after it;
+/// - when no part is accepted, the search goes on from the candidate's second character, so a number
+///   that starts inside it is still found.
+fn checked(pattern: &Regex, text: &str, valid: impl Fn(&str) -> bool) -> Vec<(usize, usize)> {
+    let mut found = Vec::new();
+    let mut at = 0;
+    while at <= text.len() {
+        let Some(candidate) = pattern.captures_at(text, at).and_then(|c| c.get(1)) else {
+            break;
+        };
+        let (start, number) = (candidate.start(), candidate.as_str());
+        let accepted = if valid(number) {
+            Some(number.len())
+        } else {
+            group_ends(number).rev().find(|&end| valid(&number[..end]))
+        };
+        at = match accepted {
+            Some(len) => {
+                found.push((start, start + len));
+                start + len
+            }
+            // The next character boundary after the candidate's start.
+            None => start + number.chars().next().map_or(1, char::len_utf8),
+        };
+    }
+    found
+}
+
+/// Where a group of digits ends inside `number`, before its last character: after a digit or a
+/// closing parenthesis that a separator follows.
+fn group_ends(number: &str) -> impl DoubleEndedIterator<Item = usize> + '_ {
+    let bytes = number.as_bytes();
+    (1..bytes.len()).filter(move |&i| {
+        (bytes[i - 1].is_ascii_digit() || bytes[i - 1] == b')')
+            && !bytes[i].is_ascii_digit()
+            && bytes[i] != b')'
+    })
 }
 
 /// IBAN check: country code, length 15-34, and the ISO 13616 mod-97 remainder of 1.

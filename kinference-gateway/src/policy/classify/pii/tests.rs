@@ -46,6 +46,55 @@ fn phone_numbers() {
     assert_misses(PiiKind::Phone, "+12 is short");
 }
 
+/// Numbers side by side can read as one number too long to be one; each is still found. The first case
+/// reached a remote pool in the gateway's PII property test (seed 2637736576671326905).
+#[test]
+fn numbers_side_by_side_are_each_found() {
+    let two_phones = "+44 20 7946 4639 (212) 555-5530";
+    assert_finds(PiiKind::Phone, two_phones);
+    assert_finds(
+        PiiKind::Phone,
+        "+1 415 555 2671 +44 20 7946 0958 +49 30 901820",
+    );
+    // A card number followed by its security code fails the checksum as one number.
+    assert_finds(
+        PiiKind::PaymentCard,
+        "card 4111 1111 1111 1111 123 exp 12/29",
+    );
+    assert_finds(
+        PiiKind::PaymentCard,
+        "5555-5555-5555-4444 4111 1111 1111 1111",
+    );
+    // A number starting inside a rejected one: a long international-looking run, then a US number.
+    assert_finds(PiiKind::Phone, "+1 2345 6789 0123 4567 (415) 555-2671");
+    // Every number of a list is reported, at its own position.
+    let list = "(415) 555-2671 (212) 555-5530 (646) 555-0199";
+    let phones: Vec<&str> = scan(list)
+        .into_iter()
+        .filter(|m| m.kind == PiiKind::Phone)
+        .map(|m| &list[m.start..m.end])
+        .collect();
+    assert_eq!(
+        phones,
+        ["(415) 555-2671", "(212) 555-5530", "(646) 555-0199"]
+    );
+    // Still no phone in a long run of short groups that holds no number-shaped part.
+    assert_misses(PiiKind::Phone, "scores +5 7 9 and +3 4");
+}
+
+#[test]
+fn a_long_run_of_digit_groups_is_scanned_in_linear_time() {
+    // Every candidate in it is rejected, so each is searched again from its second character.
+    let text = "+1 2 3 4 5 6 7 ".repeat(20_000);
+    let started = std::time::Instant::now();
+    let _ = scan(&text);
+    let per_kib = started.elapsed() / (text.len() / 1024) as u32;
+    assert!(
+        per_kib < std::time::Duration::from_millis(5),
+        "{per_kib:?} per KiB"
+    );
+}
+
 #[test]
 fn ibans_with_mod97() {
     assert_finds(PiiKind::Iban, "pay to GB82 WEST 1234 5698 7654 32 today");
