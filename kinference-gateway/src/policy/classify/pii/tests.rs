@@ -164,3 +164,46 @@ fn matches_report_positions_not_content() {
     let m = &scan(text)[0];
     assert_eq!(&text[m.start..m.end], "a@example.org");
 }
+
+/// One value of every kind, next to one of every kind (itself included), separated by a space or a
+/// comma: each kind is still found. Side by side is where a pattern's span can take in its neighbour.
+#[test]
+fn every_kind_is_found_beside_every_kind() {
+    let values = [
+        (PiiKind::Email, "jane.doe@example.com"),
+        (PiiKind::Phone, "+44 20 7946 0958"),
+        (PiiKind::Phone, "+1 415-555-2671"),
+        (PiiKind::Phone, "(212) 555-5530"),
+        (PiiKind::Phone, "415-555-2671"),
+        (PiiKind::Phone, "07700 900123"),
+        (PiiKind::PaymentCard, "4111 1111 1111 1111"),
+        (PiiKind::PaymentCard, "4111-1111-1111-1111"),
+        (PiiKind::PaymentCard, "4111111111111111"),
+        (PiiKind::Iban, "DE89370400440532013000"),
+        (PiiKind::Iban, "GB82 WEST 1234 5698 7654 32"),
+        (PiiKind::IpAddress, "203.0.113.42"),
+        (PiiKind::IpAddress, "2001:db8::8a2e:370:7334"),
+        (PiiKind::UsSsn, "123-45-6789"),
+        (PiiKind::UkNino, "AB 12 34 56 C"),
+    ];
+    let mut misses = Vec::new();
+    for (kind_a, a) in values {
+        for (kind_b, b) in values {
+            for sep in [" ", ", "] {
+                let text = format!("{a}{sep}{b}");
+                let found = kinds(&text);
+                for kind in [kind_a, kind_b] {
+                    if !found.contains(&kind) {
+                        misses.push(format!("{kind:?} in {text:?}: {:?}", scan(&text)));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        misses.is_empty(),
+        "{} misses:\n{}",
+        misses.len(),
+        misses.join("\n")
+    );
+}
