@@ -144,9 +144,9 @@ pub fn worker_metrics(data: &[u8]) {
 }
 
 /// A prompt's text through the PII detectors: every match is a range of the text on character
-/// boundaries, and each phone number or card number it reports passes the checks it was found by.
+/// boundaries, and each phone number, card number or IBAN it reports passes the check it was found by.
 pub fn pii_scan(data: &[u8]) {
-    use crate::policy::classify::pii::{PiiKind, card_valid, scan};
+    use crate::policy::classify::pii::{PiiKind, card_valid, iban_valid, scan};
     let text = String::from_utf8_lossy(data);
     for m in scan(&text) {
         assert!(
@@ -163,6 +163,7 @@ pub fn pii_scan(data: &[u8]) {
                 "phone {found:?}"
             ),
             PiiKind::PaymentCard => assert!(card_valid(found), "card {found:?}"),
+            PiiKind::Iban => assert!(iban_valid(found), "IBAN {found:?}"),
             _ => {}
         }
     }

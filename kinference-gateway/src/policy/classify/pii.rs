@@ -108,16 +108,12 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
             end,
         });
     }
-    for c in IBAN.captures_iter(text) {
-        if let Some(m) = c.get(1)
-            && iban_valid(m.as_str())
-        {
-            out.push(PiiMatch {
-                kind: PiiKind::Iban,
-                start: m.start(),
-                end: m.end(),
-            });
-        }
+    for (start, end) in checked(&IBAN, text, iban_valid) {
+        out.push(PiiMatch {
+            kind: PiiKind::Iban,
+            start,
+            end,
+        });
     }
     for (start, end) in checked(&CARD, text, card_valid) {
         out.push(PiiMatch {
@@ -187,10 +183,11 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
 /// ranges.
 ///
 /// A number pattern can take more than one number: two phone numbers written side by side read as
-/// one, too long to be a number; a card number followed by its security code, as one that fails the
-/// checksum. So a rejected candidate does not hide what it holds:
-/// - its longest leading part that ends where a group of digits ends and that `valid` accepts is taken
-///   instead, and the search goes on after it;
+/// one, too long to be a number; a card number followed by its security code, or an IBAN followed by
+/// a word of four capitals, as one that fails the checksum. So a rejected candidate does not hide
+/// what it holds:
+/// - its longest leading part that ends where a group ends and that `valid` accepts is taken instead,
+///   and the search goes on after it;
 /// - when no part is accepted, the search goes on from the candidate's second character, so a number
 ///   that starts inside it is still found.
 fn checked(pattern: &Regex, text: &str, valid: impl Fn(&str) -> bool) -> Vec<(usize, usize)> {
@@ -218,15 +215,12 @@ fn checked(pattern: &Regex, text: &str, valid: impl Fn(&str) -> bool) -> Vec<(us
     found
 }
 
-/// Where a group of digits ends inside `number`, before its last character: after a digit or a
+/// Where a group ends inside `number`, before its last character: after a digit, a letter or a
 /// closing parenthesis that a separator follows.
 fn group_ends(number: &str) -> impl DoubleEndedIterator<Item = usize> + '_ {
     let bytes = number.as_bytes();
-    (1..bytes.len()).filter(move |&i| {
-        (bytes[i - 1].is_ascii_digit() || bytes[i - 1] == b')')
-            && !bytes[i].is_ascii_digit()
-            && bytes[i] != b')'
-    })
+    let in_group = |b: u8| b.is_ascii_alphanumeric() || b == b')';
+    (1..bytes.len()).filter(move |&i| in_group(bytes[i - 1]) && !in_group(bytes[i]))
 }
 
 /// IBAN check: country code, length 15-34, and the ISO 13616 mod-97 remainder of 1.

@@ -65,6 +65,8 @@ fn numbers_side_by_side_are_each_found() {
         PiiKind::PaymentCard,
         "5555-5555-5555-4444 4111 1111 1111 1111",
     );
+    // An IBAN followed by a word of four capitals fails mod-97 as one.
+    assert_finds(PiiKind::Iban, "IBAN BE68 5390 0754 7034 CODE 7");
     // A number starting inside a rejected one: a long international-looking run, then a US number.
     assert_finds(PiiKind::Phone, "+1 2345 6789 0123 4567 (415) 555-2671");
     // Every number of a list is reported, at its own position.
