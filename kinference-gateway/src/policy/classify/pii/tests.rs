@@ -191,7 +191,7 @@ fn every_kind_is_found_beside_every_kind() {
     let mut misses = Vec::new();
     for (kind_a, a) in values {
         for (kind_b, b) in values {
-            for sep in [" ", ", "] {
+            for sep in [" ", ", ", "; ", "\n", " / ", ". ", " - ", "/", "|"] {
                 let text = format!("{a}{sep}{b}");
                 let found = kinds(&text);
                 for kind in [kind_a, kind_b] {
