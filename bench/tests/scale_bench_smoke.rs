@@ -67,11 +67,13 @@ fn a_three_worker_two_agent_fleet_runs_and_writes_table_and_plot() {
             .is_some_and(|v| v > 0.0),
         "the gateway's decision histogram was read: {kinference}"
     );
+    // Read, not necessarily above 0: `/proc` counts CPU in 10 ms ticks, and six requests can take
+    // less than one (a run at cede439 read 0 for one policy and 1.67 ms a request for another).
     assert!(
         kinference["gateway_cpu_ms_per_request"]
             .as_f64()
-            .is_some_and(|v| v > 0.0),
-        "{kinference}"
+            .is_some_and(|v| v >= 0.0),
+        "the gateway's CPU time was read: {kinference}"
     );
     assert!(
         kinference["agent_bytes_per_s"]
