@@ -13,7 +13,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use testkit::{ChildGuard, free_port};
-use tokio::net::TcpStream;
 
 mod support;
 
@@ -97,21 +96,30 @@ async fn gateway(config: &std::path::Path, bind: &str, extra: &[&str]) -> (Child
             .expect("starting kinference-gateway"),
     );
     let deadline = Instant::now() + Duration::from_secs(60);
-    let mut last = None;
     loop {
         if let Ok(Some(status)) = child.0.try_wait() {
             panic!("kinference-gateway exited with {status}");
         }
-        if TcpStream::connect(("127.0.0.1", api)).await.is_ok() {
-            let answer = chat(api, &[("authorization", &format!("Bearer {ACME_KEY}"))]).await;
-            if answer.0 == 200 {
-                return (child, api, admin);
-            }
-            last = Some(answer);
+        // A gateway still starting may refuse or reset a connection: wait and ask again.
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
+        );
+        let auth = format!("Bearer {ACME_KEY}");
+        let answer = support::try_call(
+            "127.0.0.1",
+            api,
+            "POST",
+            "/v1/chat/completions",
+            &[("authorization", &auth)],
+            &body,
+        )
+        .await;
+        if matches!(answer, Ok((200, _, _))) {
+            return (child, api, admin);
         }
         assert!(
             Instant::now() < deadline,
-            "the gateway never served; last answer: {last:?}"
+            "the gateway never served; last answer: {answer:?}"
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }

@@ -240,7 +240,22 @@ pub async fn call(
     headers: &[(&str, &str)],
     body: &str,
 ) -> (u16, String, String) {
-    let mut s = TcpStream::connect((host, port)).await.expect("connect");
+    try_call(host, port, method, path, headers, body)
+        .await
+        .expect("an answer")
+}
+
+/// [`call`], with a failed connection, write or read returned rather than a panic: for waits on a
+/// process that is still starting.
+pub async fn try_call(
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<(u16, String, String)> {
+    let mut s = TcpStream::connect((host, port)).await?;
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
         body.len()
@@ -250,12 +265,11 @@ pub async fn call(
     }
     req.push_str("\r\n");
     req.push_str(body);
-    s.write_all(req.as_bytes()).await.expect("write");
+    s.write_all(req.as_bytes()).await?;
     let mut buf = Vec::new();
     tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut buf))
         .await
-        .expect("answer in time")
-        .expect("read");
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer in 20 s"))??;
     let text = String::from_utf8_lossy(&buf).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     let status = head
@@ -263,5 +277,5 @@ pub async fn call(
         .nth(1)
         .and_then(|s| s.parse().ok())
         .unwrap_or(0);
-    (status, head.to_ascii_lowercase(), body.to_string())
+    Ok((status, head.to_ascii_lowercase(), body.to_string()))
 }
