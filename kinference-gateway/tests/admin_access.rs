@@ -96,24 +96,13 @@ async fn gateway(config: &std::path::Path, bind: &str, extra: &[&str]) -> (Child
             .expect("starting kinference-gateway"),
     );
     let deadline = Instant::now() + Duration::from_secs(60);
+    let auth = format!("Bearer {ACME_KEY}");
     loop {
         if let Ok(Some(status)) = child.0.try_wait() {
             panic!("kinference-gateway exited with {status}");
         }
         // A gateway still starting may refuse or reset a connection: wait and ask again.
-        let body = format!(
-            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
-        );
-        let auth = format!("Bearer {ACME_KEY}");
-        let answer = support::try_call(
-            "127.0.0.1",
-            api,
-            "POST",
-            "/v1/chat/completions",
-            &[("authorization", &auth)],
-            &body,
-        )
-        .await;
+        let answer = support::try_chat(api, MODEL, &[("authorization", &auth)]).await;
         if matches!(answer, Ok((200, _, _))) {
             return (child, api, admin);
         }

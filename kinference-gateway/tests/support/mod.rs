@@ -217,10 +217,19 @@ pub fn write_tenants(dir: &Path, tenants: &[(&str, &str)], extra_spec: &str) {
 /// A short non-streamed chat ("hello there", two tokens at most) for `model` through loopback
 /// `port` with `headers`: (status, lower-cased head, body).
 pub async fn chat(port: u16, model: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
+    try_chat(port, model, headers).await.expect("an answer")
+}
+
+/// [`chat`], with a failed connection, write or read returned rather than a panic (see [`try_call`]).
+pub async fn try_chat(
+    port: u16,
+    model: &str,
+    headers: &[(&str, &str)],
+) -> std::io::Result<(u16, String, String)> {
     let body = format!(
         r#"{{"model":"{model}","messages":[{{"role":"user","content":"hello there"}}],"max_tokens":2}}"#
     );
-    call(
+    try_call(
         "127.0.0.1",
         port,
         "POST",

@@ -99,29 +99,9 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
             end: m.end(),
         });
     }
-    for (start, end) in checked(&PHONE, text, |number| {
-        (8..=15).contains(&number.chars().filter(char::is_ascii_digit).count())
-    }) {
-        out.push(PiiMatch {
-            kind: PiiKind::Phone,
-            start,
-            end,
-        });
-    }
-    for (start, end) in checked(&IBAN, text, iban_valid) {
-        out.push(PiiMatch {
-            kind: PiiKind::Iban,
-            start,
-            end,
-        });
-    }
-    for (start, end) in checked(&CARD, text, card_valid) {
-        out.push(PiiMatch {
-            kind: PiiKind::PaymentCard,
-            start,
-            end,
-        });
-    }
+    out.extend(checked(PiiKind::Phone, &PHONE, text, phone_valid));
+    out.extend(checked(PiiKind::Iban, &IBAN, text, iban_valid));
+    out.extend(checked(PiiKind::PaymentCard, &CARD, text, card_valid));
     for c in IPV4.captures_iter(text) {
         if let Some(m) = c.get(1)
             && let Ok(ip) = m.as_str().parse::<Ipv4Addr>()
@@ -179,8 +159,8 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
     out
 }
 
-/// The candidates `pattern` finds in `text` (its first capture group) that `valid` accepts, as byte
-/// ranges.
+/// The candidates `pattern` finds in `text` (its first capture group) that `valid` accepts, as
+/// matches of `kind`.
 ///
 /// A number pattern can take more than one number: two phone numbers written side by side read as
 /// one, too long to be a number; a card number followed by its security code, or an IBAN followed by
@@ -190,7 +170,12 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
 ///   and the search goes on after it;
 /// - when no part is accepted, the search goes on from the candidate's second character, so a number
 ///   that starts inside it is still found.
-fn checked(pattern: &Regex, text: &str, valid: impl Fn(&str) -> bool) -> Vec<(usize, usize)> {
+fn checked(
+    kind: PiiKind,
+    pattern: &Regex,
+    text: &str,
+    valid: impl Fn(&str) -> bool,
+) -> Vec<PiiMatch> {
     let mut found = Vec::new();
     let mut at = 0;
     while at <= text.len() {
@@ -205,7 +190,11 @@ fn checked(pattern: &Regex, text: &str, valid: impl Fn(&str) -> bool) -> Vec<(us
         };
         at = match accepted {
             Some(len) => {
-                found.push((start, start + len));
+                found.push(PiiMatch {
+                    kind,
+                    start,
+                    end: start + len,
+                });
                 start + len
             }
             // The next character boundary after the candidate's start.
@@ -221,6 +210,11 @@ fn group_ends(number: &str) -> impl DoubleEndedIterator<Item = usize> + '_ {
     let bytes = number.as_bytes();
     let in_group = |b: u8| b.is_ascii_alphanumeric() || b == b')';
     (1..bytes.len()).filter(move |&i| in_group(bytes[i - 1]) && !in_group(bytes[i]))
+}
+
+/// Phone number check: 8 to 15 digits (E.164 allows at most 15).
+pub fn phone_valid(candidate: &str) -> bool {
+    (8..=15).contains(&candidate.chars().filter(char::is_ascii_digit).count())
 }
 
 /// IBAN check: country code, length 15-34, and the ISO 13616 mod-97 remainder of 1.
