@@ -274,15 +274,27 @@ async fn a_restarted_worker_is_forgotten_before_its_first_kv_event() {
         sim.watch.step(Duration::from_millis(500)).await;
     }
 
+    // The agent must have read the worker's start time before the restart: a restart before its first
+    // scrape shows only in the event sequence.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while sim.agent.metric("kinference_agent_scrape_ok").await < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the agent never scraped the worker"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // Down for 2 s (more than the start time's jitter), then back with nothing sent to it.
     sim.restart(Duration::from_secs(2)).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     while !sim.view().is_empty() || restarts(&sim).await != 1.0 {
         assert!(
             Instant::now() < deadline,
-            "{} old keys still held, {} restarts counted",
+            "{} old keys still held, {} restarts counted; the agent's log:\n{}",
             sim.view().len(),
-            restarts(&sim).await
+            restarts(&sim).await,
+            sim.agent.log()
         );
         sim.watch.step(Duration::from_millis(200)).await;
     }
