@@ -58,6 +58,11 @@ struct Args {
     /// Tokens generated per request.
     #[arg(long, default_value_t = 8)]
     max_tokens: u32,
+    /// CPUs the gateway runs on (a `taskset -c` list, e.g. `1`); default: wherever the scheduler
+    /// puts it. Run this binary itself under `taskset -c 0` to give the gateway a core of its own,
+    /// apart from the client and the simulator (which start on this binary's CPUs).
+    #[arg(long)]
+    gateway_cpus: Option<String>,
 }
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
@@ -215,8 +220,18 @@ async fn main() -> anyhow::Result<()> {
             args.routing
         ),
     )?;
+    let mut command = match &args.gateway_cpus {
+        Some(cpus) => {
+            let mut taskset = Command::new("taskset");
+            taskset
+                .args(["-c", cpus])
+                .arg(bin_dir.join("kinference-gateway"));
+            taskset
+        }
+        None => Command::new(bin_dir.join("kinference-gateway")),
+    };
     let mut gateway = Guard(
-        Command::new(bin_dir.join("kinference-gateway"))
+        command
             .args(["--listen", &format!("127.0.0.1:{gw_port}")])
             .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
             .arg("--config")
@@ -241,8 +256,13 @@ async fn main() -> anyhow::Result<()> {
     let direct_url = format!("{worker}/v1/chat/completions");
     let gateway_url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
     println!(
-        "gateway-overhead: vllm-sim --preset fast --time-scale {}, routing {}, {} rounds x {} requests per side, max_tokens {}",
-        args.time_scale, args.routing, args.rounds, args.requests, args.max_tokens
+        "gateway-overhead: vllm-sim --preset fast --time-scale {}, routing {}, {} rounds x {} requests per side, max_tokens {}, gateway on CPUs {}",
+        args.time_scale,
+        args.routing,
+        args.rounds,
+        args.requests,
+        args.max_tokens,
+        args.gateway_cpus.as_deref().unwrap_or("any")
     );
     println!(
         "{:<11} {:>4} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10} | {:>9}",
