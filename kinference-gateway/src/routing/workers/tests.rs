@@ -51,6 +51,41 @@ fn the_ledger_as_a_view_saw_it() {
 }
 
 #[test]
+fn counting_the_later_entries_agrees_with_a_full_bisection() {
+    let t0 = Instant::now();
+    let at = |us: u64| t0 + Duration::from_micros(us);
+    let mut rng = rand::rng();
+    for len in [0usize, 1, 2, 3, 7, 64, 1000, 5000] {
+        // A list that wraps around its ring buffer, as a long-running one does: its head is moved
+        // half-way in before it is filled.
+        let mut list: VecDeque<Instant> = VecDeque::with_capacity(len);
+        for _ in 0..len / 2 {
+            list.push_back(t0);
+        }
+        while list.pop_front().is_some() {}
+        // Sorted, with runs of equal stamps (requests stamped in the same microsecond).
+        let mut now = 0u64;
+        for _ in 0..len {
+            now += rand::Rng::random_range(&mut rng, 0..3u64);
+            list.push_back(at(now));
+        }
+        assert!(
+            len < 2 || !list.as_slices().1.is_empty(),
+            "len {len}: no wrap"
+        );
+        for probe in 0..=now + 2 {
+            let t = at(probe);
+            let expected = list.len() - list.partition_point(|x| *x <= t);
+            assert_eq!(
+                LedgerLog::after(&list, t),
+                expected,
+                "len {len}, t +{probe} us"
+            );
+        }
+    }
+}
+
+#[test]
 fn the_log_stays_bounded() {
     let t0 = Instant::now();
     let mut log = LedgerLog::default();
