@@ -101,6 +101,10 @@ struct Args {
     /// Runs nothing: redraws scale.svg next to this scale.json from its rows.
     #[arg(long)]
     replot: Option<PathBuf>,
+    /// CPUs the gateways run on (a `taskset -c` list, e.g. `1`). Run this binary itself under
+    /// `taskset -c 0` to give the gateway a core of its own, apart from the fleet and the client.
+    #[arg(long)]
+    gateway_cpus: Option<String>,
 }
 
 impl Args {
@@ -379,8 +383,8 @@ fn write_results(
     md.push_str(&format!(
         "\n## What this {cpus}-core machine limits\n\n\
          Every process of a fleet (up to 13 simulator processes serving 104 workers, 13 agents, two gateways and \
-         the load client) shares {cpus} cores, so every figure here includes contention the gateway would not \
-         see on its own node: the decision histogram times wall-clock, so a decision descheduled mid-way \
+         the load client) shares {cpus} core(s) (with `--gateway-cpus`, every process but the gateways: see the \
+         notes), so every figure here includes contention the gateway would not see on its own node: the decision histogram times wall-clock, so a decision descheduled mid-way \
          counts whole, which inflates the p99 most at the largest fleets, where the most processes compete; \
          TTFT includes the loopback apparatus' own milliseconds (divided by the time scale into simulated \
          time); the oracle asks every worker per request and is left out past `--oracle-max-workers`. Quote \
@@ -421,6 +425,19 @@ async fn main() -> ExitCode {
 }
 
 /// Redraws the plot of a recorded `scale.json` beside it.
+/// The CPUs this process may run on (`Cpus_allowed_list` of `/proc/self/status`).
+fn own_cpus() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|cpus| cpus.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn replot(json: &std::path::Path) -> anyhow::Result<()> {
     let results: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(json)?)?;
     let rows: Vec<Row> = serde_json::from_value(results["rows"].clone())?;
@@ -494,6 +511,12 @@ async fn run(args: Args) -> ExitCode {
     let mut rows: Vec<Row> = Vec::new();
     let mut notes: Vec<String> = Vec::new();
     let mut smallest: Option<(usize, u64)> = None;
+    if let Some(cpus) = &args.gateway_cpus {
+        notes.push(format!(
+            "CPUs: the gateways on {cpus}; the client and the fleet on {}",
+            own_cpus()
+        ));
+    }
     for (f, &workers) in args.fleets.iter().enumerate() {
         let config = FleetConfig {
             bin_dir: args
@@ -515,6 +538,7 @@ async fn run(args: Args) -> ExitCode {
                 std::process::id()
             )),
             ready_timeout: Duration::from_secs(120 + workers as u64),
+            gateway_cpus: args.gateway_cpus.clone(),
         };
         eprintln!(
             "scale-bench: fleet {}/{}: starting {workers} workers on {} nodes (logs in {}), elapsed {:.0}s",

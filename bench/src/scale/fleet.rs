@@ -44,6 +44,8 @@ pub struct FleetConfig {
     pub work_dir: PathBuf,
     /// How long a process may take to become ready.
     pub ready_timeout: Duration,
+    /// CPUs the gateways run on (a `taskset -c` list); `None`: wherever the scheduler puts them.
+    pub gateway_cpus: Option<String>,
 }
 
 impl FleetConfig {
@@ -144,17 +146,27 @@ impl Fleet {
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
             let admin = format!("127.0.0.1:{}", ports[1]);
+            let mut args = vec![
+                "--listen".into(),
+                listen.clone(),
+                "--admin-listen".into(),
+                admin.clone(),
+                "--config".into(),
+                path.display().to_string(),
+            ];
+            // `taskset` execs the gateway, so the process id stays the gateway's.
+            let program = match &config.gateway_cpus {
+                Some(cpus) => {
+                    let pinned = ["-c".into(), cpus.clone(), gateway_bin.display().to_string()];
+                    args.splice(0..0, pinned);
+                    PathBuf::from("taskset")
+                }
+                None => gateway_bin.clone(),
+            };
             let child = ChildGuard::spawn_group(
                 &format!("kinference-gateway ({mode})"),
-                &gateway_bin,
-                &[
-                    "--listen".into(),
-                    listen.clone(),
-                    "--admin-listen".into(),
-                    admin.clone(),
-                    "--config".into(),
-                    path.display().to_string(),
-                ],
+                &program,
+                &args,
                 &[],
                 config.work_dir.join(format!("gateway-{mode}.log")),
             )?;
