@@ -1,5 +1,6 @@
 //! A stream whose worker breaks it before any output is sent again to another worker and continues
-//! from there; one that breaks after output has reached the client ends with an error event.
+//! from there (under policies, of the plan's next pool when its own pool has no other); one that
+//! breaks after output has reached the client ends with an error event.
 //!
 //! The real gateway binary in front of a real `vllm-sim` worker and a worker that answers 200, sends
 //! the opening chunk of a stream (the assistant's role, no text) and, in the second test, one chunk
@@ -276,4 +277,66 @@ async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_to
     let retries = support::metric(fleet.admin, "kinference_gateway_upstream_retries_total").await;
     assert!(retries >= 1.0, "no stream was sent again:\n{metrics}");
     assert_eq!(served_by(&metrics, fleet.sim_port), 4.0, "{metrics}");
+}
+
+/// Under a policy whose plan lists a pool of the breaking worker alone, then a pool of the
+/// simulator: a stream broken before any output continues on the second pool, and is counted there.
+#[tokio::test]
+async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
+    let _serial = SERIAL.lock().await;
+    let Some(sim) = support::vllm_sim_binary() else {
+        return;
+    };
+    let (_sim, sim_port) = support::spawn_vllm_sim(&sim, MODEL);
+    support::wait_until_ok(sim_port, "/health").await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let breaker_port = listener.local_addr().expect("addr").port();
+    tokio::spawn(breaking_worker(listener, false));
+    let dir = support::TempDir::new("stream-resend-plan");
+    let url = |port: u16| support::policies::endpoint(&format!("http://127.0.0.1:{port}"));
+    let rules = format!(
+        "apiVersion: kinference.ai/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: fallback}}\nspec:\n  priority: 0\n  rules:\n    - name: first-then-second\n      match: {{models: [{MODEL}]}}\n      action: {{route: {{targets: [{{pool: first}}, {{pool: second}}]}}}}\n"
+    );
+    let policy_dir = support::policies::write(
+        &dir.0,
+        &[
+            support::policies::model(MODEL, None),
+            support::policies::pool("first", MODEL, "Local", "breaks", &url(breaker_port)),
+            support::policies::pool("second", MODEL, "Local", "sim", &url(sim_port)),
+            rules,
+        ],
+    );
+    let config = dir.0.join("gateway.yaml");
+    std::fs::write(&config, support::policies::gateway_yaml(&policy_dir, 200)).expect("config");
+    let (_gateway, api, admin) = support::start_gateway(&config, &[]).await;
+    support::wait_for("both pools' workers healthy", || async move {
+        let (_, _, body) =
+            support::call("127.0.0.1", admin, "GET", "/healthz/workers", &[], "").await;
+        body.contains(r#""healthy":2"#)
+    })
+    .await;
+
+    let body = stream_chat(api, 0).await;
+    assert!(
+        body.contains("data: [DONE]") && !body.contains("\"error\""),
+        "{body}"
+    );
+    assert_eq!(body.matches(r#""role":"assistant""#).count(), 1, "{body}");
+    let metrics = support::metrics_text(admin).await;
+    let sent_to = |pool: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("kinference_gateway_policy_backend_requests_total{"))
+            .filter(|l| l.contains(&format!("backend=\"pool/{pool}\"")))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    assert_eq!(sent_to("first"), 1.0, "{metrics}");
+    assert_eq!(sent_to("second"), 1.0, "{metrics}");
+    assert!(
+        support::metric(admin, "kinference_gateway_upstream_retries_total").await >= 1.0,
+        "{metrics}"
+    );
+    // Counted once, served (200) by the simulator.
+    assert_eq!(served_by(&metrics, sim_port), 1.0, "{metrics}");
 }

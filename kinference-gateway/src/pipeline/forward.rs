@@ -2,7 +2,7 @@
 //! plan's targets in order, passing over those that cannot take it), and the backend's answer back
 //! to the client through the one relay ([`crate::backend::relay`]), settled once. A worker's stream
 //! carries a second chance ([`relay::Resend`]): broken before any output, it continues from another
-//! worker.
+//! worker of its pool or, when none can take it, of the plan's next pools.
 
 use std::sync::Arc;
 
@@ -35,12 +35,21 @@ pub enum Forwarded {
 }
 
 /// A worker's answer and how it was asked, so that a stream it breaks before any output can be
-/// sent again to another worker of the same pool ([`relay::Resend`]).
+/// sent again to another worker of the same pool, or of the plan's later pools ([`relay::Resend`]).
 pub struct WorkerAnswer {
     decision: Decision,
     response: Response<Incoming>,
     /// How it was asked (its protocol is the answer's).
     call: WorkerCall,
+    /// The plan's targets after the one that took the request (none without policies).
+    rest: Option<PlanRest>,
+}
+
+/// The targets of a plan from `next` on: where a stream's second chance goes when no other worker
+/// of its own pool can take it.
+struct PlanRest {
+    plan: Arc<Plan>,
+    next: usize,
 }
 
 /// What a worker is sent: the path, the body, the protocol it answers in, and the pool it was
@@ -62,10 +71,10 @@ pub async fn planned(
     gw: &Gateway,
     ex: &mut Exchange,
     request: &Request,
-    plan: &Plan,
+    plan: Arc<Plan>,
 ) -> Result<Forwarded, GatewayError> {
     let mut last: Option<GatewayError> = None;
-    for target in &plan.targets {
+    for (i, target) in plan.targets.iter().enumerate() {
         match target {
             PlanTarget::Pool { model, workers, .. } => {
                 let retargeted;
@@ -91,13 +100,15 @@ pub async fn planned(
                                 decision.explain.as_deref().unwrap_or("")
                             ));
                         }
+                        if request.stream && i + 1 < plan.targets.len() {
+                            answer.rest = Some(PlanRest {
+                                plan: Arc::clone(&plan),
+                                next: i + 1,
+                            });
+                        }
                         return Ok(Forwarded::Worker(Box::new(answer)));
                     }
-                    Err(
-                        error @ (GatewayError::NoHealthyWorker(_)
-                        | GatewayError::UnknownModel(_)
-                        | GatewayError::WorkerUnreachable { .. }),
-                    ) => {
+                    Err(error) if passes_to_next_target(&error) => {
                         tracing::warn!(backend = %target.label(), model = %request.model(), %error, "policy target unavailable; trying the next");
                         last = Some(error);
                     }
@@ -140,6 +151,18 @@ pub async fn planned(
     }))
 }
 
+/// Whether a pool's failure to take a request passes it to the plan's next target: the pool has
+/// no healthy worker, does not serve the model, or its worker cannot be reached. Anything else (a
+/// worker's 4xx, say) says the request itself is refused, and ends it.
+fn passes_to_next_target(error: &GatewayError) -> bool {
+    matches!(
+        error,
+        GatewayError::NoHealthyWorker(_)
+            | GatewayError::UnknownModel(_)
+            | GatewayError::WorkerUnreachable { .. }
+    )
+}
+
 /// Stage "forward" without policies: any worker serving the model.
 pub async fn plain(
     gw: &Gateway,
@@ -155,7 +178,7 @@ pub async fn plain(
 /// as the workers serve it); everything else goes to the chat or completions API.
 fn worker_call(
     gw: &Gateway,
-    ex: &Exchange,
+    endpoint: Endpoint,
     request: &Request,
     pool: Option<&[String]>,
 ) -> Result<WorkerCall, GatewayError> {
@@ -166,9 +189,9 @@ fn worker_call(
         model: request.model().to_string(),
         pool: pool.map(<[String]>::to_vec),
     };
-    if ex.endpoint != Endpoint::Messages || !gw.serves_messages(request.model()) {
+    if endpoint != Endpoint::Messages || !gw.serves_messages(request.model()) {
         return Ok(call(
-            ex.endpoint.upstream_path(),
+            endpoint.upstream_path(),
             request.body.clone(),
             ApiStyle::OpenAI,
         ));
@@ -199,13 +222,14 @@ async fn to_worker(
     request: &Request,
     pool: Option<&[String]>,
 ) -> Result<WorkerAnswer, GatewayError> {
-    let call = worker_call(gw, ex, request, pool)?;
+    let call = worker_call(gw, ex.endpoint, request, pool)?;
     let (decision, response) =
         send_to_worker(gw, &call, request, ex.debug, &ex.tokens, Vec::new()).await?;
     Ok(WorkerAnswer {
         decision,
         response,
         call,
+        rest: None,
     })
 }
 
@@ -298,17 +322,21 @@ async fn send_to_worker(
 }
 
 /// A streamed request's second chance ([`relay::Resend`]): when `failed` breaks the stream before
-/// any output, the same call goes to another worker of its pool, routed like the first time.
+/// any output, the same call goes to another worker of its pool, routed like the first time. When
+/// none of them can take it, it goes to the plan's later pools (`rest`) in order, as the first send
+/// would have: only those whose workers answer in the stream's protocol, and no provider (the
+/// relay cannot change an answer's protocol half-way).
 fn resend(
     gw: &Arc<Gateway>,
     request: &Arc<Request>,
     ex: &Exchange,
     call: WorkerCall,
     failed: String,
+    rest: Option<PlanRest>,
 ) -> relay::Resend<Settlement> {
     let gw = Arc::clone(gw);
     let request = Arc::clone(request);
-    let debug = ex.debug;
+    let (debug, endpoint) = (ex.debug, ex.endpoint);
     let tokens = PromptTokens::default();
     if let Some(known) = ex.tokens.get(&call.model) {
         tokens.set(&call.model, known);
@@ -317,29 +345,79 @@ fn resend(
         Box::pin(async move {
             gw.health.observe(&failed, false);
             gw.metrics.retry();
-            let (decision, response) = send_to_worker(
-                &gw,
-                &call,
-                &request,
-                debug,
-                &tokens,
-                vec![failed],
-            )
-            .await
-            .inspect_err(|error| {
-                tracing::warn!(%error, model = %call.model, "no other worker took the request");
-            })
-            .ok()?;
+            let sent = send_to_worker(&gw, &call, &request, debug, &tokens, vec![failed]).await;
+            let (decision, response, served) = match sent {
+                Ok((decision, response)) => (decision, response, None),
+                Err(error) => {
+                    tracing::warn!(%error, model = %call.model, "no other worker of the pool took the request");
+                    let rest = rest.filter(|_| passes_to_next_target(&error))?;
+                    let (decision, response, model) =
+                        later_pools(&gw, endpoint, &request, call.style, rest, debug, &tokens)
+                            .await?;
+                    (decision, response, Some(model))
+                }
+            };
             let label = decision.worker.clone();
             Some(relay::Resent {
                 body: response.into_body(),
                 label,
                 moved: Box::new(move |settlement: &mut Settlement| {
                     settlement.moved(&decision.worker, decision.ticket);
+                    if let Some(model) = served {
+                        settlement.served(&model);
+                    }
                 }),
             })
         })
     })
+}
+
+/// A stream's second chance on the plan's pools from `rest.next` on, in order: the first whose
+/// worker answers, with the model it serves; `None` when none does. Pools whose workers answer in
+/// another protocol than `style`, and providers, are passed over.
+async fn later_pools(
+    gw: &Gateway,
+    endpoint: Endpoint,
+    request: &Request,
+    style: ApiStyle,
+    rest: PlanRest,
+    debug: bool,
+    tokens: &PromptTokens,
+) -> Option<(Decision, Response<Incoming>, String)> {
+    let plan = &rest.plan;
+    for target in plan.targets.iter().skip(rest.next) {
+        let PlanTarget::Pool { model, workers, .. } = target else {
+            continue;
+        };
+        let retargeted;
+        let req = if model == request.model() {
+            request
+        } else {
+            retargeted = request.for_model(model).ok()?;
+            &retargeted
+        };
+        let call = worker_call(gw, endpoint, req, workers.as_deref()).ok()?;
+        if call.style != style {
+            continue;
+        }
+        match send_to_worker(gw, &call, req, debug, tokens, Vec::new()).await {
+            Ok((decision, response)) => {
+                if let Some(stage) = &gw.policy {
+                    stage.count_sent(target, plan.burst);
+                }
+                tracing::info!(backend = %target.label(), worker = %decision.worker, "a broken stream continues on the plan's next pool");
+                return Some((decision, response, req.model().to_string()));
+            }
+            Err(error) if passes_to_next_target(&error) => {
+                tracing::warn!(backend = %target.label(), %error, "policy target unavailable for the stream's second chance; trying the next");
+            }
+            Err(error) => {
+                tracing::warn!(backend = %target.label(), %error, "the stream's second chance was refused");
+                return None;
+            }
+        }
+    }
+    None
 }
 
 /// A worker's non-2xx answer: its own 4xx passes on with its message, except a refusal of the
@@ -388,6 +466,7 @@ pub async fn relay(
                 decision,
                 response,
                 call,
+                rest,
             } = *answer;
             let style = call.style;
             let headers = worker_headers(&decision, ex);
@@ -400,7 +479,14 @@ pub async fn relay(
                 );
             }
             if request.stream {
-                resend = Some(self::resend(gw, request, ex, call, decision.worker.clone()));
+                resend = Some(self::resend(
+                    gw,
+                    request,
+                    ex,
+                    call,
+                    decision.worker.clone(),
+                    rest,
+                ));
             }
             let input = decision.prompt_tokens.unwrap_or(0) as u64;
             let pass_through = style == ApiStyle::Anthropic;

@@ -167,7 +167,7 @@ async fn run(
             .instrument(tracing::debug_span!("policy"))
             .await;
             ex.explain = explain;
-            forward::planned(gw, ex, &request, &planned?).await?
+            forward::planned(gw, ex, &request, Arc::new(planned?)).await?
         }
     };
     forward::relay(gw, ex, &request, forwarded).await
