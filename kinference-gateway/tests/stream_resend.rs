@@ -117,14 +117,32 @@ struct Fleet {
     breaker_port: u16,
 }
 
-/// The fleet; `serves_messages`: the workers' own `/v1/messages` takes Anthropic requests.
-async fn fleet(text_first: bool, serves_messages: bool) -> Option<Fleet> {
+/// The simulator and the breaking worker, both answering: the simulator's process and port, and
+/// the breaking worker's port. `None` without the simulator's binary.
+async fn workers(text_first: bool) -> Option<(ChildGuard, u16, u16)> {
     let sim = support::vllm_sim_binary()?;
     let (sim_child, sim_port) = support::spawn_vllm_sim(&sim, MODEL);
     support::wait_until_ok(sim_port, "/health").await;
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let breaker_port = listener.local_addr().expect("addr").port();
     tokio::spawn(breaking_worker(listener, text_first));
+    Some((sim_child, sim_port, breaker_port))
+}
+
+/// Waits until the gateway on `admin` counts both workers healthy (before the first request, so
+/// that routing reaches each).
+async fn wait_both_healthy(admin: u16) {
+    support::wait_for("both workers healthy", || async move {
+        let (_, _, body) =
+            support::call("127.0.0.1", admin, "GET", "/healthz/workers", &[], "").await;
+        body.contains(r#""healthy":2"#)
+    })
+    .await;
+}
+
+/// The fleet; `serves_messages`: the workers' own `/v1/messages` takes Anthropic requests.
+async fn fleet(text_first: bool, serves_messages: bool) -> Option<Fleet> {
+    let (sim_child, sim_port, breaker_port) = workers(text_first).await?;
     let dir = support::TempDir::new("stream-resend");
     let config = dir.0.join("gateway.yaml");
     std::fs::write(
@@ -135,13 +153,7 @@ async fn fleet(text_first: bool, serves_messages: bool) -> Option<Fleet> {
     )
     .expect("config");
     let (gateway, api, admin) = support::start_gateway(&config, &[]).await;
-    // Both workers in rotation before the first request, so that round-robin reaches each.
-    support::wait_for("both workers healthy", || async move {
-        let (_, _, body) =
-            support::call("127.0.0.1", admin, "GET", "/healthz/workers", &[], "").await;
-        body.contains(r#""healthy":2"#)
-    })
-    .await;
+    wait_both_healthy(admin).await;
     Some(Fleet {
         _sim: sim_child,
         _gateway: gateway,
@@ -284,14 +296,9 @@ async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_to
 #[tokio::test]
 async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
     let _serial = SERIAL.lock().await;
-    let Some(sim) = support::vllm_sim_binary() else {
+    let Some((_sim, sim_port, breaker_port)) = workers(false).await else {
         return;
     };
-    let (_sim, sim_port) = support::spawn_vllm_sim(&sim, MODEL);
-    support::wait_until_ok(sim_port, "/health").await;
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    let breaker_port = listener.local_addr().expect("addr").port();
-    tokio::spawn(breaking_worker(listener, false));
     let dir = support::TempDir::new("stream-resend-plan");
     let url = |port: u16| support::policies::endpoint(&format!("http://127.0.0.1:{port}"));
     let rules = format!(
@@ -309,12 +316,7 @@ async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
     let config = dir.0.join("gateway.yaml");
     std::fs::write(&config, support::policies::gateway_yaml(&policy_dir, 200)).expect("config");
     let (_gateway, api, admin) = support::start_gateway(&config, &[]).await;
-    support::wait_for("both pools' workers healthy", || async move {
-        let (_, _, body) =
-            support::call("127.0.0.1", admin, "GET", "/healthz/workers", &[], "").await;
-        body.contains(r#""healthy":2"#)
-    })
-    .await;
+    wait_both_healthy(admin).await;
 
     let body = stream_chat(api, 0).await;
     assert!(
