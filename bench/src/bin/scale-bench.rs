@@ -361,6 +361,18 @@ fn write_results(
 ) -> std::io::Result<()> {
     std::fs::create_dir_all(out_dir)?;
     let cpus = setup["cpus"].as_u64().unwrap_or(0);
+    let sharing = match setup["gateway_cpus"].as_str() {
+        Some(gateway_cpus) => format!(
+            "Every process of a fleet but the gateways (up to 13 simulator processes serving 104 workers, \
+             13 agents and the load client) shares {cpus} core(s); the gateways run on CPU(s) \
+             {gateway_cpus}, apart from them (`--gateway-cpus`), and the fleet runs slower than on the \
+             whole machine"
+        ),
+        None => format!(
+            "Every process of a fleet (up to 13 simulator processes serving 104 workers, 13 agents, two \
+             gateways and the load client) shares {cpus} core(s)"
+        ),
+    };
     let mut md = format!(
         "# Scale: the gateway as the fleet grows\n\n```sh\n{command}\n```\n\n\
          Setup: {}\n\n",
@@ -381,10 +393,8 @@ fn write_results(
     ));
     md.push_str(&report::table(rows));
     md.push_str(&format!(
-        "\n## What this {cpus}-core machine limits\n\n\
-         Every process of a fleet (up to 13 simulator processes serving 104 workers, 13 agents, two gateways and \
-         the load client) shares {cpus} core(s) (with `--gateway-cpus`, every process but the gateways: see the \
-         notes), so every figure here includes contention the gateway would not see on its own node: the decision histogram times wall-clock, so a decision descheduled mid-way \
+        "\n## What this machine limits\n\n\
+         {sharing}, so every figure here includes contention the gateway would not see on its own node: the decision histogram times wall-clock, so a decision descheduled mid-way \
          counts whole, which inflates the p99 most at the largest fleets, where the most processes compete; \
          TTFT includes the loopback apparatus' own milliseconds (divided by the time scale into simulated \
          time); the oracle asks every worker per request and is left out past `--oracle-max-workers`. Quote \
@@ -473,10 +483,17 @@ async fn run(args: Args) -> ExitCode {
         .out_dir
         .clone()
         .unwrap_or_else(|| repo_root().join("bench/results/scale"));
+    // With `--gateway-cpus`, this process runs on the other CPUs: the command says so.
+    let pinned = match &args.gateway_cpus {
+        Some(_) => format!("taskset -c {} ", own_cpus()),
+        None => String::new(),
+    };
     let command = format!(
-        "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway\ntarget/release/scale-bench {}",
+        "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway\n{pinned}target/release/scale-bench {}",
         std::env::args().skip(1).collect::<Vec<_>>().join(" ")
     );
+    // The CPUs this process (and the fleet it starts) may use; with `--gateway-cpus`, fewer than
+    // the machine's.
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let setup = json!({
         "workers_per_node": args.workers_per_node,
@@ -493,6 +510,7 @@ async fn run(args: Args) -> ExitCode {
         "seed": args.seed,
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
         "cpus": cpus,
+        "gateway_cpus": args.gateway_cpus,
     });
     let modes: Vec<String> = args
         .policies
