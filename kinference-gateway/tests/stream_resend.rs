@@ -291,8 +291,10 @@ async fn a_passed_through_anthropic_stream_broken_before_any_output_continues_to
     assert_eq!(served_by(&metrics, fleet.sim_port), 4.0, "{metrics}");
 }
 
-/// Under a policy whose plan lists a pool of the breaking worker alone, then a pool of the
-/// simulator: a stream broken before any output continues on the second pool, and is counted there.
+/// Under a policy whose plan lists a pool of the breaking worker alone, then a pool of the breaking
+/// worker and the simulator: a stream broken before any output continues on the second pool, on the
+/// simulator (not on the worker that broke it, which the second pool holds too), and is counted
+/// there.
 #[tokio::test]
 async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
     let _serial = SERIAL.lock().await;
@@ -301,6 +303,9 @@ async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
     };
     let dir = support::TempDir::new("stream-resend-plan");
     let url = |port: u16| support::policies::endpoint(&format!("http://127.0.0.1:{port}"));
+    let both = format!(
+        "endpoints: [{{url: \"http://127.0.0.1:{breaker_port}\"}}, {{url: \"http://127.0.0.1:{sim_port}\"}}]"
+    );
     let rules = format!(
         "apiVersion: kinference.ai/v1alpha1\nkind: InferencePolicy\nmetadata: {{name: fallback}}\nspec:\n  priority: 0\n  rules:\n    - name: first-then-second\n      match: {{models: [{MODEL}]}}\n      action: {{route: {{targets: [{{pool: first}}, {{pool: second}}]}}}}\n"
     );
@@ -309,7 +314,7 @@ async fn a_stream_broken_before_any_output_continues_on_the_plans_next_pool() {
         &[
             support::policies::model(MODEL, None),
             support::policies::pool("first", MODEL, "Local", "breaks", &url(breaker_port)),
-            support::policies::pool("second", MODEL, "Local", "sim", &url(sim_port)),
+            support::policies::pool("second", MODEL, "Local", "mixed", &both),
             rules,
         ],
     );

@@ -336,7 +336,7 @@ fn resend(
 ) -> relay::Resend<Settlement> {
     let gw = Arc::clone(gw);
     let request = Arc::clone(request);
-    let (debug, endpoint) = (ex.debug, ex.endpoint);
+    let endpoint = ex.endpoint;
     let tokens = PromptTokens::default();
     if let Some(known) = ex.tokens.get(&call.model) {
         tokens.set(&call.model, known);
@@ -345,14 +345,17 @@ fn resend(
         Box::pin(async move {
             gw.health.observe(&failed, false);
             gw.metrics.retry();
-            let sent = send_to_worker(&gw, &call, &request, debug, &tokens, vec![failed]).await;
+            // Not explained (`debug` false): the headers that carry a decision's explanation went
+            // out with the first worker's answer.
+            let sent =
+                send_to_worker(&gw, &call, &request, false, &tokens, vec![failed.clone()]).await;
             let (decision, response, served) = match sent {
                 Ok((decision, response)) => (decision, response, None),
                 Err(error) => {
                     tracing::warn!(%error, model = %call.model, "no other worker of the pool took the request");
                     let rest = rest.filter(|_| passes_to_next_target(&error))?;
                     let (decision, response, model) =
-                        later_pools(&gw, endpoint, &request, call.style, rest, debug, &tokens)
+                        later_pools(&gw, endpoint, &request, call.style, rest, &failed, &tokens)
                             .await?;
                     (decision, response, Some(model))
                 }
@@ -373,15 +376,16 @@ fn resend(
 }
 
 /// A stream's second chance on the plan's pools from `rest.next` on, in order: the first whose
-/// worker answers, with the model it serves; `None` when none does. Pools whose workers answer in
-/// another protocol than `style`, and providers, are passed over.
+/// worker (other than `failed`, which a later pool may hold too) answers, with the model it serves;
+/// `None` when none does. Pools whose workers answer in another protocol than `style`, and
+/// providers, are passed over.
 async fn later_pools(
     gw: &Gateway,
     endpoint: Endpoint,
     request: &Request,
     style: ApiStyle,
     rest: PlanRest,
-    debug: bool,
+    failed: &str,
     tokens: &PromptTokens,
 ) -> Option<(Decision, Response<Incoming>, String)> {
     let plan = &rest.plan;
@@ -400,7 +404,8 @@ async fn later_pools(
         if call.style != style {
             continue;
         }
-        match send_to_worker(gw, &call, req, debug, tokens, Vec::new()).await {
+        let failed = vec![failed.to_string()];
+        match send_to_worker(gw, &call, req, false, tokens, failed).await {
             Ok((decision, response)) => {
                 if let Some(stage) = &gw.policy {
                     stage.count_sent(target, plan.burst);
