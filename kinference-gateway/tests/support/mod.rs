@@ -139,10 +139,13 @@ pub async fn wait_until_ok(port: u16, path: &str) {
     .await;
 }
 
-/// The status of `GET path` on loopback `port`; `None` while nothing listens there.
+/// The status of `GET path` on loopback `port`; `None` while nothing answers there (nothing
+/// listens yet, or the connection was refused or reset while the process starts).
 async fn status_of(port: u16, path: &str) -> Option<u16> {
-    TcpStream::connect(("127.0.0.1", port)).await.ok()?;
-    Some(call("127.0.0.1", port, "GET", path, &[], "").await.0)
+    let (status, _, _) = try_call("127.0.0.1", port, "GET", path, &[], "")
+        .await
+        .ok()?;
+    Some(status)
 }
 
 /// The `/metrics` exposition on loopback `port` (the gateway's admin port, or a worker's).
