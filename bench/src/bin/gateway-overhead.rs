@@ -26,8 +26,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::process::{Guard, free_port};
+use kinference_bench::process::{Guard, free_port, on_cpus};
 use kinference_bench::routing::client::latency_that_counts;
+use kinference_bench::routing::cluster::gateway_args;
 use kinference_bench::stats::percentile_duration as percentile;
 
 /// Measures the gateway's added latency over direct worker access.
@@ -220,22 +221,18 @@ async fn main() -> anyhow::Result<()> {
             args.routing
         ),
     )?;
-    let mut command = match &args.gateway_cpus {
-        Some(cpus) => {
-            let mut taskset = Command::new("taskset");
-            taskset
-                .args(["-c", cpus])
-                .arg(bin_dir.join("kinference-gateway"));
-            taskset
-        }
-        None => Command::new(bin_dir.join("kinference-gateway")),
-    };
+    let (program, program_args) = on_cpus(
+        &bin_dir.join("kinference-gateway"),
+        gateway_args(
+            &format!("127.0.0.1:{gw_port}"),
+            &format!("127.0.0.1:{admin_port}"),
+            &config,
+        ),
+        args.gateway_cpus.as_deref(),
+    );
     let mut gateway = Guard(
-        command
-            .args(["--listen", &format!("127.0.0.1:{gw_port}")])
-            .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
-            .arg("--config")
-            .arg(&config)
+        Command::new(program)
+            .args(program_args)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())

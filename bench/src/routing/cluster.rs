@@ -225,6 +225,19 @@ pub(crate) fn prerequisites(
     })
 }
 
+/// The gateway's arguments to serve the API on `listen` and the admin port on `admin` (both
+/// `host:port`) with the configuration file `config`.
+pub fn gateway_args(listen: &str, admin: &str, config: &Path) -> Vec<String> {
+    vec![
+        "--listen".into(),
+        listen.into(),
+        "--admin-listen".into(),
+        admin.into(),
+        "--config".into(),
+        config.display().to_string(),
+    ]
+}
+
 /// Reserves `n` distinct free loopback ports.
 pub fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
     // All listeners are held until every port is known, so no port is handed out twice.
@@ -596,14 +609,7 @@ impl Cluster {
             let child = ChildGuard::spawn(
                 &format!("kinference-gateway ({name})"),
                 &gateway_bin,
-                &[
-                    "--listen".into(),
-                    listen.clone(),
-                    "--admin-listen".into(),
-                    admin.clone(),
-                    "--config".into(),
-                    path.display().to_string(),
-                ],
+                &gateway_args(&listen, &admin, &path),
                 config.work_dir.join(format!("gateway-{file}.log")),
             )?;
             let pid = child.pid();

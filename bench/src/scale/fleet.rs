@@ -15,10 +15,11 @@ use bytes::Bytes;
 use http::Method;
 use serde_json::json;
 
+use crate::process::on_cpus;
 use crate::routing::client::HttpClient;
 use crate::routing::cluster::{
     CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, Prerequisites, free_ports,
-    metric_sum, prerequisites,
+    gateway_args, metric_sum, prerequisites,
 };
 
 /// How to build the fleet.
@@ -146,23 +147,11 @@ impl Fleet {
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
             let admin = format!("127.0.0.1:{}", ports[1]);
-            let mut args = vec![
-                "--listen".into(),
-                listen.clone(),
-                "--admin-listen".into(),
-                admin.clone(),
-                "--config".into(),
-                path.display().to_string(),
-            ];
-            // `taskset` execs the gateway, so the process id stays the gateway's.
-            let program = match &config.gateway_cpus {
-                Some(cpus) => {
-                    let pinned = ["-c".into(), cpus.clone(), gateway_bin.display().to_string()];
-                    args.splice(0..0, pinned);
-                    PathBuf::from("taskset")
-                }
-                None => gateway_bin.clone(),
-            };
+            let (program, args) = on_cpus(
+                &gateway_bin,
+                gateway_args(&listen, &admin, &path),
+                config.gateway_cpus.as_deref(),
+            );
             let child = ChildGuard::spawn_group(
                 &format!("kinference-gateway ({mode})"),
                 &program,
