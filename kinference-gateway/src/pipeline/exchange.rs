@@ -155,6 +155,16 @@ impl Request {
         }
     }
 
+    /// This request as sent to a pool serving `model`: `None` when it already names `model`,
+    /// else a copy renamed ([`Request::for_model`]).
+    pub fn renamed_for(&self, model: &str) -> Result<Option<Request>, GatewayError> {
+        if model == self.model() {
+            Ok(None)
+        } else {
+            self.for_model(model).map(Some)
+        }
+    }
+
     /// The same request for another served model (a policy chose a pool serving a different one).
     pub fn for_model(&self, model: &str) -> Result<Request, GatewayError> {
         let (openai, body) = match &self.openai {

@@ -77,13 +77,8 @@ pub async fn planned(
     for (i, target) in plan.targets.iter().enumerate() {
         match target {
             PlanTarget::Pool { model, workers, .. } => {
-                let retargeted;
-                let req = if model == request.model() {
-                    request
-                } else {
-                    retargeted = request.for_model(model)?;
-                    &retargeted
-                };
+                let renamed = request.renamed_for(model)?;
+                let req = renamed.as_ref().unwrap_or(request);
                 match to_worker(gw, ex, req, workers.as_deref()).await {
                     Ok(mut answer) => {
                         if let Some(stage) = &gw.policy {
@@ -393,13 +388,8 @@ async fn later_pools(
         let PlanTarget::Pool { model, workers, .. } = target else {
             continue;
         };
-        let retargeted;
-        let req = if model == request.model() {
-            request
-        } else {
-            retargeted = request.for_model(model).ok()?;
-            &retargeted
-        };
+        let renamed = request.renamed_for(model).ok()?;
+        let req = renamed.as_ref().unwrap_or(request);
         let call = worker_call(gw, endpoint, req, workers.as_deref()).ok()?;
         if call.style != style {
             continue;
