@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::estimate;
-use super::workers::{Worker, normalize_url};
+use super::workers::Worker;
 use super::{Decision, RouteError, RouteRequest, Router};
 
 /// One worker's view of one request, for the policy stage.
@@ -42,11 +42,14 @@ impl Router {
     ) -> Result<Vec<WorkerEstimate>, RouteError> {
         let candidates = self.candidates(req.model)?;
         let askable: Vec<Arc<Worker>> = match tokenize_via {
-            Some(via) => candidates
-                .iter()
-                .filter(|w| via.iter().any(|u| normalize_url(u) == w.url))
-                .cloned()
-                .collect(),
+            Some(via) => {
+                let via = self.shared.workers.read().named(via);
+                candidates
+                    .iter()
+                    .filter(|w| is_named(&via, w))
+                    .cloned()
+                    .collect()
+            }
             None => candidates.clone(),
         };
         let tokens = self.prompt_tokens(req, &askable).await;
@@ -70,11 +73,16 @@ impl Router {
         within: Option<&[String]>,
         avoid: &[String],
     ) -> Result<Decision, RouteError> {
-        let listed = |urls: &[String], w: &Worker| urls.iter().any(|u| normalize_url(u) == w.url);
+        let (within, avoid) = {
+            let table = self.shared.workers.read();
+            (within.map(|urls| table.named(urls)), table.named(avoid))
+        };
         let candidates: Vec<Arc<Worker>> = self
             .candidates(req.model)?
             .into_iter()
-            .filter(|w| within.is_none_or(|urls| listed(urls, w)) && !listed(avoid, w))
+            .filter(|w| {
+                within.as_ref().is_none_or(|pool| is_named(pool, w)) && !is_named(&avoid, w)
+            })
             .collect();
         if candidates.is_empty() {
             return Err(RouteError::NoHealthyWorker(req.model.to_string()));
@@ -114,6 +122,12 @@ impl Router {
             })
             .collect()
     }
+}
+
+/// Whether `w` is among the workers [`super::workers::WorkerTable::named`] marked (a worker added
+/// since is not).
+fn is_named(named: &[bool], w: &Worker) -> bool {
+    named.get(usize::from(w.id)).copied().unwrap_or(false)
 }
 
 #[cfg(test)]

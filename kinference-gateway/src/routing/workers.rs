@@ -445,6 +445,18 @@ impl WorkerTable {
         Some(worker)
     }
 
+    /// Which of the table's workers `urls` name, by id: a pool's member list matched in one pass
+    /// (comparing each candidate with each URL cost 15 us per request for a pool of 100).
+    pub fn named(&self, urls: &[String]) -> Vec<bool> {
+        let mut named = vec![false; self.list.len()];
+        for url in urls {
+            if let Some(id) = self.by_url.get(normalize_url(url)) {
+                named[usize::from(*id)] = true;
+            }
+        }
+        named
+    }
+
     /// Healthy workers serving `model` (or with an adapter of that name loaded) that have not left.
     pub fn candidates(&self, model: &str) -> Vec<Arc<Worker>> {
         self.list

@@ -105,3 +105,21 @@ async fn pick_except_passes_over_the_failed_worker() {
         .unwrap_err();
     assert_eq!(err, RouteError::NoHealthyWorker("m".into()));
 }
+
+#[tokio::test]
+async fn a_pool_names_its_workers_by_url_with_or_without_a_trailing_slash() {
+    let router = router();
+    // A URL the router does not know is no member; a trailing slash names the same worker.
+    let pool = vec!["http://elsewhere".to_string(), "http://w2/".to_string()];
+    for prompt in ["one prompt", "another prompt", "a third one"] {
+        let decision = router.pick_among(req(prompt), &pool).await.unwrap();
+        assert_eq!(decision.worker, "http://w2");
+        decision.ticket.finish(true, 1, None);
+    }
+    // Avoiding it by the other spelling leaves the pool empty.
+    let err = router
+        .pick_except(req("hi"), Some(&pool), &["http://w2".to_string()])
+        .await
+        .unwrap_err();
+    assert_eq!(err, RouteError::NoHealthyWorker("m".into()));
+}
