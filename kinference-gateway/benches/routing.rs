@@ -223,6 +223,16 @@ fn pool_pick(c: &mut Criterion) {
             .expect("pick");
         black_box(&d.worker);
     };
+    let pool: kinference_crds::InferencePoolSpec = serde_json::from_value(serde_json::json!({
+        "models": ["m"],
+        "endpoints": members.iter().map(|u| serde_json::json!({"url": u})).collect::<Vec<_>>(),
+        "gpuClass": "l40s",
+        "prices": {"cachedInputPerMillion": 0.0, "uncachedInputPerMillion": 0.0, "outputPerMillion": 0.0},
+    }))
+    .expect("pool");
+    c.bench_function("pool_members_100_endpoints", |b| {
+        b.iter(|| black_box(kinference_gateway::policy::pool_members::members(&pool, None)))
+    });
     c.bench_function("pick_among_every_worker_100", |b| b.iter(|| pick(None)));
     c.bench_function("pick_within_pool_of_100", |b| {
         b.iter(|| pick(Some(&members)))

@@ -64,7 +64,57 @@ struct Args {
     /// apart from the client and the simulator (which start on this binary's CPUs).
     #[arg(long)]
     gateway_cpus: Option<String>,
+    /// Serve under a policy set ([`POLICIES`]: personal data kept local, every request to the one
+    /// pool), so that the policy stage's work per request is measured too.
+    #[arg(long)]
+    policies: bool,
 }
+
+/// The policy set of `--policies`: the simulator's model (with the gateway's own tokenizer) and
+/// one local pool holding the simulator; a policy that keeps personal data local, so that every
+/// prompt is scanned, and one that routes every request to the pool. `{tokenizer}` and `{worker}`
+/// are filled in.
+const POLICIES: &str = r#"apiVersion: kinference.ai/v1alpha1
+kind: InferenceModel
+metadata: {name: qwen2-sim}
+spec:
+  servedName: qwen2-sim
+  tokenizer: {dir: "{tokenizer}"}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePool
+metadata: {name: local}
+spec:
+  models: [qwen2-sim]
+  gpuClass: sim
+  locality: Local
+  endpoints: [{url: "{worker}"}]
+  prices: {cachedInputPerMillion: 0.01, uncachedInputPerMillion: 0.1, outputPerMillion: 0.4}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {name: data-protection}
+spec:
+  priority: 0
+  rules:
+    - name: pii-stays-local
+      match: {tags: [pii]}
+      action:
+        requireLocal: {message: personal data must not leave our infrastructure}
+---
+apiVersion: kinference.ai/v1alpha1
+kind: InferencePolicy
+metadata: {name: placement}
+spec:
+  priority: 10
+  rules:
+    - name: every-request-to-the-local-pool
+      match: {models: [qwen2-sim]}
+      action:
+        route:
+          targets:
+            - pool: local
+"#;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -213,14 +263,23 @@ async fn main() -> anyhow::Result<()> {
     let client = client();
     wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
     let config = workdir.join("gateway.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "models:\n  - name: qwen2-sim\n    tokenizer_dir: {}\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: {}\n",
-            tokenizer.display(),
-            args.routing
-        ),
-    )?;
+    let mut yaml = format!(
+        "models:\n  - name: qwen2-sim\n    tokenizer_dir: {}\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: {}\n",
+        tokenizer.display(),
+        args.routing
+    );
+    if args.policies {
+        let dir = workdir.join("policies");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(
+            dir.join("all.yaml"),
+            POLICIES
+                .replace("{tokenizer}", &tokenizer.display().to_string())
+                .replace("{worker}", &worker),
+        )?;
+        yaml.push_str(&format!("policy_dir: {}\n", dir.display()));
+    }
+    std::fs::write(&config, yaml)?;
     let (program, program_args) = on_cpus(
         &bin_dir.join("kinference-gateway"),
         gateway_args(
@@ -253,13 +312,18 @@ async fn main() -> anyhow::Result<()> {
     let direct_url = format!("{worker}/v1/chat/completions");
     let gateway_url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
     println!(
-        "gateway-overhead: vllm-sim --preset fast --time-scale {}, routing {}, {} rounds x {} requests per side, max_tokens {}, gateway on CPUs {}",
+        "gateway-overhead: vllm-sim --preset fast --time-scale {}, routing {}, {} rounds x {} requests per side, max_tokens {}, gateway on CPUs {}, {}",
         args.time_scale,
         args.routing,
         args.rounds,
         args.requests,
         args.max_tokens,
-        args.gateway_cpus.as_deref().unwrap_or("any")
+        args.gateway_cpus.as_deref().unwrap_or("any"),
+        if args.policies {
+            "under a policy set (personal data local, one pool)"
+        } else {
+            "no policies"
+        }
     );
     println!(
         "{:<11} {:>4} | {:>10} {:>10} | {:>10} {:>10} | {:>10} {:>10} | {:>9}",
@@ -339,6 +403,31 @@ async fn main() -> anyhow::Result<()> {
             );
         }
     }
+    if args.policies {
+        // The figures above are the policy stage's only if the policy routed the requests.
+        let routed =
+            policy_routed(&client, &format!("http://127.0.0.1:{admin_port}/metrics")).await?;
+        println!("requests routed by the policy rule: {routed}");
+        if routed == 0 {
+            bail!("--policies: no request was routed by the policy set");
+        }
+    }
     let _ = std::fs::remove_dir_all(&workdir);
     Ok(())
+}
+
+/// Requests the `--policies` set's rule routed, from the gateway's `policy_decisions` counter.
+async fn policy_routed(client: &HttpClient, metrics_url: &str) -> anyhow::Result<u64> {
+    let request = Request::get(metrics_url).body(Full::new(Bytes::new()))?;
+    let body = client.request(request).await?.into_body().collect().await?;
+    let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+    Ok(text
+        .lines()
+        .filter(|l| {
+            l.contains("policy_decisions")
+                && l.contains("every-request-to-the-local-pool")
+                && l.contains("outcome=\"route\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64)
 }
