@@ -231,7 +231,11 @@ fn pool_pick(c: &mut Criterion) {
     }))
     .expect("pool");
     c.bench_function("pool_members_100_endpoints", |b| {
-        b.iter(|| black_box(kinference_gateway::policy::pool_members::members(&pool, None)))
+        b.iter(|| {
+            black_box(kinference_gateway::policy::pool_members::members(
+                &pool, None,
+            ))
+        })
     });
     c.bench_function("pick_among_every_worker_100", |b| b.iter(|| pick(None)));
     c.bench_function("pick_within_pool_of_100", |b| {
