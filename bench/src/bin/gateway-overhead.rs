@@ -368,6 +368,10 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
             let (mut direct, mut via) = (Vec::new(), Vec::new());
+            // The simulator's own time to first token for each side's requests (from its
+            // histogram's sum and count), to tell the simulator's pace from the gateway's.
+            let sim_metrics = format!("{worker}/metrics");
+            let (mut sim_direct, mut sim_via) = (SimTtft::default(), SimTtft::default());
             for r in 0..args.rounds {
                 let order = if r % 2 == 0 {
                     [true, false]
@@ -376,12 +380,16 @@ async fn main() -> anyhow::Result<()> {
                 };
                 for is_direct in order {
                     let url = if is_direct { &direct_url } else { &gateway_url };
+                    let before = SimTtft::read(&client, &sim_metrics).await?;
                     let lat =
                         round(&client, url, &body, stream, concurrency, args.requests).await?;
+                    let during = SimTtft::read(&client, &sim_metrics).await?.since(before);
                     if is_direct {
                         direct.extend(lat);
+                        sim_direct.add(during);
                     } else {
                         via.extend(lat);
+                        sim_via.add(during);
                     }
                 }
             }
@@ -401,6 +409,13 @@ async fn main() -> anyhow::Result<()> {
                 ms(g99) - ms(d99),
                 ms(g50) / ms(d50).max(1e-9),
             );
+            println!(
+                "{:<11} {:>4} | the simulator's own TTFT, mean: direct {:.3} ms, via the gateway {:.3} ms",
+                "",
+                concurrency,
+                sim_direct.mean_ms(),
+                sim_via.mean_ms(),
+            );
         }
     }
     if args.policies {
@@ -414,6 +429,47 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_dir_all(&workdir);
     Ok(())
+}
+
+/// The simulator's `vllm:time_to_first_token_seconds` histogram: sum and count.
+#[derive(Clone, Copy, Debug, Default)]
+struct SimTtft {
+    sum_s: f64,
+    count: f64,
+}
+
+impl SimTtft {
+    async fn read(client: &HttpClient, metrics_url: &str) -> anyhow::Result<Self> {
+        let request = Request::get(metrics_url).body(Full::new(Bytes::new()))?;
+        let body = client.request(request).await?.into_body().collect().await?;
+        let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+        let value = |name: &str| -> f64 {
+            text.lines()
+                .filter(|l| l.starts_with(name))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        Ok(Self {
+            sum_s: value("vllm:time_to_first_token_seconds_sum"),
+            count: value("vllm:time_to_first_token_seconds_count"),
+        })
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            sum_s: self.sum_s - before.sum_s,
+            count: self.count - before.count,
+        }
+    }
+
+    fn add(&mut self, other: Self) {
+        self.sum_s += other.sum_s;
+        self.count += other.count;
+    }
+
+    fn mean_ms(self) -> f64 {
+        1e3 * self.sum_s / self.count.max(1.0)
+    }
 }
 
 /// Requests the `--policies` set's rule routed, from the gateway's `policy_decisions` counter.
