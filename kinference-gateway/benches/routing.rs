@@ -163,16 +163,20 @@ fn decision(c: &mut Criterion) {
     c.bench_function("block_keys_2000_blocks", |b| {
         b.iter(|| black_box(hasher.keys(None, black_box(&tokens), BLOCK)))
     });
-    // Tail latency: criterion reports means, so time single decisions too.
-    let mut samples: Vec<Duration> = (0..20_000)
-        .map(|_| {
-            let t = Instant::now();
-            let d = router.pick_tokens("m", &tokens, false).expect("pick");
-            let e = t.elapsed();
-            drop(d);
-            e
-        })
-        .collect();
+    // Tail latency: criterion reports means, so time single decisions too, each after `prepare(i)`.
+    let time_decisions = |n: usize, prepare: &mut dyn FnMut(usize)| -> Vec<Duration> {
+        (0..n)
+            .map(|i| {
+                prepare(i);
+                let t = Instant::now();
+                let d = router.pick_tokens("m", &tokens, false).expect("pick");
+                let e = t.elapsed();
+                drop(d);
+                e
+            })
+            .collect()
+    };
+    let mut samples = time_decisions(20_000, &mut |_| {});
     print_percentiles(
         "routing decision (2,000 blocks, 100 workers, 2M index pairs)",
         &mut samples,
@@ -181,19 +185,12 @@ fn decision(c: &mut Criterion) {
     // other requests, which can push the workers' state out of the CPU's caches. Writing through a
     // buffer larger than the last-level cache before each decision puts all of it out.
     let mut scratch = vec![0u8; COLD_SCRATCH_BYTES];
-    let mut samples: Vec<Duration> = (0..2_000)
-        .map(|i| {
-            for line in scratch.chunks_mut(64) {
-                line[0] = line[0].wrapping_add(i as u8);
-            }
-            black_box(&scratch);
-            let t = Instant::now();
-            let d = router.pick_tokens("m", &tokens, false).expect("pick");
-            let e = t.elapsed();
-            drop(d);
-            e
-        })
-        .collect();
+    let mut samples = time_decisions(2_000, &mut |i| {
+        for line in scratch.chunks_mut(64) {
+            line[0] = line[0].wrapping_add(i as u8);
+        }
+        black_box(&scratch);
+    });
     print_percentiles(
         "routing decision, caches cold (same router and prompt)",
         &mut samples,
