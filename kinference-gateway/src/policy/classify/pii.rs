@@ -58,35 +58,48 @@ fn re(pattern: &str) -> Regex {
 }
 
 static EMAIL: LazyLock<Regex> = LazyLock::new(|| {
-    re(
-        r"(?i)\b[a-z0-9][a-z0-9._%+-]{0,63}@(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,24}\b",
-    )
+    re(r"(?i)\b[a-z0-9][a-z0-9._%+-]{0,63}@(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,24}")
 });
 // International (+CC ...) with 8-15 digits, or North-American (555) 123-4567 / 555-123-4567,
 // or UK national 0xxxx xxxxxx / 020 7946 0958. Separators are required in national forms so
 // that bare numbers (order ids, timestamps) do not match.
+//
+// What may stand right before and after a number: a number glued to a word or to another value
+// (`mail@example.com+44 20 7946 0958`, `2671jane`) is still one. A form opening with `+` or `(`
+// may follow a digit too (`...1111+44 ...`); a national form may not, nor be followed by one,
+// so that it is not read out of a longer run of digits.
 static PHONE: LazyLock<Regex> = LazyLock::new(|| {
     re(r"(?x)
-        (?:^|[^\w+])(
-            \+\d{1,3}(?:[\s.-]?\(?\d{1,5}\)?){2,6}
-          | \(\d{3}\)\s?\d{3}[\s.-]\d{4}
-          | \d{3}[.\s-]\d{3}[.\s-]\d{4}
-          | 0\d{2,4}\s\d{3,4}\s?\d{3,4}
-        )(?:$|[^\w-])")
+        (?:
+            (?:^|[^+])(
+                \+\d{1,3}(?:[\s.-]?\(?\d{1,5}\)?){2,6}
+              | \(\d{3}\)\s?\d{3}[\s.-]\d{4}
+            )
+          | (?:^|[^0-9_+])(
+                \d{3}[.\s-]\d{3}[.\s-]\d{4}
+              | 0\d{2,4}\s\d{3,4}\s?\d{3,4}
+            )
+        )(?:$|[^0-9_-])")
 });
-static IBAN: LazyLock<Regex> =
-    LazyLock::new(|| re(r"\b([A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?)\b"));
+// Glued to a lower-case word or a digit on either side it still counts: mod-97 keeps out look-alikes.
+static IBAN: LazyLock<Regex> = LazyLock::new(|| {
+    re(r"(?:^|[^A-Z])([A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]{4}){2,7}(?:[ ]?[A-Z0-9]{1,3})?)(?:$|[^A-Z0-9])")
+});
 static CARD: LazyLock<Regex> =
     LazyLock::new(|| re(r"(?:^|[^\d-])(\d(?:[ -]?\d){12,18})(?:$|[^\d-])"));
 static IPV4: LazyLock<Regex> = LazyLock::new(|| {
-    re(r"(?:^|[^\w.])(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})(?:$|[^\w.]|\.(?:\s|$))")
+    re(r"(?:^|[^\w.])(\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3})(?:$|[^0-9_.]|\.(?:\s|$))")
 });
 static IPV6: LazyLock<Regex> =
     LazyLock::new(|| re(r"(?i)(?:^|[^\w:])([0-9a-f]{0,4}(?::[0-9a-f]{0,4}){2,7})(?:$|[^\w:])"));
 static SSN: LazyLock<Regex> =
     LazyLock::new(|| re(r"(?:^|[^\d-])(\d{3})-(\d{2})-(\d{4})(?:$|[^\d-])"));
+// A digit may stand right before or after one (glued to another value); a letter may not, so that
+// it is not read out of a word (`build202401a`).
 static NINO: LazyLock<Regex> = LazyLock::new(|| {
-    re(r"(?i)\b([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z])\s?(\d{2})\s?(\d{2})\s?(\d{2})\s?([A-D])\b")
+    re(
+        r"(?i)(?:^|[^a-z])([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z])\s?(\d{2})\s?(\d{2})\s?(\d{2})\s?([A-D])(?:$|[^a-z])",
+    )
 });
 
 /// Every PII match in `text`, in order of position.
@@ -141,16 +154,16 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
         }
     }
     for c in NINO.captures_iter(text) {
-        if let (Some(m), Some(prefix)) = (c.get(0), c.get(1)) {
-            let prefix = prefix.as_str().to_ascii_uppercase();
+        if let (Some(prefix), Some(suffix)) = (c.get(1), c.get(5)) {
+            let letters = prefix.as_str().to_ascii_uppercase();
             if !matches!(
-                prefix.as_str(),
+                letters.as_str(),
                 "BG" | "GB" | "NK" | "KN" | "TN" | "NT" | "ZZ"
             ) {
                 out.push(PiiMatch {
                     kind: PiiKind::UkNino,
-                    start: m.start(),
-                    end: m.end(),
+                    start: prefix.start(),
+                    end: suffix.end(),
                 });
             }
         }
@@ -159,8 +172,8 @@ pub fn scan(text: &str) -> Vec<PiiMatch> {
     out
 }
 
-/// The candidates `pattern` finds in `text` (its first capture group) that `valid` accepts, as
-/// matches of `kind`.
+/// The candidates `pattern` finds in `text` (its first capture group that took part in the match)
+/// that `valid` accepts, as matches of `kind`.
 ///
 /// A number pattern can take more than one number: two phone numbers written side by side read as
 /// one, too long to be a number; a card number followed by its security code, or an IBAN followed by
@@ -179,7 +192,8 @@ fn checked(
     let mut found = Vec::new();
     let mut at = 0;
     while at <= text.len() {
-        let Some(candidate) = pattern.captures_at(text, at).and_then(|c| c.get(1)) else {
+        let captures = pattern.captures_at(text, at);
+        let Some(candidate) = captures.and_then(|c| c.iter().skip(1).flatten().next()) else {
             break;
         };
         let (start, number) = (candidate.start(), candidate.as_str());

@@ -209,3 +209,40 @@ fn every_kind_is_found_beside_every_kind() {
         misses.join("\n")
     );
 }
+
+/// Values glued together with no separator at all. Where a letter or a sign meets the value, each
+/// is still found. Where digits meet digits (`...0958123-45-6789`) the two read as one longer
+/// number, and are not: no pattern can tell where one ends.
+#[test]
+fn a_value_glued_to_a_word_or_a_sign_is_found() {
+    for (kind, text) in [
+        (PiiKind::Email, "jane.doe@example.com415-555-2671"),
+        (PiiKind::Phone, "jane.doe@example.com415-555-2671"),
+        (PiiKind::Email, "jane.doe@example.comDE89370400440532013000"),
+        (PiiKind::Iban, "jane.doe@example.comDE89370400440532013000"),
+        (PiiKind::Phone, "jane.doe@example.com+44 20 7946 0958"),
+        (PiiKind::Phone, "jane.doe@example.com(212) 555-5530"),
+        (PiiKind::Phone, "+1 415-555-2671jane.doe@example.com"),
+        (PiiKind::Phone, "4111 1111 1111 1111+44 20 7946 0958"),
+        (PiiKind::PaymentCard, "4111 1111 1111 1111+44 20 7946 0958"),
+        (PiiKind::Phone, "4111 1111 1111 1111(212) 555-5530"),
+        (PiiKind::Iban, "+44 20 7946 0958DE89370400440532013000"),
+        (
+            PiiKind::Iban,
+            "GB82 WEST 1234 5698 7654 32jane.doe@example.com",
+        ),
+        (PiiKind::UkNino, "+44 20 7946 0958AB 12 34 56 C"),
+        (PiiKind::UkNino, "AB 12 34 56 C415-555-2671"),
+        (PiiKind::Phone, "AB 12 34 56 C415-555-2671"),
+        (PiiKind::IpAddress, "203.0.113.42jane.doe@example.com"),
+        (PiiKind::Email, "mail:jane.doe@example.comthanks"),
+        (PiiKind::Phone, "tel0207 946 0958"),
+    ] {
+        assert_finds(kind, text);
+    }
+    // Still not read out of a word or out of a longer run of digits.
+    assert_misses(PiiKind::UkNino, "see build202401a for details");
+    assert_misses(PiiKind::IpAddress, "release v1.2.3.4 notes");
+    assert_misses(PiiKind::Phone, "order 12415-555-2671 shipped");
+    assert_misses(PiiKind::Phone, "invoice 2024415-555-2671");
+}
