@@ -8,6 +8,7 @@ Binaries come from `$KINFERENCE_BIN_DIR` (default: `<repo>/target/debug`), the t
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -26,10 +27,30 @@ TOKENIZER_DIR = Path(os.environ.get("KINFERENCE_TOKENIZER_DIR", REPO / ".assets"
 MODEL = "qwen2-sim"
 
 
+# Ports for the processes a test starts are handed out in turn from below the kernel's ephemeral range
+# (32768-60999) and above the well-known services. A port from `bind(0)` is an ephemeral one: once
+# given back, it can become the local port of any outgoing connection (a readiness poll, a gateway's
+# probe of its workers) before the process it was meant for binds it, which then fails with "Address
+# already in use" (seen once in CI). Nothing takes a port of this range unasked. Kubernetes' NodePorts
+# (30000-32767) are left out too.
+_PORTS = range(20000, 30000)
+_next_port = random.randrange(len(_PORTS))
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that nothing listens on now and that no earlier call of this process handed out
+    (until the range wraps)."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def wait_for(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
