@@ -139,10 +139,12 @@ fn port_free(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
-/// A port P with P-4064 and P-4063 free too (`start.sh` puts etcd there).
+/// A port P with P-4064 and P-4063 free too (`start.sh` puts etcd there). P is the kernel's pick:
+/// ports handed out in turn by [`crate::free_port`] would put two apiservers started side by side
+/// one port apart, and the first one's second etcd port on the other's first.
 fn free_port_triple() -> u16 {
     loop {
-        let p = crate::free_port();
+        let p = crate::process::kernel_port();
         if p > 20000 && port_free(p - 4064) && port_free(p - 4063) {
             return p;
         }
