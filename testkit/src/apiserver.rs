@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use crate::paths::repo_root;
+use crate::process::port_free;
 
 /// The environment variable that turns the apiserver tests on.
 pub const ENV_ENABLE: &str = "KINFERENCE_TEST_APISERVER";
@@ -133,10 +134,6 @@ fn build() {
     if let Err(e) = result {
         panic!("{e}");
     }
-}
-
-fn port_free(port: u16) -> bool {
-    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
 /// A port P with P-4064 and P-4063 free too (`start.sh` puts etcd there). P is the kernel's pick:

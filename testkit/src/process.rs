@@ -24,11 +24,16 @@ pub fn free_port() -> u16 {
     for _ in 0..span {
         let port = PORTS.start + (offset + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
         let port = u16::try_from(port).expect("PORTS fits in u16");
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if port_free(port) {
             return port;
         }
     }
     kernel_port()
+}
+
+/// Whether nothing is bound to loopback `port` now.
+pub(crate) fn port_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
 }
 
 /// A loopback port the kernel picks (port 0), from its ephemeral range.

@@ -28,7 +28,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_bench::process::{Guard, free_port, on_cpus};
 use kinference_bench::routing::client::latency_that_counts;
-use kinference_bench::routing::cluster::gateway_args;
+use kinference_bench::routing::cluster::{gateway_args, metric_sum};
 use kinference_bench::stats::percentile_duration as percentile;
 
 /// Measures the gateway's added latency over direct worker access.
@@ -440,18 +440,10 @@ struct SimTtft {
 
 impl SimTtft {
     async fn read(client: &HttpClient, metrics_url: &str) -> anyhow::Result<Self> {
-        let request = Request::get(metrics_url).body(Full::new(Bytes::new()))?;
-        let body = client.request(request).await?.into_body().collect().await?;
-        let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
-        let value = |name: &str| -> f64 {
-            text.lines()
-                .filter(|l| l.starts_with(name))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum()
-        };
+        let text = get_text(client, metrics_url).await?;
         Ok(Self {
-            sum_s: value("vllm:time_to_first_token_seconds_sum"),
-            count: value("vllm:time_to_first_token_seconds_count"),
+            sum_s: metric_sum(&text, "vllm:time_to_first_token_seconds_sum"),
+            count: metric_sum(&text, "vllm:time_to_first_token_seconds_count"),
         })
     }
 
@@ -474,9 +466,7 @@ impl SimTtft {
 
 /// Requests the `--policies` set's rule routed, from the gateway's `policy_decisions` counter.
 async fn policy_routed(client: &HttpClient, metrics_url: &str) -> anyhow::Result<u64> {
-    let request = Request::get(metrics_url).body(Full::new(Bytes::new()))?;
-    let body = client.request(request).await?.into_body().collect().await?;
-    let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+    let text = get_text(client, metrics_url).await?;
     Ok(text
         .lines()
         .filter(|l| {
@@ -486,4 +476,11 @@ async fn policy_routed(client: &HttpClient, metrics_url: &str) -> anyhow::Result
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64)
+}
+
+/// The body of a GET of `url`, as text (a metrics page).
+async fn get_text(client: &HttpClient, url: &str) -> anyhow::Result<String> {
+    let request = Request::get(url).body(Full::new(Bytes::new()))?;
+    let body = client.request(request).await?.into_body().collect().await?;
+    Ok(String::from_utf8_lossy(&body.to_bytes()).into_owned())
 }
