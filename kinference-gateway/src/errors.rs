@@ -52,6 +52,17 @@ pub enum GatewayError {
         /// The limit in bytes.
         limit: usize,
     },
+    /// The body's JSON would hold more memory once parsed than one tenant's bodies may (many small
+    /// values: a tree of them costs many times their text).
+    #[error(
+        "request body too costly to parse: about {cost} bytes once parsed, past the limit of {limit}"
+    )]
+    BodyTooCostly {
+        /// What it would cost, in bytes.
+        cost: usize,
+        /// The per-tenant body budget.
+        limit: usize,
+    },
     /// No route for this method and path.
     #[error("no route for {method} {path}")]
     NotFound {
@@ -192,7 +203,9 @@ impl GatewayError {
                 StatusCode::BAD_REQUEST
             }
             GatewayError::UnknownModel(_) | GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
-            GatewayError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            GatewayError::BodyTooLarge { .. } | GatewayError::BodyTooCostly { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
             GatewayError::NoHealthyWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::WorkerUnreachable { .. } | GatewayError::BadUpstream { .. } => {
                 StatusCode::BAD_GATEWAY
@@ -219,6 +232,7 @@ impl GatewayError {
             GatewayError::InvalidRequest { .. } => "invalid_request",
             GatewayError::UnknownModel(_) => "unknown_model",
             GatewayError::BodyTooLarge { .. } => "body_too_large",
+            GatewayError::BodyTooCostly { .. } => "body_too_costly",
             GatewayError::NotFound { .. } => "not_found",
             GatewayError::NoHealthyWorker(_) => "no_healthy_worker",
             GatewayError::WorkerUnreachable { .. } => "worker_unreachable",
@@ -256,7 +270,9 @@ impl GatewayError {
     fn openai_code(&self) -> Option<&'static str> {
         match self {
             GatewayError::UnknownModel(_) => Some("model_not_found"),
-            GatewayError::BodyTooLarge { .. } => Some("request_too_large"),
+            GatewayError::BodyTooLarge { .. } | GatewayError::BodyTooCostly { .. } => {
+                Some("request_too_large")
+            }
             GatewayError::NoHealthyWorker(_) => Some("no_healthy_worker"),
             GatewayError::WorkerUnreachable { .. } => Some("worker_unreachable"),
             GatewayError::BadUpstream { .. } => Some("bad_upstream"),

@@ -5,12 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::access::Access;
-use crate::backend::health::{Health, Prober};
+use crate::backend::health::{Health, HealthSettings, Prober};
 use crate::backend::worker::{HttpSettings, Upstream};
 use crate::metrics::Metrics;
+use crate::overload::{Overload, OverloadSettings};
 use crate::policy::stage::PolicyStage;
 use crate::routing::Router;
-use crate::tenancy::Tenancy;
+use crate::tenancy::{Tenancy, TenancyConfig, TenancyError};
 
 /// What every request handler shares.
 #[derive(Debug)]
@@ -42,7 +43,71 @@ pub struct Gateway {
     pub draining: AtomicBool,
 }
 
+/// What [`Gateway::assemble`] builds a gateway from besides its router; what is not given takes
+/// the flags' defaults.
+#[derive(Debug, Default)]
+pub struct Parts {
+    /// Tenants, limits and usage (default: an open gateway, its journal in `journal_dir`).
+    pub tenancy: Option<Arc<Tenancy>>,
+    /// Where the usage journal of a default tenancy goes (default: the temporary directory).
+    pub journal_dir: Option<std::path::PathBuf>,
+    /// The policy stage.
+    pub policy: Option<Arc<PolicyStage>>,
+    /// In-flight, body and connection limits.
+    pub overload: Option<OverloadSettings>,
+    /// Served model names (`/v1/models`).
+    pub models: Vec<String>,
+}
+
 impl Gateway {
+    /// A gateway over `router` and `parts`, everything else at the flags' defaults (loopback callers
+    /// are admins): what `main` assembles from the command line, for tests and benches that drive
+    /// the pipeline or the ext_proc handler in-process.
+    pub fn assemble(router: Arc<Router>, parts: Parts) -> Result<Arc<Self>, TenancyError> {
+        let metrics = Metrics::new();
+        let tenancy = match parts.tenancy {
+            Some(t) => t,
+            None => {
+                let dir = parts.journal_dir.unwrap_or_else(std::env::temp_dir);
+                let config = dir.join(format!("gateway-{:x}.yaml", rand::random::<u64>()));
+                metrics.with_registry(|registry| {
+                    Tenancy::start(
+                        TenancyConfig::default(),
+                        &config,
+                        None,
+                        parts.models.clone(),
+                        registry,
+                    )
+                })?
+            }
+        };
+        let overload = metrics
+            .with_registry(|registry| Overload::new(parts.overload.unwrap_or_default(), registry));
+        let health = metrics.with_registry(|registry| {
+            Health::new(
+                HealthSettings::default(),
+                Arc::clone(&router),
+                metrics.clone(),
+                registry,
+            )
+        });
+        let settings = HttpSettings::default();
+        Ok(Arc::new(Gateway {
+            router,
+            upstream: Upstream::new(&settings),
+            metrics,
+            settings,
+            models: parts.models,
+            messages_models: Vec::new(),
+            tenancy,
+            policy: parts.policy,
+            access: Access::default(),
+            health: Arc::new(health),
+            overload,
+            draining: Default::default(),
+        }))
+    }
+
     /// The prober of the workers' `/health`, with the configured timings.
     pub fn prober(&self) -> Prober {
         Prober {

@@ -15,9 +15,6 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::access::Peer;
-use crate::api::anthropic::{self, MessagesRequest};
-use crate::api::openai;
-use crate::api::openai::passthrough::Route;
 use crate::backend::health::WorkerState;
 use crate::errors::{GatewayError, Protocol};
 use crate::overload::ConnectionGuard;
@@ -39,62 +36,18 @@ async fn api(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
     response
 }
 
-/// Routes one client request.
+/// Routes one client request: every endpoint of the route table through the one pipeline.
 async fn route(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
-    let endpoint = match (req.method(), req.uri().path()) {
-        (&Method::POST, "/v1/chat/completions") => Endpoint::ChatCompletions,
-        (&Method::POST, "/v1/completions") => Endpoint::Completions,
-        (&Method::POST, "/v1/messages") => Endpoint::Messages,
-        (&Method::POST, "/v1/messages/count_tokens") => return count_tokens(&gw, req).await,
-        (&Method::POST, path) if let Some(route) = Route::of_path(path) => {
-            return pipeline::passthrough::handle(&gw, route, req).await;
-        }
-        (&Method::GET, "/v1/models") => {
-            let cards = pipeline::models::cards(&gw);
-            return json_response(StatusCode::OK, openai::models_response(&cards).to_string());
-        }
-        (method, path) => {
-            let protocol = protocol_of(path);
-            return GatewayError::NotFound {
-                method: method.to_string(),
+    match Endpoint::of(req.method(), req.uri().path()) {
+        Some(endpoint) => pipeline::handle(gw, endpoint, req).await,
+        None => {
+            let path = req.uri().path();
+            GatewayError::NotFound {
+                method: req.method().to_string(),
                 path: path.to_string(),
             }
-            .into_response(protocol);
+            .into_response(protocol_of(path))
         }
-    };
-    pipeline::handle(gw, endpoint, req).await
-}
-
-/// `POST /v1/messages/count_tokens`: the prompt's size from the gateway's own tokenizer, for an
-/// authenticated caller (no admission: nothing is generated); errors in Anthropic's shape.
-async fn count_tokens(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
-    let counted = async {
-        gw.tenancy.authenticate(req.headers())?;
-        let body = pipeline::exchange::read_body(
-            req,
-            gw.settings.body_limit_bytes,
-            gw.settings.body_read_timeout(),
-        )
-        .await?;
-        let request: MessagesRequest = openai::parse_body(&body)?;
-        let tokenizer = gw.router.tokenizer(&request.model);
-        if tokenizer.is_none() && !gw.models.contains(&request.model) {
-            return Err(GatewayError::UnknownModel(request.model));
-        }
-        // A long prompt takes milliseconds to render and encode: off the reactor.
-        tokio::task::spawn_blocking(move || {
-            anthropic::count_tokens::count(tokenizer.as_deref(), &request)
-        })
-        .await
-        .map_err(|e| GatewayError::invalid("messages", format!("count_tokens: {e}")))?
-    }
-    .await;
-    match counted {
-        Ok(n) => json_response(
-            StatusCode::OK,
-            anthropic::count_tokens::response_body(n).to_string(),
-        ),
-        Err(error) => error.into_response(Protocol::Anthropic),
     }
 }
 

@@ -866,7 +866,7 @@ async fn planned_pools(stage: &PolicyStage, router: &Router) -> Vec<(String, Vec
         debug: false,
         tokens: &tokens,
     };
-    let Ok(plan) = stage.decide(router, req, &mut None).await else {
+    let Ok(plan) = stage.decide(router, req).await else {
         return Vec::new();
     };
     plan.targets

@@ -34,6 +34,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_gateway::extproc::{self, Settings};
+use kinference_gateway::gateway::{Gateway, Parts};
 use kinference_gateway::policy::stage::{PolicyStage, StageSettings};
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, WorkerConfig};
 use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
@@ -190,26 +191,37 @@ impl Stream {
 /// What the handler decided for one request.
 #[derive(Debug)]
 enum Outcome {
-    Routed { endpoint: String, worker: String },
-    Local { status: i32, body: Value },
+    Routed {
+        endpoint: String,
+        worker: String,
+        /// The body Envoy is to send instead of the client's, when the gateway rewrote it.
+        body: Option<Value>,
+    },
+    Local {
+        status: i32,
+        body: Value,
+    },
 }
 
 /// Sends headers then the body (one buffered chunk) and reads the decision from the body answer.
+/// (The headers may already be answered: a caller refused before its body is sent.)
 async fn decide_on(stream: &mut Stream, path: &str, body: &[u8]) -> Outcome {
-    let first = stream.send(request_headers(path)).await;
-    assert!(
-        matches!(first.response, Some(PResp::RequestHeaders(_))),
-        "headers are acknowledged: {first:?}"
-    );
-    outcome(stream.send(request_body(body, true)).await)
+    decide_with(stream, path, &[], body).await
 }
 
 fn outcome(answer: ProcessingResponse) -> Outcome {
     match answer.response {
         Some(PResp::RequestBody(b)) => {
-            let set = b
-                .response
-                .and_then(|c| c.header_mutation)
+            use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+            let common = b.response.unwrap_or_default();
+            let rewritten = match common.body_mutation.and_then(|m| m.mutation) {
+                Some(Mutation::Body(bytes)) => {
+                    Some(serde_json::from_slice(&bytes).expect("a JSON body"))
+                }
+                _ => None,
+            };
+            let set = common
+                .header_mutation
                 .map(|m| m.set_headers)
                 .unwrap_or_default();
             let get = |k: &str| {
@@ -235,6 +247,7 @@ fn outcome(answer: ProcessingResponse) -> Outcome {
             Outcome::Routed {
                 endpoint,
                 worker: get("x-kinference-worker").unwrap_or_default(),
+                body: rewritten,
             }
         }
         Some(PResp::ImmediateResponse(ir)) => Outcome::Local {
@@ -258,10 +271,11 @@ async fn decide_with(
     body: &[u8],
 ) -> Outcome {
     let first = stream.send(request_headers_with(path, extra)).await;
-    assert!(
-        matches!(first.response, Some(PResp::RequestHeaders(_))),
-        "headers are acknowledged: {first:?}"
-    );
+    match first.response {
+        Some(PResp::RequestHeaders(_)) => {}
+        Some(PResp::ImmediateResponse(_)) => return outcome(first),
+        _ => panic!("headers are acknowledged or answered: {first:?}"),
+    }
     outcome(stream.send(request_body(body, true)).await)
 }
 
@@ -359,6 +373,7 @@ async fn extproc_picks_what_the_gateway_picks() {
         let Outcome::Routed {
             endpoint: ep,
             worker,
+            ..
         } = ask(&mut client, "/v1/chat/completions", &body).await
         else {
             panic!("ext_proc did not route")
@@ -440,8 +455,18 @@ async fn in_process_with(
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let gov = governance(&worker_urls);
-    let handler = extproc::Handler::new(Arc::clone(&router), settings)
-        .with_governance(gov.tenancy, gov.policy);
+    let gw = Gateway::assemble(
+        Arc::clone(&router),
+        Parts {
+            tenancy: gov.tenancy,
+            policy: gov.policy,
+            models: vec![MODEL.into()],
+            ..Parts::default()
+        },
+    )
+    .expect("gateway");
+    // The router's own view of health (the tests mark workers down themselves): no prober runs.
+    let handler = extproc::Handler::new(gw, settings);
     let server = tokio::spawn(async move {
         let _ = extproc::serve_handler(listener, handler, std::future::pending()).await;
     });
@@ -646,12 +671,12 @@ async fn sheds_with_429_when_every_worker_is_at_the_limit() {
 
 const ACME_KEY: &str = "sk-acme-extproc-0123456789abcdef";
 
-/// Tenant `acme` (one request per minute) with its key in a mounted-secret layout.
-fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
+/// Tenant `acme` with `requests` requests per minute, its key in a mounted-secret layout.
+fn tenancy_with(dir: &std::path::Path, requests: u32) -> Arc<Tenancy> {
     let tenants = dir.join("tenants.yaml");
     std::fs::write(
         &tenants,
-        "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {name: acme}\nspec:\n  apiKeys:\n    - secretRef: {name: acme, key: api-key}\n  limits:\n    requestsPerMinute: 1\n",
+        format!("apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: acme}}\nspec:\n  apiKeys:\n    - secretRef: {{name: acme, key: api-key}}\n  limits:\n    requestsPerMinute: {requests}\n"),
     )
     .expect("tenants");
     let secrets = dir.join("secrets");
@@ -678,8 +703,17 @@ fn tenancy(dir: &std::path::Path) -> Arc<Tenancy> {
 /// fresh directory named after `name`: the handler, the tenancy (for its usage report) and the
 /// directory (its usage journal; kept until the test ends).
 async fn acme_handler(name: &str, workers: usize) -> (Handler, Arc<Tenancy>, support::TempDir) {
+    acme_handler_with(name, workers, 1).await
+}
+
+/// [`acme_handler`] with `requests` requests per minute.
+async fn acme_handler_with(
+    name: &str,
+    workers: usize,
+    requests: u32,
+) -> (Handler, Arc<Tenancy>, support::TempDir) {
     let scratch = support::TempDir::new(name);
-    let tenancy = tenancy(&scratch.0);
+    let tenancy = tenancy_with(&scratch.0, requests);
     let t = Arc::clone(&tenancy);
     let handler = in_process_with(workers, Settings::default(), move |_| Governance {
         tenancy: Some(t),
@@ -907,6 +941,7 @@ spec:
         Outcome::Routed {
             endpoint: ep,
             worker,
+            ..
         } => {
             assert!(h.worker_urls.contains(&worker), "{worker}");
             assert_eq!(ep, endpoint(&worker));
@@ -922,12 +957,9 @@ spec:
     drop((s, s2));
     until_in_flight(&h.router, 0).await;
 
-    // An alias or a class the HTTP gateway resolves by rewriting the body: Envoy forwards the
-    // body as sent, so it is refused, saying what to ask for, on chat as on the other endpoints.
-    for (model, says) in [
-        ("sim-alias", format!("ask for `{MODEL}`")),
-        ("general", "is a model class".to_string()),
-    ] {
+    // An alias or a class resolves as over HTTP: the body Envoy sends names the served model, on
+    // chat as on the other endpoints.
+    for model in ["sim-alias", "general"] {
         let embeddings = json!({"model": model, "input": "hello"}).to_string();
         let chat = json!({"model": model, "max_tokens": 2,
             "messages": [{"role": "user", "content": "hello"}]})
@@ -935,12 +967,12 @@ spec:
         for (endpoint, request) in [("/v1/embeddings", embeddings), (path, chat)] {
             let mut s = Stream::open(&mut h.client).await;
             match decide_with(&mut s, endpoint, &[], request.as_bytes()).await {
-                Outcome::Local { status, body } => {
-                    assert_eq!(status, 400, "{endpoint} {body}");
-                    let message = body["error"]["message"].as_str().unwrap_or_default();
-                    assert!(message.contains(&says), "{endpoint} {body}");
+                Outcome::Routed { body, worker, .. } => {
+                    assert!(h.worker_urls.contains(&worker), "{worker}");
+                    let body = body.expect("the body rewritten");
+                    assert_eq!(body["model"], MODEL, "{endpoint} {model}: {body}");
                 }
-                other => panic!("{endpoint} {model}: expected 400, got {other:?}"),
+                other => panic!("{endpoint} {model}: expected a worker, got {other:?}"),
             }
         }
     }
@@ -1054,7 +1086,8 @@ fn routed_worker(outcome: Outcome) -> String {
 
 #[tokio::test]
 async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenant() {
-    let (mut h, tenancy, scratch) = acme_handler("extproc-passthrough", 2).await;
+    // Three requests a minute: every request counts, tokenizing too.
+    let (mut h, tenancy, scratch) = acme_handler_with("extproc-passthrough", 2, 3).await;
     let bearer = format!("Bearer {ACME_KEY}");
     let auth = [("authorization", bearer.as_str())];
 
@@ -1067,7 +1100,7 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
     );
     assert!(h.worker_urls.contains(&first_worker), "{first_worker}");
 
-    // Tokenizing is not billed (the tenant's one request a minute is spent) and, with the first
+    // Tokenizing bills no tokens but is a request (the second of three) and, with the first
     // request still in flight, goes to the other, less loaded, worker.
     let tokenize = json!({"model": MODEL, "prompt": "hello there"}).to_string();
     let mut second = Stream::open(&mut h.client).await;
@@ -1082,8 +1115,10 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
     for msg in response_end(r#"{"prompt_tokens":5,"total_tokens":5}"#) {
         first.send(msg).await;
     }
-    let report = settled_report(&tenancy, 1).await;
-    assert_eq!(report["total"]["requests"], 1, "{report}");
+    // The embedding and the detokenizing (its stream closed: settled) recorded; the tokenizing
+    // request is still open. Tokenizing bills no tokens: the embedding's 5 input tokens only.
+    let report = settled_report(&tenancy, 2).await;
+    assert_eq!(report["total"]["requests"], 2, "{report}");
     assert_eq!(report["total"]["input_uncached_tokens"], 5, "{report}");
     // The usage record, written a moment later, carries the request's id.
     let journal = scratch.0.join("usage.jsonl");
@@ -1099,7 +1134,7 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
         read()
     );
 
-    // A response generates: admitted like a chat turn, so past the tenant's limit it is 429.
+    // Past the tenant's three requests a minute: 429, a response and tokenizing alike.
     let responses = json!({"model": MODEL, "input": "hi", "max_output_tokens": 4}).to_string();
     let mut s = Stream::open(&mut h.client).await;
     match decide_with(&mut s, "/v1/responses", &auth, responses.as_bytes()).await {
@@ -1215,13 +1250,12 @@ async fn past_the_in_flight_limit_ext_proc_sheds_with_503_and_admits_high_priori
     let mut holder = Stream::open(&mut client).await;
     routed_worker(decide_with(&mut holder, path, &gold, &chat_body("holder")).await);
 
-    // A bronze, then a gold request wait for it.
+    // A bronze, then a gold request wait for it: admission runs on their headers, before Envoy
+    // sends their bodies.
     let mut waiting = Vec::new();
     for (n, key) in [bronze, gold].iter().enumerate() {
         let mut s = Stream::open(&mut client).await;
-        s.send(request_headers_with(path, key)).await;
-        s.push(request_body(&chat_body(&format!("waiting{n}")), true))
-            .await;
+        s.push(request_headers_with(path, key)).await;
         support::wait_for("the request waiting for a slot", || async {
             queued().await == (n + 1) as f64
         })
@@ -1232,8 +1266,7 @@ async fn past_the_in_flight_limit_ext_proc_sheds_with_503_and_admits_high_priori
 
     // The queue is full: the next request is shed at once, 503 with Retry-After, in its protocol.
     let mut shed = Stream::open(&mut client).await;
-    shed.send(request_headers_with(path, &gold)).await;
-    let answer = shed.send(request_body(&chat_body("shed"), true)).await;
+    let answer = shed.send(request_headers_with(path, &gold)).await;
     let set = set_by(&answer);
     assert_eq!(
         set.get("retry-after").map(String::as_str),
@@ -1252,7 +1285,16 @@ async fn past_the_in_flight_limit_ext_proc_sheds_with_503_and_admits_high_priori
     // The slot given back: the gold request, queued after the bronze one, is admitted first; the
     // bronze one waits on until the gold one ends.
     drop(holder);
-    routed_worker(outcome(gold_waiting.next().await));
+    let admitted = gold_waiting.next().await;
+    assert!(
+        matches!(admitted.response, Some(PResp::RequestHeaders(_))),
+        "{admitted:?}"
+    );
+    routed_worker(outcome(
+        gold_waiting
+            .send(request_body(&chat_body("waiting1"), true))
+            .await,
+    ));
     assert!(
         tokio::time::timeout(Duration::from_millis(500), bronze_waiting.rx.message())
             .await
@@ -1260,7 +1302,16 @@ async fn past_the_in_flight_limit_ext_proc_sheds_with_503_and_admits_high_priori
         "the bronze request has no slot while the gold one holds it"
     );
     drop(gold_waiting);
-    routed_worker(outcome(bronze_waiting.next().await));
+    let admitted = bronze_waiting.next().await;
+    assert!(
+        matches!(admitted.response, Some(PResp::RequestHeaders(_))),
+        "{admitted:?}"
+    );
+    routed_worker(outcome(
+        bronze_waiting
+            .send(request_body(&chat_body("waiting0"), true))
+            .await,
+    ));
     let metrics = support::metrics_text(admin).await;
     assert!(
         metrics.contains(r#"kinference_gateway_shed_total{reason="queue_full",priority="high"} 1"#),
@@ -1308,7 +1359,8 @@ async fn a_routed_request_exports_the_http_paths_spans_and_the_worker_continues_
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let root_name = "POST /v1/chat/completions";
-    let stages = ["authenticate", "admission", "routing"];
+    // The pipeline's stages with a span through Envoy (`pipeline::STAGES`: no body read here).
+    let stages = ["authenticate", "admit", "parse", "limit", "routing"];
     let mut spans = Vec::new();
     support::wait_for("the request's spans at the receiver", || {
         spans = receiver.spans(trace_id);

@@ -3,7 +3,7 @@
 //!
 //! - with `OTEL_EXPORTER_OTLP_ENDPOINT` set, one streamed request exports its trace to an OTLP/gRPC
 //!   receiver in this test (and, with `--otlp-protocol http`, to an OTLP/HTTP one): the client's trace id, the root span the child of the client's span, the
-//!   stages (authenticate, admission, routing with its estimate, upstream, stream) its children in
+//!   stages (authenticate, admit, read, parse, limit, routing with its estimate, upstream, stream) its children in
 //!   order, and the worker's `traceparent` naming the upstream span;
 //! - the client's `x-request-id` is echoed, reaches the worker, and is in the JSON access line and
 //!   the usage record;
@@ -260,7 +260,18 @@ async fn exports_the_trace(protocol: Protocol) {
     assert!(body.contains("data: [DONE]"), "{body}");
     assert!(head.contains("x-request-id: trace-test-1"), "{head}");
 
-    let names = ["authenticate", "admission", "routing", "upstream", "stream"];
+    // The pipeline's stages with a span (`pipeline::STAGES`), in order; forwarding is the router's
+    // and the backend's.
+    let names = [
+        "authenticate",
+        "admit",
+        "read",
+        "parse",
+        "limit",
+        "routing",
+        "upstream",
+        "stream",
+    ];
     let spans = eventually("the request's spans at the receiver", || {
         let spans = receiver.spans(TRACE_ID);
         let all = [ROOT]

@@ -2,4 +2,5 @@
 //! Messages (translated to the workers' OpenAI chat API and back).
 
 pub mod anthropic;
+pub mod members;
 pub mod openai;

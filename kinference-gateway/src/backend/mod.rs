@@ -64,8 +64,8 @@ impl Target<'_> {
 pub struct Outgoing<'a> {
     /// The worker's JSON body.
     pub body: &'a Bytes,
-    /// The typed request, for providers.
-    pub typed: ProviderRequest<'a>,
+    /// The typed request, for providers (none: an endpoint no provider serves).
+    pub typed: Option<ProviderRequest<'a>>,
     /// Whether the answer is streamed.
     pub stream: bool,
 }
@@ -113,7 +113,13 @@ async fn send_now(
             .await
             .map_err(SendError::Failed),
         Target::Provider { client, model } => client
-            .send(request.typed, model, request.stream)
+            .send(
+                request.typed.ok_or_else(|| {
+                    SendError::Unusable("providers serve chat and completions only".into())
+                })?,
+                model,
+                request.stream,
+            )
             .await
             .map_err(|e| match e {
                 ProviderError::Unusable { reason, .. } => SendError::Unusable(reason),

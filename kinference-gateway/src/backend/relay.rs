@@ -51,8 +51,9 @@ mod glance;
 
 /// What a relay reports to while the answer passes (the pipeline's settlement).
 pub trait Meter: Send + 'static {
-    /// A chunk carrying generated text arrived (the first one is the first token).
-    fn text_chunk(&mut self);
+    /// A chunk carrying generated `text` arrived (the first one is the first token; `text` may be
+    /// empty for a piece of a tool call).
+    fn text_chunk(&mut self, text: &str);
     /// The answer ended with `status` and the backend's `usage` (called at most once).
     fn finish(&mut self, status: u16, usage: Option<&Usage>);
 }
@@ -150,6 +151,12 @@ impl Spec {
 /// clients of a worker get the worker's bytes untouched (only `usage` is read). The caller settles.
 pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
     let body = read_body(body, spec.idle_timeout, &spec.label).await?;
+    shape_whole(body, spec)
+}
+
+/// A non-streamed answer already read, shaped for the client: the body and the backend's usage
+/// (what [`whole`] does once the body is in; the ext_proc door reads the usage of what Envoy relays).
+pub fn shape_whole(body: Bytes, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
     if spec.verbatim() {
         let message: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| spec.bad(format!("unreadable message: {e}")))?;
@@ -194,57 +201,126 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M, resend: Option<Res
         first_token_ms = tracing::field::Empty,
         status = tracing::field::Empty,
     );
-    let mut relay = Relay {
+    let relay = Relay {
         body,
-        parser: SseParser::new(),
-        from_anthropic: match spec.style {
-            ApiStyle::OpenAI => None,
-            ApiStyle::Anthropic => Some(AnthropicStream::new()),
-        },
-        to_anthropic: match &spec.shape {
-            ClientShape::Anthropic { .. } if spec.verbatim() => None,
-            ClientShape::Anthropic { model, .. } => Some(StreamTranslator::new(
-                model,
-                anthropic::message_id(&format!("{:x}", rand::random::<u64>())),
-            )),
-            ClientShape::OpenAi { .. } => None,
-        },
-        pass_usage_chunk: matches!(
-            spec.shape,
-            ClientShape::OpenAi {
-                pass_usage_chunk: true
-            }
-        ),
-        usage: None,
-        done: false,
-        ended: false,
-        out: BytesMut::with_capacity(512),
-        meter: Some(meter),
-        spec,
-        span,
-        started: std::time::Instant::now(),
-        first_token: false,
         resend,
-        passed_any: false,
-        skip_preamble: false,
-        opened: Opened::default(),
+        feed: Feed::new(spec, meter, span),
     };
-    if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
-        (&mut relay.to_anthropic, &relay.spec.shape)
-    {
-        t.start(&mut relay.out, *input_tokens);
-    }
     let stream = futures::stream::unfold(relay, |mut relay| async move {
-        let span = relay.span.clone();
+        let span = relay.feed.span.clone();
         let chunk = relay.next_chunk().instrument(span).await?;
         Some((Ok::<_, Infallible>(Frame::data(chunk)), relay))
     });
     StreamBody::new(stream).boxed_unsync()
 }
 
-/// The state of one relayed stream.
+impl<M: Meter> Feed<M> {
+    /// The relay of a streamed answer described by `spec`, fed by its caller ([`Feed::feed`],
+    /// [`Feed::end`]), its output taken with [`Feed::output`]; `meter` hears it pass. The ext_proc
+    /// door feeds it the response chunks Envoy shows it; [`stream`] feeds it a backend's body.
+    pub fn new(spec: Spec, meter: M, span: tracing::Span) -> Self {
+        let mut feed = Feed {
+            parser: SseParser::new(),
+            from_anthropic: match spec.style {
+                ApiStyle::OpenAI => None,
+                ApiStyle::Anthropic => Some(AnthropicStream::new()),
+            },
+            to_anthropic: match &spec.shape {
+                ClientShape::Anthropic { .. } if spec.verbatim() => None,
+                ClientShape::Anthropic { model, .. } => Some(StreamTranslator::new(
+                    model,
+                    anthropic::message_id(&format!("{:x}", rand::random::<u64>())),
+                )),
+                ClientShape::OpenAi { .. } => None,
+            },
+            pass_usage_chunk: matches!(
+                spec.shape,
+                ClientShape::OpenAi {
+                    pass_usage_chunk: true
+                }
+            ),
+            usage: None,
+            done: false,
+            ended: false,
+            out: BytesMut::with_capacity(512),
+            meter: Some(meter),
+            spec,
+            span,
+            started: std::time::Instant::now(),
+            first_token: false,
+            passed_any: false,
+            skip_preamble: false,
+            opened: Opened::default(),
+        };
+        if let (Some(t), ClientShape::Anthropic { input_tokens, .. }) =
+            (&mut feed.to_anthropic, &feed.spec.shape)
+        {
+            t.start(&mut feed.out, *input_tokens);
+        }
+        feed
+    }
+
+    /// The bytes for the client so far (taken).
+    pub fn output(&mut self) -> Bytes {
+        self.out.split().freeze()
+    }
+
+    /// Whether nothing more will be emitted (the answer completed or failed).
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// A piece of the backend's body.
+    pub fn feed(&mut self, data: &[u8]) {
+        if self.ended {
+            return;
+        }
+        self.parser.feed(data);
+        while let Some(event) = self.parser.next_event() {
+            let forward = self.spec.verbatim() && !self.done;
+            self.on_event(&event.data);
+            // An event that failed the stream is replaced by the gateway's error.
+            if forward && !self.ended && self.pass_event(event.event.as_deref()) {
+                put_event(&mut self.out, event.event.as_deref(), &event.data);
+            }
+            if self.ended {
+                break;
+            }
+        }
+    }
+
+    /// The backend's body ended: the answer completes, or (before the backend said it was
+    /// complete) fails.
+    pub fn end(&mut self) {
+        if self.ended {
+            return;
+        }
+        if self.done {
+            self.completed();
+        } else {
+            let error = self.closed_early();
+            self.fail(error);
+        }
+    }
+
+    /// The backend failed the stream with `error` (it broke, or stalled).
+    pub fn fail_with(&mut self, error: GatewayError) {
+        if !self.ended {
+            self.fail(error);
+        }
+    }
+}
+
+/// One relayed stream read from a backend's body, with its second chance.
 struct Relay<M: Meter> {
     body: Incoming,
+    /// The second chance, until used ([`Resend`]).
+    resend: Option<Resend<M>>,
+    feed: Feed<M>,
+}
+
+/// The state of one relayed stream, fed the backend's bytes (see [`Feed::new`]).
+pub struct Feed<M: Meter> {
     parser: SseParser,
     /// Set for Anthropic backends: their events become OpenAI chunks first.
     from_anthropic: Option<AnthropicStream>,
@@ -264,8 +340,6 @@ struct Relay<M: Meter> {
     span: tracing::Span,
     started: std::time::Instant,
     first_token: bool,
-    /// The second chance, until used ([`Resend`]).
-    resend: Option<Resend<M>>,
     /// Some chunk of the backend's went to an OpenAI client as it is.
     passed_any: bool,
     /// Sent again after the client had the first backend's opening chunk (the role, no text):
@@ -290,40 +364,70 @@ struct Opened {
 impl<M: Meter> Relay<M> {
     /// The next bytes for the client, or `None` when the stream is over.
     async fn next_chunk(&mut self) -> Option<Bytes> {
+        let feed = &mut self.feed;
         loop {
-            if !self.out.is_empty() {
-                return Some(self.out.split().freeze());
+            if !feed.out.is_empty() {
+                return Some(feed.output());
             }
-            if self.ended {
+            if feed.ended {
                 return None;
             }
-            match next_frame(&mut self.body, self.spec.idle_timeout, &self.spec.label).await {
-                Err(error) => self.broken(error).await,
-                Ok(None) if !self.done => {
-                    let error = self.closed_early();
-                    self.broken(error).await
+            match next_frame(&mut self.body, feed.spec.idle_timeout, &feed.spec.label).await {
+                Err(error) => Self::broken(feed, &mut self.body, &mut self.resend, error).await,
+                Ok(None) if !feed.done => {
+                    let error = feed.closed_early();
+                    Self::broken(feed, &mut self.body, &mut self.resend, error).await
                 }
-                Ok(None) => self.completed(),
+                Ok(None) => feed.completed(),
                 Ok(Some(frame)) => {
                     if let Some(data) = frame.data_ref() {
-                        self.parser.feed(data);
-                        while let Some(event) = self.parser.next_event() {
-                            let forward = self.spec.verbatim() && !self.done;
-                            self.on_event(&event.data);
-                            // An event that failed the stream is replaced by the gateway's error.
-                            if forward && !self.ended && self.pass_event(event.event.as_deref()) {
-                                put_event(&mut self.out, event.event.as_deref(), &event.data);
-                            }
-                            if self.ended {
-                                break;
-                            }
-                        }
+                        feed.feed(data);
                     }
                 }
             }
         }
     }
 
+    /// The backend broke the stream (or closed it early, or stalled). Before any output, and
+    /// unless it only stalled, the request goes once more to another backend ([`Resend`]) and the
+    /// stream goes on with its answer; otherwise it fails.
+    async fn broken(
+        feed: &mut Feed<M>,
+        body: &mut Incoming,
+        resend: &mut Option<Resend<M>>,
+        error: GatewayError,
+    ) {
+        let stalled = matches!(error, GatewayError::UpstreamTimeout { .. });
+        // A backend's stream can be continued by another's where the client gets either the chunks as
+        // the backend sent them (an OpenAI backend and client) or its events (an Anthropic worker
+        // passed through): the relay then knows which opening the client already has. A translated
+        // stream keeps state of the backend's events.
+        let continuable = feed.spec.verbatim() || feed.from_anthropic.is_none();
+        let second_chance = match resend.take() {
+            Some(resend) if continuable && !feed.first_token && !stalled => resend,
+            _ => return feed.fail(error),
+        };
+        tracing::warn!(backend = %feed.spec.label, %error, "stream broke before any output; sending the request again");
+        let Some(resent) = second_chance().await else {
+            return feed.fail(error);
+        };
+        tracing::info!(from = %feed.spec.label, to = %resent.label, "stream continues from another backend");
+        *body = resent.body;
+        feed.parser = SseParser::new();
+        feed.spec.label = resent.label;
+        if let Some(meter) = &mut feed.meter {
+            (resent.moved)(meter);
+        }
+        feed.skip_preamble = feed.passed_any;
+        if feed.from_anthropic.is_some() {
+            // A new stream from its own `message_start`.
+            feed.from_anthropic = Some(AnthropicStream::new());
+            feed.opened.again = true;
+        }
+    }
+}
+
+impl<M: Meter> Feed<M> {
     /// Whether an Anthropic event goes to a pass-through client: every one, except, once the request
     /// was sent again, the new backend's opening events the client already had from the first (its
     /// `message_start`, a `content_block_start` before any output, `ping`).
@@ -428,7 +532,9 @@ impl<M: Meter> Relay<M> {
             return ControlFlow::Break(());
         }
         if chunk.carries_text() {
-            self.heard_text();
+            let mut text = String::new();
+            chunk.text(&mut text);
+            self.heard_text(&text);
         }
         if let Some(usage) = chunk.usage() {
             self.usage = Some(usage);
@@ -437,9 +543,9 @@ impl<M: Meter> Relay<M> {
     }
 
     /// A chunk carried generated output: the meter hears it, the span notes the first one.
-    fn heard_text(&mut self) {
+    fn heard_text(&mut self, text: &str) {
         if let Some(meter) = &mut self.meter {
-            meter.text_chunk();
+            meter.text_chunk(text);
             if !std::mem::replace(&mut self.first_token, true) {
                 self.span
                     .record("first_token_ms", self.started.elapsed().as_millis() as u64);
@@ -477,39 +583,6 @@ impl<M: Meter> Relay<M> {
         self.ended = true;
     }
 
-    /// The backend broke the stream (or closed it early, or stalled). Before any output, and
-    /// unless it only stalled, the request goes once more to another backend ([`Resend`]) and the
-    /// stream goes on with its answer; otherwise it fails.
-    async fn broken(&mut self, error: GatewayError) {
-        let stalled = matches!(error, GatewayError::UpstreamTimeout { .. });
-        // A backend's stream can be continued by another's where the client gets either the chunks as
-        // the backend sent them (an OpenAI backend and client) or its events (an Anthropic worker
-        // passed through): the relay then knows which opening the client already has. A translated
-        // stream keeps state of the backend's events.
-        let continuable = self.spec.verbatim() || self.from_anthropic.is_none();
-        let second_chance = match self.resend.take() {
-            Some(resend) if continuable && !self.first_token && !stalled => resend,
-            _ => return self.fail(error),
-        };
-        tracing::warn!(backend = %self.spec.label, %error, "stream broke before any output; sending the request again");
-        let Some(resent) = second_chance().await else {
-            return self.fail(error);
-        };
-        tracing::info!(from = %self.spec.label, to = %resent.label, "stream continues from another backend");
-        self.body = resent.body;
-        self.parser = SseParser::new();
-        self.spec.label = resent.label;
-        if let Some(meter) = &mut self.meter {
-            (resent.moved)(meter);
-        }
-        self.skip_preamble = self.passed_any;
-        if self.from_anthropic.is_some() {
-            // A new stream from its own `message_start`.
-            self.from_anthropic = Some(AnthropicStream::new());
-            self.opened.again = true;
-        }
-    }
-
     fn fail(&mut self, error: GatewayError) {
         tracing::warn!(backend = %self.spec.label, %error, "stream ended with an error");
         self.out
@@ -535,6 +608,8 @@ trait HeardChunk {
     fn carries_text(&self) -> bool;
     /// The backend's token counts, when the chunk has them.
     fn usage(&self) -> Option<Usage>;
+    /// Appends the chunk's generated text (and reasoning) to `out`.
+    fn text(&self, out: &mut String);
 }
 
 impl HeardChunk for StreamChunk {
@@ -547,6 +622,16 @@ impl HeardChunk for StreamChunk {
     fn usage(&self) -> Option<Usage> {
         self.usage
     }
+    fn text(&self, out: &mut String) {
+        for c in &self.choices {
+            if let Some(t) = c.text() {
+                out.push_str(t);
+            }
+            if let Some(r) = c.delta.as_ref().and_then(|d| d.reasoning()) {
+                out.push_str(r);
+            }
+        }
+    }
 }
 
 impl HeardChunk for glance::ChunkGlance<'_> {
@@ -558,6 +643,9 @@ impl HeardChunk for glance::ChunkGlance<'_> {
     }
     fn usage(&self) -> Option<Usage> {
         self.usage
+    }
+    fn text(&self, out: &mut String) {
+        self.text_into(out);
     }
 }
 

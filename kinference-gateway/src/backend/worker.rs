@@ -90,7 +90,7 @@ impl Upstream {
     }
 
     /// What a request to `worker` carries: its pool's headers, else the gateway-wide ones.
-    fn headers_for(&self, worker: &str) -> http::HeaderMap {
+    pub fn headers_for(&self, worker: &str) -> http::HeaderMap {
         self.per_worker
             .read()
             .get(worker)

@@ -3,45 +3,39 @@
 //! Extension's endpoint picker serves it, so an Envoy-based Gateway API implementation routes with
 //! Kinference without a second proxy hop.
 //!
-//! Per HTTP request Envoy opens one bidirectional stream and sends the request headers, then the body
-//! (configure `request_body_mode: BUFFERED`; `STREAMED` chunks are accumulated until `end_of_stream`).
-//! The handler runs the HTTP pipeline's own stages up to the plan ([`crate::pipeline`]): the body is
-//! parsed with the gateway's types, the API key authenticated (401), the tenant's budget and token
-//! limits admitted (429), the policies evaluated (a refusal, or local pools only: personal data never
-//! gets a provider as target). Like an HTTP request it first takes a slot of the gateway's in-flight
-//! gate (the same [`Admitter`], by the tenant's priority; past the limit a bounded queue, then 503
-//! in the client's protocol with `Retry-After`), held until the response ends. It then picks a
-//! worker with the same [`Router`] and answers the last body chunk with the header
-//! `x-gateway-destination-endpoint: ip:port` (route cache cleared) and the dynamic metadata
-//! `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination cluster reads.
-//! Envoy forwards to workers only: a plan's providers are passed over, and so are pools serving
-//! another model name than the one in the body (Envoy forwards the body unchanged). Refusals
-//! are local replies with a JSON error body in the client's protocol: 400 malformed body, 401 no or a
-//! wrong API key, 403 refused by a policy, 404 unknown model, 413 body too large, 429 tenant limits or
-//! shed (every worker of the model at the in-flight limit), 503 overloaded (the gateway's in-flight
-//! gate) or no ready worker.
+//! One front door of the one pipeline ([`crate::pipeline`]): every endpoint of the route table runs
+//! the same stages as over HTTP, in the same order, with the same errors. Per HTTP request Envoy
+//! opens one bidirectional stream and sends the request headers (authenticate and admit run there:
+//! a caller without a key, or past the in-flight limit or the body budget, is answered before Envoy
+//! sends a byte of the body), then the body (`request_body_mode: BUFFERED`, or `STREAMED` chunks,
+//! each taken off the request until the last, which carries the whole body as the worker is to get
+//! it), then the gateway parses, limits, classifies and plans, and picks a worker of the plan's pools
+//! with the same [`crate::routing::Router`]. The last body chunk is answered with
+//! `x-gateway-destination-endpoint: ip:port` (route cache cleared), the dynamic metadata
+//! `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination cluster reads,
+//! the worker's own credentials in place of the client's, and the body rewritten where the gateway
+//! must: the model a policy, alias or class resolved to, the output limit it reserved, and, for a
+//! stream, `stream_options.include_usage` so the answer can be billed. Envoy forwards to workers
+//! only: a plan's providers are passed over. What the gateway answers itself (token counts, the
+//! model list) and every refusal are local replies in the client's protocol: 400 malformed body, 401
+//! no or a wrong API key, 403 refused by a policy or outside the tenant's models, 404 unknown model,
+//! 413 body too large, 429 tenant limits or shed, 503 overloaded or no ready worker.
 //!
-//! The decision's [`InFlight`](crate::routing::InFlight) ticket and the tenant's admission live as long
-//! as the stream. With `response_header_mode: SEND` and `response_body_mode: STREAMED` (the endpoint
-//! picker's setting) the handler also sees the response: the first event of an SSE stream is
-//! reported as the first token, and the end of the body finishes the ticket and settles the tenant's
-//! usage with the `usage` it carries. Without the response phase both are released when Envoy closes the stream (the request is
-//! then recorded as abandoned, with the gateway's own figures).
-//!
-//! The pass-through endpoints go where the HTTP gateway sends them ([`crate::pipeline::passthrough`]):
-//! `/v1/embeddings`, `/tokenize` and `/detokenize` to the model's least loaded worker,
-//! `/v1/responses` to the worker the router picks for its input, the tenant admitted and billed for
-//! embeddings and responses. A model alias or class the HTTP gateway would rewrite in the body is
-//! refused (400), on these endpoints and on chat alike: Envoy forwards the body as sent, so choosing a
-//! class's model (a cheaper one for a simple prompt) needs the HTTP gateway.
+//! With `response_header_mode: SEND` and `response_body_mode: STREAMED` (the endpoint picker's
+//! setting) the handler sees the answer through the same relay as the HTTP door: the first text is
+//! the first token, the usage chunk it asked for settles the tenant's usage (and is taken out of
+//! the answer when the client did not ask for it), an answer without usage is counted by the
+//! gateway. Without the response phase a routed request is settled when Envoy closes the stream,
+//! billed its prompt and its output reservation, marked estimated: never zero.
 //!
 //! Telemetry as over HTTP ([`crate::telemetry`]): the client's `x-request-id` (or a new one) is set
 //! on the request to the worker, on the response headers and on local replies, and carried by the
-//! usage record; the request's span continues the client's `traceparent`, its stages
-//! (`authenticate`, `admission`, `policy`, `routing`) are its children, and the worker gets a
-//! `traceparent` naming it (Envoy, not the gateway, makes the upstream call).
+//! usage record; the request's span continues the client's `traceparent`, its stages are its
+//! children, and the worker gets a `traceparent` naming it (Envoy, not the gateway, makes the
+//! upstream call). One access line per request, written by its settlement as over HTTP.
 //!
-//! [`session`] is one stream's state; [`body`] the request parsing; [`reply`] the messages sent back.
+//! [`session`] is one stream's state; [`body`] the request's API when its path does not say;
+//! [`reply`] the messages sent back.
 
 pub mod body;
 pub mod reply;
@@ -58,22 +52,9 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
-use tracing::Instrument as _;
 
-use crate::api::openai::passthrough::{PassthroughRequest, Route};
-use crate::errors::{GatewayError, Protocol};
+use crate::errors::GatewayError;
 use crate::gateway::Gateway;
-use crate::overload::Admitter;
-use crate::overload::gate::Slot;
-use crate::pipeline::exchange::{self, Request as Parsed};
-use crate::pipeline::govern::{self, PlanInput};
-use crate::pipeline::passthrough;
-use crate::policy::model::Requested;
-use crate::policy::stage::{PlanTarget, PolicyStage};
-use crate::routing::tokenize::PromptTokens;
-use crate::routing::{Decision, RouteRequest, Router};
-use crate::telemetry::{REQUEST_ID_HEADER, RequestId};
-use crate::tenancy::{Admission, Tenancy};
 use session::Session;
 
 /// Command-line flags of the inference handler (flattened into the gateway's flags).
@@ -142,130 +123,6 @@ impl From<&ExtProcArgs> for Settings {
     }
 }
 
-/// Why a request is answered locally instead of routed.
-#[derive(Debug, thiserror::Error)]
-pub enum Refusal {
-    /// What the HTTP gateway would answer (400, 404, 413, 503), with its status and body.
-    #[error(transparent)]
-    Gateway(GatewayError),
-    /// Every ready worker of the model is at the in-flight limit.
-    #[error("every worker of model `{model}` is at its in-flight limit ({limit})")]
-    Shed {
-        /// The model.
-        model: String,
-        /// The limit.
-        limit: usize,
-    },
-}
-
-impl Refusal {
-    /// The HTTP status Envoy answers with.
-    pub fn status(&self) -> u16 {
-        match self {
-            Refusal::Gateway(e) => e.status().as_u16(),
-            Refusal::Shed { .. } => 429,
-        }
-    }
-
-    /// The JSON error body in the client's protocol.
-    pub fn body(&self, protocol: Protocol) -> serde_json::Value {
-        match self {
-            Refusal::Gateway(e) => e.body(protocol),
-            Refusal::Shed { .. } => match protocol {
-                Protocol::OpenAi => serde_json::json!({"error": {
-                    "message": self.to_string(),
-                    "type": "rate_limit_error",
-                    "param": null,
-                    "code": "overloaded",
-                }}),
-                Protocol::Anthropic => serde_json::json!({
-                    "type": "error",
-                    "error": {"type": "overloaded_error", "message": self.to_string()},
-                }),
-            },
-        }
-    }
-
-    /// The ext_proc local reply, with the request's `x-request-id` (and `Retry-After` when the
-    /// gateway is overloaded).
-    pub fn reply(&self, protocol: Protocol, request_id: &RequestId) -> ProcessingResponse {
-        let details = match self {
-            Refusal::Gateway(e) => e.kind(),
-            Refusal::Shed { .. } => "shed",
-        };
-        let retry_after = match self {
-            Refusal::Gateway(GatewayError::Overloaded { retry_after_s, .. }) => {
-                Some(retry_after_s.to_string())
-            }
-            _ => None,
-        };
-        let mut headers = vec![(REQUEST_ID_HEADER, request_id.as_str())];
-        headers.extend(retry_after.as_deref().map(|s| ("retry-after", s)));
-        reply::immediate(
-            self.status(),
-            &self.body(protocol),
-            &format!("kinference_{details}"),
-            &headers,
-        )
-    }
-}
-
-/// A routed request: the router's decision and the `ip:port` Envoy connects to.
-#[derive(Debug)]
-pub struct Routed {
-    /// The decision (its ticket must be kept until the request ends).
-    pub decision: Decision,
-    /// The model asked for.
-    pub model: String,
-    /// `host:port` of the worker.
-    pub endpoint: String,
-    /// The tenant's admission (settled when the response ends).
-    pub admission: Option<Admission>,
-    /// The request's place under the gateway's in-flight limit (given back when dropped).
-    pub slot: Option<Slot>,
-}
-
-impl Routed {
-    /// The decision's endpoint, with the tenant's admission told where the request went.
-    fn new(
-        decision: Decision,
-        model: &str,
-        mut admission: Option<Admission>,
-        slot: Option<Slot>,
-    ) -> Result<Routed, Refusal> {
-        let endpoint = endpoint_of(&decision.worker).ok_or_else(|| {
-            Refusal::Gateway(GatewayError::BadUpstream {
-                worker: decision.worker.clone(),
-                detail: "worker URL has no host".into(),
-            })
-        })?;
-        if let Some(a) = &mut admission {
-            a.routed(&decision.worker, decision.reason, decision.prompt_tokens);
-        }
-        Ok(Routed {
-            decision,
-            model: model.to_string(),
-            endpoint,
-            admission,
-            slot,
-        })
-    }
-}
-
-/// What a request through ext_proc tells about itself besides its body.
-#[derive(Debug, Default, Clone)]
-pub struct Head {
-    /// The API, from `:path`.
-    pub api: Option<body::Api>,
-    /// The pass-through endpoint, from `:path`.
-    pub passthrough: Option<Route>,
-    /// `x-kinference-debug: 1`.
-    pub debug: bool,
-    /// The headers governance reads: the API key (`authorization`, `x-api-key`) and
-    /// `x-kinference-tags`.
-    pub headers: http::HeaderMap,
-}
-
 /// The `host:port` of a worker base URL (`http://10.0.0.7:8000` -> `10.0.0.7:8000`).
 pub fn endpoint_of(worker_url: &str) -> Option<String> {
     let uri: http::Uri = worker_url.parse().ok()?;
@@ -277,246 +134,26 @@ pub fn endpoint_of(worker_url: &str) -> Option<String> {
     Some(format!("{host}:{port}"))
 }
 
-/// What every stream shares: the router, the governance (tenancy, policies) and the settings.
+/// What every stream shares: the gateway (its router, governance and limits) and the settings.
 #[derive(Debug, Clone)]
 pub struct Handler {
-    router: Arc<Router>,
-    tenancy: Option<Arc<Tenancy>>,
-    policy: Option<Arc<PolicyStage>>,
-    /// The gateway's in-flight gate (none: no limit).
-    overload: Option<Admitter>,
+    gw: Arc<Gateway>,
     settings: Settings,
 }
 
 impl Handler {
-    /// A handler over the gateway's router alone: open (no API keys, no limits), no policies.
-    pub fn new(router: Arc<Router>, settings: Settings) -> Self {
-        Self {
-            router,
-            tenancy: None,
-            policy: None,
-            overload: None,
-            settings,
-        }
-    }
-
-    /// A handler with the gateway's governance: its tenants (API keys, limits, usage) and policies.
-    pub fn governed(gw: &Gateway, settings: Settings) -> Self {
-        Self {
-            router: Arc::clone(&gw.router),
-            tenancy: Some(Arc::clone(&gw.tenancy)),
-            policy: gw.policy.clone(),
-            overload: Some(gw.overload.admitter()),
-            settings,
-        }
-    }
-
-    /// With `tenancy` and `policy` (tests build them without a whole gateway).
-    pub fn with_governance(
-        mut self,
-        tenancy: Option<Arc<Tenancy>>,
-        policy: Option<Arc<PolicyStage>>,
-    ) -> Self {
-        self.tenancy = tenancy;
-        self.policy = policy;
-        self
-    }
-
-    /// Admitting through `overload` (the gateway's in-flight gate, shared with the HTTP path).
-    pub fn with_overload(mut self, overload: Admitter) -> Self {
-        self.overload = Some(overload);
-        self
-    }
-
-    /// The HTTP pipeline's stages up to the plan (parse, authenticate, admit, plan), then the
-    /// router's pick: the same decision the HTTP gateway makes for this request.
-    pub async fn decide(&self, head: &Head, body: bytes::Bytes) -> Result<Routed, Refusal> {
-        // As over HTTP: the caller before the body, so an unknown one learns nothing about it.
-        let caller = match &self.tenancy {
-            Some(t) => Some(
-                tracing::debug_span!("authenticate")
-                    .in_scope(|| t.authenticate(&head.headers))
-                    .map_err(Refusal::Gateway)?,
-            ),
-            None => None,
-        };
-        // Then the in-flight gate, as over HTTP: past the limit, shed before any work is spent.
-        let slot = match &self.overload {
-            Some(gate) => {
-                let priority = caller.as_ref().map(|c| c.priority()).unwrap_or_default();
-                gate.admit(priority)
-                    .await
-                    .map_err(|refused| Refusal::Gateway(refused.into()))?
-            }
-            None => None,
-        };
-        if let Some(route) = head.passthrough {
-            return self
-                .decide_passthrough(route, head, &body, caller.as_ref(), slot)
-                .await;
-        }
-        let api = body::detect(head.api, &body).map_err(Refusal::Gateway)?;
-        let protocol = api.protocol();
-        let request = exchange::parse_as(api.endpoint(), body, self.policy.is_some())
-            .map_err(Refusal::Gateway)?;
-        self.refuse_renamed(request.model())?;
-        self.admit(request.model())?;
-        let tokens = PromptTokens::default();
-        self.router
-            .tokenize_locally(request.model(), request.prompt(), &tokens)
-            .await;
-        let admission = match (&self.tenancy, &caller) {
-            (Some(t), Some(c)) => Some(
-                govern::admit(t, c, &request, &tokens, protocol)
-                    .instrument(tracing::debug_span!("admission", tenant = c.name()))
-                    .await
-                    .map_err(Refusal::Gateway)?,
-            ),
-            _ => None,
-        };
-        let decision = self
-            .pick(head, &request, &tokens, caller.as_ref(), admission.as_ref())
-            .await
-            .map_err(Refusal::Gateway)?;
-        Routed::new(decision, request.model(), admission, slot)
-    }
-
-    /// A pass-through endpoint, as the HTTP gateway routes it ([`crate::pipeline::passthrough`]):
-    /// `/v1/responses` to the worker the router picks for the input's text, the others to the
-    /// model's least loaded worker; the tenant admitted for what generates or embeds. No policy
-    /// runs (these requests only go to the model's own workers). An alias the HTTP gateway would
-    /// rename is refused: Envoy forwards the body unchanged.
-    async fn decide_passthrough(
-        &self,
-        route: Route,
-        head: &Head,
-        body: &[u8],
-        caller: Option<&crate::tenancy::Caller>,
-        slot: Option<Slot>,
-    ) -> Result<Routed, Refusal> {
-        let request = PassthroughRequest::parse(route, body).map_err(Refusal::Gateway)?;
-        self.refuse_renamed(&request.model)?;
-        self.admit(&request.model)?;
-        let text = request.text();
-        let admission = match (&self.tenancy, caller) {
-            (Some(t), Some(c)) if route.billed() => {
-                let (input, output) = passthrough::token_demand(t, route, &request, &text);
-                Some(
-                    t.admit(c, &request.model, input, output, Protocol::OpenAi)
-                        .instrument(tracing::debug_span!("admission", tenant = c.name()))
-                        .await
-                        .map_err(Refusal::Gateway)?,
-                )
-            }
-            _ => None,
-        };
-        let decision = passthrough::pick(&self.router, route, &request, &text, head.debug)
-            .await
-            .map_err(|e| Refusal::Gateway(e.into()))?;
-        Routed::new(decision, &request.model, admission, slot)
-    }
-
-    /// Refuses a model name the HTTP gateway would rewrite in the body for the worker under
-    /// policies (an `InferenceModel`'s alias, or a model class): Envoy forwards the body as sent.
-    fn refuse_renamed(&self, model: &str) -> Result<(), Refusal> {
-        let Some(stage) = &self.policy else {
-            return Ok(());
-        };
-        let set = stage.current();
-        let detail = match set.resolve(model) {
-            Requested::Model(name) => match set.models.get(&name) {
-                Some(m) if m.spec.served_name != model => {
-                    let served = &m.spec.served_name;
-                    format!("`{model}` is served as `{served}`: ask for `{served}`")
-                }
-                _ => return Ok(()),
-            },
-            Requested::Class(_) => format!("`{model}` is a model class: name one of its models"),
-            Requested::Unknown(_) => return Ok(()),
-        };
-        Err(Refusal::Gateway(GatewayError::invalid(
-            "model",
-            format!("{detail} (a request through Envoy reaches the worker unchanged)"),
-        )))
-    }
-
-    /// The plan (with policies: its pools in order, providers passed over) and the router's pick.
-    async fn pick(
-        &self,
-        head: &Head,
-        request: &Parsed,
-        tokens: &PromptTokens,
-        caller: Option<&crate::tenancy::Caller>,
-        admission: Option<&Admission>,
-    ) -> Result<Decision, GatewayError> {
-        let route = |model| RouteRequest {
-            model,
-            prompt: request.prompt(),
-            debug: head.debug,
-            tokens: Some(tokens),
-        };
-        let Some(stage) = &self.policy else {
-            return Ok(self.router.pick(route(request.model())).await?);
-        };
-        let input = PlanInput {
-            caller,
-            tags: head
-                .headers
-                .get(crate::policy::classify::tags::TAGS_HEADER)
-                .and_then(|v| v.to_str().ok()),
-            debug: head.debug,
-            local_only: admission.is_some_and(Admission::local_only),
-            tokens,
-        };
-        let mut explain = None;
-        let plan = govern::plan(
-            stage,
-            &self.router,
-            self.tenancy.as_deref(),
-            request,
-            input,
-            &mut explain,
-        )
-        .instrument(tracing::debug_span!("policy"))
-        .await?;
-        let mut last = None;
-        for target in &plan.targets {
-            let PlanTarget::Pool { model, workers, .. } = target else {
-                continue; // Envoy forwards to workers only.
-            };
-            if model != request.model() {
-                tracing::debug!(backend = %target.label(), %model, "ext_proc cannot rename the model; pool passed over");
-                continue;
-            }
-            match self
-                .router
-                .pick_except(route(model), workers.as_deref(), &[])
-                .await
-            {
-                Ok(decision) => {
-                    stage.count_sent(target, plan.burst);
-                    return Ok(decision);
-                }
-                Err(error) => last = Some(GatewayError::from(error)),
-            }
-        }
-        Err(last.unwrap_or_else(|| GatewayError::PolicyRejected {
-            status: http::StatusCode::SERVICE_UNAVAILABLE,
-            code: "no_backend_available",
-            message: format!(
-                "no worker chosen by the policies ({}) can be reached through Envoy",
-                plan.rule
-            ),
-        }))
+    /// A handler of `gw`'s requests.
+    pub fn new(gw: Arc<Gateway>, settings: Settings) -> Self {
+        Self { gw, settings }
     }
 
     /// Sheds when every ready worker of `model` is at the in-flight limit (the router would still
     /// pick one; piling onto it only lengthens everyone's queue, and Envoy can retry elsewhere).
-    fn admit(&self, model: &str) -> Result<(), Refusal> {
+    fn shed(&self, model: &str) -> Result<(), GatewayError> {
         let Some(limit) = self.settings.shed_in_flight else {
             return Ok(());
         };
-        let workers = self.router.workers();
+        let workers = self.gw.router.workers();
         let mut ready = workers.iter().filter(|w| w.model == model && w.healthy);
         let mut any = false;
         let all_full = ready.all(|w| {
@@ -524,9 +161,11 @@ impl Handler {
             w.in_flight >= limit
         });
         if any && all_full {
-            return Err(Refusal::Shed {
-                model: model.to_string(),
-                limit,
+            return Err(GatewayError::RateLimited {
+                message: format!(
+                    "every worker of model `{model}` is at its in-flight limit ({limit}); retry shortly"
+                ),
+                headers: vec![("retry-after", "1".to_string())],
             });
         }
         Ok(())
@@ -540,11 +179,6 @@ pub struct ExtProcService {
 }
 
 impl ExtProcService {
-    /// A service over the gateway's router.
-    pub fn new(router: Arc<Router>, settings: Settings) -> Self {
-        Self::with_handler(Handler::new(router, settings))
-    }
-
     /// A service over `handler`.
     pub fn with_handler(handler: Handler) -> Self {
         Self {
@@ -572,7 +206,7 @@ impl ExternalProcessor for ExtProcService {
         tokio::spawn(async move {
             // The session (and the ticket in it) is dropped when this task ends: Envoy closed the
             // stream, broke it, or stopped reading.
-            let mut session = Session::default();
+            let mut session = Session::new(&handler);
             loop {
                 let msg = match inbound.message().await {
                     Ok(Some(msg)) => msg,
@@ -582,7 +216,7 @@ impl ExternalProcessor for ExtProcService {
                         break;
                     }
                 };
-                if let Some(answer) = session.on_message(&handler, msg).await
+                if let Some(answer) = session.on_message(msg).await
                     && tx.send(Ok(answer)).await.is_err()
                 {
                     break;
@@ -591,16 +225,6 @@ impl ExternalProcessor for ExtProcService {
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
-}
-
-/// Serves an open handler over `router` on `listener` until `shutdown` resolves.
-pub async fn serve(
-    listener: TcpListener,
-    router: Arc<Router>,
-    settings: Settings,
-    shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), tonic::transport::Error> {
-    serve_handler(listener, Handler::new(router, settings), shutdown).await
 }
 
 /// Serves `handler` on `listener` until `shutdown` resolves.
@@ -635,7 +259,7 @@ pub async fn serve_handler_tls(
 /// governance; runs until `shutdown` resolves, then closes its socket and lets open streams finish.
 pub async fn spawn(
     args: &ExtProcArgs,
-    gw: &Gateway,
+    gw: &Arc<Gateway>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<Option<tokio::task::JoinHandle<()>>> {
     let Some(addr) = args.extproc_listen else {
@@ -657,7 +281,7 @@ pub async fn spawn(
     }
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(listen = %listener.local_addr()?, "ext_proc inference handler listening");
-    let handler = Handler::governed(gw, Settings::from(args));
+    let handler = Handler::new(Arc::clone(gw), Settings::from(args));
     Ok(Some(tokio::spawn(async move {
         if let Err(error) = serve_handler_tls(listener, handler, tls, shutdown).await {
             tracing::error!(%error, "ext_proc inference handler stopped");

@@ -5,9 +5,10 @@ use std::collections::HashMap;
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
     ProcessingResponse, TrailersResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
@@ -62,28 +63,107 @@ fn set_all(headers: &http::HeaderMap) -> impl Iterator<Item = HeaderValueOption>
         .filter_map(|(name, value)| Some(set_header(name.as_str(), value.to_str().ok()?)))
 }
 
+/// What a client may send that never reaches a worker: its own credentials (the worker gets the
+/// pool's, set instead), the admin key, and a destination of its choosing.
+pub const CLIENT_ONLY_HEADERS: [&str; 4] = [
+    "authorization",
+    "x-api-key",
+    crate::access::ADMIN_KEY_HEADER,
+    DESTINATION_HEADER,
+];
+
 /// The answer to the last request-body chunk once a worker is chosen: the destination header (the
 /// route cache is cleared so Envoy re-evaluates the route with it), the `envoy.lb` metadata, and
-/// `telemetry` (the request's `x-request-id` and trace context) for the worker. The admin key a
-/// client may have sent (`x-kinference-admin-key`) is removed: it never reaches a worker.
-pub fn routed(endpoint: &str, worker: &str, telemetry: &http::HeaderMap) -> ProcessingResponse {
+/// `headers` for the worker (its pool's credentials, the request's `x-request-id` and trace context),
+/// the client's own credentials and admin key removed ([`CLIENT_ONLY_HEADERS`]); the body replaced
+/// by `body` when given (with its length).
+pub fn routed(
+    endpoint: &str,
+    worker: &str,
+    headers: &http::HeaderMap,
+    body: Option<&bytes::Bytes>,
+) -> ProcessingResponse {
     let mut set_headers = vec![
         set_header(DESTINATION_HEADER, endpoint),
         set_header(WORKER_HEADER, worker),
     ];
-    set_headers.extend(set_all(telemetry));
+    set_headers.extend(set_all(headers));
+    if let Some(body) = body {
+        set_headers.push(set_header("content-length", &body.len().to_string()));
+    }
+    let remove_headers = CLIENT_ONLY_HEADERS
+        .iter()
+        .filter(|h| !headers.contains_key(**h))
+        .map(|h| h.to_string())
+        .collect();
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
                     set_headers,
-                    remove_headers: vec![crate::access::ADMIN_KEY_HEADER.to_string()],
+                    remove_headers,
+                }),
+                body_mutation: body.map(|b| BodyMutation {
+                    mutation: Some(Mutation::Body(b.to_vec())),
                 }),
                 clear_route_cache: true,
                 ..Default::default()
             }),
         })),
         dynamic_metadata: Some(destination_metadata(endpoint)),
+        ..Default::default()
+    }
+}
+
+/// Continue after request headers, setting `headers` and removing `content-length` (the body may
+/// be rewritten for the worker; Envoy sets its length again).
+pub fn request_headers_continue_without_length(headers: &http::HeaderMap) -> ProcessingResponse {
+    let mut common = setting(headers);
+    common
+        .header_mutation
+        .get_or_insert_with(HeaderMutation::default)
+        .remove_headers
+        .push("content-length".to_string());
+    ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(common),
+        })),
+        ..Default::default()
+    }
+}
+
+/// A request-body chunk (streamed body mode) taken off the request: the gateway keeps it, and the
+/// last chunk's answer carries the whole body.
+pub fn request_body_taken() -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(Mutation::ClearBody(true)),
+                }),
+                ..Default::default()
+            }),
+        })),
+        ..Default::default()
+    }
+}
+
+/// A response-body chunk replaced by `body` (what the relay passes to the client of it).
+pub fn response_body_replaced(body: bytes::Bytes) -> ProcessingResponse {
+    let mutation = if body.is_empty() {
+        Mutation::ClearBody(true)
+    } else {
+        Mutation::Body(body.to_vec())
+    };
+    ProcessingResponse {
+        response: Some(Response::ResponseBody(BodyResponse {
+            response: Some(CommonResponse {
+                body_mutation: Some(BodyMutation {
+                    mutation: Some(mutation),
+                }),
+                ..Default::default()
+            }),
+        })),
         ..Default::default()
     }
 }

@@ -1,142 +1,169 @@
-//! One ext_proc stream, i.e. one HTTP request through Envoy: the state between its messages.
+//! One ext_proc stream, i.e. one HTTP request through Envoy: the pipeline's stages as Envoy's
+//! messages arrive, and the answer seen through the response phases.
 //!
-//! Request phase: headers (path, debug flag, request id and trace context: the request's root span
-//! starts here), then the body, buffered here until `end_of_stream`
-//! (Envoy's `BUFFERED` mode sends one chunk; `STREAMED` sends several, each acknowledged), then the
-//! decision. Response phase (when Envoy is configured to send it): the status, the first body chunk
-//! of a server-sent-event stream (the first token: it feeds the router's learned rates), and the end
-//! of the body with its `usage`, which finishes the router's in-flight ticket and settles the tenant's
-//! admission (usage, cost, token limits), and ends the request's span. Whatever happens, they are
-//! dropped with the session, so an aborted request never leaks an in-flight count and is recorded
-//! once. The request's `x-request-id` is set on the request (headers and routed answer) and on the
-//! response headers, and is in every local reply. One access line per request, as over HTTP, when
-//! it is refused or its response ends (a request whose response Envoy does not send has none).
+//! Request headers: the request's [`Exchange`] (its root span starts here), then stages
+//! "authenticate" and "admit" (a refusal is the answer to the headers: Envoy sends no body). The
+//! body, buffered here until `end_of_stream` (within the body limit and the room admitted), then the
+//! stages up to the plan and the pick. Response phase (when Envoy is configured to send it): the
+//! status, then the body through the same relay as the HTTP door ([`relay::Feed`], or
+//! [`Passing`] for a pass-through endpoint): it hears the first token and the usage, and what the
+//! client gets is replaced chunk by chunk where the relay changes it (the usage chunk the client did
+//! not ask for is taken out). Whatever happens, the request's [`Settlement`] is settled once: at the
+//! answer's end, by a refusal, as abandoned when the stream breaks, or, when Envoy never showed the
+//! answer, as a success billed its reservation.
 
-use std::time::Instant;
-
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    HttpBody, ProcessingRequest, ProcessingResponse, processing_response,
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, processing_response,
 };
-
-use super::body::Api;
-use super::{Handler, Head, Refusal, reply};
-use crate::api::openai::passthrough::{Route, usage_of};
-use crate::api::openai::{Usage, UsageOnly};
-use crate::errors::{GatewayError, Protocol};
-use crate::overload::gate::Slot;
-use crate::routing::InFlight;
-use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, RequestId, propagation};
-use crate::tenancy::Admission;
+use http_body_util::BodyExt as _;
+use kinference_crds::ApiStyle;
 use tracing::Instrument as _;
 
-/// The request headers the handler reads: governance's (the API key, the policy tags) and
-/// telemetry's (the request id, the W3C trace context).
-const KEPT_HEADERS: [&str; 6] = [
+use super::{Handler, body, reply};
+use crate::api::openai::Usage;
+use crate::api::openai::UsageOnly;
+use crate::api::openai::passthrough::{Route, usage_of};
+use crate::backend::relay::{self, ClientShape, Spec};
+use crate::errors::GatewayError;
+use crate::pipeline::exchange::{Door, Exchange};
+use crate::pipeline::forward::{self, WorkerCall};
+use crate::pipeline::passthrough::Passing;
+use crate::pipeline::settle::Settlement;
+use crate::pipeline::{Endpoint, admit, govern, local};
+use crate::policy::stage::PlanTarget;
+use crate::routing::Decision;
+use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
+
+/// The request headers the handler keeps: governance's (the API key, the policy tags, the admin
+/// key and debug flag) and telemetry's (the request id, the W3C trace context).
+const KEPT_HEADERS: [&str; 9] = [
     "authorization",
     "x-api-key",
     "x-kinference-tags",
+    "x-kinference-debug",
+    crate::access::ADMIN_KEY_HEADER,
+    "content-length",
     REQUEST_ID_HEADER,
     propagation::TRACEPARENT,
     propagation::TRACESTATE,
 ];
 
-/// The most response-body bytes kept to find `usage` at the end (the tail of a stream suffices).
+/// The most of a whole (not streamed) answer kept to read its usage; past it, its tail.
+const WHOLE_ANSWER_BYTES: usize = 4 * 1024 * 1024;
+/// The tail of an answer kept past [`WHOLE_ANSWER_BYTES`] (the usage is at its end).
 const USAGE_TAIL_BYTES: usize = 64 * 1024;
 
-/// The access line of one request, written once when it ends (as over HTTP: target
-/// `kinference_gateway::access_log`, in the request's span).
-#[derive(Debug)]
-struct AccessLine {
-    method: http::Method,
-    path: String,
-    started: Instant,
-    tenant: String,
-    model: String,
-    backend: String,
+/// Per-stream state.
+pub struct Session {
+    handler: Handler,
+    /// The request so far (after its headers).
+    ex: Option<Exchange>,
+    /// The request's id and the client's trace context (from the request headers).
+    context: Option<RequestContext>,
+    /// The request's root span, ended with the request.
+    span: Option<tracing::Span>,
+    /// The request headers kept.
+    headers: http::HeaderMap,
+    /// The path names no endpoint (an HTTPRoute may rewrite it): the body's shape decides.
+    unknown_path: bool,
+    body: BytesMut,
+    /// Body chunks were taken off the request (streamed body mode): the last carries the whole.
+    streamed_body: bool,
+    /// A refusal or a local answer was sent: Envoy ignores everything after it.
+    done: bool,
+    /// The routed request, until its answer is seen.
+    routed: Option<Routed>,
+    /// The answer being seen.
+    answer: Option<Answer>,
 }
 
-impl AccessLine {
-    fn write(self, status: u16, usage: Option<&Usage>, id: &str) {
-        let usage = usage.copied().unwrap_or_default();
-        tracing::info!(
-            target: "kinference_gateway::access_log",
-            method = %self.method,
-            path = %self.path,
-            status,
-            tenant = %self.tenant,
-            model = %self.model,
-            backend = %self.backend,
-            input_tokens = usage.prompt_tokens,
-            cached_tokens = usage.cached_tokens().unwrap_or(0),
-            output_tokens = usage.completion_tokens,
-            duration_ms = self.started.elapsed().as_millis() as u64,
-            request_id = id,
-            "request"
-        );
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("endpoint", &self.ex.as_ref().map(|e| e.endpoint))
+            .field("done", &self.done)
+            .finish()
     }
 }
 
-/// Per-stream state.
-#[derive(Debug, Default)]
-pub struct Session {
-    head: Head,
-    /// The request's id and the client's trace context (from the request headers).
-    context: Option<RequestContext>,
-    /// The request's root span, ended with the response (or the stream).
-    span: Option<tracing::Span>,
-    /// The access line, until it is written (by a local reply, or at the response's end).
-    access: Option<AccessLine>,
-    body: BytesMut,
-    /// The decision's ledger entry, held until the response ends (or the stream does).
-    ticket: Option<InFlight>,
-    /// The tenant's admission, settled when the response ends (or as abandoned with the stream).
-    admission: Option<Admission>,
-    /// The place under the gateway's in-flight limit, given back when the response ends (or the
-    /// stream does).
-    slot: Option<Slot>,
-    response_status: u16,
-    /// A refusal was sent: Envoy ignores everything after it.
-    done: bool,
-    response_ok: bool,
-    response_sse: bool,
-    response_tail: BytesMut,
+/// A request sent to a worker through Envoy, waiting for its answer.
+struct Routed {
+    settlement: Settlement,
+    spec: Spec,
+    route: Option<Route>,
+    worker: String,
+}
+
+/// An answer seen through the response phases.
+enum Answer {
+    /// A chat, completion or Anthropic stream, through the relay.
+    Relay(Box<relay::Feed<Settlement>>),
+    /// A pass-through endpoint's stream.
+    Passing(Box<Passing<Settlement>>, String),
+    /// A whole answer, kept to read its usage at the end.
+    Whole {
+        settlement: Box<Settlement>,
+        spec: Spec,
+        route: Option<Route>,
+        body: BytesMut,
+        /// The answer was larger than [`WHOLE_ANSWER_BYTES`]: `body` is its tail.
+        cut: bool,
+    },
+}
+
+/// What the stages decided for a request.
+enum Decided {
+    /// The gateway answers it itself.
+    Local(serde_json::Value),
+    /// A worker of the plan takes it.
+    Worker {
+        decision: Box<Decision>,
+        call: WorkerCall,
+        /// The model the client asked for (an Anthropic answer names it).
+        asked: String,
+        /// The client asked for a stream's usage chunk itself.
+        wants_usage: bool,
+    },
 }
 
 impl Session {
+    /// A session of `handler`'s.
+    pub fn new(handler: &Handler) -> Self {
+        Session {
+            handler: handler.clone(),
+            ex: None,
+            context: None,
+            span: None,
+            headers: http::HeaderMap::new(),
+            unknown_path: false,
+            body: BytesMut::new(),
+            streamed_body: false,
+            done: false,
+            routed: None,
+            answer: None,
+        }
+    }
+
     /// Handles one message from Envoy; returns the answer to send (none in observability mode, or
     /// after a local reply).
-    pub async fn on_message(
-        &mut self,
-        handler: &Handler,
-        msg: ProcessingRequest,
-    ) -> Option<ProcessingResponse> {
+    pub async fn on_message(&mut self, msg: ProcessingRequest) -> Option<ProcessingResponse> {
         let answer = match msg.request? {
-            Request::RequestHeaders(h) => {
-                self.on_request_headers(h.headers.as_ref());
-                if h.end_of_stream {
-                    // No body (GET /v1/models, health checks): nothing to route on; Envoy's route decides.
-                    tracing::debug!("ext_proc request without body; not routed");
-                }
-                reply::request_headers_continue(&self.id_header())
-            }
-            Request::RequestBody(b) => self.on_request_body(handler, b).await,
+            Request::RequestHeaders(h) => self.on_request_headers(h).await,
+            Request::RequestBody(b) => self.on_request_body(b).await,
             Request::RequestTrailers(_) => reply::request_trailers_continue(),
             Request::ResponseHeaders(h) => {
                 self.on_response_headers(h.headers.as_ref());
                 if h.end_of_stream {
-                    self.finish(None);
+                    self.end_answer();
                 }
                 reply::response_headers_continue(&self.id_header())
             }
-            Request::ResponseBody(b) => {
-                self.on_response_body(b);
-                reply::response_body_continue()
-            }
+            Request::ResponseBody(b) => self.on_response_body(b),
             Request::ResponseTrailers(_) => {
-                self.finish(None);
+                self.end_answer();
                 reply::response_trailers_continue()
             }
         };
@@ -155,76 +182,119 @@ impl Session {
         headers
     }
 
-    /// The request's context (with a new id if the request headers never came).
-    fn context(&mut self) -> RequestContext {
-        self.context
-            .get_or_insert_with(|| RequestContext::from_headers(&http::HeaderMap::new()))
-            .clone()
-    }
-
-    fn on_request_headers(&mut self, headers: Option<&HeaderMap>) {
-        let path = header(headers, ":path").unwrap_or_default();
-        self.head.api = Api::from_path(&path);
-        self.head.passthrough = super::body::passthrough_of(&path);
-        self.head.debug = header(headers, "x-kinference-debug").as_deref() == Some("1");
+    async fn on_request_headers(&mut self, h: HttpHeaders) -> ProcessingResponse {
+        let headers = h.headers.as_ref();
+        let raw_path = header(headers, ":path").unwrap_or_default();
+        let path = raw_path.split('?').next().unwrap_or_default().to_string();
         for name in KEPT_HEADERS {
             if let Some(v) =
                 header(headers, name).and_then(|v| http::HeaderValue::from_str(&v).ok())
             {
-                self.head
-                    .headers
-                    .insert(http::HeaderName::from_static(name), v);
+                self.headers.insert(http::HeaderName::from_static(name), v);
             }
         }
-        // As over HTTP: the client's id when it is safe, else a new one; its trace continued.
-        let path = path.split('?').next().unwrap_or_default();
-        let context = RequestContext::for_request(path, &self.head.headers);
         let method = header(headers, ":method")
             .and_then(|m| http::Method::from_bytes(m.as_bytes()).ok())
             .unwrap_or(http::Method::POST);
-        self.span = Some(context.span(&method, path));
-        self.context = Some(context);
-        self.access = Some(AccessLine {
-            method,
-            path: path.to_string(),
-            started: Instant::now(),
-            tenant: String::new(),
-            model: String::new(),
-            backend: String::new(),
-        });
+        let endpoint = Endpoint::of_path(&path);
+        // As over HTTP: the client's id when it is safe, else a new one; its trace continued.
+        let context = RequestContext::for_request(&path, &self.headers);
+        let span = context.span(&method, &path);
+        self.span = Some(span.clone());
+        self.context = Some(context.clone());
+        let Some(endpoint) = endpoint.or_else(|| {
+            // A body of a path no endpoint names is read by its shape (chat or completion).
+            (!h.end_of_stream).then_some(Endpoint::ChatCompletions)
+        }) else {
+            // No body, no endpoint (a health check): nothing to route on; Envoy's route decides.
+            tracing::debug!(%path, "ext_proc request for no endpoint; not routed");
+            return reply::request_headers_continue(&self.id_header());
+        };
+        self.unknown_path = Endpoint::of_path(&path).is_none();
+        let gw = &self.handler.gw;
+        // Envoy is every client's peer: only the admin key makes an admin here.
+        let admin = gw.access.serving_port_admin(&self.headers, None);
+        let mut ex = Exchange::new(endpoint, Door::ExtProc, &self.headers, admin, &gw.metrics);
+        if let Some(s) = ex.settlement() {
+            s.request(context.id.clone(), endpoint.path(), span.clone());
+        }
+        let declared = self
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        let admitted = context
+            .scope(
+                async {
+                    admit::authenticate(gw, &mut ex, &self.headers)?;
+                    admit::admit(gw, &mut ex, declared).await
+                }
+                .instrument(span.clone()),
+            )
+            .await;
+        self.ex = Some(ex);
+        if let Err(error) = admitted {
+            return self.refuse(error).await;
+        }
+        if h.end_of_stream {
+            // No body (`GET /v1/models`): the stages run now.
+            return self.decide(Bytes::new()).await;
+        }
+        // The body may be rewritten for the worker: its length is Envoy's to set again.
+        reply::request_headers_continue_without_length(&self.id_header())
     }
 
-    async fn on_request_body(&mut self, handler: &Handler, b: HttpBody) -> ProcessingResponse {
-        if self.done {
+    async fn on_request_body(&mut self, b: HttpBody) -> ProcessingResponse {
+        if self.done || self.ex.is_none() {
             return reply::request_body_continue();
         }
-        let protocol = self.head.api.map_or(Protocol::OpenAi, Api::protocol);
-        let context = self.context();
-        let id = context.id.clone();
-        if self.body.len() + b.body.len() > handler.settings.body_limit_bytes {
-            let limit = handler.settings.body_limit_bytes;
-            let refusal = Refusal::Gateway(GatewayError::BodyTooLarge { limit });
-            return self.refuse(&refusal, protocol, &id);
+        let limit = self
+            .handler
+            .settings
+            .body_limit_bytes
+            .min(self.handler.gw.settings.body_limit_bytes);
+        if self.body.len() + b.body.len() > limit {
+            return self.refuse(GatewayError::BodyTooLarge { limit }).await;
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
-            return reply::request_body_continue();
+            // The whole body goes with the last chunk's answer, as the worker is to get it.
+            self.streamed_body = true;
+            return reply::request_body_taken();
         }
         let body = std::mem::take(&mut self.body).freeze();
-        // A body whose API only its shape tells answers errors in OpenAI's protocol, as before;
-        // the pass-through endpoints are OpenAI's.
-        let protocol = if self.head.passthrough.is_some() {
-            Protocol::OpenAi
-        } else {
-            super::body::detect(self.head.api, &body).map_or(protocol, Api::protocol)
+        self.decide(body).await
+    }
+
+    /// The stages from the body on, in the request's span and context; the answer to the last
+    /// request message: a local reply, or the route with the worker's body.
+    async fn decide(&mut self, body: Bytes) -> ProcessingResponse {
+        let Some(mut ex) = self.ex.take() else {
+            return reply::request_body_continue();
         };
+        if self.unknown_path {
+            match body::detect(None, &body) {
+                Ok(api) => {
+                    ex.endpoint = api;
+                    ex.protocol = api.protocol();
+                }
+                Err(error) => {
+                    self.ex = Some(ex);
+                    return self.refuse(error).await;
+                }
+            }
+        }
         let span = self.span.clone().unwrap_or_else(tracing::Span::none);
-        // In the request's span and context: the stages' spans are its children, and the worker's
-        // `traceparent` names it (or is the client's own when traces are not exported).
+        let context = self
+            .context
+            .clone()
+            .unwrap_or_else(|| RequestContext::from_headers(&http::HeaderMap::new()));
+        let handler = self.handler.clone();
+        let client_body = body.clone();
         let (decided, telemetry) = context
             .scope(
                 async {
-                    let decided = handler.decide(&self.head, body).await;
+                    let decided = stages(&handler, &mut ex, body).await;
                     (decided, telemetry::current_headers())
                 }
                 .instrument(span.clone()),
@@ -232,106 +302,335 @@ impl Session {
             .await;
         let _in_span = span.enter();
         match decided {
-            Ok(routed) => {
-                let answer = reply::routed(&routed.endpoint, &routed.decision.worker, &telemetry);
-                tracing::debug!(worker = %routed.decision.worker,
-                    endpoint = %routed.endpoint, reason = routed.decision.reason, "ext_proc routed");
-                if let Some(line) = &mut self.access {
-                    line.model = routed.model;
-                    line.backend = routed.decision.worker;
-                    line.tenant = routed
-                        .admission
-                        .as_ref()
-                        .map_or_else(String::new, |a| a.tenant().to_string());
-                }
-                self.ticket = Some(routed.decision.ticket);
-                self.admission = routed.admission;
-                if let Some(admission) = &mut self.admission {
-                    admission.request_id(id.as_str());
-                }
-                self.slot = routed.slot;
+            Ok(Decided::Local(json)) => {
+                self.done = true;
+                self.span = None;
+                let id = self.context.as_ref().map(|c| c.id.as_str().to_string());
+                let headers: Vec<(&str, &str)> = id
+                    .as_deref()
+                    .map(|id| (REQUEST_ID_HEADER, id))
+                    .into_iter()
+                    .collect();
+                reply::immediate(200, &json, "kinference_local_answer", &headers)
+            }
+            Ok(Decided::Worker {
+                decision,
+                call,
+                asked,
+                wants_usage,
+            }) => {
+                let endpoint = ex.endpoint;
+                let Some(endpoint_addr) = super::endpoint_of(&decision.worker) else {
+                    self.ex = Some(ex);
+                    return self
+                        .refuse(GatewayError::BadUpstream {
+                            worker: decision.worker.clone(),
+                            detail: "worker URL has no host".into(),
+                        })
+                        .await;
+                };
+                tracing::debug!(worker = %decision.worker, endpoint = %endpoint_addr,
+                    reason = decision.reason, "ext_proc routed");
+                let worker = decision.worker.clone();
+                let mut headers = self.handler.gw.upstream.headers_for(&worker);
+                headers.extend(telemetry);
+                let mut settlement = ex
+                    .settlement
+                    .take()
+                    .unwrap_or_else(|| Settlement::new(&self.handler.gw.metrics, ex.protocol));
+                settlement.worker(
+                    &decision.worker,
+                    decision.reason,
+                    decision.prompt_tokens,
+                    decision.ticket,
+                );
+                settlement.relaying();
+                settlement.answer_unseen(true);
+                // Chunks taken off the request leave the last to carry the whole body.
+                let new_body =
+                    (self.streamed_body || call.body != client_body).then_some(&call.body);
+                let answer = reply::routed(&endpoint_addr, &worker, &headers, new_body);
+                self.routed = Some(Routed {
+                    spec: spec_of(&self.handler, endpoint, &call, &asked, wants_usage, &ex),
+                    route: endpoint.passthrough(),
+                    settlement,
+                    worker,
+                });
                 answer
             }
-            Err(refusal) => {
-                tracing::debug!(error = %refusal, "ext_proc refused");
-                self.refuse(&refusal, protocol, &id)
+            Err(error) => {
+                drop(_in_span);
+                self.ex = Some(ex);
+                self.refuse(error).await
             }
         }
     }
 
-    /// Answers the request locally with `refusal` (Envoy sends nothing more of it) and writes its
-    /// access line.
-    fn refuse(
-        &mut self,
-        refusal: &Refusal,
-        protocol: Protocol,
-        id: &RequestId,
-    ) -> ProcessingResponse {
+    /// Answers the request locally with `error` in the client's protocol (Envoy sends nothing more
+    /// of it): the same answer, headers and settlement as the HTTP door's.
+    async fn refuse(&mut self, error: GatewayError) -> ProcessingResponse {
         self.done = true;
-        if let Some(line) = self.access.take() {
-            let span = self.span.clone().unwrap_or_else(tracing::Span::none);
-            span.in_scope(|| line.write(refusal.status(), None, id.as_str()));
+        let Some(mut ex) = self.ex.take() else {
+            let status = error.status().as_u16();
+            return reply::immediate(status, &error.body(error_protocol(None)), error.kind(), &[]);
+        };
+        let kind = error.kind();
+        let span = self.span.clone().unwrap_or_else(tracing::Span::none);
+        let response = span.in_scope(|| ex.refuse(error));
+        let (parts, body) = response.into_parts();
+        let body = body
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let mut headers: Vec<(String, String)> = parts
+            .headers
+            .iter()
+            .filter(|(name, _)| *name != http::header::CONTENT_TYPE)
+            .filter_map(|(name, v)| Some((name.to_string(), v.to_str().ok()?.to_string())))
+            .collect();
+        if let Some(context) = &self.context {
+            headers.push((
+                REQUEST_ID_HEADER.to_string(),
+                context.id.as_str().to_string(),
+            ));
         }
-        refusal.reply(protocol, id)
+        let pairs: Vec<(&str, &str)> = headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        self.span = None;
+        reply::immediate(
+            parts.status.as_u16(),
+            &json,
+            &format!("kinference_{kind}"),
+            &pairs,
+        )
     }
 
     fn on_response_headers(&mut self, headers: Option<&HeaderMap>) {
-        self.response_status = header(headers, ":status")
-            .and_then(|s| s.parse::<u16>().ok())
-            .unwrap_or(0);
-        self.response_ok = (200..300).contains(&self.response_status);
-        self.response_sse =
-            header(headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
-    }
-
-    fn on_response_body(&mut self, b: HttpBody) {
-        if let Some(ticket) = self.ticket.as_mut()
-            && self.response_sse
-            && !b.body.is_empty()
-        {
-            // The first event of a stream is the first token (a whole JSON answer is not).
-            ticket.first_token();
-        }
-        self.response_tail.extend_from_slice(&b.body);
-        if self.response_tail.len() > USAGE_TAIL_BYTES {
-            let cut = self.response_tail.len() - USAGE_TAIL_BYTES;
-            let _ = self.response_tail.split_to(cut);
-        }
-        if b.end_of_stream {
-            let usage = usage_at_end(self.head.passthrough, &self.response_tail);
-            self.finish(usage);
-        }
-    }
-
-    /// The response ended: release the ledger entry and settle the tenant with what the worker
-    /// reported.
-    fn finish(&mut self, usage: Option<Usage>) {
-        self.slot = None;
-        let status = if self.response_status == 0 {
-            200
-        } else {
-            self.response_status
+        let Some(routed) = self.routed.take() else {
+            return;
         };
-        if let Some(admission) = self.admission.take() {
-            admission.settle(status, usage.as_ref());
+        let status = header(headers, ":status")
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or(200);
+        let sse =
+            header(headers, "content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+        let Routed {
+            mut settlement,
+            spec,
+            route,
+            worker,
+        } = routed;
+        settlement.answer_unseen(false);
+        let gw = &self.handler.gw;
+        gw.health.observe(&worker, status < 500);
+        if !(200..300).contains(&status) {
+            // The worker refused or failed: its error reaches the client as it is.
+            settlement.finish(status, None);
+            self.span = None;
+            return;
         }
-        if self.ticket.is_some()
-            && let (Some(line), Some(span)) = (self.access.take(), &self.span)
-        {
-            let id = self.context.as_ref().map_or("", |c| c.id.as_str());
-            span.in_scope(|| line.write(status, usage.as_ref(), id));
+        let span = self.span.clone().unwrap_or_else(tracing::Span::none);
+        self.answer = Some(match (sse, route) {
+            (true, Some(route)) => {
+                Answer::Passing(Box::new(Passing::new(route, settlement)), worker)
+            }
+            (true, None) => Answer::Relay(Box::new(relay::Feed::new(spec, settlement, span))),
+            (false, route) => Answer::Whole {
+                settlement: Box::new(settlement),
+                spec,
+                route,
+                body: BytesMut::new(),
+                cut: false,
+            },
+        });
+    }
+
+    fn on_response_body(&mut self, b: HttpBody) -> ProcessingResponse {
+        let Some(answer) = self.answer.as_mut() else {
+            return reply::response_body_continue();
+        };
+        let out = match answer {
+            Answer::Relay(feed) => {
+                feed.feed(&b.body);
+                if b.end_of_stream {
+                    feed.end();
+                }
+                Some(feed.output())
+            }
+            Answer::Passing(passing, worker) => {
+                let mut out = BytesMut::from(&passing.feed(&b.body)[..]);
+                if b.end_of_stream {
+                    out.extend_from_slice(&passing.end(worker));
+                }
+                Some(out.freeze())
+            }
+            Answer::Whole { body, cut, .. } => {
+                body.extend_from_slice(&b.body);
+                if body.len() > WHOLE_ANSWER_BYTES {
+                    let drop = body.len() - USAGE_TAIL_BYTES;
+                    let _ = body.split_to(drop);
+                    *cut = true;
+                }
+                None
+            }
+        };
+        if b.end_of_stream {
+            self.end_answer();
         }
-        if let Some(ticket) = self.ticket.take() {
-            let usage = usage.unwrap_or_default();
-            ticket.finish(
-                self.response_ok,
-                usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
-                usage.cached_tokens().and_then(|c| usize::try_from(c).ok()),
-            );
+        match out {
+            Some(out) if out != b.body => reply::response_body_replaced(out),
+            _ => reply::response_body_continue(),
         }
-        // The request span ends once the request is settled, as over HTTP.
+    }
+
+    /// The answer ended (its last body chunk, trailers, or headers without a body): settled with
+    /// what it said; the request's span ends with it.
+    fn end_answer(&mut self) {
+        self.settle_answer();
         self.span = None;
     }
+
+    fn settle_answer(&mut self) {
+        if let Some(routed) = self.routed.take() {
+            // Response headers that ended the response: an answer without a body.
+            let mut settlement = routed.settlement;
+            settlement.answer_unseen(false);
+            settlement.finish(200, None);
+            return;
+        }
+        match self.answer.take() {
+            Some(Answer::Relay(mut feed)) => feed.end(),
+            Some(Answer::Passing(mut passing, worker)) => {
+                let _ = passing.end(&worker);
+            }
+            Some(Answer::Whole {
+                mut settlement,
+                spec,
+                route,
+                body,
+                cut,
+            }) => {
+                let usage = whole_usage(&body.freeze(), cut, &spec, route);
+                settlement.finish(200, usage.as_ref());
+            }
+            None => {}
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Routed, and Envoy closed the stream without showing the answer (no response phase
+        // configured): a success billed its reservation, marked estimated. An answer seen in part
+        // and never ended is dropped with its settlement: abandoned (499).
+        if let Some(mut routed) = self.routed.take() {
+            routed.settlement.finish(200, None);
+        }
+    }
+}
+
+/// Stages "read" (its cost), "parse" to "policy", and the pick: what the HTTP door runs before it
+/// forwards, with the worker's body as Envoy is to send it.
+async fn stages(
+    handler: &Handler,
+    ex: &mut Exchange,
+    body: Bytes,
+) -> Result<Decided, GatewayError> {
+    let gw = &handler.gw;
+    admit::body_read(gw, ex, &body).await?;
+    let prepared = govern::prepare(gw, ex, body).await?;
+    if local::answers(ex.endpoint) {
+        return local::answer(gw, ex, &prepared.request)
+            .await
+            .map(Decided::Local);
+    }
+    let request = &prepared.request;
+    handler.shed(request.model())?;
+    let plan = &prepared.plan;
+    let mut last = None;
+    for target in &plan.targets {
+        // Envoy forwards to workers only.
+        let PlanTarget::Pool { model, workers, .. } = target else {
+            continue;
+        };
+        let renamed = request.renamed_for(model)?;
+        let req = renamed.as_ref().unwrap_or(request);
+        let call = forward::worker_call(gw, ex.endpoint, req, workers.as_deref(), Door::ExtProc)?;
+        match forward::pick(gw, &call, req, ex.debug, &ex.tokens, &[]).await {
+            Ok(decision) => {
+                if let Some(stage) = &gw.policy {
+                    stage.count_sent(target, plan.burst);
+                }
+                if let Some(s) = ex.settlement() {
+                    s.served(req.model());
+                }
+                return Ok(Decided::Worker {
+                    decision: Box::new(decision),
+                    call,
+                    asked: request.model().to_string(),
+                    wants_usage: request.client_wants_usage,
+                });
+            }
+            Err(error) => {
+                let error = GatewayError::from(error);
+                if !forward::passes_to_next_target(&error) {
+                    return Err(error);
+                }
+                last = Some(error);
+            }
+        }
+    }
+    Err(govern::no_backend(plan, last))
+}
+
+/// How the relay reads the answer of `call` for the client of `ex`.
+fn spec_of(
+    handler: &Handler,
+    endpoint: Endpoint,
+    call: &WorkerCall,
+    asked: &str,
+    wants_usage: bool,
+    ex: &Exchange,
+) -> Spec {
+    Spec {
+        style: call.style,
+        label: call.model.clone(),
+        shape: match endpoint {
+            Endpoint::Messages => ClientShape::Anthropic {
+                model: asked.to_string(),
+                input_tokens: 0,
+            },
+            _ => ClientShape::OpenAi {
+                pass_usage_chunk: wants_usage,
+            },
+        },
+        protocol: ex.protocol,
+        idle_timeout: handler.gw.upstream.idle_timeout(),
+        // Envoy relays the worker's answer: an Anthropic answer goes to the client as it is.
+        pass_through: call.style == ApiStyle::Anthropic,
+    }
+}
+
+/// The usage of a whole answer (or of its tail, when it was cut).
+fn whole_usage(body: &Bytes, cut: bool, spec: &Spec, route: Option<Route>) -> Option<Usage> {
+    let whole = match route {
+        _ if cut => None,
+        Some(route) => usage_of(route, body),
+        None => relay::shape_whole(body.clone(), spec)
+            .ok()
+            .and_then(|(_, u)| u),
+    };
+    // Cut, or not what its content type said (an event stream labelled JSON): its last usage.
+    whole.or_else(|| usage_at_end(route, body))
+}
+
+/// The protocol of a refusal before the request's endpoint is known.
+fn error_protocol(endpoint: Option<Endpoint>) -> crate::errors::Protocol {
+    endpoint.map_or(crate::errors::Protocol::OpenAi, Endpoint::protocol)
 }
 
 fn is_immediate(r: &processing_response::Response) -> bool {

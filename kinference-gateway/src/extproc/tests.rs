@@ -1,60 +1,27 @@
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::google::protobuf::value::Kind;
-use serde_json::json;
 
-use super::body::{Api, OwnedPrompt, parse, passthrough_of};
+use super::body::detect;
 use super::session::usage_in;
 use super::*;
+use crate::api::openai::passthrough::Route;
+use crate::pipeline::Endpoint;
 
 #[test]
-fn paths_name_the_api() {
-    assert_eq!(Api::from_path("/v1/chat/completions"), Some(Api::Chat));
-    assert_eq!(
-        Api::from_path("/v1/completions?x=1"),
-        Some(Api::Completions)
-    );
-    assert_eq!(Api::from_path("/v1/messages/"), Some(Api::Messages));
-    assert_eq!(Api::from_path("/v1/models"), None);
-    assert_eq!(passthrough_of("/v1/embeddings"), Some(Route::Embeddings));
-    assert_eq!(passthrough_of("/v1/responses?x=1"), Some(Route::Responses));
-    assert_eq!(passthrough_of("/tokenize"), Some(Route::Tokenize));
-    assert_eq!(passthrough_of("/detokenize/"), Some(Route::Detokenize));
-    assert_eq!(passthrough_of("/v1/chat/completions"), None);
-}
-
-#[test]
-fn bodies_parse_like_the_http_gateway() {
+fn a_body_of_an_unknown_path_is_read_by_its_shape() {
     let chat = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
-    let p = parse(Some(Api::Chat), chat).expect("chat");
-    assert_eq!(p.model, "m");
-    assert_eq!(
-        p.prompt,
-        OwnedPrompt::Chat(json!([{"role":"user","content":"hi"}]))
-    );
-    // An unknown path: the shape decides.
-    assert_eq!(parse(None, chat).expect("chat by shape").api, Api::Chat);
+    assert_eq!(detect(None, chat).expect("chat"), Endpoint::ChatCompletions);
     let completion = br#"{"model":"m","prompt":["abc","def"]}"#;
-    let p = parse(None, completion).expect("completion");
-    assert_eq!(p.prompt, OwnedPrompt::Text("abc".into()));
-    // Anthropic: translated to OpenAI messages (the system prompt becomes the first message).
-    let anthropic = br#"{"model":"m","max_tokens":8,"system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
-    let p = parse(Some(Api::Messages), anthropic).expect("anthropic");
-    let OwnedPrompt::Chat(messages) = p.prompt else {
-        panic!("chat prompt expected")
-    };
-    assert_eq!(messages[0]["role"], "system");
-    assert_eq!(messages.as_array().map(Vec::len), Some(2));
-}
-
-#[test]
-fn malformed_bodies_are_400() {
-    for (api, body) in [
-        (Some(Api::Chat), &b"{not json"[..]),
-        (Some(Api::Chat), br#"{"model":"m","messages":[]}"#),
-        (Some(Api::Completions), br#"{"model":"","prompt":"x"}"#),
-        (None, br#"{"model":"m"}"#),
-    ] {
-        let e = parse(api, body).expect_err("must be refused");
+    assert_eq!(
+        detect(None, completion).expect("completion"),
+        Endpoint::Completions
+    );
+    assert_eq!(
+        detect(Some(Endpoint::Messages), b"{}").expect("the path decides"),
+        Endpoint::Messages
+    );
+    for bad in [&b"{not json"[..], br#"{"model":"m"}"#] {
+        let e = detect(None, bad).expect_err("must be refused");
         assert_eq!(e.status().as_u16(), 400, "{e}");
     }
 }
@@ -77,30 +44,56 @@ fn endpoints_are_host_and_port() {
 }
 
 #[test]
-fn routed_reply_sets_header_and_lb_metadata() {
-    let mut telemetry = http::HeaderMap::new();
-    telemetry.insert("x-request-id", http::HeaderValue::from_static("req-7"));
-    let r = reply::routed("10.0.0.7:8000", "http://10.0.0.7:8000", &telemetry);
-    let Some(Response::RequestBody(body)) = r.response else {
+fn routed_reply_sets_header_and_lb_metadata_and_takes_the_clients_credentials_off() {
+    let mut headers = http::HeaderMap::new();
+    headers.insert("x-request-id", http::HeaderValue::from_static("req-7"));
+    headers.insert(
+        "authorization",
+        http::HeaderValue::from_static("Bearer pool-key"),
+    );
+    let body = bytes::Bytes::from_static(b"{\"model\":\"served\"}");
+    let r = reply::routed(
+        "10.0.0.7:8000",
+        "http://10.0.0.7:8000",
+        &headers,
+        Some(&body),
+    );
+    let Some(Response::RequestBody(reply_body)) = r.response else {
         panic!("request body response expected")
     };
-    let common = body.response.expect("common response");
+    let common = reply_body.response.expect("common response");
     assert!(common.clear_route_cache);
     let mutation = common.header_mutation.expect("mutation");
-    assert_eq!(mutation.remove_headers, ["x-kinference-admin-key"]);
+    // The pool's key replaces the client's; the rest of what only the client may send is removed.
+    assert_eq!(
+        mutation.remove_headers,
+        [
+            "x-api-key",
+            "x-kinference-admin-key",
+            "x-gateway-destination-endpoint"
+        ]
+    );
     let set = mutation.set_headers;
-    let dest = set
-        .iter()
-        .filter_map(|h| h.header.as_ref())
-        .find(|h| h.key == reply::DESTINATION_HEADER)
-        .expect("destination header");
-    assert_eq!(dest.raw_value, b"10.0.0.7:8000");
-    let id = set
-        .iter()
-        .filter_map(|h| h.header.as_ref())
-        .find(|h| h.key == "x-request-id")
-        .expect("the request id for the worker");
-    assert_eq!(id.raw_value, b"req-7");
+    let get = |key: &str| {
+        set.iter()
+            .filter_map(|h| h.header.as_ref())
+            .find(|h| h.key == key)
+            .map(|h| h.raw_value.clone())
+    };
+    assert_eq!(
+        get(reply::DESTINATION_HEADER).as_deref(),
+        Some(&b"10.0.0.7:8000"[..])
+    );
+    assert_eq!(get("x-request-id").as_deref(), Some(&b"req-7"[..]));
+    assert_eq!(
+        get("authorization").as_deref(),
+        Some(&b"Bearer pool-key"[..])
+    );
+    assert_eq!(get("content-length").as_deref(), Some(&b"18"[..]));
+    assert!(matches!(
+        common.body_mutation.and_then(|m| m.mutation),
+        Some(envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::Body(b)) if b == body
+    ));
     let md = r.dynamic_metadata.expect("metadata");
     let Some(Kind::StructValue(lb)) = md.fields["envoy.lb"].kind.clone() else {
         panic!("envoy.lb struct expected")
@@ -109,41 +102,6 @@ fn routed_reply_sets_header_and_lb_metadata() {
         lb.fields[reply::DESTINATION_HEADER].kind,
         Some(Kind::StringValue("10.0.0.7:8000".into()))
     );
-}
-
-#[test]
-fn refusals_map_to_status_and_protocol_body() {
-    let shed = Refusal::Shed {
-        model: "m".into(),
-        limit: 2,
-    };
-    assert_eq!(shed.status(), 429);
-    assert_eq!(
-        shed.body(Protocol::OpenAi)["error"]["type"],
-        "rate_limit_error"
-    );
-    assert_eq!(
-        shed.body(Protocol::Anthropic)["error"]["type"],
-        "overloaded_error"
-    );
-    let none = Refusal::Gateway(GatewayError::NoHealthyWorker("m".into()));
-    assert_eq!(none.status(), 503);
-    let id = crate::telemetry::RequestId::generate();
-    let Some(Response::ImmediateResponse(ir)) = none.reply(Protocol::OpenAi, &id).response else {
-        panic!("immediate response expected")
-    };
-    assert_eq!(ir.status.map(|s| s.code), Some(503));
-    let echoed = ir
-        .headers
-        .expect("headers")
-        .set_headers
-        .into_iter()
-        .filter_map(|h| h.header)
-        .find(|h| h.key == "x-request-id")
-        .expect("x-request-id");
-    assert_eq!(echoed.raw_value, id.as_str().as_bytes());
-    let body: serde_json::Value = serde_json::from_slice(&ir.body).expect("json body");
-    assert_eq!(body["error"]["code"], "no_healthy_worker");
 }
 
 #[test]
@@ -167,10 +125,53 @@ fn pass_through_usage_is_read_the_way_the_http_gateway_reads_it() {
     assert_eq!((u.prompt_tokens, u.completion_tokens), (12, 3));
 }
 
+/// One request's messages through a session: its headers, then (unless the headers were
+/// answered) its body in one chunk; the last answer.
+async fn through(session: &mut session::Session, path: &str, body: &[u8]) -> ProcessingResponse {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders};
+    let headers = HeaderMap {
+        headers: [(":path", path), (":method", "POST")]
+            .iter()
+            .map(|(k, v)| HeaderValue {
+                key: k.to_string(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect(),
+    };
+    let first = session
+        .on_message(ProcessingRequest {
+            request: Some(PReq::RequestHeaders(HttpHeaders {
+                headers: Some(headers),
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("an answer to the headers");
+    if matches!(first.response, Some(Response::ImmediateResponse(_))) {
+        return first;
+    }
+    session
+        .on_message(ProcessingRequest {
+            request: Some(PReq::RequestBody(HttpBody {
+                body: body.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect("an answer to the body")
+}
+
 #[tokio::test]
 async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
-    use crate::overload::{Overload, OverloadSettings};
-    use crate::routing::{RoutingConfig, RoutingMode, WorkerConfig};
+    use crate::gateway::{Gateway, Parts};
+    use crate::overload::OverloadSettings;
+    use crate::routing::{Router, RoutingConfig, RoutingMode, WorkerConfig};
     use kinference_crds::TenantPriority;
 
     let settings = OverloadSettings {
@@ -179,10 +180,6 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
         overload_queue_timeout_ms: 50,
         ..OverloadSettings::default()
     };
-    let overload = Overload::new(
-        settings,
-        &mut prometheus_client::registry::Registry::default(),
-    );
     let router = Router::new(RoutingConfig {
         workers: vec![WorkerConfig {
             url: "http://127.0.0.1:9".into(),
@@ -193,33 +190,28 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
         mode: RoutingMode::LeastOutstanding,
     })
     .expect("router");
-    let handler =
-        Handler::new(Arc::new(router), Settings::default()).with_overload(overload.admitter());
-    let head = Head {
-        api: Some(Api::Messages),
-        ..Head::default()
-    };
-    let body = bytes::Bytes::from_static(
-        br#"{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#,
-    );
+    let gw = Gateway::assemble(
+        Arc::new(router),
+        Parts {
+            overload: Some(settings),
+            ..Parts::default()
+        },
+    )
+    .expect("gateway");
+    let handler = Handler::new(Arc::clone(&gw), Settings::default());
+    let body = br#"{"model":"m","max_tokens":2,"messages":[{"role":"user","content":"hi"}]}"#;
 
     // An HTTP request holds the only slot: the ext_proc request waits its queue time, then is shed
-    // with the overload error of its protocol and Retry-After.
-    let http = overload.admit(TenantPriority::High).await.expect("slot");
-    let refusal = handler
-        .decide(&head, body.clone())
-        .await
-        .expect_err("past the in-flight limit");
-    assert_eq!(refusal.status(), 503, "{refusal}");
-    assert_eq!(
-        refusal.body(Protocol::Anthropic)["error"]["type"],
-        "overloaded_error"
-    );
-    let id = crate::telemetry::RequestId::generate();
-    let Some(Response::ImmediateResponse(ir)) = refusal.reply(Protocol::Anthropic, &id).response
-    else {
-        panic!("immediate response expected")
+    // at its headers with the overload error of its protocol and Retry-After.
+    let http = gw.overload.admit(TenantPriority::High).await.expect("slot");
+    let mut refused = session::Session::new(&handler);
+    let answer = through(&mut refused, "/v1/messages", body).await;
+    let Some(Response::ImmediateResponse(ir)) = answer.response else {
+        panic!("immediate response expected: {answer:?}")
     };
+    assert_eq!(ir.status.map(|s| s.code), Some(503));
+    let json: serde_json::Value = serde_json::from_slice(&ir.body).expect("json body");
+    assert_eq!(json["error"]["type"], "overloaded_error", "{json}");
     let headers = ir.headers.expect("headers").set_headers;
     let retry_after = headers
         .iter()
@@ -227,14 +219,26 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
         .find(|h| h.key == "retry-after")
         .expect("Retry-After");
     assert_eq!(retry_after.raw_value, b"1");
+    assert!(
+        headers
+            .iter()
+            .filter_map(|h| h.header.as_ref())
+            .any(|h| h.key == "x-request-id"),
+        "the request id is echoed"
+    );
 
     // The slot given back: the ext_proc request is routed and holds the slot itself, so now an
     // HTTP request is the one shed, until the routed request ends.
     drop(http);
-    let routed = handler.decide(&head, body).await.expect("routed");
-    assert_eq!(overload.in_flight(), 1);
-    assert!(overload.admit(TenantPriority::Medium).await.is_err());
+    let mut routed = session::Session::new(&handler);
+    let answer = through(&mut routed, "/v1/messages", body).await;
+    assert!(
+        matches!(answer.response, Some(Response::RequestBody(_))),
+        "routed: {answer:?}"
+    );
+    assert_eq!(gw.overload.in_flight(), 1);
+    assert!(gw.overload.admit(TenantPriority::Medium).await.is_err());
     drop(routed);
-    assert_eq!(overload.in_flight(), 0);
-    assert!(overload.admit(TenantPriority::Medium).await.is_ok());
+    assert_eq!(gw.overload.in_flight(), 0);
+    assert!(gw.overload.admit(TenantPriority::Medium).await.is_ok());
 }

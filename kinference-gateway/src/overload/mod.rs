@@ -7,12 +7,16 @@
 //!   in a bounded queue, then is shed with 503 in the client's protocol and `Retry-After`, before
 //!   its body is read; both front doors, HTTP and ext_proc, admit through the same gate
 //!   ([`Admitter`]), so a request through Envoy holds a slot like any other;
+//! - request bodies held at once ([`budget::BodyBudget`]): in all and per tenant, reserved before a
+//!   body is read and again for what its JSON costs once parsed; past it a request waits briefly,
+//!   then is shed (503, `Retry-After`);
 //! - a client that stops reading its answer ([`io::StallGuard`]): its connection is cut after the
 //!   write deadline, which drops the upstream request (the worker frees its slot).
 //!
 //! The request-body read deadline and the bounded upstream pool per worker are knobs of
 //! [`crate::backend::worker::HttpSettings`], beside the other timeouts of the HTTP path.
 
+pub mod budget;
 pub mod gate;
 pub mod io;
 
@@ -28,6 +32,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use budget::{BodyBudget, BodyReservation, BudgetSettings};
 use gate::{Gate, GateSettings, Shed, Slot};
 
 /// Limits on open connections and requests in flight (flags of `kinference-gateway`).
@@ -64,6 +69,16 @@ pub struct OverloadSettings {
         default_value_t = 250
     )]
     pub overload_queue_timeout_ms: u64,
+
+    /// Bytes all request bodies may hold at once, their parsed JSON included (see
+    /// `overload::budget`); past it a request waits up to the queue timeout, then is shed (503).
+    #[arg(long, env = "KINFERENCE_BODY_BUDGET_BYTES", default_value_t = 512 << 20)]
+    pub body_budget_bytes: usize,
+
+    /// Bytes one tenant's request bodies may hold at once (the open gateway's callers share one
+    /// tenant's share); past it that tenant's requests wait, then are shed, while others go on.
+    #[arg(long, env = "KINFERENCE_TENANT_BODY_BUDGET_BYTES", default_value_t = 128 << 20)]
+    pub tenant_body_budget_bytes: usize,
 
     /// `Retry-After` of a shed request, in seconds.
     #[arg(
@@ -127,6 +142,8 @@ struct PortLabels {
 #[derive(Debug)]
 pub struct Overload {
     admitter: Admitter,
+    /// Request bodies' memory.
+    bodies: BodyBudget,
     /// The API port's connections.
     pub api: ConnectionLimit,
     /// The admin port's connections.
@@ -171,7 +188,21 @@ impl Overload {
             "Requests and connections refused with 503 because the gateway is at its limits, by reason and tenant priority",
             Described(shed.clone()),
         );
+        let bodies_held = Gauge::default();
+        r.register(
+            "body_bytes_held",
+            "Bytes reserved by request bodies in flight, their parsed JSON included (the budget is --body-budget-bytes)",
+            Described(bodies_held.clone()),
+        );
         let gate = settings.gate().map(|g| Gate::new(g, in_flight, queued));
+        let bodies = BodyBudget::new(
+            BudgetSettings {
+                total: settings.body_budget_bytes,
+                per_tenant: settings.tenant_body_budget_bytes,
+                wait: Duration::from_millis(settings.overload_queue_timeout_ms),
+            },
+            bodies_held,
+        );
         // One statement each: the family's read guard must be gone before the next label is made.
         let api_open = connections
             .get_or_create(&PortLabels { port: "api" })
@@ -180,6 +211,7 @@ impl Overload {
             .get_or_create(&PortLabels { port: "admin" })
             .clone();
         Overload {
+            bodies,
             api: ConnectionLimit::new(settings.max_connections, api_open),
             admin: ConnectionLimit::new(settings.admin_max_connections, admin_open),
             admitter: Admitter {
@@ -193,6 +225,34 @@ impl Overload {
     /// An in-flight slot for a request of `priority` (`None`: no in-flight limit), or the refusal.
     pub async fn admit(&self, priority: TenantPriority) -> Result<Option<Slot>, Refused> {
         self.admitter.admit(priority).await
+    }
+
+    /// Adds `bytes` of `tenant`'s request body to `held`, or the refusal (503 with `Retry-After`,
+    /// counted as shed for `body_budget`) when there is no room within the queue timeout.
+    pub async fn reserve_body(
+        &self,
+        held: &mut BodyReservation,
+        tenant: &str,
+        bytes: usize,
+        priority: TenantPriority,
+    ) -> Result<(), Refused> {
+        self.bodies
+            .reserve(held, tenant, bytes)
+            .await
+            .map_err(|no_room| {
+                tracing::debug!(
+                    tenant,
+                    bytes,
+                    scope = no_room.scope,
+                    "request body shed: no room in the body budget"
+                );
+                self.admitter.refuse_reason("body_budget", priority)
+            })
+    }
+
+    /// The body budget's settings.
+    pub fn body_budget(&self) -> BudgetSettings {
+        self.bodies.settings()
     }
 
     /// The in-flight gate, for another front door (ext_proc) to admit through.
@@ -239,19 +299,19 @@ impl Admitter {
     }
 
     fn refuse(&self, shed: Shed, priority: TenantPriority) -> Refused {
+        self.refuse_reason(shed.as_str(), priority)
+    }
+
+    fn refuse_reason(&self, reason: &'static str, priority: TenantPriority) -> Refused {
         self.shed
             .get_or_create(&ShedLabels {
-                reason: shed.as_str(),
+                reason,
                 priority: priority.as_str(),
             })
             .inc();
-        tracing::debug!(
-            reason = shed.as_str(),
-            priority = priority.as_str(),
-            "request shed"
-        );
+        tracing::debug!(reason, priority = priority.as_str(), "request shed");
         Refused {
-            reason: shed.as_str(),
+            reason,
             retry_after_s: self.retry_after_s,
         }
     }

@@ -1,17 +1,19 @@
 //! The request as it flows through the stages: the [`Exchange`] (made once per request from its
-//! headers: endpoint, protocol, caller, the prompt's tokens, the explanation so far, its
-//! [`Settlement`]) and the parsed
-//! [`Request`] (read, parsed, validated and, for Anthropic clients, translated once), shared by both
-//! front doors.
+//! headers, by either front door: endpoint, protocol, caller, the prompt's tokens, its
+//! [`Settlement`]) and the parsed [`Request`] of any endpoint (read, parsed, validated and, for
+//! Anthropic clients, translated once).
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request as HttpRequest, Response, header};
+use http::{HeaderMap, HeaderValue, Response, header};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use serde_json::Value;
 
-use super::Endpoint;
+use super::routes::Endpoint;
 use super::settle::Settlement;
 use crate::api::anthropic::MessagesRequest;
+use crate::api::members::with_members;
+use crate::api::openai::passthrough::{PassthroughRequest, Route};
 use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest};
 use crate::backend::provider::ProviderRequest;
 use crate::body::Body;
@@ -24,6 +26,16 @@ use crate::tenancy::Caller;
 #[cfg(test)]
 mod tests;
 
+/// Which front door a request came through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Door {
+    /// The gateway's own HTTP port: it forwards and relays the answer itself.
+    Http,
+    /// Envoy's external processing: the gateway decides, Envoy forwards; the answer is seen (and
+    /// billed) through the response phases.
+    ExtProc,
+}
+
 /// One request's state through the stages.
 #[derive(Debug)]
 pub struct Exchange {
@@ -31,6 +43,8 @@ pub struct Exchange {
     pub endpoint: Endpoint,
     /// The client's protocol (errors are answered in it).
     pub protocol: Protocol,
+    /// The front door.
+    pub door: Door,
     /// The caller is an admin ([`crate::access`]): it is shown the worker's address.
     pub admin: bool,
     /// `x-kinference-debug: 1` from an admin: explain the decision in `x-kinference-decision`.
@@ -39,7 +53,7 @@ pub struct Exchange {
     pub tags: Option<String>,
     /// Who is calling (the authenticate stage).
     pub caller: Option<Caller>,
-    /// The prompt's tokens per served model, each tokenized once for the request's stages (admit,
+    /// The prompt's tokens per served model, each tokenized once for the request's stages (limit,
     /// plan, route).
     pub tokens: PromptTokens,
     /// The policy stage's one-line explanation (debug), also sent with refusals.
@@ -49,12 +63,19 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    /// An exchange for a request to `endpoint` with `headers`, from an admin or not.
-    pub fn new(endpoint: Endpoint, headers: &HeaderMap, admin: bool, metrics: &Metrics) -> Self {
+    /// An exchange for a request to `endpoint` through `door` with `headers`, from an admin or not.
+    pub fn new(
+        endpoint: Endpoint,
+        door: Door,
+        headers: &HeaderMap,
+        admin: bool,
+        metrics: &Metrics,
+    ) -> Self {
         let protocol = endpoint.protocol();
         Exchange {
             endpoint,
             protocol,
+            door,
             admin,
             // Anyone else's debug header is ignored: explanations name workers and pools.
             debug: admin
@@ -77,81 +98,182 @@ impl Exchange {
         self.settlement.as_mut()
     }
 
-    /// The error answer in the client's protocol, the request settled with its status.
+    /// The request is refused with `error`: settled with its status (once), and the error's
+    /// answer in the client's protocol, with the decision's explanation when debugging.
     pub fn refuse(&mut self, error: GatewayError) -> Response<Body> {
         tracing::debug!(kind = error.kind(), %error, "request failed");
         if let Some(mut settlement) = self.settlement.take() {
             settlement.finish(error.status().as_u16(), None);
         }
         let mut response = error.into_response(self.protocol);
-        if let Some(v) = self
-            .explain
-            .as_deref()
-            .and_then(|e| HeaderValue::from_str(e).ok())
-        {
+        if let Some(v) = self.explain_header() {
             response.headers_mut().insert("x-kinference-decision", v);
         }
         response
     }
+
+    /// `x-kinference-decision` with the explanation so far, when there is one.
+    pub fn explain_header(&self) -> Option<HeaderValue> {
+        self.explain
+            .as_deref()
+            .and_then(|e| HeaderValue::from_str(e).ok())
+    }
 }
 
-/// A parsed, validated request in the worker's (OpenAI) terms.
+/// A parsed, validated request, its worker body (in the worker's terms) beside the client's own.
 #[derive(Debug)]
 pub struct Request {
-    /// Chat (also translated Anthropic) or completion request.
-    pub openai: OpenAiRequest,
+    /// The endpoint's typed request.
+    pub kind: Kind,
     /// The worker's body (the client's bytes when they could be kept).
     pub body: Bytes,
     /// The client's own body (what the policy stage classifies).
     pub client_body: Bytes,
-    /// The client's body as JSON, when the policy stage will classify it (parsed once, the typed
-    /// request read from it).
-    pub json: Option<serde_json::Value>,
+    /// The client's body as JSON, when the policy stage will classify it.
+    pub json: Option<Value>,
     /// Whether the answer is streamed.
     pub stream: bool,
     /// OpenAI streams: whether the client asked for the usage chunk itself.
     pub client_wants_usage: bool,
 }
 
-/// The typed request.
+/// What each endpoint's request is.
 #[derive(Debug)]
-pub enum OpenAiRequest {
+pub enum Kind {
     /// `/v1/chat/completions` (and translated `/v1/messages`).
     Chat(ChatCompletionRequest),
     /// `/v1/completions`.
     Completion(CompletionRequest),
+    /// A pass-through endpoint's request, and the text its prompt is made of.
+    Passthrough {
+        /// Which endpoint.
+        route: Route,
+        /// The fields the gateway reads.
+        request: PassthroughRequest,
+        /// The input's text ([`PassthroughRequest::text`]).
+        text: String,
+    },
+    /// `/v1/messages/count_tokens`: the request, and its messages in OpenAI chat terms.
+    CountTokens {
+        /// The Anthropic request.
+        request: Box<MessagesRequest>,
+        /// Its messages as OpenAI chat messages (what the router would tokenize).
+        messages: Value,
+    },
+    /// `/v1/models`: nothing to read.
+    Models,
+}
+
+/// The output-limit fields a worker honours on each endpoint, the one the gateway sets first.
+fn limit_fields(endpoint: Endpoint) -> &'static [&'static str] {
+    match endpoint {
+        Endpoint::ChatCompletions | Endpoint::Messages => &["max_tokens", "max_completion_tokens"],
+        Endpoint::Completions => &["max_tokens"],
+        Endpoint::Responses => &["max_output_tokens"],
+        _ => &[],
+    }
 }
 
 impl Request {
-    /// The model asked for.
+    /// The model asked for (empty for the model list).
     pub fn model(&self) -> &str {
-        match &self.openai {
-            OpenAiRequest::Chat(r) => &r.model,
-            OpenAiRequest::Completion(r) => &r.model,
+        match &self.kind {
+            Kind::Chat(r) => &r.model,
+            Kind::Completion(r) => &r.model,
+            Kind::Passthrough { request, .. } => &request.model,
+            Kind::CountTokens { request, .. } => &request.model,
+            Kind::Models => "",
         }
     }
 
     /// The prompt in the router's terms.
     pub fn prompt(&self) -> Prompt<'_> {
-        match &self.openai {
-            OpenAiRequest::Chat(r) => Prompt::Chat(&r.messages),
-            OpenAiRequest::Completion(r) => Prompt::Text(r.prompt_text()),
+        match &self.kind {
+            Kind::Chat(r) => Prompt::Chat(&r.messages),
+            Kind::Completion(r) => Prompt::Text(r.prompt_text()),
+            Kind::Passthrough { text, .. } => Prompt::Text(text),
+            Kind::CountTokens { messages, .. } => Prompt::Chat(messages),
+            Kind::Models => Prompt::Text(""),
         }
     }
 
-    /// The request's other fields (`max_tokens`, ...) and whether it is a completion.
-    pub fn fields(&self) -> (&serde_json::Map<String, serde_json::Value>, bool) {
-        match &self.openai {
-            OpenAiRequest::Chat(r) => (&r.extra, false),
-            OpenAiRequest::Completion(r) => (&r.extra, true),
+    /// The largest output limit the request sets among the fields its worker honours
+    /// (`max_completion_tokens`, `max_tokens`, `max_output_tokens`, Anthropic's `max_tokens`).
+    pub fn output_limit(&self, endpoint: Endpoint) -> Option<u64> {
+        let fields = limit_fields(endpoint);
+        match &self.kind {
+            Kind::Chat(r) => largest(fields, |f| r.extra.get(f)),
+            Kind::Completion(r) => largest(fields, |f| r.extra.get(f)),
+            Kind::Passthrough { request, .. } => request.max_output_tokens,
+            _ => None,
         }
     }
 
-    /// The typed request for providers.
-    pub fn provider_request(&self) -> ProviderRequest<'_> {
-        match &self.openai {
-            OpenAiRequest::Chat(r) => ProviderRequest::Chat(r),
-            OpenAiRequest::Completion(r) => ProviderRequest::Completion(r),
+    /// How many answers the request asks for (`n`): each generates up to the limit.
+    pub fn choices(&self) -> u64 {
+        let n = match &self.kind {
+            Kind::Chat(r) => r.extra.get("n"),
+            Kind::Completion(r) => r.extra.get("n"),
+            _ => None,
+        };
+        n.and_then(Value::as_u64).unwrap_or(1).max(1)
+    }
+
+    /// Makes the worker's body carry exactly `limit` as its output limit: every limit field it sets
+    /// (which may disagree: the worker honours one, the client may mean another) becomes `limit`,
+    /// and when it sets none and `add` holds, the endpoint's first field is added. The body is
+    /// rewritten only when something changes.
+    pub fn limit_output(
+        &mut self,
+        endpoint: Endpoint,
+        limit: u64,
+        add: bool,
+    ) -> Result<(), GatewayError> {
+        let fields = limit_fields(endpoint);
+        let extra = match &mut self.kind {
+            Kind::Chat(r) => Some(&mut r.extra),
+            Kind::Completion(r) => Some(&mut r.extra),
+            Kind::Passthrough { request, .. } => {
+                if fields.is_empty() || (request.max_output_tokens.is_none() && !add) {
+                    return Ok(());
+                }
+                request.max_output_tokens = Some(limit);
+                None
+            }
+            // Anthropic's `max_tokens` is required: the translated chat request carries it.
+            _ => return Ok(()),
+        };
+        let mut set: Vec<(&str, String)> = Vec::new();
+        match extra {
+            Some(extra) => {
+                for f in fields {
+                    if extra.contains_key(*f) {
+                        extra.insert((*f).to_string(), limit.into());
+                        set.push((f, limit.to_string()));
+                    }
+                }
+                if set.is_empty()
+                    && add
+                    && let Some(f) = fields.first()
+                {
+                    extra.insert((*f).to_string(), limit.into());
+                    set.push((f, limit.to_string()));
+                }
+            }
+            None => set.extend(fields.first().map(|f| (*f, limit.to_string()))),
+        }
+        if !set.is_empty() {
+            self.body = with_members(&self.body, &set)?;
+        }
+        Ok(())
+    }
+
+    /// The typed request for providers (chat and completions only).
+    pub fn provider_request(&self) -> Option<ProviderRequest<'_>> {
+        match &self.kind {
+            Kind::Chat(r) => Some(ProviderRequest::Chat(r)),
+            Kind::Completion(r) => Some(ProviderRequest::Completion(r)),
+            _ => None,
         }
     }
 
@@ -165,14 +287,36 @@ impl Request {
         }
     }
 
-    /// The same request for another served model (a policy chose a pool serving a different one).
+    /// The same request for another served model (a policy chose a pool serving a different one,
+    /// or resolved an alias or class).
     pub fn for_model(&self, model: &str) -> Result<Request, GatewayError> {
-        let (openai, body) = match &self.openai {
-            OpenAiRequest::Chat(r) => renamed(r, model)?,
-            OpenAiRequest::Completion(r) => renamed(r, model)?,
+        let (kind, body) = match &self.kind {
+            Kind::Chat(r) => renamed(r, model)?,
+            Kind::Completion(r) => renamed(r, model)?,
+            Kind::Passthrough {
+                route,
+                request,
+                text,
+            } => {
+                let mut request = request.clone();
+                request.model = model.to_string();
+                let body = with_members(&self.body, &[("model", json_string(model))])?;
+                let kind = Kind::Passthrough {
+                    route: *route,
+                    request,
+                    text: text.clone(),
+                };
+                (kind, body)
+            }
+            Kind::CountTokens { .. } | Kind::Models => {
+                return Err(GatewayError::invalid(
+                    "model",
+                    "the gateway answers this endpoint itself",
+                ));
+            }
         };
         Ok(Request {
-            openai,
+            kind,
             body,
             client_body: self.client_body.clone(),
             json: None,
@@ -182,22 +326,31 @@ impl Request {
     }
 }
 
-/// Stage "read": the body, bounded by the configured limit (413 beyond it) and by the read
-/// deadline (408 after it: a slow client does not hold its slot).
+/// The largest of `fields` that `get` finds as a number.
+fn largest<'a>(fields: &[&str], get: impl Fn(&str) -> Option<&'a Value>) -> Option<u64> {
+    fields
+        .iter()
+        .filter_map(|f| get(f).and_then(Value::as_u64))
+        .max()
+}
+
+/// `s` as a JSON string.
+pub(crate) fn json_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_string())
+}
+
+/// Stage "read": the body, bounded by `limit` (413 beyond it) and by the read deadline (408 after
+/// it: a slow client does not hold its slot).
 pub async fn read_body(
-    req: HttpRequest<Incoming>,
+    body: Incoming,
+    declared: Option<usize>,
     limit: usize,
     deadline: std::time::Duration,
 ) -> Result<Bytes, GatewayError> {
-    let declared = req
-        .headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
     if declared.is_some_and(|n| n > limit) {
         return Err(GatewayError::BodyTooLarge { limit });
     }
-    let collect = Limited::new(req.into_body(), limit).collect();
+    let collect = Limited::new(body, limit).collect();
     let Ok(collected) = tokio::time::timeout(deadline, collect).await else {
         return Err(GatewayError::BodyTimeout {
             timeout_ms: deadline.as_millis() as u64,
@@ -214,58 +367,80 @@ pub async fn read_body(
     }
 }
 
-/// Stage "parse": JSON into the endpoint's typed request, field checks, then the worker's OpenAI
-/// request (Anthropic is translated here); 400 on bad JSON or shape. Streams always ask the worker
-/// for the final usage chunk so every request can be accounted. OpenAI bodies that need no change
-/// are forwarded byte for byte (no re-serialization on the hot path).
+/// The `content-length` a client declared.
+pub fn declared_length(headers: &HeaderMap) -> Option<usize> {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<usize>().ok())
+}
+
+/// Stage "parse": JSON into the endpoint's typed request, field checks, then the worker's request
+/// (Anthropic is translated here); 400 on bad JSON or shape. Streams always ask the worker for the
+/// final usage chunk so every request can be accounted. OpenAI bodies that need no change are
+/// forwarded byte for byte (no re-serialization on the hot path).
 pub fn parse(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
     parse_as(endpoint, body, false)
 }
 
-/// [`parse`], keeping the body's JSON for the policy stage when `keep_json`: the body is parsed
-/// once, the typed request read from that JSON.
+/// [`parse`], keeping the body's JSON for the policy stage when `keep_json`.
 pub fn parse_as(endpoint: Endpoint, body: Bytes, keep_json: bool) -> Result<Request, GatewayError> {
-    let json: Option<serde_json::Value> = if keep_json {
+    let json: Option<Value> = if keep_json && endpoint.has_body() {
         Some(openai::parse_body(&body)?)
     } else {
         None
     };
-    let mut request = typed(endpoint, body, json.as_ref())?;
+    let mut request = typed(endpoint, body)?;
     request.json = json;
     Ok(request)
 }
 
-/// Reads `T` from the parsed JSON when there is one, else from the bytes.
-fn read<T: serde::de::DeserializeOwned>(
-    body: &[u8],
-    json: Option<&serde_json::Value>,
-) -> Result<T, GatewayError> {
-    match json {
-        Some(v) => T::deserialize(v).map_err(|e| GatewayError::MalformedJson(e.to_string())),
-        None => openai::parse_body(body),
-    }
-}
-
-fn typed(
-    endpoint: Endpoint,
-    body: Bytes,
-    json: Option<&serde_json::Value>,
-) -> Result<Request, GatewayError> {
+fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
+    let plain = |kind, body: Bytes, stream| Request {
+        kind,
+        body: body.clone(),
+        client_body: body,
+        json: None,
+        stream,
+        client_wants_usage: false,
+    };
     match endpoint {
-        Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body, json),
-        Endpoint::Completions => openai_request::<CompletionRequest>(body, json),
+        Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body),
+        Endpoint::Completions => openai_request::<CompletionRequest>(body),
         Endpoint::Messages => {
-            let r: MessagesRequest = read(&body, json)?;
+            let r: MessagesRequest = openai::parse_body(&body)?;
             let chat = r.to_chat_request()?;
             Ok(Request {
                 stream: chat.stream == Some(true),
                 body: serialize(&chat)?,
                 client_body: body,
                 json: None,
-                openai: OpenAiRequest::Chat(chat),
+                kind: Kind::Chat(chat),
                 client_wants_usage: false,
             })
         }
+        Endpoint::CountTokens => {
+            let request: MessagesRequest = openai::parse_body(&body)?;
+            let messages = Value::Array(request.chat_prompt()?.messages);
+            let kind = Kind::CountTokens {
+                request: Box::new(request),
+                messages,
+            };
+            Ok(plain(kind, body, false))
+        }
+        Endpoint::Embeddings | Endpoint::Responses | Endpoint::Tokenize | Endpoint::Detokenize => {
+            let route = endpoint.passthrough().unwrap_or(Route::Embeddings);
+            let request = PassthroughRequest::parse(route, &body)?;
+            let stream = request.stream();
+            let text = request.text();
+            let kind = Kind::Passthrough {
+                route,
+                request,
+                text,
+            };
+            Ok(plain(kind, body, stream))
+        }
+        Endpoint::Models => Ok(plain(Kind::Models, Bytes::new(), false)),
     }
 }
 
@@ -275,7 +450,7 @@ trait OpenAiBody: serde::de::DeserializeOwned + serde::Serialize + Clone {
     fn stream(&self) -> bool;
     fn stream_options(&mut self) -> &mut Option<openai::StreamOptions>;
     fn set_model(&mut self, model: &str);
-    fn into_request(self) -> OpenAiRequest;
+    fn into_kind(self) -> Kind;
 }
 
 macro_rules! openai_body {
@@ -293,8 +468,8 @@ macro_rules! openai_body {
             fn set_model(&mut self, model: &str) {
                 self.model = model.to_string();
             }
-            fn into_request(self) -> OpenAiRequest {
-                OpenAiRequest::$variant(self)
+            fn into_kind(self) -> Kind {
+                Kind::$variant(self)
             }
         }
     };
@@ -305,11 +480,8 @@ openai_body!(CompletionRequest, Completion);
 
 /// An OpenAI chat or completion request: read, checked, and its worker body (the client's bytes
 /// when they can be kept).
-fn openai_request<T: OpenAiBody>(
-    body: Bytes,
-    json: Option<&serde_json::Value>,
-) -> Result<Request, GatewayError> {
-    let mut r: T = read(&body, json)?;
+fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
+    let mut r: T = openai::parse_body(&body)?;
     r.validate()?;
     let stream = r.stream();
     let (worker_body, client_wants_usage) =
@@ -318,7 +490,7 @@ fn openai_request<T: OpenAiBody>(
             (None, wants) => (serialize(&r)?, wants),
         };
     Ok(Request {
-        openai: r.into_request(),
+        kind: r.into_kind(),
         body: worker_body,
         client_body: body,
         json: None,
@@ -328,11 +500,11 @@ fn openai_request<T: OpenAiBody>(
 }
 
 /// `r` for `model`, and its body.
-fn renamed<T: OpenAiBody>(r: &T, model: &str) -> Result<(OpenAiRequest, Bytes), GatewayError> {
+fn renamed<T: OpenAiBody>(r: &T, model: &str) -> Result<(Kind, Bytes), GatewayError> {
     let mut r = r.clone();
     r.set_model(model);
     let body = serialize(&r)?;
-    Ok((r.into_request(), body))
+    Ok((r.into_kind(), body))
 }
 
 /// The body for the worker of an OpenAI request when the client's bytes can be used (`None`: the

@@ -1,8 +1,12 @@
-//! Stages "forward" and "relay": the request to a backend (the plain pool's best worker, or the
-//! plan's targets in order, passing over those that cannot take it), and the backend's answer back
-//! to the client through the one relay ([`crate::backend::relay`]), settled once. A worker's stream
-//! carries a second chance ([`relay::Resend`]): broken before any output, it continues from another
-//! worker of its pool or, when none can take it, of the plan's next pools.
+//! Stages "forward" and "relay" of the HTTP door: the request to a backend (the plan's targets in
+//! order, passing over those that cannot take it), and the backend's answer back to the client
+//! through the one relay ([`crate::backend::relay`]; a pass-through endpoint's byte for byte,
+//! [`super::passthrough`]), settled once. A worker's stream carries a second chance
+//! ([`relay::Resend`]): broken before any output, it continues from another worker of its pool or,
+//! when none can take it, of the plan's next pools.
+//!
+//! How a worker is asked ([`worker_call`]) and picked ([`pick`]) is shared with the ext_proc door,
+//! which forwards through Envoy instead.
 
 use std::sync::Arc;
 
@@ -11,10 +15,13 @@ use http::{HeaderValue, Response, StatusCode, header};
 use hyper::body::Incoming;
 use kinference_crds::ApiStyle;
 
-use super::Endpoint;
 use super::exchange::{Exchange, Request};
+use super::passthrough::{self, StreamedBody};
+use super::routes::Endpoint;
 use super::settle::Settlement;
-use crate::api::openai::{UpstreamErrorBody, parse_body};
+use crate::api::members::with_members;
+use crate::api::openai::UpstreamErrorBody;
+use crate::api::openai::passthrough::usage_of;
 use crate::backend::provider::ProviderClient;
 use crate::backend::relay::{self, ClientShape, Spec};
 use crate::backend::{self, Outgoing, SendError, Target};
@@ -52,16 +59,31 @@ struct PlanRest {
     next: usize,
 }
 
-/// What a worker is sent: the path, the body, the protocol it answers in, and the pool it was
-/// picked from (a policy's, or every worker of the model).
-#[derive(Clone)]
-struct WorkerCall {
-    path: &'static str,
-    body: Bytes,
-    style: ApiStyle,
+/// What a worker is sent: the path, the body, the protocol it answers in, how it is picked, and
+/// the pool it is picked from (a policy's, or every worker of the model).
+#[derive(Clone, Debug)]
+pub struct WorkerCall {
+    /// The worker's path.
+    pub path: &'static str,
+    /// The worker's body.
+    pub body: Bytes,
+    /// The protocol it answers in.
+    pub style: ApiStyle,
     /// The model the workers serve it as.
-    model: String,
-    pool: Option<Vec<String>>,
+    pub model: String,
+    /// The pool's workers (`None`: every worker of the model).
+    pub pool: Option<Vec<String>>,
+    /// How the worker is chosen.
+    pub pick: Pick,
+}
+
+/// How a worker is chosen for a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pick {
+    /// The lowest estimated time to first token (a prompt a cache can hold).
+    Estimate,
+    /// The least loaded (no prompt cache to exploit: embeddings, tokenizing).
+    LeastLoaded,
 }
 
 /// Stage "forward" under a policy plan: the targets in order. A pool without a healthy worker (or
@@ -74,6 +96,7 @@ pub async fn planned(
     plan: Arc<Plan>,
 ) -> Result<Forwarded, GatewayError> {
     let mut last: Option<GatewayError> = None;
+    let providers = request.provider_request().is_some() && !plan.local_only;
     for (i, target) in plan.targets.iter().enumerate() {
         match target {
             PlanTarget::Pool { model, workers, .. } => {
@@ -111,7 +134,8 @@ pub async fn planned(
                 }
             }
             PlanTarget::Provider { client, model } => {
-                if plan.local_only {
+                // Local-only plans, and endpoints no provider serves, pass over providers.
+                if !providers {
                     continue;
                 }
                 let target_ref = Target::Provider { client, model };
@@ -136,20 +160,13 @@ pub async fn planned(
             }
         }
     }
-    Err(last.unwrap_or_else(|| GatewayError::PolicyRejected {
-        status: StatusCode::SERVICE_UNAVAILABLE,
-        code: "no_backend_available",
-        message: format!(
-            "no backend chosen by the policies ({}) could take the request",
-            plan.rule
-        ),
-    }))
+    Err(super::govern::no_backend(&plan, last))
 }
 
 /// Whether a pool's failure to take a request passes it to the plan's next target: the pool has
 /// no healthy worker, does not serve the model, or its worker cannot be reached. Anything else (a
 /// worker's 4xx, say) says the request itself is refused, and ends it.
-fn passes_to_next_target(error: &GatewayError) -> bool {
+pub fn passes_to_next_target(error: &GatewayError) -> bool {
     matches!(
         error,
         GatewayError::NoHealthyWorker(_)
@@ -158,47 +175,59 @@ fn passes_to_next_target(error: &GatewayError) -> bool {
     )
 }
 
-/// Stage "forward" without policies: any worker serving the model.
-pub async fn plain(
-    gw: &Gateway,
-    ex: &mut Exchange,
-    request: &Request,
-) -> Result<Forwarded, GatewayError> {
-    let answer = to_worker(gw, ex, request, None).await?;
-    Ok(Forwarded::Worker(Box::new(answer)))
-}
-
-/// What a worker is sent: the path, the body and the protocol it answers in. An Anthropic request
-/// for a model whose workers serve `/v1/messages` goes there as the client sent it (its model named
-/// as the workers serve it); everything else goes to the chat or completions API.
-fn worker_call(
+/// What a worker of `pool` is sent for `request` on `endpoint` (`door`: the ext_proc door cannot
+/// translate, so an Anthropic request goes to the workers' own `/v1/messages` there). An
+/// Anthropic request for a model whose workers serve `/v1/messages` goes there as the client sent
+/// it (its model named as the workers serve it, its output limit as reserved); a pass-through
+/// endpoint's goes to the same path; everything else to the chat or completions API.
+pub fn worker_call(
     gw: &Gateway,
     endpoint: Endpoint,
     request: &Request,
     pool: Option<&[String]>,
+    door: super::exchange::Door,
 ) -> Result<WorkerCall, GatewayError> {
-    let call = |path, body, style| WorkerCall {
+    let call = |path, body, style, pick| WorkerCall {
         path,
         body,
         style,
         model: request.model().to_string(),
         pool: pool.map(<[String]>::to_vec),
+        pick,
     };
-    if endpoint != Endpoint::Messages || !gw.serves_messages(request.model()) {
+    if let Some(route) = endpoint.passthrough() {
+        let pick = if route == crate::api::openai::passthrough::Route::Responses {
+            Pick::Estimate
+        } else {
+            Pick::LeastLoaded
+        };
+        return Ok(call(
+            endpoint.path(),
+            request.body.clone(),
+            ApiStyle::OpenAI,
+            pick,
+        ));
+    }
+    let anthropic_worker =
+        door == super::exchange::Door::ExtProc || gw.serves_messages(request.model());
+    if endpoint != Endpoint::Messages || !anthropic_worker {
         return Ok(call(
             endpoint.upstream_path(),
             request.body.clone(),
             ApiStyle::OpenAI,
+            Pick::Estimate,
         ));
     }
-    let mut body: serde_json::Value = parse_body(&request.client_body)?;
-    let body = if body["model"].as_str() == Some(request.model()) {
-        request.client_body.clone()
-    } else {
-        body["model"] = request.model().into();
-        Bytes::from(body.to_string())
-    };
-    Ok(call("/v1/messages", body, ApiStyle::Anthropic))
+    let body = with_members(
+        &request.client_body,
+        &[("model", super::exchange::json_string(request.model()))],
+    )?;
+    Ok(call(
+        "/v1/messages",
+        body,
+        ApiStyle::Anthropic,
+        Pick::Estimate,
+    ))
 }
 
 fn outgoing(request: &Request) -> Outgoing<'_> {
@@ -206,6 +235,35 @@ fn outgoing(request: &Request) -> Outgoing<'_> {
         body: &request.body,
         typed: request.provider_request(),
         stream: request.stream,
+    }
+}
+
+/// Picks a worker for `call` (routed with `request`'s prompt and `tokens`, explained when `debug`),
+/// none of `failed`.
+pub async fn pick(
+    gw: &Gateway,
+    call: &WorkerCall,
+    request: &Request,
+    debug: bool,
+    tokens: &PromptTokens,
+    failed: &[String],
+) -> Result<Decision, RouteError> {
+    match call.pick {
+        Pick::Estimate => {
+            let route = RouteRequest {
+                model: &call.model,
+                prompt: request.prompt(),
+                debug,
+                tokens: Some(tokens),
+            };
+            gw.router
+                .pick_except(route, call.pool.as_deref(), failed)
+                .await
+        }
+        Pick::LeastLoaded => {
+            gw.router
+                .pick_least_loaded_except(&call.model, call.pool.as_deref(), failed, debug)
+        }
     }
 }
 
@@ -217,7 +275,7 @@ async fn to_worker(
     request: &Request,
     pool: Option<&[String]>,
 ) -> Result<WorkerAnswer, GatewayError> {
-    let call = worker_call(gw, ex.endpoint, request, pool)?;
+    let call = worker_call(gw, ex.endpoint, request, pool, ex.door)?;
     let (decision, response) =
         send_to_worker(gw, &call, request, ex.debug, &ex.tokens, Vec::new()).await?;
     Ok(WorkerAnswer {
@@ -244,17 +302,7 @@ async fn send_to_worker(
 ) -> Result<(Decision, Response<Incoming>), GatewayError> {
     let mut last: Option<GatewayError> = None;
     loop {
-        let route = RouteRequest {
-            model: &call.model,
-            prompt: request.prompt(),
-            debug,
-            tokens: Some(tokens),
-        };
-        let decision = match gw
-            .router
-            .pick_except(route, call.pool.as_deref(), &failed)
-            .await
-        {
+        let decision = match pick(gw, call, request, debug, tokens, &failed).await {
             Ok(decision) => decision,
             // The retry found no other worker: the first failure is the more useful answer.
             Err(RouteError::NoHealthyWorker(_)) if last.is_some() => {
@@ -280,7 +328,7 @@ async fn send_to_worker(
                 let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
                 let worker_fault = response.status().is_server_error();
                 gw.health.observe(&decision.worker, !worker_fault);
-                let error = rejection(gw, &decision.worker, response).await;
+                let error = rejection(gw, call, &decision.worker, response).await;
                 if !unavailable {
                     return Err(error);
                 }
@@ -390,7 +438,14 @@ async fn later_pools(
         };
         let renamed = request.renamed_for(model).ok()?;
         let req = renamed.as_ref().unwrap_or(request);
-        let call = worker_call(gw, endpoint, req, workers.as_deref()).ok()?;
+        let call = worker_call(
+            gw,
+            endpoint,
+            req,
+            workers.as_deref(),
+            super::exchange::Door::Http,
+        )
+        .ok()?;
         if call.style != style {
             continue;
         }
@@ -416,9 +471,15 @@ async fn later_pools(
 }
 
 /// A worker's non-2xx answer: its own 4xx passes on with its message, except a refusal of the
-/// gateway's credentials (the client's key is not the worker's business); anything else is a bad
-/// upstream.
-async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> GatewayError {
+/// gateway's credentials (the client's key is not the worker's business) and a path it does not
+/// serve (vLLM before 0.10 has no `/v1/responses`; a model without that task), said plainly;
+/// anything else is a bad upstream.
+async fn rejection(
+    gw: &Gateway,
+    call: &WorkerCall,
+    worker: &str,
+    response: Response<Incoming>,
+) -> GatewayError {
     let status = response.status();
     let body = gw
         .upstream
@@ -431,6 +492,15 @@ async fn rejection(gw: &Gateway, worker: &str, response: Response<Incoming>) -> 
             worker: worker.to_string(),
             detail: format!(
                 "the worker refused the gateway's credentials ({status}): check worker_api_key"
+            ),
+        };
+    }
+    if status == StatusCode::NOT_FOUND && message.contains("Not Found") {
+        return GatewayError::UpstreamRejected {
+            status,
+            message: format!(
+                "the workers of model `{}` do not serve {}",
+                call.model, call.path
             ),
         };
     }
@@ -452,6 +522,10 @@ pub async fn relay(
     request: &Arc<Request>,
     forwarded: Forwarded,
 ) -> Result<Response<Body>, GatewayError> {
+    let forwarded = match (ex.endpoint.passthrough(), forwarded) {
+        (Some(route), Forwarded::Worker(answer)) => return verbatim(gw, ex, route, *answer).await,
+        (_, other) => other,
+    };
     // A worker answering in Anthropic's protocol got the client's own request: its answer passes
     // as it is. A provider's is translated, so the client sees the model it asked for.
     let mut resend = None;
@@ -553,6 +627,75 @@ pub async fn relay(
             settlement.finish(StatusCode::OK.as_u16(), usage.as_ref());
         }
         let mut out = Response::new(full(body));
+        out.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        out
+    };
+    out.headers_mut().extend(headers);
+    Ok(out)
+}
+
+/// A pass-through endpoint's answer, byte for byte: streamed (a response's events), or whole,
+/// its usage read on the way ([`super::passthrough`]).
+async fn verbatim(
+    gw: &Arc<Gateway>,
+    ex: &mut Exchange,
+    route: crate::api::openai::passthrough::Route,
+    answer: WorkerAnswer,
+) -> Result<Response<Body>, GatewayError> {
+    let WorkerAnswer {
+        decision, response, ..
+    } = answer;
+    let mut headers = worker_headers(&decision, ex);
+    let worker = decision.worker.clone();
+    let Some(mut settlement) = ex.settlement.take() else {
+        return Err(GatewayError::BadUpstream {
+            worker,
+            detail: "the request was already settled".into(),
+        });
+    };
+    settlement.worker(
+        &decision.worker,
+        decision.reason,
+        decision.prompt_tokens,
+        decision.ticket,
+    );
+    headers.extend(settlement.tenancy_headers());
+    settlement.relaying();
+    let streamed = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut out = if streamed {
+        let body = StreamedBody {
+            body: response.into_body(),
+            worker,
+        };
+        let mut out = Response::new(passthrough::stream(
+            body,
+            gw.upstream.idle_timeout(),
+            settlement,
+        ));
+        out.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        out.headers_mut()
+            .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        out
+    } else {
+        let bytes = match gw.upstream.read_body(&worker, response.into_body()).await {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                settlement.finish(error.status().as_u16(), None);
+                return Err(error);
+            }
+        };
+        settlement.finish(StatusCode::OK.as_u16(), usage_of(route, &bytes).as_ref());
+        let mut out = Response::new(full(bytes));
         out.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),

@@ -1,82 +1,69 @@
-//! One inference request's path through the gateway, top to bottom in [`handle`]:
-//! authenticate -> read -> parse -> tokenize -> admit -> plan -> forward -> relay, settled once.
-//! The prompt is tokenized at most once per served model ([`Exchange::tokens`]); only the
-//! gateway's own tokenizer runs before the plan, so no byte of the request reaches a worker before
-//! the policies have classified it.
+//! One request's path through the gateway, the same for every endpoint of the route table
+//! ([`routes::ROUTES`]) and both front doors (this HTTP port and the Envoy ext_proc handler,
+//! [`crate::extproc`]), in the order of [`STAGES`]:
 //!
-//! - [`exchange`]: the [`Exchange`] made once per request and the parsed [`exchange::Request`];
-//! - [`govern`]: admit and plan, the stages the Envoy ext_proc front door runs too;
+//! authenticate -> admit -> read -> parse -> limit -> classify -> policy -> forward -> settle
+//!
+//! - [`admit`]: the caller, its in-flight slot and room for its body, before the body is read;
+//! - [`exchange`]: the [`Exchange`] made once per request, the body read, and the parsed
+//!   [`exchange::Request`] of any endpoint;
+//! - [`govern`]: parse, limit (the tenant's models, budget and token limits, the output reserved and
+//!   sent), classify and policy (the plan: pools and providers in order);
 //! - [`forward`]: the request to a worker or a provider, and the answer back through the one relay;
-//! - [`settle`]: the [`settle::Settlement`] that owns the request's metrics, the router's ticket and
-//!   the tenant's admission, and settles them exactly once.
+//!   [`passthrough`]: a pass-through endpoint's answer byte for byte; [`local`]: what the gateway
+//!   answers itself (token counts, the model list);
+//! - [`settle`]: the [`settle::Settlement`] that owns the request's metrics, the router's ticket,
+//!   the tenant's admission, its slot and body room, and settles them exactly once.
 //!
-//! Errors from any stage surface as one [`GatewayError`] that [`handle`] maps to the client's
-//! protocol.
-//!
-//! Every request has an id ([`crate::telemetry::RequestId`], echoed in `x-request-id`) and a root
-//! span carrying it, so each log line of the request names it; the stages run in their own `debug`
-//! spans, which exist only when traces are exported ([`crate::telemetry`]).
+//! The prompt is tokenized at most once per served model ([`Exchange::tokens`]); only the gateway's
+//! own tokenizer runs before the plan, so no byte of the request reaches a worker before the
+//! policies have classified it. Errors from any stage surface as one [`GatewayError`] mapped to the
+//! client's protocol. Every request has an id ([`crate::telemetry::RequestId`], echoed in
+//! `x-request-id`) and a root span carrying it; the stages run in their own `debug` spans, named as
+//! in [`STAGES`], which exist only when traces are exported ([`crate::telemetry`]).
 
+pub mod admit;
 pub mod exchange;
 pub mod forward;
 pub mod govern;
+pub mod local;
 pub mod models;
 pub mod passthrough;
+pub mod routes;
 pub mod settle;
 
 use std::sync::Arc;
 
-use http::{Request as HttpRequest, Response};
+use http::{HeaderValue, Request as HttpRequest, Response, StatusCode, header};
 use hyper::body::Incoming;
-use tracing::Instrument as _;
 
 use crate::access::Peer;
-use crate::body::Body;
-use crate::errors::{GatewayError, Protocol};
+use crate::body::{Body, full};
+use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::telemetry::{REQUEST_ID_HEADER, RequestContext};
-use exchange::Exchange;
-use govern::PlanInput;
+use exchange::{Door, Exchange};
+pub use routes::{Endpoint, ROUTES};
 
-/// The inference endpoints.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    /// OpenAI `POST /v1/chat/completions`.
-    ChatCompletions,
-    /// OpenAI `POST /v1/completions`.
-    Completions,
-    /// Anthropic `POST /v1/messages`.
-    Messages,
-}
+/// The stages every request passes, in order. Each runs in a span of its name, except "read"
+/// (the HTTP door's alone: Envoy reads the body for the other), "classify" and "policy" (with a
+/// policy directory), "forward" (the router's `routing` span, then the backend's `upstream` and the
+/// relay's `stream`; through Envoy, `routing` only) and "settle" (the request's access line and the
+/// end of its root span).
+pub const STAGES: [&str; 9] = [
+    "authenticate",
+    "admit",
+    "read",
+    "parse",
+    "limit",
+    "classify",
+    "policy",
+    "forward",
+    "settle",
+];
 
-impl Endpoint {
-    /// The client's protocol.
-    pub fn protocol(self) -> Protocol {
-        match self {
-            Endpoint::ChatCompletions | Endpoint::Completions => Protocol::OpenAi,
-            Endpoint::Messages => Protocol::Anthropic,
-        }
-    }
-
-    /// The client's path of the endpoint.
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::ChatCompletions => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::Messages => "/v1/messages",
-        }
-    }
-
-    /// The worker's endpoint the request goes to.
-    pub fn upstream_path(self) -> &'static str {
-        match self {
-            Endpoint::ChatCompletions | Endpoint::Messages => "/v1/chat/completions",
-            Endpoint::Completions => "/v1/completions",
-        }
-    }
-}
-
-/// Serves one inference request, in its span, its id echoed in `x-request-id`.
+/// Serves one request to `endpoint` through the HTTP door, in its span, its id echoed in
+/// `x-request-id`.
 pub async fn handle(
     gw: Arc<Gateway>,
     endpoint: Endpoint,
@@ -90,7 +77,7 @@ pub async fn handle(
         RequestContext::current().unwrap_or_else(|| RequestContext::from_headers(req.headers()));
     let id = context.id.clone();
     let span = context.span(req.method(), endpoint.path());
-    let mut ex = Exchange::new(endpoint, req.headers(), admin, &gw.metrics);
+    let mut ex = Exchange::new(endpoint, Door::Http, req.headers(), admin, &gw.metrics);
     if let Some(s) = ex.settlement() {
         s.request(id.clone(), endpoint.path(), span.clone());
     }
@@ -100,7 +87,9 @@ pub async fn handle(
             Err(error) => ex.refuse(error),
         }
     };
-    let mut response = context.scope(served.instrument(span)).await;
+    let mut response = context
+        .scope(tracing::Instrument::instrument(served, span))
+        .await;
     response
         .headers_mut()
         .insert(REQUEST_ID_HEADER, id.header_value());
@@ -113,62 +102,40 @@ async fn run(
     ex: &mut Exchange,
     req: HttpRequest<Incoming>,
 ) -> Result<Response<Body>, GatewayError> {
-    // Before the body is read: an unknown caller costs the gateway nothing.
-    let caller =
-        tracing::debug_span!("authenticate").in_scope(|| gw.tenancy.authenticate(req.headers()))?;
-    // Still before the body: past the in-flight limit a request is shed before it costs memory.
-    if let Some(slot) = gw.overload.admit(caller.priority()).await?
-        && let Some(s) = ex.settlement()
-    {
-        s.hold(slot);
-    }
-    let body = exchange::read_body(
-        req,
-        gw.settings.body_limit_bytes,
-        gw.settings.body_read_timeout(),
-    )
-    .await?;
-    // Under policies the JSON is kept for the plan stage (the body is parsed once).
-    // Shared: a stream's second chance ([`forward::relay`]) outlives this function.
-    let request = Arc::new(exchange::parse_as(ex.endpoint, body, gw.policy.is_some())?);
-    if let Some(s) = ex.settlement() {
-        s.model(request.model());
-    }
-    gw.router
-        .tokenize_locally(request.model(), request.prompt(), &ex.tokens)
-        .await;
-    let admission = govern::admit(&gw.tenancy, &caller, &request, &ex.tokens, ex.protocol)
-        .instrument(tracing::debug_span!("admission", tenant = caller.name()))
-        .await?;
-    let local_only = admission.local_only();
-    if let Some(s) = ex.settlement() {
-        s.admitted(admission);
-    }
-    ex.caller = Some(caller);
-    let forwarded = match &gw.policy {
-        None => forward::plain(gw, ex, &request).await?,
-        Some(stage) => {
-            let input = PlanInput {
-                caller: ex.caller.as_ref(),
-                tags: ex.tags.as_deref(),
-                debug: ex.debug,
-                local_only,
-                tokens: &ex.tokens,
-            };
-            let mut explain = None;
-            let planned = govern::plan(
-                stage,
-                &gw.router,
-                Some(&gw.tenancy),
-                &request,
-                input,
-                &mut explain,
-            )
-            .instrument(tracing::debug_span!("policy"))
-            .await;
-            ex.explain = explain;
-            forward::planned(gw, ex, &request, Arc::new(planned?)).await?
-        }
+    let (head, body) = req.into_parts();
+    // Before the body is read: an unknown caller, or one past the limits, costs nothing.
+    admit::authenticate(gw, ex, &head.headers)?;
+    let declared = exchange::declared_length(&head.headers);
+    admit::admit(gw, ex, declared).await?;
+    let body = if ex.endpoint.has_body() {
+        let read = exchange::read_body(
+            body,
+            declared,
+            gw.settings.body_limit_bytes,
+            gw.settings.body_read_timeout(),
+        );
+        let body = tracing::Instrument::instrument(read, tracing::debug_span!("read")).await?;
+        admit::body_read(gw, ex, &body).await?;
+        body
+    } else {
+        bytes::Bytes::new()
     };
-    forward::relay(gw, ex, &request, forwarded).await
+    let prepared = govern::prepare(gw, ex, body).await?;
+    if local::answers(ex.endpoint) {
+        let answer = local::answer(gw, ex, &prepared.request).await?;
+        return Ok(json_response(StatusCode::OK, answer.to_string()));
+    }
+    let forwarded = forward::planned(gw, ex, &prepared.request, Arc::clone(&prepared.plan)).await?;
+    forward::relay(gw, ex, &prepared.request, forwarded).await
+}
+
+/// A JSON answer with `status`.
+pub fn json_response(status: StatusCode, json: String) -> Response<Body> {
+    let mut response = Response::new(full(json));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }

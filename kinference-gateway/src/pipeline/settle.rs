@@ -7,6 +7,12 @@
 //! Worker and provider answers are settled the same way; a provider answer is billed at the
 //! provider's price and counted against the tenant's limits and budget.
 //!
+//! A backend that reports no usage (a worker that ignores `include_usage`, a response the ext_proc
+//! door never saw) is not billed zero: the settlement counts it itself, the prompt by the gateway's
+//! tokenizer, the output by the relayed text (tokenized by the model's tokenizer, else one token
+//! per text chunk), or, for a successful answer it never saw, the output reserved at admission; the
+//! usage record says `estimated`.
+//!
 //! The settlement writes the request's access line (target `kinference_gateway::access_log`):
 //! method, path, status, tenant, model, backend, tokens, duration and request id, once per request.
 
@@ -17,10 +23,16 @@ use crate::backend::provider::ProviderClient;
 use crate::backend::relay::Meter;
 use crate::errors::Protocol;
 use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
+use crate::overload::budget::BodyReservation;
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
 use crate::telemetry::{RequestContext, RequestId};
 use crate::tenancy::Admission;
+use kinference_api::tokenize::ModelTokenizer;
+
+/// The most relayed text kept to count an answer whose backend reported no usage; past it the rest
+/// counts one token per text chunk.
+const COUNTED_TEXT_BYTES: usize = 256 * 1024;
 
 /// Everything one request owes the gateway's books, settled exactly once.
 pub struct Settlement {
@@ -37,6 +49,12 @@ pub struct Settlement {
     admission: Option<Admission>,
     /// The request's place under the gateway's in-flight limit, freed with the settlement.
     _slot: Option<Slot>,
+    /// The room its body holds in the body-byte budget, freed with the settlement.
+    body: Option<BodyReservation>,
+    /// The router's count of the prompt, once routed.
+    prompt_tokens: Option<u64>,
+    /// What the answer said so far (for an answer without usage), and its text chunks.
+    counted: CountedOutput,
     _in_flight: InFlightGuard,
     settled: bool,
     /// The request's id (access line, usage record) and root span (held until the answer's last
@@ -74,6 +92,9 @@ impl Settlement {
             ticket: None,
             admission: None,
             _slot: None,
+            body: None,
+            prompt_tokens: None,
+            counted: CountedOutput::default(),
             _in_flight: metrics.in_flight(),
             settled: false,
             path: context
@@ -102,6 +123,32 @@ impl Settlement {
     /// The request's in-flight slot, held until the answer's last byte (or the client leaves).
     pub fn hold(&mut self, slot: Slot) {
         self._slot = Some(slot);
+    }
+
+    /// The room the request's body holds in the body-byte budget, kept until the request ends.
+    pub fn hold_body(&mut self, body: BodyReservation) {
+        self.body = Some(body);
+    }
+
+    /// The body's reservation, to add to it.
+    pub fn take_body_reservation(&mut self) -> Option<BodyReservation> {
+        self.body.take()
+    }
+
+    /// Bytes the body holds in the budget.
+    pub fn body_bytes_held(&self) -> usize {
+        self.body.as_ref().map_or(0, BodyReservation::bytes)
+    }
+
+    /// The model's tokenizer, to count an answer whose backend reports no usage.
+    pub fn counting_with(&mut self, tokenizer: Option<std::sync::Arc<ModelTokenizer>>) {
+        self.counted.tokenizer = tokenizer;
+    }
+
+    /// The answer passes where the gateway cannot see it (Envoy relays it without the response
+    /// phase): unless it is seen after all, a success is billed its reservation.
+    pub fn answer_unseen(&mut self, unseen: bool) {
+        self.counted.unseen = unseen;
     }
 
     /// The tenant's admission, settled with the request.
@@ -136,6 +183,7 @@ impl Settlement {
     ) {
         self.labels.worker = worker.to_string();
         self.ticket = Some(ticket);
+        self.prompt_tokens = prompt_tokens.map(|n| n as u64);
         if let Some(admission) = &mut self.admission {
             admission.routed(worker, reason, prompt_tokens);
         }
@@ -187,9 +235,18 @@ impl Settlement {
         self.last_text = Some(now);
     }
 
+    /// A chunk carrying `text` passed: first token, then inter-token latency; the tenant's
+    /// streamed output.
+    pub fn chunk_text(&mut self, text: &str) {
+        self.counted.add(text);
+        self.chunk();
+    }
+
     /// A chunk carrying text passed: first token, then inter-token latency; the tenant's streamed
     /// output.
     pub fn chunk(&mut self) {
+        self.counted.chunks += 1;
+        self.counted.unseen = false;
         if let Some(admission) = &mut self.admission {
             admission.text_chunk();
         }
@@ -209,6 +266,18 @@ impl Settlement {
         if std::mem::replace(&mut self.settled, true) {
             return;
         }
+        let counted;
+        let usage = match usage {
+            Some(u) if u.prompt_tokens > 0 || u.completion_tokens > 0 => Some(u),
+            _ if self.reached_backend() && (200..300).contains(&status) => {
+                counted = self.counted_usage();
+                if let Some(admission) = &mut self.admission {
+                    admission.estimated();
+                }
+                Some(&counted)
+            }
+            other => other,
+        };
         self.access_line(status, usage);
         if let Some(admission) = self.admission.take() {
             admission.settle(status, usage);
@@ -243,6 +312,35 @@ impl Settlement {
 }
 
 impl Settlement {
+    /// Whether a backend took the request.
+    fn reached_backend(&self) -> bool {
+        !self.labels.worker.is_empty()
+    }
+
+    /// The usage of an answer whose backend reported none: the router's prompt count (else the
+    /// admission's), and the output counted from the relayed text, else its chunks, else (an answer
+    /// never seen) the reservation.
+    fn counted_usage(&self) -> Usage {
+        let prompt = self
+            .prompt_tokens
+            .or_else(|| self.admission.as_ref().map(Admission::input_estimate))
+            .unwrap_or(0);
+        let reserved = self
+            .admission
+            .as_ref()
+            .map_or(0, Admission::output_reserved);
+        let output =
+            self.counted
+                .tokens()
+                .unwrap_or(if self.counted.unseen { reserved } else { 0 });
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: output,
+            total_tokens: prompt + output,
+            prompt_tokens_details: None,
+        }
+    }
+
     /// The request's access line, in its span.
     fn access_line(&self, status: u16, usage: Option<&Usage>) {
         let none = tracing::Span::none();
@@ -271,9 +369,48 @@ impl Settlement {
     }
 }
 
+/// The answer as the gateway saw it pass, for a backend that reports no usage.
+#[derive(Default)]
+struct CountedOutput {
+    text: String,
+    /// Text chunks seen (past [`COUNTED_TEXT_BYTES`] of text, one token each).
+    chunks: u64,
+    /// Chunks whose text was not kept.
+    uncounted: u64,
+    tokenizer: Option<std::sync::Arc<ModelTokenizer>>,
+    /// No part of the answer was seen (yet).
+    unseen: bool,
+}
+
+impl CountedOutput {
+    fn add(&mut self, text: &str) {
+        if self.text.len() + text.len() <= COUNTED_TEXT_BYTES {
+            self.text.push_str(text);
+        } else {
+            self.uncounted += 1;
+        }
+    }
+
+    /// Output tokens: the kept text tokenized (plus a token per chunk not kept), else one per
+    /// chunk; `None` when nothing was seen.
+    fn tokens(&self) -> Option<u64> {
+        if self.chunks == 0 {
+            return None;
+        }
+        let counted = match &self.tokenizer {
+            Some(t) if !self.text.is_empty() => t
+                .encode_text(&self.text, false)
+                .ok()
+                .map(|ids| ids.len() as u64 + self.uncounted),
+            _ => None,
+        };
+        Some(counted.unwrap_or(self.chunks).max(1))
+    }
+}
+
 impl Meter for Settlement {
-    fn text_chunk(&mut self) {
-        self.chunk();
+    fn text_chunk(&mut self, text: &str) {
+        self.chunk_text(text);
     }
 
     fn finish(&mut self, status: u16, usage: Option<&Usage>) {

@@ -36,6 +36,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 use serde_json::Value;
+use tracing::Instrument as _;
 
 use super::classify::Classifier;
 use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts};
@@ -96,8 +97,47 @@ pub struct Plan {
     pub local_only: bool,
     /// `policy/rule` that decided, or `default`.
     pub rule: String,
-    /// Keeps the policy set of this request alive until it ends (reloads never change a request's plan).
-    pub set: Arc<PolicySet>,
+    /// Keeps the policy set of this request alive until it ends (reloads never change a request's
+    /// plan); none without policies.
+    pub set: Option<Arc<PolicySet>>,
+    /// The decision in one line, when the request asked for it (`x-kinference-decision`).
+    pub explain: Option<String>,
+}
+
+impl Plan {
+    /// The plan without policies: every worker serving `model`.
+    pub fn default_pool(model: &str) -> Self {
+        Plan {
+            targets: vec![PlanTarget::Pool {
+                pool: "default".into(),
+                model: model.to_string(),
+                workers: None,
+            }],
+            burst: false,
+            local_only: false,
+            rule: "default".into(),
+            set: None,
+            explain: None,
+        }
+    }
+}
+
+/// A request the policies refused, with the decision's explanation when it was asked for.
+#[derive(Debug)]
+pub struct Refused {
+    /// The answer (403, or the status a `reject` rule gives).
+    pub error: GatewayError,
+    /// The decision in one line, when the request asked for it.
+    pub explain: Option<String>,
+}
+
+impl From<GatewayError> for Refused {
+    fn from(error: GatewayError) -> Self {
+        Refused {
+            error,
+            explain: None,
+        }
+    }
 }
 
 /// One candidate of a plan.
@@ -451,14 +491,9 @@ impl PolicyStage {
             .ok_or_else(|| GatewayError::invalid("model", "`model` must be a string"))
     }
 
-    /// Decides where `req` may go. A rejection comes back as the error to answer with, and the
-    /// explanation (debug) in `explain` either way.
-    pub async fn decide(
-        &self,
-        router: &Router,
-        req: StageRequest<'_>,
-        explain_out: &mut Option<String>,
-    ) -> Result<Plan, GatewayError> {
+    /// Decides where `req` may go: the plan, or the refusal to answer with; either carries the
+    /// decision's explanation when `req.debug` asks for it.
+    pub async fn decide(&self, router: &Router, req: StageRequest<'_>) -> Result<Plan, Refused> {
         let set = self.current();
         // A LoRA adapter is no `InferenceModel`: the policies decide for the model it adapts, and
         // the plan's pools then serve the adapter itself (on the workers that have it loaded).
@@ -470,7 +505,10 @@ impl PolicyStage {
             },
             None => req,
         };
-        let mut facts = self.classify(&set, router, req).await?;
+        let mut facts = self
+            .classify(&set, router, req)
+            .instrument(tracing::debug_span!("classify"))
+            .await?;
         if let Some(a) = &adapter {
             facts.model = a.base.clone();
         }
@@ -486,7 +524,7 @@ impl PolicyStage {
         } else {
             format!("{policy}/{rule}")
         };
-        *explain_out = req.debug.then(|| explain_line(&decision, &states));
+        let explain = req.debug.then(|| explain_line(&decision, &states));
         match decision.outcome {
             Outcome::Reject(r) => {
                 self.count(policy.clone(), rule.clone(), "reject");
@@ -500,11 +538,14 @@ impl PolicyStage {
                     .inc();
                 tracing::info!(model = req.model, rule = %rule_name, code = r.code, status = r.status,
                     "request refused by policy");
-                Err(GatewayError::PolicyRejected {
-                    status: http::StatusCode::from_u16(r.status)
-                        .unwrap_or(http::StatusCode::FORBIDDEN),
-                    code: r.code,
-                    message: r.message,
+                Err(Refused {
+                    error: GatewayError::PolicyRejected {
+                        status: http::StatusCode::from_u16(r.status)
+                            .unwrap_or(http::StatusCode::FORBIDDEN),
+                        code: r.code,
+                        message: r.message,
+                    },
+                    explain,
                 })
             }
             Outcome::Route(route) => {
@@ -559,7 +600,8 @@ impl PolicyStage {
                     burst: route.burst,
                     local_only,
                     rule: rule_name,
-                    set,
+                    set: Some(set),
+                    explain,
                 })
             }
         }

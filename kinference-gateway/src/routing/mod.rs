@@ -358,14 +358,19 @@ impl Router {
     /// to exploit (embeddings, tokenizing); recorded in the in-flight ledger like any pick.
     pub fn pick_least_loaded(&self, model: &str, debug: bool) -> Result<Decision, RouteError> {
         let candidates = self.candidates(model)?;
+        Ok(self.least_loaded_of(&candidates, debug))
+    }
+
+    /// The least loaded of `candidates` (non-empty), recorded.
+    fn least_loaded_of(&self, candidates: &[Arc<Worker>], debug: bool) -> Decision {
         let (i, _) = baseline::pick(
             RoutingMode::LeastOutstanding,
-            &candidates,
+            candidates,
             Prompt::Text(""),
             &self.shared.tuning,
             &self.shared.round_robin,
         );
-        Ok(self.record_simple(&candidates, i, "least_loaded", debug))
+        self.record_simple(candidates, i, "least_loaded", debug)
     }
 
     /// [`Router::pick`] among `candidates` (non-empty), in the `routing` span (the choice and, from

@@ -90,6 +90,33 @@ impl Router {
         Ok(self.pick_from(req, &candidates).await)
     }
 
+    /// The least loaded worker of `model` among `within` (every worker of the model when `None`),
+    /// passing over those in `avoid`: the endpoints with no prompt cache to exploit (embeddings,
+    /// tokenizing).
+    pub fn pick_least_loaded_except(
+        &self,
+        model: &str,
+        within: Option<&[String]>,
+        avoid: &[String],
+        debug: bool,
+    ) -> Result<Decision, RouteError> {
+        let (within, avoid) = {
+            let table = self.shared.workers.read();
+            (within.map(|urls| table.named(urls)), table.named(avoid))
+        };
+        let candidates: Vec<Arc<Worker>> = self
+            .candidates(model)?
+            .into_iter()
+            .filter(|w| {
+                within.as_ref().is_none_or(|pool| is_named(pool, w)) && !is_named(&avoid, w)
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(RouteError::NoHealthyWorker(model.to_string()));
+        }
+        Ok(self.least_loaded_of(&candidates, debug))
+    }
+
     /// The estimates of [`Router::decide`] (same candidate figures, same cached runs), recording nothing.
     fn estimates(
         &self,

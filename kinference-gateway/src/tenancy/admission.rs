@@ -48,6 +48,8 @@ pub struct Admission {
     /// Output tokens charged while streaming past the reservation.
     stream_charged: u64,
     output_reserved: u64,
+    /// The usage it is settled with was counted by the gateway, not reported by the backend.
+    counted: bool,
     settled: bool,
 }
 
@@ -174,6 +176,29 @@ impl Admission {
             .inc();
     }
 
+    /// The usage it will be settled with was counted by the gateway (the backend reported none):
+    /// the usage record says `estimated`.
+    pub fn estimated(&mut self) {
+        self.counted = true;
+    }
+
+    /// The prompt tokens it was admitted with (the router's count once routed).
+    pub fn input_estimate(&self) -> u64 {
+        self.gateway_prompt_tokens
+            .unwrap_or(self.demand.input as u64)
+    }
+
+    /// The output tokens reserved at admission.
+    pub fn output_reserved(&self) -> u64 {
+        self.output_reserved
+    }
+
+    /// Whether an output-token bucket holds this request's reservation (then the worker must be
+    /// sent exactly that limit: more would be generated than was reserved).
+    pub fn reserves_output(&self) -> bool {
+        self.takes.iter().any(|t| t.dim == Dim::OutputTokens)
+    }
+
     /// Whether only local pools may serve this request: the tenant spent its monthly budget and its
     /// `onExceeded` is `LocalOnly` (paid providers are out).
     pub fn local_only(&self) -> bool {
@@ -255,7 +280,19 @@ impl Tenancy {
     ) -> Result<Admission, GatewayError> {
         let now = now_ms();
         // The served models the name may stand for (an alias: one; a class: each of its models).
-        let candidates = self.table.read().served.candidates(model);
+        let (candidates, allowed) = {
+            let table = self.table.read();
+            let allowed = caller.tenant.as_ref().is_none_or(|t| {
+                model.is_empty()
+                    || table
+                        .served
+                        .allows(model, &t.allowed_models, &t.allowed_classes)
+            });
+            (table.served.candidates(model), allowed)
+        };
+        if let (false, Some(tenant)) = (allowed, &caller.tenant) {
+            return Err(self.model_not_allowed(tenant, model));
+        }
         let served = match candidates.as_slice() {
             [one] => one.as_str(),
             _ => model,
@@ -289,6 +326,7 @@ impl Tenancy {
             last_text: None,
             stream_charged: 0,
             output_reserved: output_reservation,
+            counted: false,
             // Armed (false) only when admitted: a refused request has nothing to settle.
             settled: true,
         };
@@ -410,6 +448,37 @@ impl Tenancy {
                     headers: rate_headers(protocol, &takes, &levels, Some(retry_after_s)),
                 })
             }
+        }
+    }
+
+    /// Whether `caller` may ask for `model` (its tenant's `allowedModels` / `allowedClasses`).
+    pub fn allows(&self, caller: &Caller, model: &str) -> bool {
+        caller.tenant.as_ref().is_none_or(|t| {
+            self.table
+                .read()
+                .served
+                .allows(model, &t.allowed_models, &t.allowed_classes)
+        })
+    }
+
+    /// 403 for a model outside the tenant's `allowedModels` / `allowedClasses` (counted), as the
+    /// policy engine answers it: the same on every endpoint, with or without policies.
+    fn model_not_allowed(&self, tenant: &Tenant, model: &str) -> GatewayError {
+        self.metrics
+            .rejections
+            .get_or_create(&TenantLimit {
+                tenant: tenant.label.clone(),
+                limit: "model",
+                scope: "tenant",
+            })
+            .inc();
+        GatewayError::PolicyRejected {
+            status: http::StatusCode::FORBIDDEN,
+            code: "model_not_allowed",
+            message: format!(
+                "tenant {:?} may not use model {model:?} (allowed models: {:?}, classes: {:?})",
+                tenant.name, tenant.allowed_models, tenant.allowed_classes
+            ),
         }
     }
 
@@ -560,7 +629,7 @@ impl Tenancy {
             input_cached: cached,
             output,
             cost,
-            estimated,
+            estimated: estimated || a.counted,
         };
         self.aggregates.lock().add(&record);
         self.journal.append(record);
@@ -587,25 +656,20 @@ impl Tenancy {
         }
     }
 
-    /// What a request asks of the buckets at admission: (input tokens, output reservation). The
-    /// input is the pipeline's prompt size (the tokenizer's count, or the estimate before any
-    /// tokenizer ran, corrected to the router's count right after routing); the reservation is
-    /// `max_tokens` / `max_completion_tokens`, else 16 for completions (the API's default) or
-    /// `default_output_reservation` for chat.
-    pub fn demand(
+    /// The output tokens a request reserves at admission: the largest output limit it sets among
+    /// the fields its worker honours (`asked`), else the model's own limit (`model_limit`: its
+    /// context length less the prompt, when its `InferenceModel` declares one), else 16 for
+    /// completions (the API's default) or `default_output_reservation`.
+    pub fn output_reservation(
         &self,
-        prompt_tokens: u64,
-        fields: &serde_json::Map<String, serde_json::Value>,
+        asked: Option<u64>,
+        model_limit: Option<u64>,
         completion: bool,
-    ) -> (u64, u64) {
-        let max_tokens = ["max_tokens", "max_completion_tokens"]
-            .iter()
-            .find_map(|k| fields.get(*k).and_then(serde_json::Value::as_u64));
-        let reservation = max_tokens.unwrap_or(if completion {
+    ) -> u64 {
+        asked.or(model_limit).unwrap_or(if completion {
             16
         } else {
             self.config.default_output_reservation
-        });
-        (prompt_tokens, reservation)
+        })
     }
 }

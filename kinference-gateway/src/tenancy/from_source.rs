@@ -222,6 +222,8 @@ impl Tenancy {
                 budget: t.spec.budget.clone(),
                 settings: self.config.tenants.get(name).cloned().unwrap_or_default(),
                 priority: t.spec.priority,
+                allowed_models: t.spec.allowed_models.clone(),
+                allowed_classes: t.spec.allowed_classes.clone(),
             }));
         }
         Built {

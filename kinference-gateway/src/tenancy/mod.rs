@@ -170,6 +170,10 @@ pub struct Tenant {
     pub settings: TenantSettings,
     /// Who is shed first when the gateway is overloaded.
     pub priority: kinference_crds::TenantPriority,
+    /// Models (names or aliases) the tenant may request; with `allowed_classes` both empty: all.
+    pub allowed_models: Vec<String>,
+    /// Model classes the tenant may request.
+    pub allowed_classes: Vec<String>,
 }
 
 /// Who is calling.

@@ -87,6 +87,27 @@ impl ChunkGlance<'_> {
         })
     }
 
+    /// Appends the chunk's text and reasoning to `out`.
+    pub(super) fn text_into(&self, out: &mut String) {
+        for c in &self.choices {
+            let text = c
+                .delta
+                .as_ref()
+                .and_then(|d| d.content.as_ref())
+                .or(c.text.as_ref());
+            if let Some(t) = text {
+                out.push_str(t.as_str());
+            }
+            if let Some(r) = c
+                .delta
+                .as_ref()
+                .and_then(|d| d.reasoning.as_ref().or(d.reasoning_content.as_ref()))
+            {
+                out.push_str(r.as_str());
+            }
+        }
+    }
+
     /// The final usage chunk: no choices, only usage.
     pub(super) fn usage_only(&self) -> bool {
         self.choices.is_empty() && self.usage.is_some()

@@ -76,6 +76,60 @@ fn both_kinds_are_checked_and_renamed_for_another_served_model() {
         let sent = worker_json(&renamed);
         assert_eq!(sent["model"], "served");
         assert_eq!(renamed.client_body, r.client_body);
-        assert_eq!(renamed.fields().1, r.fields().1);
+        assert_eq!(
+            renamed.output_limit(Endpoint::Completions),
+            r.output_limit(Endpoint::Completions)
+        );
     }
+}
+
+#[test]
+fn the_worker_is_sent_exactly_the_output_limit_reserved() {
+    // Two limits that disagree: the largest is reserved, and both say it to the worker.
+    let mut r = parse(
+        Endpoint::ChatCompletions,
+        body(
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1, "max_completion_tokens": 400}),
+        ),
+    )
+    .unwrap();
+    assert_eq!(r.output_limit(Endpoint::ChatCompletions), Some(400));
+    r.limit_output(Endpoint::ChatCompletions, 400, false)
+        .unwrap();
+    let sent = worker_json(&r);
+    assert_eq!(
+        (
+            sent["max_tokens"].clone(),
+            sent["max_completion_tokens"].clone()
+        ),
+        (json!(400), json!(400))
+    );
+    // A renamed copy keeps it.
+    let renamed = worker_json(&r.for_model("other").unwrap());
+    assert_eq!(renamed["max_completion_tokens"], 400);
+
+    // None set: added only when a bucket holds the reservation.
+    let client = body(json!({"model": "m", "prompt": "hi"}));
+    let mut r = parse(Endpoint::Completions, client.clone()).unwrap();
+    assert_eq!(r.output_limit(Endpoint::Completions), None);
+    r.limit_output(Endpoint::Completions, 16, false).unwrap();
+    assert_eq!(r.body, client, "nothing reserved: the body as sent");
+    r.limit_output(Endpoint::Completions, 16, true).unwrap();
+    assert_eq!(worker_json(&r)["max_tokens"], 16);
+
+    // A response's `max_output_tokens`.
+    let mut r = parse(
+        Endpoint::Responses,
+        body(json!({"model": "m", "input": "hi", "max_output_tokens": 9})),
+    )
+    .unwrap();
+    assert_eq!(r.output_limit(Endpoint::Responses), Some(9));
+    r.limit_output(Endpoint::Responses, 9, true).unwrap();
+    assert_eq!(worker_json(&r)["max_output_tokens"], 9);
+    // Embeddings generate nothing: nothing to limit.
+    let client = body(json!({"model": "m", "input": "hi"}));
+    let mut r = parse(Endpoint::Embeddings, client.clone()).unwrap();
+    r.limit_output(Endpoint::Embeddings, 5, true).unwrap();
+    assert_eq!(r.body, client);
 }

@@ -23,7 +23,7 @@ struct Heard {
 struct Recorder(Arc<Mutex<Heard>>);
 
 impl Meter for Recorder {
-    fn text_chunk(&mut self) {
+    fn text_chunk(&mut self, _text: &str) {
         self.0.lock().expect("lock").chunks += 1;
     }
 
@@ -100,71 +100,4 @@ async fn a_stream_cut_before_its_final_event_ends_with_an_openai_error() {
     assert!(out.contains("\"error\""), "{out}");
     assert_eq!(heard.chunks, 1);
     assert_eq!(heard.end, Some((502, None)));
-}
-
-/// Classes of `policy::engine::tests::RESOURCES`: `general` = org/large + org/small, `coding` =
-/// org/large, `frontier` = a provider's model only.
-mod classes {
-    use super::super::class_member;
-    use crate::api::openai::passthrough::Route;
-    use crate::errors::GatewayError;
-    use crate::policy::engine::tests::{RESOURCES, set_from};
-
-    fn member(route: Route, class: &str, workers: &[&str]) -> Result<String, GatewayError> {
-        let set = set_from(&[RESOURCES]);
-        let workers: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
-        class_member(&set, route, class, &workers)
-    }
-
-    #[test]
-    fn responses_take_the_first_member_a_worker_serves() {
-        let both = ["org/small", "org/large"];
-        assert_eq!(
-            member(Route::Responses, "general", &both).ok().as_deref(),
-            Some("org/large")
-        );
-        assert_eq!(
-            member(Route::Responses, "general", &["org/small"])
-                .ok()
-                .as_deref(),
-            Some("org/small")
-        );
-    }
-
-    #[test]
-    fn a_single_model_class_serves_every_route() {
-        for route in [
-            Route::Embeddings,
-            Route::Responses,
-            Route::Tokenize,
-            Route::Detokenize,
-        ] {
-            assert_eq!(
-                member(route, "coding", &["org/large"]).ok().as_deref(),
-                Some("org/large"),
-                "{route:?}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_class_of_several_models_is_refused_where_models_differ_in_kind() {
-        for route in [Route::Embeddings, Route::Tokenize, Route::Detokenize] {
-            let error = member(route, "general", &["org/large"]).expect_err("refused");
-            assert_eq!(error.status(), http::StatusCode::BAD_REQUEST);
-            let text = error.to_string();
-            assert!(
-                text.contains("several models (org/large, org/small)")
-                    && text.contains(route.path()),
-                "{text}"
-            );
-        }
-    }
-
-    #[test]
-    fn a_class_only_providers_serve_has_no_worker_here() {
-        let error = member(Route::Responses, "frontier", &["org/large"]).expect_err("refused");
-        assert_eq!(error.status(), http::StatusCode::BAD_REQUEST);
-        assert!(error.to_string().contains("no local model"), "{error}");
-    }
 }

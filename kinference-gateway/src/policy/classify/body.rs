@@ -20,6 +20,10 @@ use serde_json::Value;
 #[cfg(test)]
 mod tests;
 
+/// Top-level members that may hold token ids a worker turns into text: a completion's or
+/// tokenizer's `prompt`, an embedding's `input`, `/detokenize`'s `tokens`.
+const TOKEN_ID_KEYS: [&str; 3] = ["prompt", "input", "tokens"];
+
 /// How deep JSON inside strings (inside strings ...) is decoded: enough for tool arguments that
 /// quote a tool result, without letting a crafted body recurse without bound.
 const MAX_EMBEDDED_JSON_DEPTH: u8 = 3;
@@ -43,7 +47,7 @@ pub fn extract(body: &Value) -> BodyText {
         Value::Object(map) => {
             for (key, value) in map {
                 out.push(key);
-                if key == "prompt"
+                if TOKEN_ID_KEYS.contains(&key.as_str())
                     && let Some(prompts) = token_prompts(value)
                 {
                     out.token_prompts.extend(prompts);

@@ -135,9 +135,13 @@ async fn decide(
         debug: true,
         tokens: &tokens,
     };
-    let mut explain = None;
-    let plan = stage.decide(router, req, &mut explain).await;
-    (plan, explain)
+    match stage.decide(router, req).await {
+        Ok(plan) => {
+            let explain = plan.explain.clone();
+            (Ok(plan), explain)
+        }
+        Err(refused) => (Err(refused.error), refused.explain),
+    }
 }
 
 #[tokio::test]
