@@ -1,10 +1,14 @@
 //! OpenAI wire types: the requests the gateway accepts and forwards, and the parts of vLLM's responses it
 //! reads (usage, finish reasons, stream chunks) for accounting and for the Anthropic translation.
 //!
-//! Requests keep every field the gateway does not interpret in `extra`, so vLLM's extensions
-//! (`top_k`, `ignore_eos`, ...) pass through untouched.
+//! Requests keep every field the gateway does not interpret in `extra` ([`RawFields`]: each as its
+//! JSON text, not a tree), so vLLM's extensions (`top_k`, `ignore_eos`, ...) pass through untouched.
 
-use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::errors::GatewayError;
@@ -22,8 +26,84 @@ pub struct StreamOptions {
     pub extra: Map<String, Value>,
 }
 
+/// The members of a request the gateway does not interpret, each kept as its JSON text: passed to
+/// the worker as sent and read only where the gateway needs one (a limit, `n`, a provider's
+/// translation), so a large unknown member costs its bytes, never a tree of small values.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(transparent)]
+pub struct RawFields(BTreeMap<String, Box<RawValue>>);
+
+impl RawFields {
+    /// Member `name`, read as JSON.
+    pub fn get(&self, name: &str) -> Option<Value> {
+        serde_json::from_str(self.0.get(name)?.get()).ok()
+    }
+
+    /// Member `name` as an unsigned integer.
+    pub fn u64(&self, name: &str) -> Option<u64> {
+        self.get(name)?.as_u64()
+    }
+
+    /// Whether member `name` is present.
+    pub fn contains_key(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+
+    /// Sets member `name` to `value`.
+    pub fn insert(&mut self, name: &str, value: &impl Serialize) {
+        if let Ok(raw) = serde_json::value::to_raw_value(value) {
+            self.0.insert(name.to_string(), raw);
+        }
+    }
+}
+
+impl From<Map<String, Value>> for RawFields {
+    fn from(map: Map<String, Value>) -> Self {
+        let mut fields = RawFields::default();
+        for (name, value) in &map {
+            fields.insert(name, value);
+        }
+        fields
+    }
+}
+
+/// A request body's members, each as its JSON text: the known ones are taken out typed, the rest
+/// stay [`RawFields`].
+struct Members(BTreeMap<String, Box<RawValue>>);
+
+impl Members {
+    fn read<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        BTreeMap::<String, Box<RawValue>>::deserialize(deserializer).map(Members)
+    }
+
+    /// Member `name` read as `T`, when present.
+    fn take<T: DeserializeOwned, E: serde::de::Error>(
+        &mut self,
+        name: &str,
+    ) -> Result<Option<T>, E> {
+        match self.0.remove(name) {
+            None => Ok(None),
+            Some(raw) => serde_json::from_str(raw.get())
+                .map(Some)
+                .map_err(|e| E::custom(format!("{name}: {e}"))),
+        }
+    }
+
+    /// Member `name`, which must be present.
+    fn required<T: DeserializeOwned, E: serde::de::Error>(
+        &mut self,
+        name: &'static str,
+    ) -> Result<T, E> {
+        self.take(name)?.ok_or_else(|| E::missing_field(name))
+    }
+
+    fn rest(self) -> RawFields {
+        RawFields(self.0)
+    }
+}
+
 /// `POST /v1/chat/completions` request body.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ChatCompletionRequest {
     /// Served model name.
     pub model: String,
@@ -37,11 +117,26 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Every other field, passed through.
     #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    pub extra: RawFields,
+}
+
+impl<'de> Deserialize<'de> for ChatCompletionRequest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut m = Members::read(deserializer)?;
+        Ok(ChatCompletionRequest {
+            model: m.required("model")?,
+            messages: m.required("messages")?,
+            stream: m.take::<Option<bool>, _>("stream")?.flatten(),
+            stream_options: m
+                .take::<Option<StreamOptions>, _>("stream_options")?
+                .flatten(),
+            extra: m.rest(),
+        })
+    }
 }
 
 /// `POST /v1/completions` request body.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct CompletionRequest {
     /// Served model name.
     pub model: String,
@@ -55,7 +150,22 @@ pub struct CompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Every other field, passed through.
     #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    pub extra: RawFields,
+}
+
+impl<'de> Deserialize<'de> for CompletionRequest {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let mut m = Members::read(deserializer)?;
+        Ok(CompletionRequest {
+            model: m.required("model")?,
+            prompt: m.required("prompt")?,
+            stream: m.take::<Option<bool>, _>("stream")?.flatten(),
+            stream_options: m
+                .take::<Option<StreamOptions>, _>("stream_options")?
+                .flatten(),
+            extra: m.rest(),
+        })
+    }
 }
 
 /// `usage.prompt_tokens_details`.

@@ -202,8 +202,8 @@ impl Request {
     pub fn output_limit(&self, endpoint: Endpoint) -> Option<u64> {
         let fields = limit_fields(endpoint);
         match &self.kind {
-            Kind::Chat(r) => largest(fields, |f| r.extra.get(f)),
-            Kind::Completion(r) => largest(fields, |f| r.extra.get(f)),
+            Kind::Chat(r) => largest(fields, |f| r.extra.u64(f)),
+            Kind::Completion(r) => largest(fields, |f| r.extra.u64(f)),
             Kind::Passthrough { request, .. } => request.max_output_tokens,
             _ => None,
         }
@@ -212,11 +212,11 @@ impl Request {
     /// How many answers the request asks for (`n`): each generates up to the limit.
     pub fn choices(&self) -> u64 {
         let n = match &self.kind {
-            Kind::Chat(r) => r.extra.get("n"),
-            Kind::Completion(r) => r.extra.get("n"),
+            Kind::Chat(r) => r.extra.u64("n"),
+            Kind::Completion(r) => r.extra.u64("n"),
             _ => None,
         };
-        n.and_then(Value::as_u64).unwrap_or(1).max(1)
+        n.unwrap_or(1).max(1)
     }
 
     /// Makes the worker's body carry exactly `limit` as its output limit: every limit field it sets
@@ -247,8 +247,8 @@ impl Request {
         match extra {
             Some(extra) => {
                 for f in fields {
-                    if extra.contains_key(*f) {
-                        extra.insert((*f).to_string(), limit.into());
+                    if extra.contains_key(f) {
+                        extra.insert(f, &limit);
                         set.push((f, limit.to_string()));
                     }
                 }
@@ -256,7 +256,7 @@ impl Request {
                     && add
                     && let Some(f) = fields.first()
                 {
-                    extra.insert((*f).to_string(), limit.into());
+                    extra.insert(f, &limit);
                     set.push((f, limit.to_string()));
                 }
             }
@@ -327,11 +327,8 @@ impl Request {
 }
 
 /// The largest of `fields` that `get` finds as a number.
-fn largest<'a>(fields: &[&str], get: impl Fn(&str) -> Option<&'a Value>) -> Option<u64> {
-    fields
-        .iter()
-        .filter_map(|f| get(f).and_then(Value::as_u64))
-        .max()
+fn largest(fields: &[&str], get: impl Fn(&str) -> Option<u64>) -> Option<u64> {
+    fields.iter().filter_map(|f| get(f)).max()
 }
 
 /// `s` as a JSON string.

@@ -339,7 +339,7 @@ impl MessagesRequest {
                 include_usage: Some(true),
                 extra: Map::new(),
             }),
-            extra,
+            extra: extra.into(),
         })
     }
 

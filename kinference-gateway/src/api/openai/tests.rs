@@ -129,3 +129,28 @@ fn splicing_include_usage_keeps_the_body_valid() {
     assert_eq!(v, json!({"stream_options": {"include_usage": true}}));
     assert!(splice_include_usage(b"[1]").is_none());
 }
+
+#[test]
+fn unknown_members_stay_json_text_and_round_trip() {
+    let body = br#"{"model":"m","prompt":"x","padding":[0,0,0],"logit_bias":{"1":-100},"n":2}"#;
+    let req: CompletionRequest = parse_body(body).expect("parses");
+    assert_eq!(req.extra.get("padding"), Some(json!([0, 0, 0])));
+    assert_eq!(req.extra.u64("n"), Some(2));
+    assert!(
+        !req.extra.contains_key("model"),
+        "known members are taken out"
+    );
+    let out: Value = serde_json::to_value(&req).expect("serializes");
+    assert_eq!(
+        out,
+        json!({"model": "m", "prompt": "x", "padding": [0, 0, 0], "logit_bias": {"1": -100}, "n": 2})
+    );
+    // Read from a parsed tree too (the policy stage's), with the same result.
+    let from_tree: CompletionRequest =
+        serde_json::from_value(serde_json::from_slice(body).unwrap()).expect("from a Value");
+    assert_eq!(from_tree.extra.get("logit_bias"), Some(json!({"1": -100})));
+    // A known member of the wrong type is refused, naming it.
+    let err = parse_body::<ChatCompletionRequest>(br#"{"model":"m","messages":[],"stream":"yes"}"#)
+        .unwrap_err();
+    assert!(err.to_string().contains("stream"), "{err}");
+}

@@ -8,7 +8,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::api::openai::ChatCompletionRequest;
+use crate::api::openai::{ChatCompletionRequest, RawFields};
 
 /// `anthropic-version` header sent to Anthropic providers.
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
@@ -75,9 +75,8 @@ pub fn anthropic_request(
     }
     let extra = &chat.extra;
     let max_tokens = extra
-        .get("max_tokens")
-        .or_else(|| extra.get("max_completion_tokens"))
-        .and_then(Value::as_u64)
+        .u64("max_tokens")
+        .or_else(|| extra.u64("max_completion_tokens"))
         .unwrap_or(DEFAULT_MAX_TOKENS);
     let mut body = Map::new();
     body.insert("model".into(), model.into());
@@ -88,7 +87,7 @@ pub fn anthropic_request(
     body.insert("messages".into(), Value::Array(turns));
     for key in ["temperature", "top_p", "top_k"] {
         if let Some(v) = extra.get(key).filter(|v| !v.is_null()) {
-            body.insert(key.into(), v.clone());
+            body.insert(key.into(), v);
         }
     }
     match extra.get("stop") {
@@ -96,11 +95,11 @@ pub fn anthropic_request(
             body.insert("stop_sequences".into(), json!([s]));
         }
         Some(Value::Array(a)) if !a.is_empty() => {
-            body.insert("stop_sequences".into(), Value::Array(a.clone()));
+            body.insert("stop_sequences".into(), Value::Array(a));
         }
         _ => {}
     }
-    if let Some(tools) = extra.get("tools").and_then(Value::as_array) {
+    if let Some(Value::Array(tools)) = extra.get("tools") {
         let tools = tools
             .iter()
             .map(anthropic_tool)
@@ -112,7 +111,7 @@ pub fn anthropic_request(
     if let Some(choice) = anthropic_tool_choice(extra)? {
         body.insert("tool_choice".into(), choice);
     }
-    if let Some(user) = extra.get("user").and_then(Value::as_str) {
+    if let Some(Value::String(user)) = extra.get("user") {
         body.insert("metadata".into(), json!({"user_id": user}));
     }
     if stream {
@@ -202,7 +201,7 @@ fn anthropic_tool(tool: &Value) -> Result<Value, Untranslatable> {
 }
 
 /// OpenAI's `tool_choice` and `parallel_tool_calls` as Anthropic's `tool_choice`.
-fn anthropic_tool_choice(extra: &Map<String, Value>) -> Result<Option<Value>, Untranslatable> {
+fn anthropic_tool_choice(extra: &RawFields) -> Result<Option<Value>, Untranslatable> {
     let mut choice = match extra.get("tool_choice") {
         None | Some(Value::Null) => None,
         Some(Value::String(c)) if c == "auto" => Some(json!({"type": "auto"})),
@@ -217,7 +216,7 @@ fn anthropic_tool_choice(extra: &Map<String, Value>) -> Result<Option<Value>, Un
             }
         },
     };
-    if extra.get("parallel_tool_calls") == Some(&Value::Bool(false)) {
+    if extra.get("parallel_tool_calls") == Some(Value::Bool(false)) {
         let choice = choice.get_or_insert_with(|| json!({"type": "auto"}));
         if choice["type"] != "none" {
             choice["disable_parallel_tool_use"] = true.into();
