@@ -1,7 +1,8 @@
 //! What the integration tests of every crate share: a prerequisite check that skips locally and fails under
 //! CI ([`require`], [`skip`]), free loopback ports, a child process killed on drop, the tokenizer and binary
-//! folders, a real kube-apiserver started from `deploy/tests/kube-apiserver/`, and the replay of saved fuzz
-//! corpora ([`replay_corpus`]).
+//! folders, a real kube-apiserver started from `deploy/tests/kube-apiserver/`, the replay of saved fuzz
+//! corpora ([`replay_corpus`]), and the check that a crate's modules import each other in layers
+//! ([`layers`]).
 //!
 //! A dev-dependency (and `xtask`'s, for [`in_ci`]): nothing here is for services. The Python tests get the
 //! same rule from `testkit/python/kinference_ci.py`, a pytest plugin `cargo xtask test` loads.
@@ -9,6 +10,7 @@
 
 pub mod apiserver;
 mod fuzz;
+pub mod layers;
 mod paths;
 mod prereq;
 mod process;
