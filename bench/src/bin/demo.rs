@@ -13,7 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterError};
 use kinference_bench::routing::experiment::{
     self, ExperimentConfig, Policy, RequestCount, RunRecord,

@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::experiment::{
     self, ExperimentConfig, Policy, RequestCount, RunRecord,

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient, Route};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::routing::client::{LoadClient, Route};
 use kinference_bench::routing::cluster::{self, metric_sum};
 use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::stats::summarize;

@@ -17,8 +17,9 @@ use bytes::Bytes;
 use http::Method;
 use serde_json::json;
 
-use super::client::{HttpClient, Route};
+use super::client::Route;
 use super::experiment::Policy;
+use crate::harness::http::{HttpClient, HttpError};
 
 #[cfg(test)]
 mod tests;
@@ -82,7 +83,7 @@ pub enum ClusterError {
     NoWorker(usize),
     /// A request to a worker failed.
     #[error(transparent)]
-    Http(#[from] super::client::HttpError),
+    Http(#[from] HttpError),
     /// A config file could not be written.
     #[error("writing {path}: {source}")]
     Yaml {

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::client::{HttpClient, Route};
+use super::client::Route;
 use super::cluster::{ChildGuard, ClusterError, WorkerEndpoints};
 use super::experiment::Policy;
+use crate::harness::http::HttpClient;
 
 #[cfg(test)]
 mod tests;

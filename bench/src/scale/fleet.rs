@@ -15,8 +15,8 @@ use bytes::Bytes;
 use http::Method;
 use serde_json::json;
 
+use crate::harness::http::HttpClient;
 use crate::process::on_cpus;
-use crate::routing::client::HttpClient;
 use crate::routing::cluster::{
     CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, Prerequisites, free_ports,
     gateway_args, metric_sum, prerequisites,

@@ -1,0 +1,3 @@
+//! The apparatus every benchmark shares: the HTTP client ([`http`]).
+
+pub mod http;
