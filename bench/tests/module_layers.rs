@@ -4,13 +4,7 @@
 
 use std::path::Path;
 
-use testkit::layers::{Allowed, Layers};
-
-/// Circles tolerated for now, each named exactly; fixed one by one in the commits that follow.
-const ALLOWED: &[Allowed<'static>] = &[
-    // `cluster` names `experiment::Policy`; `experiment` names `cluster::Cluster`.
-    ("crate::routing", &["cluster", "experiment"]),
-];
+use testkit::layers::Layers;
 
 #[test]
 fn modules_import_each_other_in_layers_at_every_level() {
@@ -19,5 +13,5 @@ fn modules_import_each_other_in_layers_at_every_level() {
     assert!(layers.graph("crate")["scale"].contains("routing"));
     assert!(layers.graph("crate::sim")["api"].contains("engine"));
     assert!(layers.module_count() >= 30, "{}", layers.module_count());
-    layers.assert_no_circles(ALLOWED);
+    layers.assert_no_circles(&[]);
 }

@@ -16,10 +16,9 @@ use clap::Parser;
 use kinference_bench::harness::http::HttpClient;
 use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterError};
-use kinference_bench::routing::experiment::{
-    self, ExperimentConfig, Policy, RequestCount, RunRecord,
-};
+use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
 use kinference_bench::routing::oracle::Oracle;
+use kinference_bench::routing::policy::Policy;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 
 /// Kinference demo: random routing vs. Kinference on 3 simulated vLLM workers.

@@ -18,12 +18,11 @@ use clap::Parser;
 use kinference_bench::harness::http::HttpClient;
 use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
-use kinference_bench::routing::experiment::{
-    self, ExperimentConfig, Policy, RequestCount, RunRecord,
-};
+use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
 use kinference_bench::routing::fleet::FleetPlan;
 use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
+use kinference_bench::routing::policy::Policy;
 use kinference_bench::routing::report::Report;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 use serde_json::json;

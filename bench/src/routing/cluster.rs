@@ -18,7 +18,7 @@ use http::Method;
 use serde_json::json;
 
 use super::client::Route;
-use super::experiment::Policy;
+use super::policy::Policy;
 use crate::harness::http::{HttpClient, HttpError};
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 
 use super::client::Route;
 use super::cluster::{ChildGuard, ClusterError, WorkerEndpoints};
-use super::experiment::Policy;
+use super::policy::Policy;
 use crate::harness::http::HttpClient;
 
 #[cfg(test)]
