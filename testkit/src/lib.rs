@@ -4,7 +4,9 @@
 //! corpora ([`replay_corpus`]), and the check that a crate's modules import each other in layers
 //! ([`layers`]).
 //!
-//! A dev-dependency (and `xtask`'s, for [`in_ci`]): nothing here is for services. The Python tests get the
+//! A dev-dependency of the crates, and a normal one of `xtask` (for [`in_ci`], [`repo_root`]) and of the
+//! bench binaries (their harness: ports, paths, child processes): nothing here is for services, and it
+//! depends on the standard library alone, so it stays light wherever it goes. The Python tests get the
 //! same rule from `testkit/python/kinference_ci.py`, a pytest plugin `cargo xtask test` loads.
 #![forbid(unsafe_code)]
 
@@ -19,4 +21,4 @@ pub use apiserver::Apiserver;
 pub use fuzz::replay_corpus;
 pub use paths::{bin_dir, repo_root, tokenizer_dir};
 pub use prereq::{in_ci, require, skip};
-pub use process::{ChildGuard, free_port};
+pub use process::{ChildGuard, free_port, free_ports};
