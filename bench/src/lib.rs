@@ -1,7 +1,6 @@
 //! Kinference's benchmark harness and the vLLM simulator it runs against.
 #![forbid(unsafe_code)]
 pub mod harness;
-pub mod process;
 pub mod routing;
 pub mod scale;
 pub mod sim;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, http::HttpClient};
 use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterError};
 use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
@@ -79,7 +79,7 @@ async fn run(args: &Args) -> Result<(), DemoError> {
         settle: Duration::from_millis(300),
     };
     let cluster_config = ClusterConfig {
-        bin_dir: cluster::default_bin_dir(),
+        bin_dir: harness::bin_dir(),
         tokenizer_dir: cluster::default_tokenizer_dir(),
         workers: 3,
         preset: "l40s-27b-fp8".into(),

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, free_ports, repo_root};
 use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
@@ -130,10 +131,6 @@ struct Args {
     overhead_json: Option<PathBuf>,
 }
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
 fn fmt_duration(d: Duration) -> String {
     let s = d.as_secs();
     format!("{}m{:02}s", s / 60, s % 60)
@@ -246,13 +243,7 @@ async fn start_peers(
                 continue;
             }
         };
-        let ports = match cluster::free_ports(2) {
-            Ok(p) => p,
-            Err(e) => {
-                cluster.set_peer(policy, Err(e.to_string()));
-                continue;
-            }
-        };
+        let ports = free_ports(2);
         let ctx = PeerContext {
             workers: cluster.worker_endpoints().to_vec(),
             model: cluster::MODEL.to_string(),
@@ -347,10 +338,7 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         .collect();
     modes.dedup();
     let cluster_config = ClusterConfig {
-        bin_dir: args
-            .bin_dir
-            .clone()
-            .unwrap_or_else(cluster::default_bin_dir),
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
         tokenizer_dir: args
             .tokenizer_dir
             .clone()
