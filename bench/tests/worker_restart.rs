@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use kinference_bench::routing::client::HttpClient;
+use kinference_bench::harness::http::HttpClient;
 use kinference_bench::routing::cluster::{Cluster, ClusterConfig};
 use serde_json::json;
 use testkit::{bin_dir, require, tokenizer_dir};

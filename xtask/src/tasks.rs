@@ -1,9 +1,10 @@
 //! `cargo xtask demo` and `cargo xtask test`: the two commands the README gives.
 
-use crate::setup::{self, repo_root, run_checked, step};
+use crate::setup::{self, run_checked, step};
 use anyhow::bail;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use testkit::repo_root;
 
 #[derive(clap::Args)]
 pub struct DemoArgs {

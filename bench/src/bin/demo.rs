@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient};
+use kinference_bench::harness::{self, http::HttpClient};
+use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterError};
-use kinference_bench::routing::experiment::{
-    self, ExperimentConfig, Policy, RequestCount, RunRecord,
-};
+use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
 use kinference_bench::routing::oracle::Oracle;
+use kinference_bench::routing::policy::Policy;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 
 /// Kinference demo: random routing vs. Kinference on 3 simulated vLLM workers.
@@ -79,7 +79,7 @@ async fn run(args: &Args) -> Result<(), DemoError> {
         settle: Duration::from_millis(300),
     };
     let cluster_config = ClusterConfig {
-        bin_dir: cluster::default_bin_dir(),
+        bin_dir: harness::bin_dir(),
         tokenizer_dir: cluster::default_tokenizer_dir(),
         workers: 3,
         preset: "l40s-27b-fp8".into(),

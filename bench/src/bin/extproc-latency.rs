@@ -15,9 +15,8 @@
 //! target/debug/extproc-latency --calls 3000
 //! ```
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -27,6 +26,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as PResp;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{Process, free_port, wait_ready};
 use kinference_bench::stats::percentile;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -61,21 +62,10 @@ struct Args {
     families: usize,
 }
 
-/// Kills the child on drop.
-struct ChildGuard(Child);
+/// How long a process may take to answer its readiness URL.
+const READY: Duration = Duration::from_secs(120);
 
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<ChildGuard> {
+fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<Process> {
     if !bin.exists() {
         bail!(
             "{} not found: build it (cargo build -p kinference-bench --bin vllm-sim; cargo build -p kinference-gateway)",
@@ -89,21 +79,8 @@ fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<ChildGuard> {
         .stderr(Stdio::inherit())
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))?;
-    Ok(ChildGuard(child))
-}
-
-async fn wait_tcp(port: u16) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        if Instant::now() > deadline {
-            bail!("port {port} not up");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    Ok(())
+    let name = bin.file_name().unwrap_or_default().to_string_lossy();
+    Ok(Process::adopt(&name, child))
 }
 
 fn header(key: &str, value: &str) -> HeaderValue {
@@ -206,11 +183,12 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let tokenizer = std::fs::canonicalize(&args.tokenizer_dir)
         .with_context(|| format!("tokenizer dir {}", args.tokenizer_dir.display()))?;
+    let probe = HttpClient::new();
     let mut guards = Vec::new();
     let mut worker_lines = String::new();
     for _ in 0..args.workers {
-        let port = free_port()?;
-        guards.push(spawn(
+        let port = free_port();
+        let mut sim = spawn(
             &args.bin_dir.join("vllm-sim"),
             &[
                 "--host".into(),
@@ -224,8 +202,10 @@ async fn main() -> anyhow::Result<()> {
                 "--tokenizer-dir".into(),
                 tokenizer.display().to_string(),
             ],
-        )?);
-        wait_tcp(port).await?;
+        )?;
+        let health = format!("http://127.0.0.1:{port}/health");
+        wait_ready(&probe, &mut sim, &health, READY, |_| true).await?;
+        guards.push(sim);
         worker_lines.push_str(&format!(
             "  - {{url: \"http://127.0.0.1:{port}\", model: qwen2-sim}}\n"
         ));
@@ -241,8 +221,8 @@ async fn main() -> anyhow::Result<()> {
             tokenizer.display()
         ),
     )?;
-    let (api, admin, xp) = (free_port()?, free_port()?, free_port()?);
-    guards.push(spawn(
+    let (api, admin, xp) = (free_port(), free_port(), free_port());
+    let mut gateway = spawn(
         &args.bin_dir.join("kinference-gateway"),
         &[
             format!("--listen=127.0.0.1:{api}"),
@@ -250,8 +230,11 @@ async fn main() -> anyhow::Result<()> {
             format!("--extproc-listen=127.0.0.1:{xp}"),
             format!("--config={}", config.display()),
         ],
-    )?);
-    wait_tcp(xp).await?;
+    )?;
+    // The gateway binds its ext_proc port before its admin port answers.
+    let readyz = format!("http://127.0.0.1:{admin}/readyz");
+    wait_ready(&probe, &mut gateway, &readyz, READY, |_| true).await?;
+    guards.push(gateway);
     let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{xp}")).await?;
 
     for i in 0..args.warmup {

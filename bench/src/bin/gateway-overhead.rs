@@ -12,7 +12,7 @@
 //! target/release/gateway-overhead --rounds 10 --requests 400
 //! ```
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,7 +26,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::process::{Guard, free_port, on_cpus};
+use kinference_bench::harness::{self, Process, free_port, on_cpus, repo_root, wait_ready};
 use kinference_bench::routing::client::latency_that_counts;
 use kinference_bench::routing::cluster::{gateway_args, metric_sum};
 use kinference_bench::stats::percentile_duration as percentile;
@@ -126,27 +126,6 @@ fn client() -> HttpClient {
         .build(connector)
 }
 
-async fn wait_ready(client: &HttpClient, url: &str, child: &mut Guard) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Some(status) = child.0.try_wait()? {
-            bail!("{} exited with {status} before {url} answered", child.1);
-        }
-        let request = Request::get(url).body(Full::new(Bytes::new()))?;
-        if let Ok(Ok(response)) =
-            tokio::time::timeout(Duration::from_secs(1), client.request(request)).await
-        {
-            let ok = response.status().is_success();
-            let _ = response.into_body().collect().await;
-            if ok {
-                return Ok(());
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    bail!("{url} not ready within 60 s")
-}
-
 /// Sends one request; returns the latency that counts (first body byte for streams, whole body
 /// otherwise) and the worker that answered, if the gateway said.
 async fn one(
@@ -201,23 +180,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
-
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bin_dir = match &args.bin_dir {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("binary directory")?
-            .to_path_buf(),
-    };
+    let bin_dir = args.bin_dir.clone().unwrap_or_else(harness::bin_dir);
     let tokenizer = args
         .tokenizer_dir
         .clone()
@@ -231,9 +197,10 @@ async fn main() -> anyhow::Result<()> {
     let workdir = std::env::temp_dir().join(format!("gateway-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&workdir)?;
 
-    let (sim_port, gw_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+    let (sim_port, gw_port, admin_port) = (free_port(), free_port(), free_port());
     let worker = format!("http://127.0.0.1:{sim_port}");
-    let mut sim = Guard(
+    let mut sim = Process::adopt(
+        "vllm-sim",
         Command::new(bin_dir.join("vllm-sim"))
             .args([
                 "--host",
@@ -256,12 +223,16 @@ async fn main() -> anyhow::Result<()> {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
-        "vllm-sim",
     );
     // The gateway probes its worker once before serving: start it only once the worker answers, or
     // that first probe ejects it and the first requests get 503 until the next probe.
     let client = client();
-    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
+    let probe = harness::http::HttpClient::new();
+    let ready = Duration::from_secs(60);
+    wait_ready(&probe, &mut sim, &format!("{worker}/health"), ready, |_| {
+        true
+    })
+    .await?;
     let config = workdir.join("gateway.yaml");
     let mut yaml = format!(
         "models:\n  - name: qwen2-sim\n    tokenizer_dir: {}\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: {}\n",
@@ -289,7 +260,8 @@ async fn main() -> anyhow::Result<()> {
         ),
         args.gateway_cpus.as_deref(),
     );
-    let mut gateway = Guard(
+    let mut gateway = Process::adopt(
+        "kinference-gateway",
         Command::new(program)
             .args(program_args)
             .env("RUST_LOG", "warn")
@@ -299,15 +271,10 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| {
                 format!("starting {}", bin_dir.join("kinference-gateway").display())
             })?,
-        "kinference-gateway",
     );
 
-    wait_ready(
-        &client,
-        &format!("http://127.0.0.1:{admin_port}/readyz"),
-        &mut gateway,
-    )
-    .await?;
+    let readyz = format!("http://127.0.0.1:{admin_port}/readyz");
+    wait_ready(&probe, &mut gateway, &readyz, ready, |_| true).await?;
 
     let direct_url = format!("{worker}/v1/chat/completions");
     let gateway_url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");

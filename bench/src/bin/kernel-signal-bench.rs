@@ -19,7 +19,6 @@
 //! ```
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -28,8 +27,9 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Parser;
 use http::Method;
-use kinference_bench::process::{Guard, free_port};
-use kinference_bench::routing::client::{HttpClient, LoadClient, Route};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, HarnessError, Process, free_port, wait_ready};
+use kinference_bench::routing::client::{LoadClient, Route};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions, MODEL};
 use kinference_bench::routing::stats::RequestOutcome;
 use kinference_bench::routing::workload::{ChatRequest, Workload, WorkloadKind, WorkloadShape};
@@ -408,27 +408,6 @@ async fn prediction_error(
     Ok(observed_p50)
 }
 
-fn log_file(dir: &Path, name: &str) -> anyhow::Result<(Stdio, Stdio)> {
-    let file = std::fs::File::create(dir.join(name))?;
-    Ok((Stdio::from(file.try_clone()?), Stdio::from(file)))
-}
-
-async fn wait_for(http: &HttpClient, url: &str, child: &mut Guard) -> anyhow::Result<String> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(status) = child.0.try_wait()? {
-            bail!("{} exited with {status} before {url} answered", child.1);
-        }
-        if let Ok(text) = http.get_text(url).await {
-            return Ok(text);
-        }
-        if Instant::now() > deadline {
-            bail!("{url} not ready within 60 s");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Starts an agent watching `worker`; `ebpf` false: with `KINFERENCE_DISABLE_EBPF=1`.
 async fn start_agent(
     bin_dir: &Path,
@@ -436,58 +415,59 @@ async fn start_agent(
     worker: &str,
     ebpf: bool,
     http: &HttpClient,
-) -> anyhow::Result<Guard> {
+) -> anyhow::Result<Process> {
     let workers = dir.join("overhead-agent-workers.yaml");
     std::fs::write(
         &workers,
         format!("workers:\n  - url: {worker}\n    model: {MODEL}\n"),
     )?;
-    let metrics = format!("127.0.0.1:{}", free_port()?);
-    let (out, err) = log_file(
-        dir,
-        if ebpf {
-            "overhead-agent-ebpf.log"
-        } else {
-            "overhead-agent.log"
-        },
-    )?;
-    let mut command = Command::new(bin_dir.join("kinference-agent"));
-    command
-        .args(["--grpc-listen", &format!("127.0.0.1:{}", free_port()?)])
-        .args(["--metrics-listen", &metrics])
-        .arg("--workers")
-        .arg(&workers)
-        .env("RUST_LOG", "warn")
-        .stdout(out)
-        .stderr(err);
-    if !ebpf {
-        command.env("KINFERENCE_DISABLE_EBPF", "1");
-    }
-    let mut agent = Guard(
-        command.spawn().context("starting kinference-agent")?,
-        "kinference-agent",
-    );
+    let metrics = format!("127.0.0.1:{}", free_port());
+    let log = dir.join(if ebpf {
+        "overhead-agent-ebpf.log"
+    } else {
+        "overhead-agent.log"
+    });
+    let args = [
+        "--grpc-listen".to_string(),
+        format!("127.0.0.1:{}", free_port()),
+        "--metrics-listen".to_string(),
+        metrics.clone(),
+        "--workers".to_string(),
+        workers.display().to_string(),
+    ];
+    let env = if ebpf {
+        Vec::new()
+    } else {
+        vec![("KINFERENCE_DISABLE_EBPF".to_string(), "1".to_string())]
+    };
+    let program = bin_dir.join("kinference-agent");
+    let mut agent = Process::spawn("kinference-agent", &program, &args, &env, log)?;
     let url = format!("http://{metrics}/metrics");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let text = wait_for(http, &url, &mut agent).await?;
-        let attached = metric_sum_labelled(
-            &text,
+    let attached = |text: &str| {
+        metric_sum_labelled(
+            text,
             "kinference_agent_ebpf_program_state",
             "state=\"attached\"",
-        );
-        // With eBPF: ready once the worker's port is watched (its in-flight gauge exists).
-        let watching = text.contains("kinference_agent_kernel_in_flight{");
-        if !ebpf || (attached >= 1.0 && watching) {
-            return Ok(agent);
-        }
-        if Instant::now() > deadline {
+        )
+    };
+    // With eBPF: ready once the programs are attached and the worker's port is watched (its
+    // in-flight gauge exists).
+    let ready = |text: &str| {
+        !ebpf || (attached(text) >= 1.0 && text.contains("kinference_agent_kernel_in_flight{"))
+    };
+    // The agent answers at once; attaching the programs takes up to a few seconds.
+    let limit = Duration::from_secs(if ebpf { 30 } else { 60 });
+    match wait_ready(http, &mut agent, &url, limit, ready).await {
+        Ok(_) => Ok(agent),
+        Err(HarnessError::NotReady { .. }) if ebpf => {
+            let text = http.get_text(&url).await.unwrap_or_default();
             bail!(
-                "the agent's eBPF programs did not attach (attached: {attached}); see {}",
+                "the agent's eBPF programs did not attach (attached: {}); see {}",
+                attached(&text),
                 dir.display()
-            );
+            )
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -531,35 +511,27 @@ async fn overhead(
     let dir = args.work_dir.join("overhead");
     std::fs::create_dir_all(&dir)?;
     let http = HttpClient::new();
-    let port = free_port()?;
+    let port = free_port();
     let worker = format!("http://127.0.0.1:{port}");
-    let (out, err) = log_file(&dir, "worker.log")?;
-    let mut sim = Guard(
-        Command::new(bin_dir.join("vllm-sim"))
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "--model",
-                MODEL,
-            ])
-            .arg("--tokenizer-dir")
-            .arg(tokenizer_dir)
-            .args([
-                "--preset",
-                "fast",
-                "--time-scale",
-                &args.overhead_time_scale.to_string(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .context("starting vllm-sim")?,
-        "vllm-sim",
-    );
-    wait_for(&http, &format!("{worker}/health"), &mut sim).await?;
+    let sim_args = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--model",
+        MODEL,
+        "--tokenizer-dir",
+        &tokenizer_dir.display().to_string(),
+        "--preset",
+        "fast",
+        "--time-scale",
+        &args.overhead_time_scale.to_string(),
+    ]
+    .map(String::from);
+    let program = bin_dir.join("vllm-sim");
+    let mut sim = Process::spawn("vllm-sim", &program, &sim_args, &[], dir.join("worker.log"))?;
+    let health = format!("{worker}/health");
+    wait_ready(&http, &mut sim, &health, Duration::from_secs(60), |_| true).await?;
     // Warm the worker's prefix cache and the client's connections.
     direct_round(&http, &worker, 50, args.overhead_concurrency).await?;
 
@@ -650,10 +622,7 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let bin_dir = args
-        .bin_dir
-        .clone()
-        .unwrap_or_else(cluster::default_bin_dir);
+    let bin_dir = args.bin_dir.clone().unwrap_or_else(harness::bin_dir);
     let tokenizer_dir = args
         .tokenizer_dir
         .clone()

@@ -16,13 +16,13 @@
 //! ```
 //! Needs a file-descriptor limit above idle + slow (`ulimit -n`), for this process and the gateway.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use bytes::Bytes;
 use clap::Parser;
 use http::{Method, Request};
@@ -30,7 +30,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::process::{Guard, free_port};
+use kinference_bench::harness::{self, Process, free_port, repo_root, wait_ready};
 use kinference_bench::stats::percentile_duration as percentile;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -81,20 +81,6 @@ async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, String)> {
     let status = response.status().as_u16();
     let body = response.into_body().collect().await?.to_bytes();
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-async fn wait_ready(client: &HttpClient, url: &str, child: &mut Guard) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Some(status) = child.0.try_wait()? {
-            bail!("{} exited with {status} before {url} answered", child.1);
-        }
-        if matches!(get(client, url).await, Ok((200, _))) {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    bail!("{url} not ready within 60 s")
 }
 
 /// `requests` well-behaved requests at `concurrency`: the latencies, and how many failed.
@@ -175,23 +161,10 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bin_dir = match &args.bin_dir {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("binary directory")?
-            .to_path_buf(),
-    };
+    let bin_dir = args.bin_dir.clone().unwrap_or_else(harness::bin_dir);
     let tokenizer = args
         .tokenizer_dir
         .clone()
@@ -199,9 +172,10 @@ async fn main() -> anyhow::Result<()> {
     let workdir = std::env::temp_dir().join(format!("overload-bench-{}", std::process::id()));
     std::fs::create_dir_all(&workdir)?;
 
-    let (sim_port, gw_port, admin_port) = (free_port()?, free_port()?, free_port()?);
+    let (sim_port, gw_port, admin_port) = (free_port(), free_port(), free_port());
     let worker = format!("http://127.0.0.1:{sim_port}");
-    let mut sim = Guard(
+    let mut sim = Process::adopt(
+        "vllm-sim",
         Command::new(bin_dir.join("vllm-sim"))
             .args(["--host", "127.0.0.1", "--port", &sim_port.to_string()])
             .args(["--model", "qwen2-sim", "--preset", "fast"])
@@ -213,7 +187,6 @@ async fn main() -> anyhow::Result<()> {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
-        "vllm-sim",
     );
     let config = workdir.join("gateway.yaml");
     std::fs::write(
@@ -222,7 +195,8 @@ async fn main() -> anyhow::Result<()> {
             "models:\n  - name: qwen2-sim\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: least-outstanding\n"
         ),
     )?;
-    let mut gateway = Guard(
+    let mut gateway = Process::adopt(
+        "kinference-gateway",
         Command::new(bin_dir.join("kinference-gateway"))
             .args(["--listen", &format!("127.0.0.1:{gw_port}")])
             .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
@@ -235,24 +209,35 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| {
                 format!("starting {}", bin_dir.join("kinference-gateway").display())
             })?,
-        "kinference-gateway",
     );
     let client = client();
     let admin = format!("http://127.0.0.1:{admin_port}");
-    wait_ready(&client, &format!("{worker}/health"), &mut sim).await?;
-    wait_ready(&client, &format!("{admin}/readyz"), &mut gateway).await?;
+    let probe = harness::http::HttpClient::new();
+    let ready = Duration::from_secs(60);
+    wait_ready(&probe, &mut sim, &format!("{worker}/health"), ready, |_| {
+        true
+    })
+    .await?;
+    wait_ready(
+        &probe,
+        &mut gateway,
+        &format!("{admin}/readyz"),
+        ready,
+        |_| true,
+    )
+    .await?;
     // Ready is not the same as having probed the worker up (the gateway may have started first).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !get(&client, &format!("{admin}/healthz/workers"))
-        .await
-        .is_ok_and(|(_, body)| body.contains(r#""healthy":1"#))
-    {
-        if Instant::now() > deadline {
-            bail!("the gateway never saw its worker healthy");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let gw_pid = gateway.0.id();
+    let healthy = |body: &str| body.contains(r#""healthy":1"#);
+    let workers = format!("{admin}/healthz/workers");
+    wait_ready(
+        &probe,
+        &mut gateway,
+        &workers,
+        Duration::from_secs(30),
+        healthy,
+    )
+    .await?;
+    let gw_pid = gateway.pid();
 
     let url = format!("http://127.0.0.1:{gw_port}/v1/chat/completions");
     let body = Bytes::from(

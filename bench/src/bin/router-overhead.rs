@@ -27,7 +27,9 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Parser;
 use http::Method;
-use kinference_bench::routing::client::{HttpClient, Route, latency_that_counts};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, free_ports, repo_root};
+use kinference_bench::routing::client::{Route, latency_that_counts};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, process_cpu_seconds};
 use kinference_bench::routing::workload::{Workload, WorkloadKind, WorkloadShape};
@@ -323,10 +325,7 @@ async fn main() -> anyhow::Result<()> {
         peers::parse_peers(&args.peers).map_err(anyhow::Error::msg)?
     };
     let config = ClusterConfig {
-        bin_dir: args
-            .bin_dir
-            .clone()
-            .unwrap_or_else(cluster::default_bin_dir),
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
         tokenizer_dir: args
             .tokenizer_dir
             .clone()
@@ -395,7 +394,7 @@ async fn main() -> anyhow::Result<()> {
                 continue;
             }
         };
-        let ports = cluster::free_ports(2)?;
+        let ports = free_ports(2);
         let ctx = PeerContext {
             workers: cluster.worker_endpoints().to_vec(),
             model: cluster::MODEL.into(),
@@ -439,7 +438,7 @@ async fn main() -> anyhow::Result<()> {
     let out_dir = args
         .out_dir
         .clone()
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/results")));
+        .unwrap_or_else(|| repo_root().join("bench/results"));
     std::fs::create_dir_all(&out_dir)?;
     let unavailable_json: Vec<Value> = unavailable
         .iter()

@@ -15,14 +15,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, free_ports, repo_root};
+use kinference_bench::routing::client::LoadClient;
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
-use kinference_bench::routing::experiment::{
-    self, ExperimentConfig, Policy, RequestCount, RunRecord,
-};
+use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
 use kinference_bench::routing::fleet::FleetPlan;
 use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
+use kinference_bench::routing::policy::Policy;
 use kinference_bench::routing::report::Report;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 use serde_json::json;
@@ -128,10 +129,6 @@ struct Args {
     /// routing.json (`overhead`) and routing.md, so that one report holds every figure of each router.
     #[arg(long)]
     overhead_json: Option<PathBuf>,
-}
-
-fn repo_root() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
 }
 
 fn fmt_duration(d: Duration) -> String {
@@ -246,13 +243,7 @@ async fn start_peers(
                 continue;
             }
         };
-        let ports = match cluster::free_ports(2) {
-            Ok(p) => p,
-            Err(e) => {
-                cluster.set_peer(policy, Err(e.to_string()));
-                continue;
-            }
-        };
+        let ports = free_ports(2);
         let ctx = PeerContext {
             workers: cluster.worker_endpoints().to_vec(),
             model: cluster::MODEL.to_string(),
@@ -347,10 +338,7 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         .collect();
     modes.dedup();
     let cluster_config = ClusterConfig {
-        bin_dir: args
-            .bin_dir
-            .clone()
-            .unwrap_or_else(cluster::default_bin_dir),
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
         tokenizer_dir: args
             .tokenizer_dir
             .clone()

@@ -17,7 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kinference_bench::routing::client::{HttpClient, LoadClient, Route};
+use kinference_bench::harness::http::HttpClient;
+use kinference_bench::harness::{self, repo_root};
+use kinference_bench::routing::client::{LoadClient, Route};
 use kinference_bench::routing::cluster::{self, metric_sum};
 use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::stats::summarize;
@@ -348,10 +350,6 @@ fn load_average() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
-fn repo_root() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-}
-
 fn write_results(
     out_dir: &std::path::Path,
     command: &str,
@@ -537,10 +535,7 @@ async fn run(args: Args) -> ExitCode {
     }
     for (f, &workers) in args.fleets.iter().enumerate() {
         let config = FleetConfig {
-            bin_dir: args
-                .bin_dir
-                .clone()
-                .unwrap_or_else(cluster::default_bin_dir),
+            bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
             tokenizer_dir: args
                 .tokenizer_dir
                 .clone()

@@ -44,7 +44,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::process::{Guard, free_port};
+use kinference_bench::harness::{self, Process, free_port, free_ports, repo_root, wait_ready};
 
 const MODEL: &str = "qwen2-sim";
 /// The tenants the clients are spread over (round robin), with their API keys.
@@ -97,6 +97,9 @@ struct Args {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// How long a process may take to answer its readiness URL.
+const READY: Duration = Duration::from_secs(60);
+
 fn client(max_idle: usize) -> HttpClient {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -111,26 +114,6 @@ async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, String)> {
     let status = response.status().as_u16();
     let body = response.into_body().collect().await?.to_bytes();
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-/// Waits until `url` answers 200 and its body contains `needle`.
-async fn wait_for(
-    client: &HttpClient,
-    url: &str,
-    needle: &str,
-    child: &mut Guard,
-) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Some(status) = child.0.try_wait()? {
-            bail!("{} exited with {status} before {url} answered", child.1);
-        }
-        if matches!(get(client, url).await, Ok((200, body)) if body.contains(needle)) {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    bail!("{url} did not answer with {needle:?} within 60 s")
 }
 
 /// What the clients of one tenant saw.
@@ -292,13 +275,6 @@ fn sum_of(metrics: &str, name: &str) -> f64 {
         .sum()
 }
 
-fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
-}
-
 /// One sample of the gateway.
 struct Sample {
     at: Duration,
@@ -346,10 +322,11 @@ async fn start_gateway(
     bin_dir: &Path,
     config: &Path,
     workers: usize,
-    client: &HttpClient,
-) -> anyhow::Result<(Guard, String, String)> {
-    let (api, admin) = (free_port()?, free_port()?);
-    let mut gateway = Guard(
+    probe: &harness::http::HttpClient,
+) -> anyhow::Result<(Process, String, String)> {
+    let (api, admin) = (free_port(), free_port());
+    let mut gateway = Process::adopt(
+        "kinference-gateway",
         Command::new(bin_dir.join("kinference-gateway"))
             .args(["--listen", &format!("127.0.0.1:{api}")])
             .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
@@ -364,30 +341,31 @@ async fn start_gateway(
             .with_context(|| {
                 format!("starting {}", bin_dir.join("kinference-gateway").display())
             })?,
-        "kinference-gateway",
     );
     let admin = format!("http://127.0.0.1:{admin}");
-    wait_for(client, &format!("{admin}/readyz"), "", &mut gateway).await?;
-    let healthy = format!("\"healthy\":{workers}");
-    wait_for(
-        client,
-        &format!("{admin}/healthz/workers"),
-        &healthy,
+    wait_ready(
+        probe,
         &mut gateway,
+        &format!("{admin}/readyz"),
+        READY,
+        |_| true,
     )
     .await?;
+    let healthy = format!("\"healthy\":{workers}");
+    let url = format!("{admin}/healthz/workers");
+    wait_ready(probe, &mut gateway, &url, READY, |b| b.contains(&healthy)).await?;
     Ok((gateway, format!("http://127.0.0.1:{api}"), admin))
 }
 
 /// Stops the gateway with SIGTERM (it flushes the journal) and waits for it to exit.
-fn stop_gateway(mut gateway: Guard) -> anyhow::Result<()> {
-    let pid = gateway.0.id().to_string();
+fn stop_gateway(mut gateway: Process) -> anyhow::Result<()> {
+    let pid = gateway.pid().to_string();
     let status = Command::new("kill").args(["-TERM", &pid]).status()?;
     if !status.success() {
         bail!("kill -TERM {pid}: {status}");
     }
     let deadline = Instant::now() + Duration::from_secs(60);
-    while gateway.0.try_wait()?.is_none() {
+    while gateway.try_wait()?.is_none() {
         if Instant::now() > deadline {
             bail!("the gateway did not exit within 60 s of SIGTERM");
         }
@@ -404,13 +382,7 @@ fn change(base: f64, end: f64) -> f64 {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bin_dir = match &args.bin_dir {
-        Some(dir) => dir.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("binary directory")?
-            .to_path_buf(),
-    };
+    let bin_dir = args.bin_dir.clone().unwrap_or_else(harness::bin_dir);
     let tokenizer = args
         .tokenizer_dir
         .clone()
@@ -419,8 +391,7 @@ async fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&workdir)?;
     let http = client(args.clients + 64);
 
-    // Held together until every port is known, so no two workers are handed the same one.
-    let ports = kinference_bench::routing::cluster::free_ports(args.workers)?;
+    let ports = free_ports(args.workers);
     let workers: Vec<String> = ports
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))
@@ -430,7 +401,8 @@ async fn main() -> anyhow::Result<()> {
         .map(u16::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let mut sim = Guard(
+    let mut sim = Process::adopt(
+        "vllm-sim",
         Command::new(bin_dir.join("vllm-sim"))
             .args(["--host", "127.0.0.1", "--port", &port_list])
             .args(["--model", MODEL, "--preset", "fast"])
@@ -442,15 +414,15 @@ async fn main() -> anyhow::Result<()> {
             .stderr(Stdio::null())
             .spawn()
             .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
-        "vllm-sim",
     );
+    let probe = harness::http::HttpClient::new();
     for url in &workers {
-        wait_for(&http, &format!("{url}/health"), "", &mut sim).await?;
+        wait_ready(&probe, &mut sim, &format!("{url}/health"), READY, |_| true).await?;
     }
     let journal = workdir.join("usage.jsonl");
     let config = write_config(&workdir, &workers, &journal, args.segment_mib)?;
-    let (gateway, api, _) = start_gateway(&bin_dir, &config, args.workers, &http).await?;
-    let pid = gateway.0.id();
+    let (gateway, api, _) = start_gateway(&bin_dir, &config, args.workers, &probe).await?;
+    let pid = gateway.pid();
     let api_port = api
         .parse::<http::Uri>()?
         .port_u16()
@@ -536,7 +508,7 @@ async fn main() -> anyhow::Result<()> {
 
     // Nothing lost: the journal read back after a restart against the clients and the workers.
     stop_gateway(gateway)?;
-    let (_gateway, _, admin_after) = start_gateway(&bin_dir, &config, args.workers, &http).await?;
+    let (_gateway, _, admin_after) = start_gateway(&bin_dir, &config, args.workers, &probe).await?;
     let (status, report) =
         get(&http, &format!("{admin_after}/admin/usage?from=2000-01-01")).await?;
     if status != 200 {

@@ -1,24 +1,21 @@
 //! A local Kinference cluster of real processes on loopback: simulated vLLM workers, one node agent and
 //! one gateway per routing mode.
 //!
-//! Ports are taken free from the kernel (bind port 0). Workers publish their KV events in vLLM's connect
+//! Ports come from the harness ([`crate::harness::free_ports`]). Workers publish their KV events in vLLM's connect
 //! mode to SUB sockets the agent binds, exactly as a vLLM pod does towards a node-local agent. Every child
-//! is killed when the [`Cluster`] is dropped (also on panic), and its output goes to a log file under the
-//! cluster's work directory.
+//! is a [`Process`], killed when the [`Cluster`] is dropped (also on panic), its output in a log file
+//! under the cluster's work directory.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use bytes::Bytes;
-use http::Method;
 use serde_json::json;
 
-use super::client::{HttpClient, Route};
-use super::experiment::Policy;
+use super::client::Route;
+use super::policy::Policy;
+use crate::harness::http::{HttpClient, HttpError};
+use crate::harness::{HarnessError, Process, free_ports, reset_prefix_cache, wait_ready};
 
 #[cfg(test)]
 mod tests;
@@ -52,37 +49,15 @@ pub enum ClusterError {
         /// Why it failed.
         source: std::io::Error,
     },
-    /// A process exited during start-up.
-    #[error("{name} exited during start-up ({status}); last log lines:\n{log}")]
-    Exited {
-        /// The process.
-        name: String,
-        /// Its exit status.
-        status: String,
-        /// The end of its log.
-        log: String,
-    },
-    /// A process did not become ready in time.
-    #[error("{name} not ready at {url} after {timeout:?}; last log lines:\n{log}")]
-    NotReady {
-        /// The process.
-        name: String,
-        /// The URL polled.
-        url: String,
-        /// The limit.
-        timeout: Duration,
-        /// The end of its log.
-        log: String,
-    },
-    /// A worker kept its cache despite `POST /reset_prefix_cache`.
-    #[error("{0} still holds cached blocks after /reset_prefix_cache for 30 s")]
-    ResetRefused(String),
+    /// A process exited, did not become ready, or a worker kept its cache.
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
     /// A worker index past the fleet.
     #[error("no worker {0} in the cluster")]
     NoWorker(usize),
     /// A request to a worker failed.
     #[error(transparent)]
-    Http(#[from] super::client::HttpError),
+    Http(#[from] HttpError),
     /// A config file could not be written.
     #[error("writing {path}: {source}")]
     Yaml {
@@ -153,28 +128,11 @@ pub struct WorkerEndpoints {
     pub kv_replay: String,
 }
 
-/// Default directory of the binaries: `KINFERENCE_BIN_DIR`, else the directory of the running executable.
-pub fn default_bin_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("KINFERENCE_BIN_DIR") {
-        return PathBuf::from(dir);
-    }
-    let exe_dir = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-        .unwrap_or_else(|| PathBuf::from("."));
-    // Test executables live one level down, in `deps/`.
-    if exe_dir.ends_with("deps") {
-        exe_dir.parent().map(Path::to_path_buf).unwrap_or(exe_dir)
-    } else {
-        exe_dir
-    }
-}
-
 /// Default tokenizer directory: `KINFERENCE_TOKENIZER_DIR`, else `<repo>/.assets/qwen2`.
 pub fn default_tokenizer_dir() -> PathBuf {
     std::env::var_os("KINFERENCE_TOKENIZER_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.assets/qwen2")))
+        .unwrap_or_else(|| crate::harness::repo_root().join(".assets/qwen2"))
 }
 
 /// What starting a simulated fleet needs before any process starts: the binaries, the tokenizer.
@@ -238,147 +196,9 @@ pub fn gateway_args(listen: &str, admin: &str, config: &Path) -> Vec<String> {
     ]
 }
 
-/// Reserves `n` distinct free loopback ports.
-pub fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
-    // All listeners are held until every port is known, so no port is handed out twice.
-    let listeners = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").map_err(io("binding a free port")))
-        .collect::<Result<Vec<_>, _>>()?;
-    listeners
-        .iter()
-        .map(|l| {
-            l.local_addr()
-                .map(|a| a.port())
-                .map_err(io("reading a bound port"))
-        })
-        .collect()
-}
-
-/// A child process killed when dropped (with its whole process group when it leads one).
-pub(crate) struct ChildGuard {
-    name: String,
-    child: Child,
-    log: PathBuf,
-    group: bool,
-}
-
-impl ChildGuard {
-    /// Starts `program` as the leader of a new process group, so that dropping the guard also stops
-    /// the helpers it starts (Python launchers, worker processes).
-    pub(crate) fn spawn_group(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        log: PathBuf,
-    ) -> Result<Self, ClusterError> {
-        Self::spawn_with(name, program, args, env, log, true)
-    }
-
-    /// The process id (the process group id for [`ChildGuard::spawn_group`]).
-    pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn spawn(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        log: PathBuf,
-    ) -> Result<Self, ClusterError> {
-        Self::spawn_env(name, program, args, &[], log)
-    }
-
-    fn spawn_env(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        log: PathBuf,
-    ) -> Result<Self, ClusterError> {
-        Self::spawn_with(name, program, args, env, log, false)
-    }
-
-    fn spawn_with(
-        name: &str,
-        program: &Path,
-        args: &[String],
-        env: &[(String, String)],
-        log: PathBuf,
-        new_group: bool,
-    ) -> Result<Self, ClusterError> {
-        let out = File::create(&log).map_err(io(format!("creating {}", log.display())))?;
-        let err = out.try_clone().map_err(io("duplicating a log handle"))?;
-        let mut command = Command::new(program);
-        command
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err));
-        // Quiet by default: per-request logging would cost CPU the benchmark measures.
-        if std::env::var_os("RUST_LOG").is_none() {
-            command.env("RUST_LOG", "warn");
-        }
-        command.envs(env.iter().map(|(k, v)| (k, v)));
-        if new_group {
-            use std::os::unix::process::CommandExt as _;
-            command.process_group(0);
-        }
-        let child = command
-            .spawn()
-            .map_err(io(format!("starting {}", program.display())))?;
-        tracing::debug!(name, pid = child.id(), "started");
-        Ok(Self {
-            name: name.to_string(),
-            child,
-            log,
-            group: new_group,
-        })
-    }
-
-    pub(crate) fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
-    }
-
-    pub(crate) fn exited(&mut self) -> Option<ClusterError> {
-        match self.child.try_wait() {
-            Ok(Some(status)) => Some(ClusterError::Exited {
-                name: self.name.clone(),
-                status: status.to_string(),
-                log: self.log_tail(),
-            }),
-            _ => None,
-        }
-    }
-}
-
-impl ChildGuard {
-    /// Kills the process (with its group when it leads one) and reaps it.
-    fn stop(&mut self) {
-        if self.group {
-            // The whole group: `kill -TERM -- -PGID`, then the leader for certain.
-            let _ = Command::new("kill")
-                .args(["-TERM", "--", &format!("-{}", self.child.id())])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
-
 /// A simulated worker's process and how it was started, so that it can be started again.
 struct WorkerProcess {
-    guard: ChildGuard,
+    guard: Process,
     name: String,
     program: PathBuf,
     args: Vec<String>,
@@ -412,7 +232,7 @@ pub struct Cluster {
     /// The workers' processes, in worker order (locked while one restarts).
     worker_processes: Vec<tokio::sync::Mutex<WorkerProcess>>,
     // Dropped last, after the fields above: the agent and the gateways.
-    children: Vec<ChildGuard>,
+    children: Vec<Process>,
 }
 
 /// Prefix-cache counters summed over the workers (tokens), from their `/metrics`.
@@ -471,7 +291,7 @@ impl Cluster {
                 })
             })
             .collect();
-        let ports = free_ports(3 * n + 2 + 2 * gateway_names.len())?;
+        let ports = free_ports(3 * n + 2 + 2 * gateway_names.len());
         let (worker_ports, rest) = ports.split_at(3 * n);
         let (agent_ports, gateway_ports) = rest.split_at(2);
         let workers: Vec<WorkerPorts> = worker_ports
@@ -526,7 +346,7 @@ impl Cluster {
             "bench-node".into(),
         ];
         agent_args.extend(options.agent_args.iter().cloned());
-        let agent = ChildGuard::spawn_env(
+        let agent = Process::spawn(
             "kinference-agent",
             &agent_bin,
             &agent_args,
@@ -578,10 +398,11 @@ impl Cluster {
                     .cloned(),
             );
             let name = format!("vllm-sim w{}", i + 1);
-            let guard = ChildGuard::spawn(
+            let guard = Process::spawn(
                 &name,
                 &sim_bin,
                 &args,
+                &[],
                 config.work_dir.join(format!("worker-{}.log", i + 1)),
             )?;
             cluster
@@ -606,10 +427,11 @@ impl Cluster {
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
             let admin = format!("127.0.0.1:{}", ports[1]);
-            let child = ChildGuard::spawn(
+            let child = Process::spawn(
                 &format!("kinference-gateway ({name})"),
                 &gateway_bin,
                 &gateway_args(&listen, &admin, &path),
+                &[],
                 config.work_dir.join(format!("gateway-{file}.log")),
             )?;
             let pid = child.pid();
@@ -686,7 +508,7 @@ impl Cluster {
 
     /// The agent's process id (the first child).
     pub fn agent_pid(&self) -> Option<u32> {
-        self.children.first().map(ChildGuard::pid)
+        self.children.first().map(Process::pid)
     }
 
     /// The agent's metrics URL.
@@ -699,44 +521,11 @@ impl Cluster {
         &self.work_dir
     }
 
-    /// Empties every worker's prefix cache (`POST /reset_prefix_cache`), so the next run starts cold,
-    /// then gives the resulting `AllBlocksCleared` events time to reach the gateways' indexes.
+    /// Empties every worker's prefix cache ([`reset_prefix_cache`]), so the next run starts cold,
+    /// then gives the resulting `AllBlocksCleared` events `settle` to reach the gateways' indexes.
     pub async fn reset_caches(&self, settle: Duration) -> Result<(), ClusterError> {
         for w in &self.workers {
-            // vLLM refuses the reset while requests run (answering 200 all the same), so the simulator's
-            // own view is checked and the reset retried until the cache is really empty.
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                self.http
-                    .call(
-                        Method::POST,
-                        &format!("{w}/reset_prefix_cache"),
-                        Bytes::new(),
-                    )
-                    .await?;
-                let state = self.http.get_text(&format!("{w}/sim/state")).await?;
-                let empty = serde_json::from_str::<serde_json::Value>(&state)
-                    .ok()
-                    .and_then(|v| v["block_hashes"].as_array().map(Vec::is_empty))
-                    // Not a simulator: trust the reset.
-                    .unwrap_or(true);
-                if empty {
-                    break;
-                }
-                if Instant::now() > deadline {
-                    return Err(ClusterError::ResetRefused(w.clone()));
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-        // Like vLLM, the simulator publishes `AllBlocksCleared` only with its next engine step: one
-        // tiny request per worker (too short to fill a block, so it caches nothing) makes that step,
-        // and the pause lets the event travel worker -> agent -> gateways before the next run.
-        let flush = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
-        for w in &self.workers {
-            self.http
-                .post_json(&format!("{w}/v1/completions"), &flush)
-                .await?;
+            reset_prefix_cache(&self.http, w, MODEL).await?;
         }
         tokio::time::sleep(settle).await;
         Ok(())
@@ -777,7 +566,7 @@ impl Cluster {
             index + 1,
             process.restarts
         ));
-        process.guard = ChildGuard::spawn(&process.name, &process.program, &process.args, log)?;
+        process.guard = Process::spawn(&process.name, &process.program, &process.args, &[], log)?;
         wait_ready(
             &self.http,
             &mut process.guard,
@@ -809,38 +598,10 @@ impl Cluster {
             .map(|p| &mut p.get_mut().guard);
         for child in self.children.iter_mut().chain(workers) {
             if let Some(exited) = child.exited() {
-                return Err(exited);
+                return Err(exited.into());
             }
         }
         Ok(())
-    }
-}
-
-/// Polls `url` until it answers with a body that is `ready`, failing early when `child` exits.
-async fn wait_ready(
-    http: &HttpClient,
-    child: &mut ChildGuard,
-    url: &str,
-    timeout: Duration,
-    ready: impl Fn(&str) -> bool,
-) -> Result<(), ClusterError> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(exited) = child.exited() {
-            return Err(exited);
-        }
-        if http.get_text(url).await.is_ok_and(|body| ready(&body)) {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            return Err(ClusterError::NotReady {
-                name: child.name.clone(),
-                url: url.to_string(),
-                timeout,
-                log: child.log_tail(),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

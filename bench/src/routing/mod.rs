@@ -5,7 +5,8 @@
 //! client-side [`oracle`] that asks every simulated worker for its exact TTFT estimate. [`cluster`] starts
 //! and stops the real processes; [`stats`] turns the measured requests into the figures that
 //! [`report`] writes (JSON, markdown, SVG). [`experiment`] ties them together for `routing-bench` and
-//! `demo`; [`fleet`] describes the mixed fleet of the `heterogeneous` and `restart` workloads.
+//! `demo`, over the routing [`policy`]s; [`fleet`] describes the mixed fleet of the `heterogeneous` and
+//! `restart` workloads.
 
 pub mod client;
 pub mod cluster;
@@ -13,6 +14,7 @@ pub mod experiment;
 pub mod fleet;
 pub mod oracle;
 pub mod peers;
+pub mod policy;
 pub mod report;
 pub mod stats;
 pub mod workload;

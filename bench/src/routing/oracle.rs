@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::{Mutex, MutexGuard};
 
-use super::client::{HttpClient, HttpError};
+use crate::harness::http::{HttpClient, HttpError};
 
 #[cfg(test)]
 mod tests;

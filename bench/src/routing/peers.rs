@@ -16,9 +16,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use super::client::{HttpClient, Route};
-use super::cluster::{ChildGuard, ClusterError, WorkerEndpoints};
-use super::experiment::Policy;
+use super::client::Route;
+use super::cluster::{ClusterError, WorkerEndpoints};
+use super::policy::Policy;
+use crate::harness::http::HttpClient;
+use crate::harness::{Process, wait_until};
 
 #[cfg(test)]
 mod tests;
@@ -108,19 +110,10 @@ pub enum PeerError {
         /// The install log.
         log: String,
     },
-    /// A file could not be written or a process not started.
+    /// A file could not be written, a process not started, or the router never answered a
+    /// request.
     #[error(transparent)]
     Cluster(#[from] ClusterError),
-    /// The router never answered a request.
-    #[error("{name} did not route a request within {timeout:?}; last log lines:\n{log}")]
-    NotReady {
-        /// The router + policy.
-        name: String,
-        /// The limit.
-        timeout: Duration,
-        /// The end of its log.
-        log: String,
-    },
 }
 
 /// `--peers`: `all`, or a comma list of peer policy names (`smg-prefix-hash`) or package names (`smg`:
@@ -412,7 +405,7 @@ pub struct RunningPeer {
     pub url: String,
     /// Its log file.
     pub log: PathBuf,
-    child: ChildGuard,
+    child: Process,
 }
 
 impl RunningPeer {
@@ -456,13 +449,14 @@ pub async fn start(
         })?;
     }
     let log = ctx.work_dir.join(format!("peer-{policy}.log"));
-    let child = ChildGuard::spawn_group(
+    let child = Process::spawn_group(
         &policy.to_string(),
         &venv.join("bin").join(plan.program),
         &plan.args,
         &plan.env,
         log.clone(),
-    )?;
+    )
+    .map_err(ClusterError::from)?;
     let route = plan.route(ctx.port);
     let url = format!("http://127.0.0.1:{}", ctx.port);
     let mut peer = RunningPeer {
@@ -478,40 +472,32 @@ pub async fn start(
         "max_tokens": 1,
     });
     let auth = plan.api_key.as_ref().map(|k| format!("Bearer {k}"));
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(e) = peer.child.exited() {
-            return Err(PeerError::Cluster(e));
-        }
-        let headers: Vec<(&str, &str)> = auth
-            .as_deref()
-            .map(|a| vec![("authorization", a)])
-            .unwrap_or_default();
-        let ok = tokio::time::timeout(
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|a| vec![("authorization", a)])
+        .unwrap_or_default();
+    let chat = format!("{url}/v1/chat/completions");
+    let what = format!("{chat} (a one-token chat request)");
+    wait_until(&mut peer.child, &what, timeout, || async {
+        let answer = tokio::time::timeout(
             Duration::from_secs(10),
             http.send(
                 http::Method::POST,
-                &format!("{url}/v1/chat/completions"),
+                &chat,
                 &headers,
                 bytes::Bytes::from(probe.to_string()),
             ),
         )
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .is_some_and(|r| r.status().is_success());
-        if ok {
-            return Ok(peer);
-        }
-        if Instant::now() > deadline {
-            return Err(PeerError::NotReady {
-                name: policy.to_string(),
-                timeout,
-                log: peer.child.log_tail(),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        .await;
+        answer
+            .ok()?
+            .ok()
+            .filter(|r| r.status().is_success())
+            .map(drop)
+    })
+    .await
+    .map_err(ClusterError::from)?;
+    Ok(peer)
 }
 
 /// The block size the workers report in `vllm:cache_config_info{block_size="N"}` (what a vLLM

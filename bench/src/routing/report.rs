@@ -8,7 +8,8 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::experiment::{ExperimentConfig, Policy, RunRecord};
+use super::experiment::{ExperimentConfig, RunRecord};
+use super::policy::Policy;
 use super::stats::{RunSummary, geometric_mean};
 use super::workload::WorkloadKind;
 

@@ -4,22 +4,21 @@
 //! every agent; the baselines route without them, so the agents' summary bytes are the one cache-aware
 //! gateway's stream.
 //!
-//! Ports come from the kernel; every child is killed when the [`Fleet`] is dropped (also on panic), and
-//! logs go to the fleet's work directory, as in [`crate::routing::cluster`].
+//! Ports come from the harness ([`crate::harness::free_ports`]); every child is a [`Process`], killed
+//! when the [`Fleet`] is dropped (also on panic), its log in the fleet's work directory, as in
+//! [`crate::routing::cluster`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::Method;
 use serde_json::json;
 
-use crate::process::on_cpus;
-use crate::routing::client::HttpClient;
+use crate::harness::http::HttpClient;
+use crate::harness::{Process, free_ports, on_cpus, reset_prefix_cache, wait_ready};
 use crate::routing::cluster::{
-    CacheCounters, ChildGuard, ClusterError, GatewayEndpoint, MODEL, Prerequisites, free_ports,
-    gateway_args, metric_sum, prerequisites,
+    CacheCounters, ClusterError, GatewayEndpoint, MODEL, Prerequisites, gateway_args, metric_sum,
+    prerequisites,
 };
 
 /// How to build the fleet.
@@ -78,8 +77,9 @@ pub struct Fleet {
     workers: Vec<String>,
     gateways: BTreeMap<String, GatewayEndpoint>,
     work_dir: PathBuf,
-    // Dropped last, after the fields above.
-    children: Vec<ChildGuard>,
+    // Dropped last, after the fields above: each node's agent and `vllm-sim`, then the gateways.
+    node_processes: Vec<(Process, Process)>,
+    gateway_processes: BTreeMap<String, Process>,
 }
 
 impl Fleet {
@@ -100,7 +100,8 @@ impl Fleet {
             workers: Vec::new(),
             gateways: BTreeMap::new(),
             work_dir: config.work_dir.clone(),
-            children: Vec::new(),
+            node_processes: Vec::new(),
+            gateway_processes: BTreeMap::new(),
         };
         // Every port of the fleet is reserved at once: ports reserved node by node could repeat one
         // that an earlier node's process had not bound yet.
@@ -109,7 +110,7 @@ impl Fleet {
             .map(|node| per_node.min(config.workers - node * per_node))
             .collect();
         let node_ports: usize = counts.iter().map(|c| 3 * c + 2).sum();
-        let ports = free_ports(node_ports + 2 * config.gateway_modes.len())?;
+        let ports = free_ports(node_ports + 2 * config.gateway_modes.len());
         let (mut node_ports, mut gateway_ports) = ports.split_at(node_ports);
         for (node, &count) in counts.iter().enumerate() {
             let (mine, rest) = node_ports.split_at(3 * count + 2);
@@ -119,15 +120,14 @@ impl Fleet {
 
         // Gateways start once every worker answers: one started beside its workers would eject them
         // on its first failed probe and route around them until they came back.
-        let mut probes: Vec<String> = Vec::new();
-        for node in &fleet.nodes {
-            probes.push(node.agent_metrics_url.clone());
-            probes.extend(node.workers.iter().map(|w| format!("{w}/health")));
-        }
         let deadline = Instant::now() + config.ready_timeout;
-        fleet
-            .wait_urls(&probes, deadline, config.ready_timeout)
-            .await?;
+        let http = fleet.http.clone();
+        for (node, (agent, sim)) in fleet.nodes.iter().zip(&mut fleet.node_processes) {
+            wait(&http, agent, &node.agent_metrics_url, deadline, |_| true).await?;
+            for w in &node.workers {
+                wait(&http, sim, &format!("{w}/health"), deadline, |_| true).await?;
+            }
+        }
 
         let agents: Vec<String> = fleet
             .nodes
@@ -152,7 +152,7 @@ impl Fleet {
                 gateway_args(&listen, &admin, &path),
                 config.gateway_cpus.as_deref(),
             );
-            let child = ChildGuard::spawn_group(
+            let child = Process::spawn_group(
                 &format!("kinference-gateway ({mode})"),
                 &program,
                 &args,
@@ -160,7 +160,7 @@ impl Fleet {
                 config.work_dir.join(format!("gateway-{mode}.log")),
             )?;
             let pid = child.pid();
-            fleet.children.push(child);
+            fleet.gateway_processes.insert(mode.clone(), child);
             fleet.gateways.insert(
                 mode.clone(),
                 GatewayEndpoint {
@@ -171,17 +171,19 @@ impl Fleet {
                 },
             );
         }
-        let probes: Vec<String> = fleet
-            .gateways
-            .values()
-            .map(|g| format!("{}/readyz", g.admin_url))
-            .collect();
-        fleet
-            .wait_urls(&probes, deadline, config.ready_timeout)
-            .await?;
-        fleet
-            .wait_agent_streams(deadline, config.ready_timeout)
-            .await?;
+        for (mode, gateway) in &mut fleet.gateway_processes {
+            let url = format!("{}/readyz", fleet.gateways[mode].admin_url);
+            wait(&http, gateway, &url, deadline, |_| true).await?;
+        }
+        // The cache-aware gateway routes on what the agents stream: wait for every stream.
+        if let Some(gateway) = fleet.gateway_processes.get_mut("kinference") {
+            let url = format!("{}/metrics", fleet.gateways["kinference"].admin_url);
+            let agents = fleet.nodes.len();
+            let streams = |text: &str| {
+                metric_sum(text, "kinference_routing_agent_connected") as usize >= agents
+            };
+            wait(&http, gateway, &url, deadline, streams).await?;
+        }
         Ok(fleet)
     }
 
@@ -230,7 +232,7 @@ impl Fleet {
                 })).collect::<Vec<_>>()
             }),
         )?;
-        let agent = ChildGuard::spawn_group(
+        let agent = Process::spawn_group(
             &format!("kinference-agent (node {node})"),
             agent_bin,
             &[
@@ -247,7 +249,6 @@ impl Fleet {
             config.work_dir.join(format!("agent-node{node}.log")),
         )?;
         let agent_pid = agent.pid();
-        self.children.push(agent);
 
         let list = |f: &dyn Fn(&WorkerPorts) -> String| {
             workers.iter().map(f).collect::<Vec<_>>().join(",")
@@ -275,7 +276,7 @@ impl Fleet {
             list(&|w| format!("kv@w{}@{MODEL}", w.number)),
         ];
         args.extend(config.worker_args.iter().cloned());
-        let sim = ChildGuard::spawn_group(
+        let sim = Process::spawn_group(
             &format!("vllm-sim (node {node}, {count} workers)"),
             sim_bin,
             &args,
@@ -283,7 +284,7 @@ impl Fleet {
             config.work_dir.join(format!("sim-node{node}.log")),
         )?;
         let sim_pid = sim.pid();
-        self.children.push(sim);
+        self.node_processes.push((agent, sim));
         self.workers.extend(urls.iter().cloned());
         self.nodes.push(Node {
             agent_grpc,
@@ -293,57 +294,6 @@ impl Fleet {
             workers: urls,
         });
         Ok(())
-    }
-
-    async fn wait_urls(
-        &mut self,
-        urls: &[String],
-        deadline: Instant,
-        timeout: Duration,
-    ) -> Result<(), ClusterError> {
-        for url in urls {
-            while self.http.get_text(url).await.is_err() {
-                self.check_alive()?;
-                if Instant::now() > deadline {
-                    return Err(self.not_ready(url, timeout));
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-        Ok(())
-    }
-
-    /// The cache-aware gateway routes on what the agents stream: waits for every stream.
-    async fn wait_agent_streams(
-        &mut self,
-        deadline: Instant,
-        timeout: Duration,
-    ) -> Result<(), ClusterError> {
-        let Some(g) = self.gateways.get("kinference") else {
-            return Ok(());
-        };
-        let url = format!("{}/metrics", g.admin_url);
-        loop {
-            let text = self.http.get_text(&url).await.unwrap_or_default();
-            if metric_sum(&text, "kinference_routing_agent_connected") as usize >= self.nodes.len()
-            {
-                return Ok(());
-            }
-            self.check_alive()?;
-            if Instant::now() > deadline {
-                return Err(self.not_ready(&url, timeout));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn not_ready(&self, url: &str, timeout: Duration) -> ClusterError {
-        ClusterError::NotReady {
-            name: "fleet".into(),
-            url: url.to_string(),
-            timeout,
-            log: format!("logs in {}", self.work_dir.display()),
-        }
     }
 
     /// Every worker's base URL, node by node.
@@ -368,53 +318,27 @@ impl Fleet {
 
     /// Whether every child is still running (the name and log of the first one that is not).
     pub fn check_alive(&mut self) -> Result<(), ClusterError> {
-        for child in &mut self.children {
+        let nodes = self.node_processes.iter_mut().flat_map(|(a, s)| [a, s]);
+        for child in nodes.chain(self.gateway_processes.values_mut()) {
             if let Some(exited) = child.exited() {
-                return Err(exited);
+                return Err(exited.into());
             }
         }
         Ok(())
     }
 
-    /// Empties every worker's prefix cache, as [`crate::routing::cluster::Cluster::reset_caches`]
-    /// does (retried while requests still run, then one tiny request per worker so the
-    /// `AllBlocksCleared` event goes out), and waits `settle` for the events to reach the gateway.
+    /// Empties every worker's prefix cache at once ([`reset_prefix_cache`], as
+    /// [`crate::routing::cluster::Cluster::reset_caches`] does one by one), and waits `settle` for
+    /// the `AllBlocksCleared` events to reach the gateway.
     pub async fn reset_caches(&self, settle: Duration) -> Result<(), ClusterError> {
-        let resets = self.workers.iter().map(|w| self.reset_one(w));
+        let resets = self
+            .workers
+            .iter()
+            .map(|w| reset_prefix_cache(&self.http, w, MODEL));
         for result in futures::future::join_all(resets).await {
             result?;
         }
         tokio::time::sleep(settle).await;
-        Ok(())
-    }
-
-    async fn reset_one(&self, worker: &str) -> Result<(), ClusterError> {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            self.http
-                .call(
-                    Method::POST,
-                    &format!("{worker}/reset_prefix_cache"),
-                    Bytes::new(),
-                )
-                .await?;
-            let state = self.http.get_text(&format!("{worker}/sim/state")).await?;
-            let empty = serde_json::from_str::<serde_json::Value>(&state)
-                .ok()
-                .and_then(|v| v["block_hashes"].as_array().map(Vec::is_empty))
-                .unwrap_or(true);
-            if empty {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(ClusterError::ResetRefused(worker.to_string()));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let flush = json!({"model": MODEL, "prompt": "hi", "max_tokens": 1});
-        self.http
-            .post_json(&format!("{worker}/v1/completions"), &flush)
-            .await?;
         Ok(())
     }
 
@@ -451,6 +375,18 @@ struct WorkerPorts {
     http: u16,
     kv_events: u16,
     kv_replay: u16,
+}
+
+/// [`wait_ready`] for what is left until `deadline` (one deadline for the whole start).
+async fn wait(
+    http: &HttpClient,
+    process: &mut Process,
+    url: &str,
+    deadline: Instant,
+    ready: impl Fn(&str) -> bool,
+) -> Result<String, ClusterError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    Ok(wait_ready(http, process, url, left, ready).await?)
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ClusterError {

@@ -4,7 +4,8 @@
 //! worker made slower at run time) for the benchmark.
 //!
 //! - [`api`]: HTTP routes, OpenAI JSON shapes, SSE.
-//! - [`cache`]: blocks, LRU eviction, vLLM's sha256/pickle block hashes, KV cache events.
+//! - [`cache`]: blocks, LRU eviction, vLLM's sha256/pickle block hashes, LoRA adapters' roots, KV cache
+//!   events.
 //! - [`engine`]: the scheduler (continuous batching, chunked prefill) and the latency presets.
 //! - [`kv_events`]: the ZeroMQ publisher and replay socket, msgpack as msgspec writes it.
 //! - [`metrics`]: vLLM's Prometheus exposition.
@@ -184,7 +185,7 @@ async fn start_with_tokenizer(
         auto_tool_choice: cfg.auto_tool_choice,
         lora_modules: (1..)
             .zip(&cfg.lora_modules)
-            .map(|(id, name)| Arc::new(engine::LoraAdapter::new(name, id)))
+            .map(|(id, name)| Arc::new(cache::LoraAdapter::new(name, id)))
             .collect(),
         api_key: cfg.api_key.clone(),
         responses_api: cfg.responses_api,

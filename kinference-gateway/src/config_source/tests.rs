@@ -462,3 +462,67 @@ fn a_pools_worker_credentials_secret_is_watched_in_its_namespace() {
         secrets::referenced(&s)
     );
 }
+
+/// What the policy stage's own directory poller was tested for, on the source the gateway runs:
+/// a change reloads, and a version that fails the set's cross-checks keeps the previous one
+/// serving, its object `RolledBack`.
+#[tokio::test]
+async fn the_policy_directory_reloads_on_change_and_rolls_back_bad_versions() {
+    use crate::policy::engine::tests::{POLICIES, RESOURCES};
+    let dir = std::env::temp_dir().join(format!(
+        "kinference-files-reload-{}-{:x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("resources.yaml"), RESOURCES).expect("write");
+    std::fs::write(dir.join("policies.yaml"), POLICIES).expect("write");
+    let source = files::start(dir.clone(), std::time::Duration::from_millis(50)).expect("start");
+    let mut rx = source.subscribe();
+    assert_eq!(source.current().set.policies.len(), 3);
+    async fn reload(rx: &mut tokio::sync::watch::Receiver<Arc<Snapshot>>) {
+        tokio::time::timeout(std::time::Duration::from_secs(5), rx.changed())
+            .await
+            .expect("reload")
+            .expect("open");
+    }
+    // Suspend one policy: applied.
+    std::fs::write(
+        dir.join("policies.yaml"),
+        POLICIES.replace("priority: 10\n", "priority: 10\n  suspend: true\n"),
+    )
+    .expect("write");
+    reload(&mut rx).await;
+    assert!(
+        source
+            .current()
+            .set
+            .policies
+            .iter()
+            .any(|p| p.name == "burst" && p.spec.suspend)
+    );
+    // Break it with an unknown provider: the suspended version keeps serving.
+    std::fs::write(
+        dir.join("policies.yaml"),
+        POLICIES
+            .replace("providers: [cloud]", "providers: [nope]")
+            .replace("priority: 10\n", "priority: 10 \n"),
+    )
+    .expect("write");
+    reload(&mut rx).await;
+    let snapshot = source.current();
+    let burst = snapshot
+        .set
+        .policies
+        .iter()
+        .find(|p| p.name == "burst")
+        .expect("kept");
+    assert!(burst.spec.suspend);
+    let entry = snapshot.entry("InferencePolicy", "burst").expect("entry");
+    assert!(
+        matches!(entry.state, ObjectState::RolledBack { .. }),
+        "{:?}",
+        entry.state
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,9 +4,10 @@
 //! Documents of other API groups are ignored (a directory may also hold Secrets). Each object is
 //! checked on its own: YAML syntax, the CRD's schema ([`kinference_crds::schema`]), the typed
 //! spec, then the cross-checks of [`PolicySet::build`]. An object that fails is not applied; its
-//! previous version keeps serving and the log says why. [`PolicyWatcher`] polls file mtimes
-//! (every second by default) and swaps the set atomically; requests in flight keep the `Arc` of
-//! the set they started with, so a reload never loses a request.
+//! previous version keeps serving and the log says why. The gateway watches the directory through
+//! its one local configuration source (`config_source::files`, started once at start-up and shared
+//! by the policy stage and tenancy), which swaps the set atomically; requests in flight keep the
+//! `Arc` of the set they started with, so a reload never loses a request.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -494,6 +495,11 @@ pub struct PolicyWatcher {
 impl PolicyWatcher {
     /// Loads `dir` now (errors only if the directory cannot be read) and spawns a task on the
     /// current tokio runtime that polls it every `interval`. The task ends with the watcher.
+    ///
+    /// A second poller beside the gateway's own source, left only because `PolicyStage::start`
+    /// (called by tests alone) still calls it; its behaviour is tested on the real source
+    /// (`config_source::tests::the_policy_directory_reloads_on_change_and_rolls_back_bad_versions`).
+    /// Delete it, with `PolicyStage::start`, when `policy/stage.rs` is split (issue 31).
     pub fn start(dir: PathBuf, interval: Duration) -> Result<Self, SourceError> {
         // Fingerprint before reading, so a change made during the first load is seen.
         let mut seen = fingerprint(&dir);

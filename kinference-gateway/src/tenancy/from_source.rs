@@ -1,5 +1,6 @@
 //! Tenancy fed by [`crate::config_source::ConfigSource`]s: the watched CRDs in a cluster
-//! ([`Tenancy::follow`]), the tenants' files in local mode ([`Tenancy::follow_files`]). Tenancy never
+//! ([`Tenancy::follow`]), the tenants' files and the gateway's policy-directory source
+//! ([`PolicyFiles`]) in local mode ([`Tenancy::follow_files`]). Tenancy never
 //! reads files itself; both modes build the table the same way ([`Tenancy::table_from`]).
 //!
 //! The tenants are the snapshot's serving `InferenceTenant` objects (each at its last valid
@@ -11,7 +12,7 @@
 //! missing has no key (its callers get 401), never an open gateway.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -24,6 +25,17 @@ use super::{Tenancy, Tenant, keys, metrics};
 use crate::config_source::secrets::SecretValues;
 use crate::config_source::{ConfigSource, Snapshot};
 use crate::policy::PolicySet;
+
+/// The policy directory's configuration source (local mode), started once by the gateway and
+/// shared with the policy stage: tenancy reads the pools and models from it, and the tenants too
+/// when `tenancy.tenants_dir` is that same directory.
+#[derive(Debug, Clone)]
+pub struct PolicyFiles {
+    /// The directory (or file) the source reads: `policy_dir`.
+    pub dir: PathBuf,
+    /// The source's snapshots ([`ConfigSource::subscribe`]).
+    pub snapshots: watch::Receiver<Arc<Snapshot>>,
+}
 
 /// Where tenants' API keys come from.
 enum Keys<'a> {
@@ -89,27 +101,24 @@ impl Tenancy {
         self.install(built, false, values.synced, " from the cluster", true);
     }
 
-    /// Local mode: the tenants from `tenants` (the `tenancy.tenants_dir` source) and the pools'
-    /// prices from it and from `policy` (the policy directory's), with keys from the environment and
-    /// `secrets_dir`. Applies the current snapshots now and keeps following until tenancy is dropped
-    /// or a cluster source takes over ([`Tenancy::follow`]).
+    /// Local mode: the tenants from `tenants` (the `tenancy.tenants_dir` source's snapshots) and
+    /// the pools' prices from them and from `policy` (the policy directory's), with keys from the
+    /// environment and `secrets_dir`. Applies the current snapshots now and keeps following until
+    /// tenancy is dropped or a cluster source takes over ([`Tenancy::follow`]). `own`: a source
+    /// tenancy started itself, kept alive as long as it follows.
     pub(super) fn follow_files(
         self: &Arc<Self>,
-        tenants: Option<ConfigSource>,
-        policy: Option<ConfigSource>,
+        mut tenants_rx: Option<watch::Receiver<Arc<Snapshot>>>,
+        mut policy_rx: Option<watch::Receiver<Arc<Snapshot>>>,
+        own: Option<ConfigSource>,
         every: Duration,
     ) {
-        self.apply_files(
-            tenants.as_ref().map(|s| s.current()).as_deref(),
-            policy.as_ref().map(|s| s.current()).as_deref(),
-            true,
-        );
-        let mut tenants_rx = tenants.as_ref().map(ConfigSource::subscribe);
-        let mut policy_rx = policy.as_ref().map(ConfigSource::subscribe);
+        let (t, p) = (current(&mut tenants_rx), current(&mut policy_rx));
+        self.apply_files(t.as_deref(), p.as_deref(), true);
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
-            // The sources live as long as this task.
-            let _sources = (tenants, policy);
+            // A source of tenancy's own lives as long as this task.
+            let _own = own;
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
@@ -125,9 +134,6 @@ impl Tenancy {
                 if tenancy.followed.load(Ordering::Acquire) {
                     return;
                 }
-                let current = |rx: &mut Option<watch::Receiver<Arc<Snapshot>>>| {
-                    rx.as_mut().map(|rx| Arc::clone(&rx.borrow_and_update()))
-                };
                 let (t, p) = (current(&mut tenants_rx), current(&mut policy_rx));
                 tenancy.apply_files(t.as_deref(), p.as_deref(), false);
             }
@@ -270,6 +276,11 @@ impl Tenancy {
             *slot = Arc::new(table);
         }
     }
+}
+
+/// The latest snapshot of `rx`, marked seen.
+fn current(rx: &mut Option<watch::Receiver<Arc<Snapshot>>>) -> Option<Arc<Snapshot>> {
+    rx.as_mut().map(|rx| Arc::clone(&rx.borrow_and_update()))
 }
 
 /// Waits for the next snapshot of `rx`; forever without one (or once its source is gone).

@@ -103,7 +103,7 @@ pub struct TenantSettings {
     /// What to do while the usage journal cannot be written (a full disk): `serve` or `refuse`
     /// (503). Default: `tenancy.journal.on_usage_unrecorded`.
     #[serde(default)]
-    pub on_usage_unrecorded: Option<super::store::OnUnrecorded>,
+    pub on_usage_unrecorded: Option<OnUnrecorded>,
 }
 
 /// Per-minute limits of one tenant + model.
@@ -151,6 +151,19 @@ pub enum FailMode {
     /// Refuse with 503 until the store is back (the default).
     #[default]
     Closed,
+}
+
+/// What a tenant's requests get while its usage cannot be written (a full disk): the default is
+/// `tenancy.journal.on_usage_unrecorded`, which the journal holds.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OnUnrecorded {
+    /// Serve them; their records wait in the bounded buffer, and what overflows it is counted lost
+    /// (the default: a full disk does not stop inference).
+    #[default]
+    Serve,
+    /// Refuse new requests with 503 in the client's protocol until a write succeeds again.
+    Refuse,
 }
 
 /// One bucket a request touches: its store key, parameters, and the amount asked.

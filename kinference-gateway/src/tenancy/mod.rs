@@ -36,6 +36,7 @@ mod table;
 pub mod usage;
 
 pub use admission::Admission;
+pub use from_source::PolicyFiles;
 #[cfg(test)]
 use headers::go_duration;
 pub use report::ReportError;
@@ -126,7 +127,8 @@ pub struct TenancyConfig {
     /// Prices per served model, for models no `InferencePool` of the policy directory prices.
     #[serde(default)]
     pub prices: BTreeMap<String, TokenPrices>,
-    /// How often the tenants' files and key sources are re-read, in milliseconds.
+    /// How often the tenants' files and key sources are re-read, in milliseconds (a `tenants_dir`
+    /// that is the policy directory is read with it, every `policy_reload_interval_ms`).
     #[serde(default = "default_reload_ms")]
     pub reload_interval_ms: u64,
     /// Latency and size histograms per tenant and model (about 100 series per pair); the counters
@@ -245,7 +247,7 @@ impl Tenancy {
     pub fn start(
         config: TenancyConfig,
         config_path: &Path,
-        policy_dir: Option<PathBuf>,
+        policy: Option<PolicyFiles>,
         models: Vec<String>,
         registry: &mut Registry,
     ) -> Result<Arc<Tenancy>, TenancyError> {
@@ -320,16 +322,19 @@ impl Tenancy {
             followed: std::sync::atomic::AtomicBool::new(false),
         });
         // Local mode: the tenants (and the pools' prices) through the same kind of configuration
-        // source as the cluster's, fed by the files; a cluster source replaces it ([`Tenancy::follow`]).
+        // source as the cluster's, fed by the files; a cluster source replaces them
+        // ([`Tenancy::follow`]). The policy directory's source is the gateway's, shared with the
+        // policy stage; the tenants' directory gets one of its own unless it is that directory.
         let every = Duration::from_millis(tenancy.config.reload_interval_ms.max(100));
-        let tenants_path = tenancy.config.tenants_dir.clone();
-        let tenants = tenants_path
-            .clone()
-            .map(|p| config_source::files::start_or_wait(p, every));
-        let policy = policy_dir
-            .filter(|d| Some(d) != tenants_path.as_ref())
-            .map(|p| config_source::files::start_or_wait(p, every));
-        tenancy.follow_files(tenants, policy, every);
+        let (own, tenants, policy) = match (tenancy.config.tenants_dir.clone(), policy) {
+            (Some(dir), Some(shared)) if dir == shared.dir => (None, Some(shared.snapshots), None),
+            (dir, shared) => {
+                let own = dir.map(|d| config_source::files::start_or_wait(d, every));
+                let tenants = own.as_ref().map(config_source::ConfigSource::subscribe);
+                (own, tenants, shared.map(|s| s.snapshots))
+            }
+        };
+        tenancy.follow_files(tenants, policy, own, every);
         tracing::info!(journal = %journal_path.display(), records = replayed.records.len(),
             periods = replayed.periods.len(),
             store = ?tenancy.config.store, "usage journal replayed");

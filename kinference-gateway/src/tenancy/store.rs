@@ -45,7 +45,9 @@ use tokio::sync::mpsc;
 use super::limits::{Level, Take, Verdict};
 use super::usage::UsageRecord;
 
-pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig, OnUnrecorded};
+pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig};
+// A tenant's setting (beside `FailMode` in `limits`), also named from here by admission.
+pub use super::limits::OnUnrecorded;
 
 /// Records waiting for Redis by default (`tenancy.redis_pending_max`).
 pub const DEFAULT_REDIS_PENDING_MAX: usize = 100_000;

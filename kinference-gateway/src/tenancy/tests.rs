@@ -313,3 +313,67 @@ async fn per_model_limits_follow_the_served_model_whatever_name_was_asked() {
     drop(other);
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// A source over `files` (one YAML file in a fresh folder), as the gateway starts for its policy
+/// directory, with `dir` named as the directory it reads.
+fn policy_files(
+    base: &Path,
+    dir: &Path,
+    files: &str,
+) -> (config_source::ConfigSource, PolicyFiles) {
+    let read = base.join("read");
+    std::fs::create_dir_all(&read).unwrap();
+    std::fs::write(read.join("all.yaml"), files).unwrap();
+    let source = config_source::files::start(read, Duration::from_millis(50)).unwrap();
+    let shared = PolicyFiles {
+        dir: dir.to_path_buf(),
+        snapshots: source.subscribe(),
+    };
+    (source, shared)
+}
+
+#[tokio::test]
+async fn the_gateways_policy_source_is_shared_not_started_again() {
+    let base = std::env::temp_dir().join(format!("kinf-shared-source-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(base.join("secrets/acme")).unwrap();
+    std::fs::write(base.join("secrets/acme/api-key"), "sk-acme-test-key\n").unwrap();
+    let start = |tenants_dir: PathBuf, shared: PolicyFiles| {
+        let config = TenancyConfig {
+            tenants_dir: Some(tenants_dir),
+            secrets_dir: Some(base.join("secrets")),
+            ..TenancyConfig::default()
+        };
+        let path = base.join("gateway.yaml");
+        Tenancy::start(
+            config,
+            &path,
+            Some(shared),
+            vec!["m".into()],
+            &mut Registry::default(),
+        )
+        .unwrap()
+    };
+
+    // `tenants_dir` is the policy directory: its tenants come from the gateway's source. The
+    // folder named does not exist, so a source of tenancy's own would have nothing (503).
+    let policy_dir = base.join("policies");
+    let (_source, shared) = policy_files(&base.join("one"), &policy_dir, TENANTS);
+    let t = start(policy_dir, shared);
+    let caller = t.authenticate(&with_key("sk-acme-test-key")).expect("acme");
+    assert_eq!(caller.label(), "acme");
+
+    // Apart: the tenants from tenancy's own source (the gateway's tenants are not read), the pools
+    // (their prices) from the gateway's.
+    std::fs::write(base.join("tenants.yaml"), TENANTS).unwrap();
+    let resources = crate::policy::engine::tests::RESOURCES;
+    let (_source, shared) = policy_files(&base.join("two"), &base.join("policies"), resources);
+    let t = start(base.join("tenants.yaml"), shared);
+    assert!(t.authenticate(&with_key("sk-acme-test-key")).is_ok());
+    let table = t.table.read().clone();
+    let names: Vec<&str> = table.tenants.iter().map(|t| t.name.as_str()).collect();
+    assert_eq!(names, ["acme"]);
+    let pools: Vec<&str> = table.pools.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(pools, ["pool-large", "pool-small"]);
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -30,13 +30,6 @@ fn hit_share_is_computed_on_the_difference() {
 }
 
 #[test]
-fn free_ports_are_distinct() {
-    let ports = free_ports(20).unwrap_or_default();
-    let distinct: std::collections::HashSet<_> = ports.iter().collect();
-    assert_eq!(distinct.len(), 20);
-}
-
-#[test]
 fn config_files_follow_the_process_contract() {
     let workers = [WorkerPorts {
         http: 8001,

@@ -6,7 +6,8 @@ use std::path::Path;
 use plotters::prelude::*;
 
 use super::ReportError;
-use crate::routing::experiment::{Policy, RunRecord};
+use crate::routing::experiment::RunRecord;
+use crate::routing::policy::Policy;
 use crate::routing::workload::WorkloadKind;
 
 const PANEL_WIDTH: u32 = 560;

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::AppState;
 use super::openai;
-use crate::sim::engine::LoraAdapter;
+use crate::sim::cache::LoraAdapter;
 
 impl AppState {
     /// The loaded adapter named `model`, if any.

@@ -64,7 +64,7 @@ pub struct AppState {
     /// Whether `auto` tool choice is enabled (vLLM's `--enable-auto-tool-choice`).
     pub auto_tool_choice: bool,
     /// LoRA adapters served beside the base model (vLLM's `--lora-modules`).
-    pub lora_modules: Vec<Arc<crate::sim::engine::LoraAdapter>>,
+    pub lora_modules: Vec<Arc<crate::sim::cache::LoraAdapter>>,
     /// vLLM's `--api-key`: `/v1` routes want it as a bearer token.
     pub api_key: Option<String>,
     /// Whether `POST /v1/responses` is served (vLLM before 0.10 has no such route).

@@ -11,6 +11,7 @@
 //!   `AllBlocksCleared` only goes out with the next engine step.
 
 pub mod hash;
+pub mod lora;
 
 #[cfg(test)]
 mod tests;
@@ -18,9 +19,8 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::sim::engine::LoraAdapter;
-
 pub use hash::{BlockDigest, event_hash, hash_block_tokens, hash_blocks, none_hash};
+pub use lora::LoraAdapter;
 
 /// Index of a block in the pool.
 pub type BlockId = u32;

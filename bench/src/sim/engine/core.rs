@@ -15,8 +15,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use super::latency::LatencyModel;
-use super::lora::LoraAdapter;
-use crate::sim::cache::{BlockDigest, BlockId, BlockPool, KvCacheEvent, hash_block_tokens};
+use crate::sim::cache::{
+    BlockDigest, BlockId, BlockPool, KvCacheEvent, LoraAdapter, hash_block_tokens,
+};
 use crate::sim::metrics::FinishReason;
 
 /// Engine-wide request id.

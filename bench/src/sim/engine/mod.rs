@@ -8,7 +8,6 @@
 
 pub mod core;
 pub mod latency;
-pub mod lora;
 
 #[cfg(test)]
 mod tests;
@@ -26,9 +25,8 @@ pub use self::core::{
     CoreConfig, CoreCounts, EngineCore, Forecast, ReqId, StepPlan, prompt_hashes,
 };
 pub use latency::{LatencyModel, Preset};
-pub use lora::LoraAdapter;
 
-use crate::sim::cache::CachedBlock;
+use crate::sim::cache::{CachedBlock, LoraAdapter};
 use crate::sim::kv_events::KvPublisher;
 use crate::sim::metrics::{FinishReason, Gauges, Metrics};
 

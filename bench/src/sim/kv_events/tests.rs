@@ -54,7 +54,7 @@ fn array_format_is_positional_with_trailing_nils() {
 
 #[test]
 fn an_adapters_blocks_carry_its_name_as_vllm_publishes_them() {
-    let lora = std::sync::Arc::new(crate::sim::engine::LoraAdapter::new("sql-lora", 1));
+    let lora = std::sync::Arc::new(crate::sim::cache::LoraAdapter::new("sql-lora", 1));
     let ev = KvCacheEvent::BlockStored {
         block_hashes: vec![1, 2],
         parent_block_hash: None,

@@ -94,8 +94,9 @@ async fn stage_and_router(dir: &Path) -> (Arc<PolicyStage>, Router) {
         policy_dir: Some(dir.to_path_buf()),
         ..Default::default()
     };
+    let source = crate::config::local_source(&config).unwrap();
     let (config, stage) =
-        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default()).unwrap();
+        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default(), source);
     let stage = stage.unwrap();
     assert_eq!(
         config
@@ -335,8 +336,9 @@ async fn selector_pools_are_the_discovered_workers_their_labels_and_gpu_class_pi
         policy_dir: Some(dir.0.clone()),
         ..Default::default()
     };
+    let source = crate::config::local_source(&config).unwrap();
     let (_, stage) =
-        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default()).unwrap();
+        crate::config::with_policy_stage(config, &crate::config::HttpSettings::default(), source);
     let stage = stage.unwrap();
     let (a, b, c) = (
         "http://10.0.0.1:8000",

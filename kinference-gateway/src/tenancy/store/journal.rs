@@ -53,6 +53,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{JournalError, StoreError, StoreMetrics};
+use crate::tenancy::limits::OnUnrecorded;
 use crate::tenancy::usage::{Group, Totals, UsageRecord};
 
 /// Records per journal batch (one write + one fdatasync).
@@ -88,18 +89,6 @@ impl Period {
     pub fn start(self, ts_ms: u64) -> u64 {
         ts_ms - ts_ms % self.ms()
     }
-}
-
-/// What a tenant's requests get while its usage cannot be written (a full disk).
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum OnUnrecorded {
-    /// Serve them; their records wait in the bounded buffer, and what overflows it is counted lost
-    /// (the default: a full disk does not stop inference).
-    #[default]
-    Serve,
-    /// Refuse new requests with 503 in the client's protocol until a write succeeds again.
-    Refuse,
 }
 
 /// `tenancy.journal:` in `gateway.yaml`.

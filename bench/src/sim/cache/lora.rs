@@ -1,4 +1,5 @@
-//! LoRA adapters a simulated worker serves beside its base model (vLLM's `--lora-modules`).
+//! LoRA adapters a simulated worker serves beside its base model (vLLM's `--lora-modules`), as the
+//! prefix cache tells them apart: an adapter's blocks chain from a root digest of its own.
 //!
 //! A request names an adapter in `"model"`. vLLM puts the adapter into every block's hash (through the
 //! block's extra keys) and publishes its `lora_name` and those extra keys in `BlockStored`; blocks
@@ -9,7 +10,7 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::sim::cache::{BlockDigest, none_hash};
+use super::hash::{BlockDigest, none_hash};
 
 /// One loaded adapter.
 #[derive(Debug, Clone, PartialEq, Eq)]
