@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use crate::config_source::{self, ConfigSource};
 use crate::policy::source::SourceError;
-use crate::policy::stage::{PolicyStage, StageSettings};
+use crate::policy::stage::PolicyStage;
+use crate::pools::Pools;
 use crate::routing::{ModelConfig, RoutingConfig, RoutingMode, WorkerConfig};
 use crate::yaml;
 
@@ -335,37 +336,32 @@ pub fn local_source(config: &GatewayConfig) -> Result<Option<ConfigSource>, Sour
 }
 
 /// Starts the policy stage over `source` (local mode's, [`local_source`]; subscribe whoever else
-/// reads it first: from here on it runs on its own, for as long as anyone reads what it publishes).
-/// Returns the configuration to build the router from: `config` plus the pools' static endpoints
-/// (as workers) and their models (with tokenizer directories); without a source, `config`
-/// unchanged and no stage.
+/// reads it first: from here on it runs on its own, for as long as anyone reads what it publishes),
+/// and the pools' run-time part over it. Returns the configuration to build the router from:
+/// `config` plus the pools' static endpoints (as workers) and their models (with tokenizer
+/// directories); without a source, `config` unchanged and no stage.
 pub fn with_policy_stage(
     config: GatewayConfig,
     http: &HttpSettings,
     source: Option<ConfigSource>,
-) -> (GatewayConfig, Option<Arc<PolicyStage>>) {
+) -> (GatewayConfig, Option<Arc<Pools>>) {
     let Some(source) = source else {
         return (config, None);
     };
-    let sets = source.into_policy_sets();
-    let stage = PolicyStage::start_with(sets, &stage_settings(&config, http), None);
+    let stage = PolicyStage::start(source.into_policy_sets(), load_interval(&config));
     stage.classifier().configure(&config.classifier);
-    (with_pool_endpoints(config, &stage), Some(stage))
+    let pools = Pools::new(stage, http.connect_timeout(), None);
+    (with_pool_endpoints(config, &pools), Some(pools))
 }
 
-/// The stage's settings: its sets come from a source, so its directory is not read.
-fn stage_settings(config: &GatewayConfig, http: &HttpSettings) -> StageSettings {
-    StageSettings {
-        dir: std::path::PathBuf::new(),
-        reload_interval: Duration::from_millis(config.policy_reload_interval_ms.unwrap_or(1000)),
-        load_interval: Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500)),
-        connect_timeout: http.connect_timeout(),
-    }
+/// How often the pools' workers' `/metrics` are scraped (`policy_load_interval_ms`, default 500).
+fn load_interval(config: &GatewayConfig) -> Duration {
+    Duration::from_millis(config.policy_load_interval_ms.unwrap_or(500))
 }
 
-/// `config` plus the stage's pools' static endpoints (as workers) and their models.
-fn with_pool_endpoints(mut config: GatewayConfig, stage: &PolicyStage) -> GatewayConfig {
-    let (workers, models) = stage.routing_additions();
+/// `config` plus the pools' static endpoints (as workers) and their models.
+fn with_pool_endpoints(mut config: GatewayConfig, pools: &Pools) -> GatewayConfig {
+    let (workers, models) = pools.routing_additions();
     for m in models {
         if !config.models.iter().any(|c| c.name == m.name) {
             config.models.push(m);
@@ -383,17 +379,18 @@ fn with_pool_endpoints(mut config: GatewayConfig, stage: &PolicyStage) -> Gatewa
     config
 }
 
-/// Starts the policy stage over the cluster's sets and returns the configuration to build the
-/// router from (`config` plus the pools' static endpoints and models, as in local mode).
+/// Starts the policy stage over the cluster's sets, and the pools' run-time part (keys from
+/// Secrets); returns the configuration to build the router from (`config` plus the pools' static
+/// endpoints and models, as in local mode).
 pub fn with_cluster_policy_stage(
     config: GatewayConfig,
     http: &HttpSettings,
     cluster: &mut crate::config_source::cluster::Cluster,
-) -> (GatewayConfig, Arc<PolicyStage>) {
-    let credentials = cluster.credentials();
+) -> (GatewayConfig, Arc<Pools>) {
     let sets = cluster.source.policy_sets();
-    let stage = PolicyStage::start_with(sets, &stage_settings(&config, http), Some(credentials));
-    stage.set_pool_credentials(cluster.pool_credentials());
+    let stage = PolicyStage::start(sets, load_interval(&config));
     stage.classifier().configure(&config.classifier);
-    (with_pool_endpoints(config, &stage), stage)
+    let pools = Pools::new(stage, http.connect_timeout(), Some(cluster.credentials()));
+    pools.set_pool_credentials(cluster.pool_credentials());
+    (with_pool_endpoints(config, &pools), pools)
 }

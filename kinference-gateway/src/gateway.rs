@@ -10,6 +10,7 @@ use crate::backend::worker::{HttpSettings, Upstream};
 use crate::metrics::Metrics;
 use crate::overload::{Overload, OverloadSettings};
 use crate::policy::stage::PolicyStage;
+use crate::pools::Pools;
 use crate::routing::Router;
 use crate::tenancy::{Tenancy, TenancyConfig, TenancyError};
 
@@ -31,8 +32,10 @@ pub struct Gateway {
     pub messages_models: Vec<String>,
     /// API keys, rate limits, budgets, usage (`/admin/usage`).
     pub tenancy: Arc<Tenancy>,
-    /// The policy stage, when `gateway.yaml` names a policy directory.
+    /// The policy stage, when `gateway.yaml` names a policy directory (or the CRDs are watched).
     pub policy: Option<Arc<PolicyStage>>,
+    /// The policy set's pools and providers at run time (with the policy stage).
+    pub pools: Option<Arc<Pools>>,
     /// Who is an admin (the admin API, debug explanations, worker addresses).
     pub access: Access,
     /// Each worker's health (probes, hysteresis, outliers); tells the router whom it may pick.
@@ -92,6 +95,10 @@ impl Gateway {
             )
         });
         let settings = HttpSettings::default();
+        let pools = parts
+            .policy
+            .as_ref()
+            .map(|stage| Pools::new(Arc::clone(stage), settings.connect_timeout(), None));
         Ok(Arc::new(Gateway {
             router,
             upstream: Upstream::new(&settings),
@@ -101,6 +108,7 @@ impl Gateway {
             messages_models: Vec::new(),
             tenancy,
             policy: parts.policy,
+            pools,
             access: Access::default(),
             health: Arc::new(health),
             overload,
@@ -142,9 +150,9 @@ impl Gateway {
     /// The current policy set's `InferencePool`s with their workers, for the pool gauges (none
     /// without policies).
     pub fn pool_members(&self) -> Vec<crate::metrics::fleet::PoolMembers> {
-        self.policy
+        self.pools
             .as_ref()
-            .map(|stage| stage.pool_members())
+            .map(|pools| pools.members())
             .unwrap_or_default()
     }
 

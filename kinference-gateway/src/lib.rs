@@ -21,6 +21,7 @@ pub mod metrics;
 pub mod overload;
 pub mod pipeline;
 pub mod policy;
+pub mod pools;
 pub mod routing;
 pub mod server;
 pub mod telemetry;

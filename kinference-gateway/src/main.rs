@@ -64,14 +64,15 @@ async fn main() -> anyhow::Result<()> {
             dir,
             snapshots: source.subscribe(),
         });
-    let (config, policy) = match cluster.as_mut() {
+    let (config, pools) = match cluster.as_mut() {
         Some(cluster) => {
-            let (config, stage) =
+            let (config, pools) =
                 kinference_gateway::config::with_cluster_policy_stage(config, &args.http, cluster);
-            (config, Some(stage))
+            (config, Some(pools))
         }
         None => kinference_gateway::config::with_policy_stage(config, &args.http, local),
     };
+    let policy = pools.as_ref().map(|p| Arc::clone(p.stage()));
     let agent_tls = args
         .agent_tls
         .config()
@@ -91,9 +92,9 @@ async fn main() -> anyhow::Result<()> {
     if let Some(stage) = &policy {
         metrics.with_registry(|registry| stage.register_metrics(registry));
     }
-    let _policy_sync = policy
+    let _policy_sync = pools
         .as_ref()
-        .map(|stage| stage.spawn_sync(Arc::clone(&router)));
+        .map(|pools| pools.spawn_sync(Arc::clone(&router)));
     // Pools with a selector pick their workers among the discovered pods.
     if let (Some(stage), Some(discovery)) = (&policy, &_discovery) {
         stage.follow_discovered(discovery.workers());
@@ -135,6 +136,7 @@ async fn main() -> anyhow::Result<()> {
         messages_models: config.messages_models(),
         tenancy: Arc::clone(&tenancy),
         policy,
+        pools,
         health: Arc::new(health),
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
@@ -142,8 +144,8 @@ async fn main() -> anyhow::Result<()> {
     });
 
     // Pools with their own worker key or headers (InferencePool workerCredentials/workerHeaders).
-    let _pool_headers = gw.policy.as_ref().map(|stage| {
-        stage.spawn_worker_headers(gw.upstream.clone(), gw.settings.health_interval())
+    let _pool_headers = gw.pools.as_ref().map(|pools| {
+        pools.spawn_worker_headers(gw.upstream.clone(), gw.settings.health_interval())
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -22,8 +22,9 @@ use kinference_gateway::config_source::cluster::Cluster;
 use kinference_gateway::config_source::kube::{KubeSourceConfig, api_resource};
 use kinference_gateway::config_source::{ObjectState, Snapshot};
 use kinference_gateway::discovery::{Discovery, KubernetesConfig, WorkerSink};
-use kinference_gateway::policy::stage::{PlanTarget, PolicyStage, StageRequest, StageSettings};
+use kinference_gateway::policy::stage::{PlanTarget, PolicyStage, StageRequest};
 use kinference_gateway::policy::{PoolStates, evaluate};
+use kinference_gateway::pools::Pools;
 use kinference_gateway::routing::tokenize::PromptTokens;
 use kinference_gateway::routing::{ModelConfig, Prompt, Router, RoutingConfig, RoutingTuning};
 use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
@@ -186,13 +187,12 @@ fn first_target(snapshot: &Snapshot) -> String {
 
 /// The policy stage serving `cluster`'s policy sets (no policy directory), as main.rs starts it.
 fn policy_stage(cluster: &mut Cluster) -> Arc<PolicyStage> {
-    let settings = StageSettings {
-        dir: Default::default(),
-        reload_interval: Duration::from_secs(1),
-        load_interval: Duration::from_secs(60),
-        connect_timeout: Duration::from_secs(1),
-    };
-    PolicyStage::start_with(cluster.source.policy_sets(), &settings, None)
+    PolicyStage::start(cluster.source.policy_sets(), Duration::from_secs(60))
+}
+
+/// The pools' run-time part over [`policy_stage`], as main.rs starts it.
+fn pools(cluster: &mut Cluster) -> Arc<Pools> {
+    Pools::new(policy_stage(cluster), Duration::from_secs(1), None)
 }
 
 fn config(identity: &str) -> KubeSourceConfig {
@@ -1004,8 +1004,8 @@ async fn serves_messages_on_an_inference_model_reaches_the_gateway() {
     assert_eq!(stored.data["spec"]["servesMessages"], json!(true));
 
     let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-messages")).await;
-    let stage = policy_stage(&mut cluster);
-    let serves = |stage: &PolicyStage| {
+    let stage = pools(&mut cluster);
+    let serves = |stage: &Pools| {
         stage
             .routing_additions()
             .1
@@ -1046,7 +1046,7 @@ async fn a_pools_worker_key_comes_from_its_secret() {
     apply(&kube, keyed).await;
 
     let mut cluster = Cluster::start_with_client(kube.clone(), &config("gw-pool-key")).await;
-    let stage = policy_stage(&mut cluster);
+    let stage = pools(&mut cluster);
     stage.set_pool_credentials(cluster.pool_credentials());
     let mut gateway_wide = HeaderMap::new();
     gateway_wide.insert(
@@ -1054,7 +1054,7 @@ async fn a_pools_worker_key_comes_from_its_secret() {
         HeaderValue::from_static("Bearer sk-gateway"),
     );
     gateway_wide.insert("x-team", HeaderValue::from_static("search"));
-    let sent = |stage: &PolicyStage, name: &str| {
+    let sent = |stage: &Pools, name: &str| {
         stage
             .worker_headers(&gateway_wide)
             .get("http://127.0.0.1:9")

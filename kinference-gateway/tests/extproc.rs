@@ -35,7 +35,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_gateway::extproc::{self, Settings};
 use kinference_gateway::gateway::{Gateway, Parts};
-use kinference_gateway::policy::stage::{PolicyStage, StageSettings};
+use kinference_gateway::policy::stage::PolicyStage;
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, WorkerConfig};
 use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
 use serde_json::{Value, json};
@@ -894,13 +894,12 @@ spec:
             endpoints = endpoints.join(", "),
         );
         std::fs::write(policy_dir.join("all.yaml"), files).expect("policies");
-        let stage = PolicyStage::start(&StageSettings {
-            dir: policy_dir.clone(),
-            reload_interval: Duration::from_secs(60),
-            load_interval: Duration::from_secs(60),
-            connect_timeout: Duration::from_millis(200),
-        })
-        .expect("policy stage");
+        let source = kinference_gateway::config_source::files::start(
+            policy_dir.clone(),
+            Duration::from_secs(60),
+        )
+        .expect("policy directory");
+        let stage = PolicyStage::start(source.into_policy_sets(), Duration::from_secs(60));
         Governance {
             tenancy: None,
             policy: Some(stage),

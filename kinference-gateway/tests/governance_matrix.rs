@@ -679,7 +679,8 @@ async fn billed(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
                 "{what}: recorded ({input}, {output}), the worker reported {expected:?}: {record}"
             ));
         }
-        if record["estimated"] != false {
+        // (`estimated` is written only when true.)
+        if record["estimated"] == true {
             return Err(format!(
                 "{what}: the worker's usage was not read (estimated): {record}"
             ));

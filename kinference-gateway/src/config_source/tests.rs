@@ -411,7 +411,7 @@ fn serves_messages_reaches_the_routers_model_configuration() {
         ),
     );
     let s = a.build(true);
-    let models = crate::policy::stage::pool_models(&s.set);
+    let models = crate::pools::pool_models(&s.set);
     let serves = |name: &str| {
         models
             .iter()

@@ -133,11 +133,21 @@ pub async fn planned(
                     Err(error) => return Err(error),
                 }
             }
-            PlanTarget::Provider { client, model } => {
+            PlanTarget::Provider { provider, model } => {
                 // Local-only plans, and endpoints no provider serves, pass over providers.
                 if !providers {
                     continue;
                 }
+                let client = gw
+                    .pools
+                    .as_ref()
+                    .zip(plan.set.as_deref())
+                    .and_then(|(pools, set)| pools.provider(set, provider));
+                let Some(client) = client else {
+                    tracing::warn!(%provider, "provider of the plan not known; passed over");
+                    continue;
+                };
+                let client = &client;
                 let target_ref = Target::Provider { client, model };
                 match backend::send(&gw.upstream, target_ref, outgoing(request)).await {
                     Ok(response) => {

@@ -34,9 +34,10 @@ pub async fn prepare(
     let mut request = tracing::debug_span!("parse")
         .in_scope(|| exchange::parse_as(ex.endpoint, body, gw.policy.is_some()))?;
     let tokenizer = gw.router.tokenizer(request.model());
+    let bills = ex.endpoint.billing() != Billing::RequestOnly;
     if let Some(s) = ex.settlement() {
         s.model(request.model());
-        s.counting_with(tokenizer);
+        s.counting_with(bills, tokenizer);
     }
     if ex.endpoint.names_model() {
         gw.router

@@ -140,8 +140,15 @@ impl Settlement {
         self.body.as_ref().map_or(0, BodyReservation::bytes)
     }
 
-    /// The model's tokenizer, to count an answer whose backend reports no usage.
-    pub fn counting_with(&mut self, tokenizer: Option<std::sync::Arc<ModelTokenizer>>) {
+    /// The answer's tokens are billed (`bills`: an answer without usage is counted, with the
+    /// model's `tokenizer` when the gateway has it); an endpoint that bills the request alone
+    /// (tokenizing) has nothing to count.
+    pub fn counting_with(
+        &mut self,
+        bills: bool,
+        tokenizer: Option<std::sync::Arc<ModelTokenizer>>,
+    ) {
+        self.counted.bills = bills;
         self.counted.tokenizer = tokenizer;
     }
 
@@ -269,7 +276,7 @@ impl Settlement {
         let counted;
         let usage = match usage {
             Some(u) if u.prompt_tokens > 0 || u.completion_tokens > 0 => Some(u),
-            _ if self.reached_backend() && (200..300).contains(&status) => {
+            _ if self.counted.bills && self.reached_backend() && (200..300).contains(&status) => {
                 counted = self.counted_usage();
                 if let Some(admission) = &mut self.admission {
                     admission.estimated();
@@ -380,6 +387,8 @@ struct CountedOutput {
     tokenizer: Option<std::sync::Arc<ModelTokenizer>>,
     /// No part of the answer was seen (yet).
     unseen: bool,
+    /// The endpoint bills tokens (an answer without usage is counted); not tokenizing's.
+    bills: bool,
 }
 
 impl CountedOutput {

@@ -12,17 +12,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use kinference_crds::{
     InferenceModel, InferencePolicy, InferencePool, InferenceProvider, InferenceTenant,
 };
-use parking_lot::Mutex;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::watch;
 
-use super::model::{ApplyState, BuildOutcome, Manifest, ObjectKey, Origin, PolicySet, Spec};
+use super::model::{BuildOutcome, Manifest, ObjectKey, Origin, PolicySet, Spec};
 
 #[cfg(test)]
 mod tests;
@@ -472,78 +470,16 @@ fn indent_of_first_item(lines: &[&str], start: usize) -> usize {
         .map_or(usize::MAX, |l| l.len() - l.trim_start().len())
 }
 
-/// Fingerprint of the directory: every YAML file with its size and mtime.
-fn fingerprint(dir: &Path) -> Vec<(PathBuf, u64, Option<SystemTime>)> {
-    yaml_files(dir)
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| {
-            let meta = std::fs::metadata(&p).ok();
-            let len = meta.as_ref().map_or(0, |m| m.len());
-            let mtime = meta.and_then(|m| m.modified().ok());
-            (p, len, mtime)
-        })
-        .collect()
-}
-
-/// Serves the current policy set of a directory and reloads it when files change.
+/// The current policy set of a configuration source ([`crate::config_source::ConfigSource`]: the
+/// policy directory's, or the cluster's), and every new one.
 pub struct PolicyWatcher {
     rx: watch::Receiver<Arc<PolicySet>>,
-    states: Arc<Mutex<BTreeMap<ObjectKey, ApplyState>>>,
 }
 
 impl PolicyWatcher {
-    /// Loads `dir` now (errors only if the directory cannot be read) and spawns a task on the
-    /// current tokio runtime that polls it every `interval`. The task ends with the watcher.
-    ///
-    /// A second poller beside the gateway's own source, left only because `PolicyStage::start`
-    /// (called by tests alone) still calls it; its behaviour is tested on the real source
-    /// (`config_source::tests::the_policy_directory_reloads_on_change_and_rolls_back_bad_versions`).
-    /// Delete it, with `PolicyStage::start`, when `policy/stage.rs` is split (issue 31).
-    pub fn start(dir: PathBuf, interval: Duration) -> Result<Self, SourceError> {
-        // Fingerprint before reading, so a change made during the first load is seen.
-        let mut seen = fingerprint(&dir);
-        let loaded = load_dir(&dir, None)?;
-        log_load(&loaded, None);
-        let states = Arc::new(Mutex::new(loaded.outcome.states.clone()));
-        let (tx, rx) = watch::channel(Arc::new(loaded.outcome.set));
-        let task_states = states.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tick.tick().await;
-                if tx.is_closed() {
-                    return;
-                }
-                let now = fingerprint(&dir);
-                if now == seen {
-                    continue;
-                }
-                seen = now;
-                let previous = tx.borrow().clone();
-                match load_dir(&dir, Some(&previous)) {
-                    Ok(loaded) => {
-                        log_load(&loaded, Some(&task_states.lock()));
-                        *task_states.lock() = loaded.outcome.states.clone();
-                        tx.send_replace(Arc::new(loaded.outcome.set));
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "policy directory unreadable; the current policy set keeps serving");
-                    }
-                }
-            }
-        });
-        Ok(PolicyWatcher { rx, states })
-    }
-
-    /// A watcher over sets published elsewhere (a [`crate::config_source::ConfigSource`], which
-    /// keeps the per-object states itself): [`PolicyWatcher::states`] is empty.
+    /// A watcher over the sets a source publishes.
     pub fn from_receiver(rx: watch::Receiver<Arc<PolicySet>>) -> Self {
-        PolicyWatcher {
-            rx,
-            states: Arc::new(Mutex::new(BTreeMap::new())),
-        }
+        PolicyWatcher { rx }
     }
 
     /// The set to evaluate a request against (hold the `Arc` for the request's lifetime).
@@ -554,33 +490,5 @@ impl PolicyWatcher {
     /// A receiver that sees every new set.
     pub fn subscribe(&self) -> watch::Receiver<Arc<PolicySet>> {
         self.rx.clone()
-    }
-
-    /// The apply state of every object, from the latest load.
-    pub fn states(&self) -> BTreeMap<ObjectKey, ApplyState> {
-        self.states.lock().clone()
-    }
-}
-
-fn log_load(loaded: &Loaded, before: Option<&BTreeMap<ObjectKey, ApplyState>>) {
-    for p in &loaded.problems {
-        tracing::warn!(file = %p.file.display(), line = p.line, check = p.check, "policy document problem: {}", p.message);
-    }
-    for p in &loaded.outcome.problems {
-        tracing::warn!(object = %p.object, file = %p.file.display(), line = p.line, "policy object invalid: {}", p.message);
-    }
-    for (key, state) in &loaded.outcome.states {
-        if before.and_then(|b| b.get(key)) == Some(state) && matches!(state, ApplyState::Applied) {
-            continue;
-        }
-        match state {
-            ApplyState::Applied => tracing::info!(object = %key, "policy object applied"),
-            ApplyState::RolledBack { reason } => {
-                tracing::warn!(object = %key, %reason, "policy object NOT applied; the previous version keeps serving")
-            }
-            ApplyState::Rejected { reason } => {
-                tracing::warn!(object = %key, %reason, "policy object NOT applied (no previous version)")
-            }
-        }
     }
 }

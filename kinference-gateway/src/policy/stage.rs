@@ -2,11 +2,12 @@
 //! from the router, evaluate the current policy set, and hand the pipeline an ordered [`Plan`] of
 //! pools (with their workers) and providers, or a rejection.
 //!
-//! Local mode: pools map to workers through their static `endpoints`, and the router's worker table
-//! follows the pools on every reload ([`PolicyStage::spawn_sync`]). With discovery
-//! ([`PolicyStage::follow_discovered`]) a pool's `selector` picks its workers among the discovered
-//! pods by label and GPU class ([`pool_members`]); without it, a pool without endpoints stands for
-//! every worker serving its model.
+//! Decisions only: what the pools do at run time (the router's workers kept in line with their
+//! endpoints, their workers' credentials and headers, the provider clients) is [`crate::pools`]'s.
+//! A pool's workers are its static `endpoints`; with discovery ([`PolicyStage::follow_discovered`])
+//! a pool's `selector` picks its workers among the discovered pods by label and GPU class
+//! ([`pool_members`]); without it, a pool without endpoints stands for every worker serving its
+//! model.
 //!
 //! Pool state per pool, for this request: `available` (a healthy worker), the best worker's estimated
 //! TTFT and cached prompt tokens (the router's estimate, as [`crate::routing::Router::pick`] would
@@ -24,9 +25,8 @@
 //! The prompt is tokenized at most once per served model for the whole request: the estimates keep
 //! their tokens in the request's [`PromptTokens`] and the router's pick reuses them.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,30 +42,16 @@ use super::classify::Classifier;
 use super::engine::{self, Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts};
 use super::model::{Named, PolicySet, Requested};
 use super::pool_members;
-use super::source::{PolicyWatcher, SourceError};
+use super::source::PolicyWatcher;
 use super::worker_load::WorkerLoad;
-use crate::backend::provider::{ProviderClient, Providers};
 use crate::discovery::WorkerSet;
 use crate::errors::GatewayError;
 use crate::routing::pools::WorkerEstimate;
 use crate::routing::tokenize::PromptTokens;
-use crate::routing::{ModelConfig, Prompt, RouteRequest, Router, WorkerConfig};
+use crate::routing::{Prompt, RouteRequest, Router};
 
 #[cfg(test)]
 mod tests;
-
-/// Knobs of the stage (from `gateway.yaml` and the flags).
-#[derive(Debug, Clone)]
-pub struct StageSettings {
-    /// The policy directory (local mode).
-    pub dir: PathBuf,
-    /// How often the directory is checked for changes.
-    pub reload_interval: Duration,
-    /// How often the pools' workers' `/metrics` are scraped (queue depth, KV-cache usage).
-    pub load_interval: Duration,
-    /// Connect timeout towards providers.
-    pub connect_timeout: Duration,
-}
 
 /// The request as the stage sees it.
 #[derive(Debug, Clone, Copy)]
@@ -153,10 +139,10 @@ pub enum PlanTarget {
         /// Worker base URLs.
         workers: Option<Vec<String>>,
     },
-    /// A provider, with its model name.
+    /// A provider (an `InferenceProvider` of the plan's set), with its model name.
     Provider {
-        /// The provider's client.
-        client: Arc<ProviderClient>,
+        /// The provider's name.
+        provider: String,
         /// The provider's model name.
         model: String,
     },
@@ -167,7 +153,7 @@ impl PlanTarget {
     pub fn label(&self) -> String {
         match self {
             PlanTarget::Pool { pool, .. } => format!("pool/{pool}"),
-            PlanTarget::Provider { client, .. } => client.label(),
+            PlanTarget::Provider { provider, .. } => format!("provider/{provider}"),
         }
     }
 }
@@ -200,68 +186,46 @@ struct StageMetrics {
     served: Family<BackendLabels, Counter>,
 }
 
-/// The policy stage: the watched policy set, provider clients, pool load.
+/// The policy stage: the watched policy set, the pools' load, the classifiers.
 pub struct PolicyStage {
     watcher: PolicyWatcher,
-    providers: Providers,
     load: WorkerLoad,
     metrics: StageMetrics,
     /// The discovered workers (cluster, with discovery): what pools' selectors pick from.
     discovered: std::sync::OnceLock<tokio::sync::watch::Receiver<WorkerSet>>,
     /// The built-in classifiers and the external one, when configured.
     classifier: Classifier,
-    /// Pools' worker keys from Secrets (cluster mode); unset: from the environment.
-    pool_credentials: std::sync::OnceLock<crate::backend::provider::CredentialResolver>,
 }
 
 impl std::fmt::Debug for PolicyStage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PolicyStage")
             .field("policies", &self.watcher.current().policies.len())
-            .field("providers", &self.providers)
             .finish()
     }
 }
 
 impl PolicyStage {
-    /// Loads the directory and starts watching it and scraping the pools' workers (needs a tokio
-    /// runtime). Fails only when the directory cannot be read.
-    pub fn start(settings: &StageSettings) -> Result<Arc<Self>, SourceError> {
-        let watcher = PolicyWatcher::start(settings.dir.clone(), settings.reload_interval)?;
-        let load = WorkerLoad::start(watcher.subscribe(), settings.load_interval);
-        Ok(Arc::new(PolicyStage {
-            watcher,
-            providers: Providers::new(settings.connect_timeout),
-            load,
-            metrics: StageMetrics::default(),
-            discovered: Default::default(),
-            classifier: Classifier::default(),
-            pool_credentials: Default::default(),
-        }))
-    }
-
-    /// The stage over sets published by a configuration source (cluster mode); `settings.dir` is
-    /// not read. `credentials` resolves providers' keys (from Secrets) instead of the environment.
-    pub fn start_with(
+    /// The stage over the sets a configuration source publishes (the policy directory's, or the
+    /// cluster's), scraping the pools' workers every `load_interval`.
+    pub fn start(
         sets: tokio::sync::watch::Receiver<Arc<PolicySet>>,
-        settings: &StageSettings,
-        credentials: Option<crate::backend::provider::CredentialResolver>,
+        load_interval: Duration,
     ) -> Arc<Self> {
         let watcher = PolicyWatcher::from_receiver(sets);
-        let load = WorkerLoad::start(watcher.subscribe(), settings.load_interval);
-        let providers = Providers::new(settings.connect_timeout);
-        if let Some(c) = credentials {
-            providers.set_credentials(c);
-        }
+        let load = WorkerLoad::start(watcher.subscribe(), load_interval);
         Arc::new(PolicyStage {
             watcher,
-            providers,
             load,
             metrics: StageMetrics::default(),
             discovered: Default::default(),
             classifier: Classifier::default(),
-            pool_credentials: Default::default(),
         })
+    }
+
+    /// Every new policy set from now on.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Arc<PolicySet>> {
+        self.watcher.subscribe()
     }
 
     /// The current policy set.
@@ -278,110 +242,9 @@ impl PolicyStage {
     }
 
     /// The pool's worker URLs ([`pool_members::members`]; `None`: every worker of its model).
-    fn members(&self, pool: &InferencePoolSpec) -> Option<Vec<String>> {
+    pub fn members(&self, pool: &InferencePoolSpec) -> Option<Vec<String>> {
         let discovered = self.discovered.get().map(|rx| rx.borrow());
         pool_members::members(pool, discovered.as_deref())
-    }
-
-    /// Every pool of the current set: its name, its models' served names and its workers
-    /// ([`pool_members::members`]; `None`: every worker of its models).
-    pub fn pool_members(&self) -> Vec<crate::metrics::fleet::PoolMembers> {
-        let set = self.current();
-        set.pools
-            .iter()
-            .map(|(name, pool)| crate::metrics::fleet::PoolMembers {
-                name: name.clone(),
-                models: pool
-                    .spec
-                    .models
-                    .iter()
-                    .map(|m| {
-                        set.models
-                            .get(m)
-                            .map_or(m.clone(), |m| m.spec.served_name.clone())
-                    })
-                    .collect(),
-                workers: self.members(&pool.spec),
-            })
-            .collect()
-    }
-
-    /// Reads pools' `workerCredentials` through `resolver` (cluster mode: Secrets) instead of the
-    /// environment. Set once, at start.
-    pub fn set_pool_credentials(&self, resolver: crate::backend::provider::CredentialResolver) {
-        if self.pool_credentials.set(resolver).is_err() {
-            tracing::warn!("the policy stage already has a pool credential resolver");
-        }
-    }
-
-    /// What each worker of a pool with its own `workerCredentials` or `workerHeaders` is sent instead
-    /// of `gateway` (the gateway-wide headers, its key included): `gateway` with the pool's headers
-    /// over it, and the pool's key as `Authorization`. A key that is named but cannot be read is sent
-    /// as no key at all, never as the gateway-wide one: the worker refuses, the client gets 502.
-    /// A pool whose workers are not known by URL (no endpoints, no discovered members) is skipped.
-    pub fn worker_headers(&self, gateway: &http::HeaderMap) -> HashMap<String, http::HeaderMap> {
-        let set = self.current();
-        let mut out = HashMap::new();
-        for (name, pool) in &set.pools {
-            let spec = &pool.spec;
-            if spec.worker_credentials.is_none() && spec.worker_headers.is_empty() {
-                continue;
-            }
-            let Some(members) = self.members(spec) else {
-                tracing::warn!(pool = %name, "pool with its own worker headers but no known workers");
-                continue;
-            };
-            let mut headers = gateway.clone();
-            match crate::backend::worker::credentials::worker_headers(None, &spec.worker_headers) {
-                Ok(extra) => headers.extend(extra),
-                Err(error) => tracing::warn!(pool = %name, %error, "pool workerHeaders skipped"),
-            }
-            if let Some(cred) = &spec.worker_credentials {
-                let key = match self.pool_credentials.get() {
-                    Some(resolve) => resolve(name, cred),
-                    None => cred.env.as_deref().and_then(|var| std::env::var(var).ok()),
-                }
-                .filter(|k| !k.trim().is_empty());
-                headers.remove(http::header::AUTHORIZATION);
-                match crate::backend::worker::credentials::worker_headers(
-                    key.as_deref().map(str::trim),
-                    &Default::default(),
-                ) {
-                    Ok(auth) if key.is_some() => headers.extend(auth),
-                    Ok(_) => tracing::warn!(pool = %name,
-                        "pool workerCredentials cannot be read: its workers get no key"),
-                    Err(error) => tracing::warn!(pool = %name, %error,
-                        "pool workerCredentials unusable: its workers get no key"),
-                }
-            }
-            for url in members {
-                out.insert(url, headers.clone());
-            }
-        }
-        out
-    }
-
-    /// Keeps `upstream`'s per-worker headers in line with the pools ([`PolicyStage::worker_headers`]):
-    /// set now, then on every new policy set and every `interval` (Secrets rotate, discovered
-    /// members change).
-    pub fn spawn_worker_headers(
-        self: &Arc<Self>,
-        upstream: crate::backend::worker::Upstream,
-        interval: Duration,
-    ) -> tokio::task::JoinHandle<()> {
-        let gateway = upstream.headers().clone();
-        upstream.set_worker_headers(self.worker_headers(&gateway));
-        let stage = Arc::clone(self);
-        let mut rx = self.watcher.subscribe();
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    changed = rx.changed() => if changed.is_err() { return },
-                    _ = tokio::time::sleep(interval) => {}
-                }
-                upstream.set_worker_headers(stage.worker_headers(&gateway));
-            }
-        })
     }
 
     /// [`local_pool_workers`] with the discovered workers.
@@ -394,39 +257,6 @@ impl PolicyStage {
     ) -> Vec<String> {
         let discovered = self.discovered.get().map(|rx| rx.borrow());
         local_pool_workers(set, pool, served, router, discovered.as_deref())
-    }
-
-    /// Workers and models the pools of the current set add to the router's configuration (local
-    /// mode): every static endpoint with its pool's first model's served name, and each model's
-    /// tokenizer directory.
-    pub fn routing_additions(&self) -> (Vec<WorkerConfig>, Vec<ModelConfig>) {
-        let set = self.current();
-        (pool_workers(&set), pool_models(&set))
-    }
-
-    /// Keeps the router's workers in line with the pools' endpoints on every reload: new endpoints are
-    /// added, removed ones stop being candidates (workers from `gateway.yaml` stay).
-    pub fn spawn_sync(&self, router: Arc<Router>) -> tokio::task::JoinHandle<()> {
-        let mut rx = self.watcher.subscribe();
-        tokio::spawn(async move {
-            let mut known: BTreeSet<String> = pool_workers(&rx.borrow())
-                .into_iter()
-                .map(|w| w.url)
-                .collect();
-            while rx.changed().await.is_ok() {
-                let workers = pool_workers(&rx.borrow_and_update());
-                let now: BTreeSet<String> = workers.iter().map(|w| w.url.clone()).collect();
-                for w in &workers {
-                    if !router.upsert_worker(&w.url, &w.model) {
-                        tracing::warn!(worker = %w.url, "router worker table full; pool endpoint not added");
-                    }
-                }
-                for gone in known.difference(&now) {
-                    router.remove_worker(gone);
-                }
-                known = now;
-            }
-        })
     }
 
     /// Registers `kinference_gateway_policy_*`.
@@ -585,11 +415,11 @@ impl PolicyStage {
                             if local_only || adapter.is_some() {
                                 continue;
                             }
-                            let Some(p) = set.providers.get(name) else {
+                            if !set.providers.contains_key(name) {
                                 continue;
-                            };
+                            }
                             targets.push(PlanTarget::Provider {
-                                client: self.providers.client(name, &p.spec),
+                                provider: name.clone(),
                                 model: t.model.clone(),
                             });
                         }
@@ -848,48 +678,6 @@ fn served_names(set: &PolicySet, requested: &str) -> Vec<String> {
             set.models
                 .get(m)
                 .map_or(m.clone(), |m| m.spec.served_name.clone())
-        })
-        .collect()
-}
-
-/// Static pool endpoints as router workers (the pool's first model's served name).
-fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
-    let mut out: Vec<WorkerConfig> = Vec::new();
-    for pool in set.pools.values() {
-        let Some(model) = pool.spec.models.first() else {
-            continue;
-        };
-        let served = set
-            .models
-            .get(model)
-            .map_or(model.clone(), |m| m.spec.served_name.clone());
-        for e in &pool.spec.endpoints {
-            let url = e.url.trim_end_matches('/').to_string();
-            if !out.iter().any(|w| w.url == url) {
-                out.push(WorkerConfig {
-                    url,
-                    model: served.clone(),
-                });
-            }
-        }
-    }
-    out
-}
-
-/// Served models with their tokenizer directory (`spec.tokenizer.dir`) and whether their workers
-/// serve Anthropic's `/v1/messages` (`spec.servesMessages`).
-pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
-    set.models
-        .values()
-        .map(|m| ModelConfig {
-            name: m.spec.served_name.clone(),
-            tokenizer_dir: m
-                .spec
-                .tokenizer
-                .as_ref()
-                .and_then(|t| t.dir.as_ref())
-                .map(PathBuf::from),
-            serves_messages: m.spec.serves_messages,
         })
         .collect()
 }

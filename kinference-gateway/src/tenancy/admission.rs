@@ -549,7 +549,17 @@ impl Tenancy {
             _ if a.first_text.is_some() => {
                 (a.gateway_prompt_tokens.unwrap_or(0), 0, a.chunks, true)
             }
-            _ => (0, 0, 0, a.worker.is_some() || a.provider.is_some()),
+            // Reached a backend and reported nothing: estimated, unless it was billed no tokens
+            // (tokenizing: admitted with none).
+            _ => {
+                let bills = a.demand.input > 0.0 || a.output_reserved > 0;
+                (
+                    0,
+                    0,
+                    0,
+                    bills && (a.worker.is_some() || a.provider.is_some()),
+                )
+            }
         };
         // Reconcile the buckets: what was debited becomes what was used.
         let mut adjust = Vec::new();

@@ -1,7 +1,6 @@
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use super::{PolicyWatcher, load_dir, parse_file};
+use super::{load_dir, parse_file};
 use crate::policy::engine::tests::{POLICIES, RESOURCES};
 use crate::policy::model::{ApplyState, ObjectKey};
 
@@ -82,59 +81,6 @@ fn a_broken_file_keeps_the_previous_versions_of_its_objects() {
         second.outcome.states[&key],
         ApplyState::RolledBack { .. }
     ));
-}
-
-#[tokio::test]
-async fn the_watcher_reloads_on_change_and_rolls_back_bad_versions() {
-    let dir = TempDir::new("watch");
-    dir.write("resources.yaml", RESOURCES);
-    dir.write("policies.yaml", POLICIES);
-    let watcher = PolicyWatcher::start(dir.0.clone(), Duration::from_millis(50)).expect("start");
-    let mut rx = watcher.subscribe();
-    assert_eq!(watcher.current().policies.len(), 3);
-    // Suspend one policy: applied.
-    dir.write(
-        "policies.yaml",
-        &POLICIES.replace("priority: 10\n", "priority: 10\n  suspend: true\n"),
-    );
-    tokio::time::timeout(Duration::from_secs(5), rx.changed())
-        .await
-        .expect("reload")
-        .expect("open");
-    assert!(
-        watcher
-            .current()
-            .policies
-            .iter()
-            .any(|p| p.name == "burst" && p.spec.suspend)
-    );
-    // Break it with an unknown provider: the suspended version keeps serving.
-    dir.write(
-        "policies.yaml",
-        &POLICIES
-            .replace("providers: [cloud]", "providers: [nope]")
-            .replace("priority: 10\n", "priority: 10 \n"),
-    );
-    tokio::time::timeout(Duration::from_secs(5), rx.changed())
-        .await
-        .expect("reload")
-        .expect("open");
-    let set = watcher.current();
-    let burst = set
-        .policies
-        .iter()
-        .find(|p| p.name == "burst")
-        .expect("kept");
-    assert!(burst.spec.suspend);
-    let key = ObjectKey {
-        kind: "InferencePolicy",
-        name: "burst".into(),
-    };
-    assert!(
-        matches!(watcher.states()[&key], ApplyState::RolledBack { .. }),
-        "{:?}",
-        watcher.states()
-    );
 }
 
 #[test]

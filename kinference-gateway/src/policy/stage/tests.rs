@@ -95,9 +95,9 @@ async fn stage_and_router(dir: &Path) -> (Arc<PolicyStage>, Router) {
         ..Default::default()
     };
     let source = crate::config::local_source(&config).unwrap();
-    let (config, stage) =
+    let (config, pools) =
         crate::config::with_policy_stage(config, &crate::config::HttpSettings::default(), source);
-    let stage = stage.unwrap();
+    let stage = Arc::clone(pools.unwrap().stage());
     assert_eq!(
         config
             .workers
@@ -230,13 +230,9 @@ fn a_pool_without_workers_reports_saturated() {
     let dir = TempDir::new("snap");
     write_policies(&dir.0);
     rt.block_on(async {
-        let stage = PolicyStage::start(&StageSettings {
-            dir: dir.0.clone(),
-            reload_interval: Duration::from_secs(60),
-            load_interval: Duration::from_secs(60),
-            connect_timeout: Duration::from_secs(1),
-        })
-        .unwrap();
+        let source =
+            crate::config_source::files::start(dir.0.clone(), Duration::from_secs(60)).unwrap();
+        let stage = PolicyStage::start(source.into_policy_sets(), Duration::from_secs(60));
         let snap = stage.snapshot(&[]);
         assert!(!snap.available);
         assert_eq!(snap.queue_depth, Some(u32::MAX));
@@ -337,9 +333,10 @@ async fn selector_pools_are_the_discovered_workers_their_labels_and_gpu_class_pi
         ..Default::default()
     };
     let source = crate::config::local_source(&config).unwrap();
-    let (_, stage) =
+    let (_, pools) =
         crate::config::with_policy_stage(config, &crate::config::HttpSettings::default(), source);
-    let stage = stage.unwrap();
+    let pools = pools.unwrap();
+    let stage = Arc::clone(pools.stage());
     let (a, b, c) = (
         "http://10.0.0.1:8000",
         "http://10.0.0.2:8000",
@@ -348,12 +345,12 @@ async fn selector_pools_are_the_discovered_workers_their_labels_and_gpu_class_pi
     let router = Router::new(RoutingConfig {
         workers: [a, b, c]
             .iter()
-            .map(|u| WorkerConfig {
+            .map(|u| crate::routing::WorkerConfig {
                 url: u.to_string(),
                 model: "small-served".into(),
             })
             .collect(),
-        models: stage.routing_additions().1,
+        models: pools.routing_additions().1,
         agents: vec![],
         mode: RoutingMode::Kinference,
     })

@@ -1,0 +1,248 @@
+//! The pools at run time, beside the policy stage's decisions ([`crate::policy::stage`]): what the
+//! policy set's `InferencePool`s and `InferenceProvider`s make of the gateway's other parts.
+//!
+//! - the router's workers follow the pools' static endpoints on every reload ([`Pools::spawn_sync`]);
+//! - each pool's workers get the pool's own credentials and headers (`workerCredentials`,
+//!   `workerHeaders`) from the upstream client ([`Pools::spawn_worker_headers`]);
+//! - the providers' clients, made once per provider and reused ([`Pools::provider`]);
+//! - the pools' members for the fleet gauges ([`Pools::members`]).
+//!
+//! The decisions name pools and providers; only this module turns those names into workers'
+//! headers and provider clients.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use crate::backend::provider::{CredentialResolver, ProviderClient, Providers};
+use crate::backend::worker::Upstream;
+use crate::backend::worker::credentials;
+use crate::metrics::fleet::PoolMembers;
+use crate::policy::model::PolicySet;
+use crate::policy::stage::PolicyStage;
+use crate::routing::{ModelConfig, Router, WorkerConfig};
+
+/// The pools' run-time part: the policy stage it follows, the provider clients, the pools' worker
+/// credentials.
+pub struct Pools {
+    stage: Arc<PolicyStage>,
+    providers: Providers,
+    /// Pools' worker keys from Secrets (cluster mode); unset: from the environment.
+    credentials: OnceLock<CredentialResolver>,
+}
+
+impl std::fmt::Debug for Pools {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pools")
+            .field("providers", &self.providers)
+            .finish()
+    }
+}
+
+impl Pools {
+    /// The pools of `stage`'s sets; providers connect within `connect_timeout`, their keys read
+    /// through `provider_credentials` (cluster mode: Secrets) instead of the environment.
+    pub fn new(
+        stage: Arc<PolicyStage>,
+        connect_timeout: Duration,
+        provider_credentials: Option<CredentialResolver>,
+    ) -> Arc<Self> {
+        let providers = Providers::new(connect_timeout);
+        if let Some(c) = provider_credentials {
+            providers.set_credentials(c);
+        }
+        Arc::new(Pools {
+            stage,
+            providers,
+            credentials: OnceLock::new(),
+        })
+    }
+
+    /// The policy stage the pools follow.
+    pub fn stage(&self) -> &Arc<PolicyStage> {
+        &self.stage
+    }
+
+    /// The client of provider `name` of `set` (`None`: the set has no such provider).
+    pub fn provider(&self, set: &PolicySet, name: &str) -> Option<Arc<ProviderClient>> {
+        let spec = &set.providers.get(name)?.spec;
+        Some(self.providers.client(name, spec))
+    }
+
+    /// Every pool of the current set: its name, its models' served names and its workers (`None`:
+    /// every worker of its models), for the fleet gauges.
+    pub fn members(&self) -> Vec<PoolMembers> {
+        let set = self.stage.current();
+        set.pools
+            .iter()
+            .map(|(name, pool)| PoolMembers {
+                name: name.clone(),
+                models: pool
+                    .spec
+                    .models
+                    .iter()
+                    .map(|m| {
+                        set.models
+                            .get(m)
+                            .map_or(m.clone(), |m| m.spec.served_name.clone())
+                    })
+                    .collect(),
+                workers: self.stage.members(&pool.spec),
+            })
+            .collect()
+    }
+
+    /// Reads pools' `workerCredentials` through `resolver` (cluster mode: Secrets) instead of the
+    /// environment. Set once, at start.
+    pub fn set_pool_credentials(&self, resolver: CredentialResolver) {
+        if self.credentials.set(resolver).is_err() {
+            tracing::warn!("the pools already have a credential resolver");
+        }
+    }
+
+    /// What each worker of a pool with its own `workerCredentials` or `workerHeaders` is sent instead
+    /// of `gateway` (the gateway-wide headers, its key included): `gateway` with the pool's headers
+    /// over it, and the pool's key as `Authorization`. A key that is named but cannot be read is sent
+    /// as no key at all, never as the gateway-wide one: the worker refuses, the client gets 502.
+    /// A pool whose workers are not known by URL (no endpoints, no discovered members) is skipped.
+    pub fn worker_headers(&self, gateway: &http::HeaderMap) -> HashMap<String, http::HeaderMap> {
+        let set = self.stage.current();
+        let mut out = HashMap::new();
+        for (name, pool) in &set.pools {
+            let spec = &pool.spec;
+            if spec.worker_credentials.is_none() && spec.worker_headers.is_empty() {
+                continue;
+            }
+            let Some(members) = self.stage.members(spec) else {
+                tracing::warn!(pool = %name, "pool with its own worker headers but no known workers");
+                continue;
+            };
+            let mut headers = gateway.clone();
+            match credentials::worker_headers(None, &spec.worker_headers) {
+                Ok(extra) => headers.extend(extra),
+                Err(error) => tracing::warn!(pool = %name, %error, "pool workerHeaders skipped"),
+            }
+            if let Some(cred) = &spec.worker_credentials {
+                let key = match self.credentials.get() {
+                    Some(resolve) => resolve(name, cred),
+                    None => cred.env.as_deref().and_then(|var| std::env::var(var).ok()),
+                }
+                .filter(|k| !k.trim().is_empty());
+                headers.remove(http::header::AUTHORIZATION);
+                match credentials::worker_headers(
+                    key.as_deref().map(str::trim),
+                    &Default::default(),
+                ) {
+                    Ok(auth) if key.is_some() => headers.extend(auth),
+                    Ok(_) => tracing::warn!(pool = %name,
+                        "pool workerCredentials cannot be read: its workers get no key"),
+                    Err(error) => tracing::warn!(pool = %name, %error,
+                        "pool workerCredentials unusable: its workers get no key"),
+                }
+            }
+            for url in members {
+                out.insert(url, headers.clone());
+            }
+        }
+        out
+    }
+
+    /// Keeps `upstream`'s per-worker headers in line with the pools ([`Pools::worker_headers`]):
+    /// set now, then on every new policy set and every `interval` (Secrets rotate, discovered
+    /// members change).
+    pub fn spawn_worker_headers(
+        self: &Arc<Self>,
+        upstream: Upstream,
+        interval: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let gateway = upstream.headers().clone();
+        upstream.set_worker_headers(self.worker_headers(&gateway));
+        let pools = Arc::clone(self);
+        let mut rx = self.stage.subscribe();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return },
+                    _ = tokio::time::sleep(interval) => {}
+                }
+                upstream.set_worker_headers(pools.worker_headers(&gateway));
+            }
+        })
+    }
+
+    /// Workers and models the pools of the current set add to the router's configuration: every
+    /// static endpoint with its pool's first model's served name, and each model's tokenizer
+    /// directory.
+    pub fn routing_additions(&self) -> (Vec<WorkerConfig>, Vec<ModelConfig>) {
+        let set = self.stage.current();
+        (pool_workers(&set), pool_models(&set))
+    }
+
+    /// Keeps the router's workers in line with the pools' endpoints on every reload: new endpoints are
+    /// added, removed ones stop being candidates (workers from `gateway.yaml` stay).
+    pub fn spawn_sync(&self, router: Arc<Router>) -> tokio::task::JoinHandle<()> {
+        let mut rx = self.stage.subscribe();
+        tokio::spawn(async move {
+            let mut known: BTreeSet<String> = pool_workers(&rx.borrow())
+                .into_iter()
+                .map(|w| w.url)
+                .collect();
+            while rx.changed().await.is_ok() {
+                let workers = pool_workers(&rx.borrow_and_update());
+                let now: BTreeSet<String> = workers.iter().map(|w| w.url.clone()).collect();
+                for w in &workers {
+                    if !router.upsert_worker(&w.url, &w.model) {
+                        tracing::warn!(worker = %w.url, "router worker table full; pool endpoint not added");
+                    }
+                }
+                for gone in known.difference(&now) {
+                    router.remove_worker(gone);
+                }
+                known = now;
+            }
+        })
+    }
+}
+
+/// Static pool endpoints as router workers (the pool's first model's served name).
+fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
+    let mut out: Vec<WorkerConfig> = Vec::new();
+    for pool in set.pools.values() {
+        let Some(model) = pool.spec.models.first() else {
+            continue;
+        };
+        let served = set
+            .models
+            .get(model)
+            .map_or(model.clone(), |m| m.spec.served_name.clone());
+        for e in &pool.spec.endpoints {
+            let url = e.url.trim_end_matches('/').to_string();
+            if !out.iter().any(|w| w.url == url) {
+                out.push(WorkerConfig {
+                    url,
+                    model: served.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Served models with their tokenizer directory (`spec.tokenizer.dir`) and whether their workers
+/// serve Anthropic's `/v1/messages` (`spec.servesMessages`).
+pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
+    set.models
+        .values()
+        .map(|m| ModelConfig {
+            name: m.spec.served_name.clone(),
+            tokenizer_dir: m
+                .spec
+                .tokenizer
+                .as_ref()
+                .and_then(|t| t.dir.as_ref())
+                .map(PathBuf::from),
+            serves_messages: m.spec.serves_messages,
+        })
+        .collect()
+}
