@@ -1444,3 +1444,65 @@ async fn a_routed_request_exports_the_http_paths_spans_and_the_worker_continues_
     assert_eq!(fields["output_tokens"], 2, "{access}");
     assert_eq!(access["span"]["request_id"], "xp-trace-1", "{access}");
 }
+
+/// A routed stream a proxy leaves open and silent gives its in-flight slot back after the idle
+/// timeout, and the port holds no more connections than its limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_is_closed_and_its_slot_given_back() {
+    let (_worker, port) = start_worker().await;
+    let scratch = support::TempDir::new("extproc-idle");
+    let config = one_worker_config(&scratch.0, port, "");
+    let xp = free_port();
+    let (_gateway, _api, admin) = support::start_gateway(
+        &config,
+        &[
+            &format!("--extproc-listen=127.0.0.1:{xp}"),
+            "--max-in-flight=1",
+            "--overload-queue=0",
+            "--extproc-idle-timeout-seconds=2",
+            "--extproc-max-connections=2",
+        ],
+    )
+    .await;
+    let addr = SocketAddr::from(([127, 0, 0, 1], xp));
+    let mut client = connect(addr).await;
+    let path = "/v1/chat/completions";
+
+    // Routed, then silent: it holds the only slot, so the next request is shed.
+    let mut silent = Stream::open(&mut client).await;
+    routed_worker(decide_on(&mut silent, path, &chat_body("silent")).await);
+    match ask(&mut client, path, &chat_body("shed")).await {
+        Outcome::Local { status, .. } => assert_eq!(status, 503),
+        other => panic!("expected 503 while the slot is held, got {other:?}"),
+    }
+    // Past the idle timeout the handler closes it: the slot is free again.
+    let closed = tokio::time::timeout(Duration::from_secs(10), silent.rx.message())
+        .await
+        .expect("closed within the idle timeout");
+    assert!(closed.is_err() || matches!(closed, Ok(None)), "{closed:?}");
+    support::wait_for("the slot given back", || async {
+        support::metric(admin, "kinference_gateway_overload_in_flight").await == 0.0
+    })
+    .await;
+    routed_worker(ask(&mut client, path, &chat_body("after")).await);
+
+    // Two connections at most: a third is closed by the handler (its call fails).
+    let _second = connect(addr).await;
+    let third = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .expect("endpoint")
+        .connect()
+        .await;
+    let refused = match third {
+        Err(_) => true,
+        Ok(channel) => {
+            let mut c = ExternalProcessorClient::new(channel);
+            let (tx, rx) = mpsc::channel(1);
+            drop(tx);
+            c.process(ReceiverStream::new(rx)).await.is_err()
+        }
+    };
+    assert!(
+        refused,
+        "a connection past --extproc-max-connections is closed"
+    );
+}

@@ -38,11 +38,13 @@
 //! [`reply`] the messages sent back.
 
 pub mod body;
+mod limit;
 pub mod reply;
 pub mod session;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
@@ -74,6 +76,37 @@ pub struct ExtProcArgs {
     #[arg(long, env = "KINFERENCE_EXTPROC_BODY_LIMIT_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub extproc_body_limit_bytes: usize,
 
+    /// Most open connections on the ext_proc port; past it a new connection is closed at once.
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_MAX_CONNECTIONS",
+        default_value_t = 1024
+    )]
+    pub extproc_max_connections: usize,
+
+    /// Most streams (requests) open at once on one ext_proc connection (HTTP/2
+    /// `max_concurrent_streams`).
+    #[arg(long, env = "KINFERENCE_EXTPROC_MAX_STREAMS", default_value_t = 1024)]
+    pub extproc_max_streams: u32,
+
+    /// Longest silence on an open stream, in seconds, before the handler closes it (and a routed
+    /// request is settled as abandoned): a proxy that stopped sending holds no slot.
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_IDLE_TIMEOUT_SECONDS",
+        default_value_t = 300
+    )]
+    pub extproc_idle_timeout_seconds: u64,
+
+    /// Longest a stream may stay open, in seconds, whatever it does: past it the handler closes it
+    /// and the request's slot, ticket and body room are given back (settled as abandoned).
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_STREAM_DEADLINE_SECONDS",
+        default_value_t = 1800
+    )]
+    pub extproc_stream_deadline_seconds: u64,
+
     /// mTLS on the ext_proc port: the handler's certificate (PEM). With `--extproc-tls-key` and
     /// `--extproc-tls-client-ca`, only a proxy presenting a certificate of that CA may connect.
     #[arg(long, env = "KINFERENCE_EXTPROC_TLS_CERT", requires_all = ["extproc_tls_key", "extproc_tls_client_ca"])]
@@ -103,14 +136,31 @@ pub struct Settings {
     pub shed_in_flight: Option<usize>,
     /// See [`ExtProcArgs::extproc_body_limit_bytes`].
     pub body_limit_bytes: usize,
+    /// See [`ExtProcArgs::extproc_max_connections`].
+    pub max_connections: usize,
+    /// See [`ExtProcArgs::extproc_max_streams`].
+    pub max_streams: u32,
+    /// See [`ExtProcArgs::extproc_idle_timeout_seconds`].
+    pub idle_timeout: Duration,
+    /// See [`ExtProcArgs::extproc_stream_deadline_seconds`].
+    pub stream_deadline: Duration,
 }
 
 impl Default for Settings {
     fn default() -> Self {
-        Self {
-            shed_in_flight: None,
-            body_limit_bytes: 4 * 1024 * 1024,
+        Self::from(&ExtProcArgs::default())
+    }
+}
+
+impl Default for ExtProcArgs {
+    fn default() -> Self {
+        // The clap defaults: parse an empty command line.
+        #[derive(clap::Parser)]
+        struct Only {
+            #[command(flatten)]
+            extproc: ExtProcArgs,
         }
+        <Only as clap::Parser>::parse_from(["kinference-gateway"]).extproc
     }
 }
 
@@ -119,6 +169,10 @@ impl From<&ExtProcArgs> for Settings {
         Self {
             shed_in_flight: (a.extproc_shed_in_flight > 0).then_some(a.extproc_shed_in_flight),
             body_limit_bytes: a.extproc_body_limit_bytes,
+            max_connections: a.extproc_max_connections.max(1),
+            max_streams: a.extproc_max_streams.max(1),
+            idle_timeout: Duration::from_secs(a.extproc_idle_timeout_seconds.max(1)),
+            stream_deadline: Duration::from_secs(a.extproc_stream_deadline_seconds.max(1)),
         }
     }
 }
@@ -186,9 +240,11 @@ impl ExtProcService {
         }
     }
 
-    /// The gRPC server for this service.
+    /// The gRPC server for this service: messages up to a whole body (Envoy's `BUFFERED` mode
+    /// sends it in one) and some room for the headers around it.
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        ExternalProcessorServer::new(self)
+        let largest = self.handler.settings.body_limit_bytes + 64 * 1024;
+        ExternalProcessorServer::new(self).max_decoding_message_size(largest)
     }
 }
 
@@ -205,14 +261,34 @@ impl ExternalProcessor for ExtProcService {
         let handler = Arc::clone(&self.handler);
         tokio::spawn(async move {
             // The session (and the ticket in it) is dropped when this task ends: Envoy closed the
-            // stream, broke it, or stopped reading.
+            // stream, broke it, stopped reading, went silent past the idle timeout, or kept it
+            // open past the stream deadline.
+            let settings = &handler.settings;
+            let deadline = tokio::time::Instant::now() + settings.stream_deadline;
             let mut session = Session::new(&handler);
             loop {
-                let msg = match inbound.message().await {
-                    Ok(Some(msg)) => msg,
-                    Ok(None) => break,
-                    Err(status) => {
+                let next = tokio::time::timeout_at(
+                    deadline.min(tokio::time::Instant::now() + settings.idle_timeout),
+                    inbound.message(),
+                );
+                let msg = match next.await {
+                    Ok(Ok(Some(msg))) => msg,
+                    Ok(Ok(None)) => break,
+                    Ok(Err(status)) => {
                         tracing::debug!(%status, "ext_proc stream broke");
+                        break;
+                    }
+                    Err(_) => {
+                        tracing::warn!(
+                            idle_timeout_s = settings.idle_timeout.as_secs(),
+                            deadline_s = settings.stream_deadline.as_secs(),
+                            "ext_proc stream closed: silent past the idle timeout, or open past its deadline"
+                        );
+                        let _ = tx
+                            .send(Err(Status::deadline_exceeded(
+                                "the stream was silent or open too long",
+                            )))
+                            .await;
                         break;
                     }
                 };
@@ -248,10 +324,16 @@ pub async fn serve_handler_tls(
     if let Some(tls) = tls {
         server = server.tls_config(tls)?;
     }
+    let settings = handler.settings.clone();
+    let incoming = limit::Limited::new(TcpListenerStream::new(listener), settings.max_connections);
     server
         .tcp_nodelay(true)
+        .max_concurrent_streams(settings.max_streams)
+        // A proxy that vanished without closing its connections is found within 40 s.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
         .add_service(ExtProcService::with_handler(handler).into_server())
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
 }
 
