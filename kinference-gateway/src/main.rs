@@ -145,7 +145,11 @@ async fn main() -> anyhow::Result<()> {
 
     // Pools with their own worker key or headers (InferencePool workerCredentials/workerHeaders).
     let _pool_headers = gw.pools.as_ref().map(|pools| {
-        pools.spawn_worker_headers(gw.upstream.clone(), gw.settings.health_interval())
+        pools.spawn_worker_headers(
+            gw.upstream.clone(),
+            Arc::clone(&gw.router),
+            gw.settings.health_interval(),
+        )
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -10,10 +10,12 @@
 //! The decisions name pools and providers; only this module turns those names into workers'
 //! headers and provider clients.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
+
+use kinference_crds::Locality;
 
 use crate::backend::provider::{CredentialResolver, ProviderClient, Providers};
 use crate::backend::worker::Upstream;
@@ -101,51 +103,109 @@ impl Pools {
         }
     }
 
-    /// What each worker of a pool with its own `workerCredentials` or `workerHeaders` is sent instead
-    /// of `gateway` (the gateway-wide headers, its key included): `gateway` with the pool's headers
-    /// over it, and the pool's key as `Authorization`. A key that is named but cannot be read is sent
-    /// as no key at all, never as the gateway-wide one: the worker refuses, the client gets 502.
-    /// A pool whose workers are not known by URL (no endpoints, no discovered members) is skipped.
-    pub fn worker_headers(&self, gateway: &http::HeaderMap) -> HashMap<String, http::HeaderMap> {
+    /// What each worker of a pool is sent when it is not the gateway-wide `gateway` headers (the
+    /// workers' key included):
+    /// - a local pool with its own `workerCredentials` or `workerHeaders`: `gateway` with the pool's
+    ///   headers over it, and the pool's key as `Authorization`;
+    /// - a `Remote` pool (a third party's): only what the pool itself is configured with, never the
+    ///   gateway-wide key or headers;
+    /// - a key that is named but cannot be read (a missing Secret, an unset variable) is sent as no
+    ///   key at all, never as the gateway-wide one: the worker refuses, the client gets 502;
+    /// - a worker that two pools would send different headers to gets none of them (no key: fail
+    ///   closed, logged naming the pools);
+    /// - a pool whose workers are not known by URL (a selector without discovery) stands for every
+    ///   worker of its models in `workers` (URL, served model), as it does for routing.
+    pub fn worker_headers(
+        &self,
+        gateway: &http::HeaderMap,
+        workers: &[(String, String)],
+    ) -> HashMap<String, http::HeaderMap> {
         let set = self.stage.current();
-        let mut out = HashMap::new();
+        // Each worker's headers from each pool that lists it.
+        let mut wanted: BTreeMap<String, Vec<(&str, http::HeaderMap)>> = BTreeMap::new();
         for (name, pool) in &set.pools {
             let spec = &pool.spec;
-            if spec.worker_credentials.is_none() && spec.worker_headers.is_empty() {
-                continue;
-            }
-            let Some(members) = self.stage.members(spec) else {
-                tracing::warn!(pool = %name, "pool with its own worker headers but no known workers");
-                continue;
+            let remote = spec.locality != Locality::Local;
+            let own = spec.worker_credentials.is_some() || !spec.worker_headers.is_empty();
+            let headers = if own || remote {
+                self.pool_headers(name, spec, if remote { None } else { Some(gateway) })
+            } else {
+                gateway.clone()
             };
-            let mut headers = gateway.clone();
-            match credentials::worker_headers(None, &spec.worker_headers) {
-                Ok(extra) => headers.extend(extra),
-                Err(error) => tracing::warn!(pool = %name, %error, "pool workerHeaders skipped"),
-            }
-            if let Some(cred) = &spec.worker_credentials {
-                let key = match self.credentials.get() {
-                    Some(resolve) => resolve(name, cred),
-                    None => cred.env.as_deref().and_then(|var| std::env::var(var).ok()),
-                }
-                .filter(|k| !k.trim().is_empty());
-                headers.remove(http::header::AUTHORIZATION);
-                match credentials::worker_headers(
-                    key.as_deref().map(str::trim),
-                    &Default::default(),
-                ) {
-                    Ok(auth) if key.is_some() => headers.extend(auth),
-                    Ok(_) => tracing::warn!(pool = %name,
-                        "pool workerCredentials cannot be read: its workers get no key"),
-                    Err(error) => tracing::warn!(pool = %name, %error,
-                        "pool workerCredentials unusable: its workers get no key"),
-                }
-            }
+            let members = self.stage.members(spec).unwrap_or_else(|| {
+                let served: Vec<String> = spec
+                    .models
+                    .iter()
+                    .map(|m| {
+                        set.models
+                            .get(m)
+                            .map_or(m.clone(), |m| m.spec.served_name.clone())
+                    })
+                    .collect();
+                workers
+                    .iter()
+                    .filter(|(_, model)| served.contains(model))
+                    .map(|(url, _)| url.clone())
+                    .collect()
+            });
             for url in members {
-                out.insert(url, headers.clone());
+                wanted
+                    .entry(url)
+                    .or_default()
+                    .push((name.as_str(), headers.clone()));
             }
         }
+        let mut out = HashMap::new();
+        for (url, from) in wanted {
+            let (_, first) = &from[0];
+            if from.iter().all(|(_, h)| h == first) {
+                if first != gateway {
+                    out.insert(url, first.clone());
+                }
+                continue;
+            }
+            let pools: Vec<&str> = from.iter().map(|(p, _)| *p).collect();
+            tracing::warn!(worker = %url, ?pools,
+                "a worker in pools that send it different credentials or headers gets none of them");
+            out.insert(url, http::HeaderMap::new());
+        }
         out
+    }
+
+    /// Pool `name`'s own headers and key, over `base` (a local pool: the gateway-wide headers; a
+    /// remote one: none).
+    fn pool_headers(
+        &self,
+        name: &str,
+        spec: &kinference_crds::InferencePoolSpec,
+        base: Option<&http::HeaderMap>,
+    ) -> http::HeaderMap {
+        let mut headers = base.cloned().unwrap_or_default();
+        match credentials::worker_headers(None, &spec.worker_headers) {
+            Ok(extra) => headers.extend(extra),
+            Err(error) => tracing::warn!(pool = %name, %error, "pool workerHeaders skipped"),
+        }
+        headers.remove(http::header::AUTHORIZATION);
+        let Some(cred) = &spec.worker_credentials else {
+            // A local pool without its own key keeps the gateway-wide one.
+            if let Some(auth) = base.and_then(|b| b.get(http::header::AUTHORIZATION)) {
+                headers.insert(http::header::AUTHORIZATION, auth.clone());
+            }
+            return headers;
+        };
+        let key = match self.credentials.get() {
+            Some(resolve) => resolve(name, cred),
+            None => cred.env.as_deref().and_then(|var| std::env::var(var).ok()),
+        }
+        .filter(|k| !k.trim().is_empty());
+        match credentials::worker_headers(key.as_deref().map(str::trim), &Default::default()) {
+            Ok(auth) if key.is_some() => headers.extend(auth),
+            Ok(_) => tracing::warn!(pool = %name,
+                "pool workerCredentials cannot be read: its workers get no key"),
+            Err(error) => tracing::warn!(pool = %name, %error,
+                "pool workerCredentials unusable: its workers get no key"),
+        }
+        headers
     }
 
     /// Keeps `upstream`'s per-worker headers in line with the pools ([`Pools::worker_headers`]):
@@ -154,10 +214,18 @@ impl Pools {
     pub fn spawn_worker_headers(
         self: &Arc<Self>,
         upstream: Upstream,
+        router: Arc<Router>,
         interval: Duration,
     ) -> tokio::task::JoinHandle<()> {
         let gateway = upstream.headers().clone();
-        upstream.set_worker_headers(self.worker_headers(&gateway));
+        let workers = |router: &Router| -> Vec<(String, String)> {
+            router
+                .workers()
+                .into_iter()
+                .map(|w| (w.url, w.model))
+                .collect()
+        };
+        upstream.set_worker_headers(self.worker_headers(&gateway, &workers(&router)));
         let pools = Arc::clone(self);
         let mut rx = self.stage.subscribe();
         tokio::spawn(async move {
@@ -166,7 +234,7 @@ impl Pools {
                     changed = rx.changed() => if changed.is_err() { return },
                     _ = tokio::time::sleep(interval) => {}
                 }
-                upstream.set_worker_headers(pools.worker_headers(&gateway));
+                upstream.set_worker_headers(pools.worker_headers(&gateway, &workers(&router)));
             }
         })
     }
@@ -204,6 +272,9 @@ impl Pools {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 /// Static pool endpoints as router workers (the pool's first model's served name).
 fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {

@@ -1056,7 +1056,7 @@ async fn a_pools_worker_key_comes_from_its_secret() {
     gateway_wide.insert("x-team", HeaderValue::from_static("search"));
     let sent = |stage: &Pools, name: &str| {
         stage
-            .worker_headers(&gateway_wide)
+            .worker_headers(&gateway_wide, &[])
             .get("http://127.0.0.1:9")
             .and_then(|h| h.get(name))
             .and_then(|v| v.to_str().ok().map(str::to_string))

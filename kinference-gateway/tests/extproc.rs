@@ -1506,3 +1506,53 @@ async fn a_silent_stream_is_closed_and_its_slot_given_back() {
         "a connection past --extproc-max-connections is closed"
     );
 }
+
+/// Through Envoy, a worker started with vLLM's `--api-key` gets the gateway's worker key in place of
+/// the client's own credentials, which never reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_gets_the_pools_key_never_the_clients() {
+    let Some(sim) = support::vllm_sim_binary() else {
+        return;
+    };
+    let (_worker, port) = support::spawn_vllm_sim_with(
+        &sim,
+        MODEL,
+        &["--preset", "fast", "--api-key", "sk-worker-only"],
+    );
+    support::wait_until_ok(port, "/health").await;
+    let scratch = support::TempDir::new("extproc-worker-key");
+    std::fs::write(scratch.0.join("worker.key"), "sk-worker-only\n").expect("key file");
+    let config = one_worker_config(
+        &scratch.0,
+        port,
+        &format!(
+            "worker_api_key: {{file: \"{}\"}}\n",
+            scratch.0.join("worker.key").display()
+        ),
+    );
+    let xp = free_port();
+    let (_gateway, _api, _admin) =
+        support::start_gateway(&config, &[&format!("--extproc-listen=127.0.0.1:{xp}")]).await;
+    let mut envoy = support::envoy::Envoy::connect(SocketAddr::from(([127, 0, 0, 1], xp))).await;
+    let body = json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hello"}]})
+    .to_string();
+    // The client sends its own credentials (a tenant key a gateway without tenants ignores).
+    let answer = envoy
+        .request(
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("authorization", "Bearer sk-client-secret"),
+                ("x-api-key", "sk-client-secret"),
+            ],
+            body.as_bytes(),
+        )
+        .await;
+    assert_eq!(
+        answer.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&answer.body)
+    );
+}

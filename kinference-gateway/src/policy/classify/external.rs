@@ -38,8 +38,12 @@ pub enum OnError {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExternalConfig {
-    /// `http://` URL the request text is posted to.
+    /// `http://` or `https://` URL the request text is posted to.
     pub url: String,
+    /// For `https://`: the CA certificates (PEM) the classifier's certificate must chain to, e.g.
+    /// the cluster's (`/var/run/secrets/kubernetes.io/serviceaccount/ca.crt`); absent: the system's.
+    #[serde(default)]
+    pub ca_file: Option<std::path::PathBuf>,
     /// How long the gateway waits for the answer, in milliseconds (default 200).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
@@ -58,8 +62,10 @@ pub const UNAVAILABLE_TAG: &str = "classifier-unavailable";
 /// Why the external classifier gave no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ExternalError {
-    #[error("invalid classifier URL {0:?}")]
+    #[error("invalid classifier URL {0:?} (http:// or https://)")]
     Url(String),
+    #[error("classifier TLS: {0}")]
+    Tls(String),
     #[error("classifier timed out after {0:?}")]
     Timeout(Duration),
     #[error("classifier request failed: {0}")]
@@ -82,32 +88,51 @@ pub struct ExternalClassifier {
     uri: http::Uri,
     timeout: Duration,
     on_error: OnError,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
 }
 
 impl ExternalClassifier {
     /// The classifier `config` describes.
     pub fn from_config(config: &ExternalConfig) -> Result<Self, ExternalError> {
-        Self::new(
+        Self::with_ca(
             &config.url,
             Duration::from_millis(config.timeout_ms),
             config.on_error,
+            config.ca_file.as_deref(),
         )
     }
 
-    /// A classifier at `url` (plain HTTP, typically a sidecar on loopback or a cluster Service).
+    /// A classifier at `url` (a sidecar on loopback or a cluster Service; `https://` checked
+    /// against the system's CAs).
     pub fn new(url: &str, timeout: Duration, on_error: OnError) -> Result<Self, ExternalError> {
+        Self::with_ca(url, timeout, on_error, None)
+    }
+
+    /// [`ExternalClassifier::new`], an `https://` classifier's certificate checked against the CAs
+    /// in `ca_file` (PEM) instead of the system's.
+    pub fn with_ca(
+        url: &str,
+        timeout: Duration,
+        on_error: OnError,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Self, ExternalError> {
         let uri: http::Uri = url
             .parse()
             .map_err(|_| ExternalError::Url(url.to_string()))?;
-        if uri.scheme_str() != Some("http") {
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
             return Err(ExternalError::Url(url.to_string()));
         }
+        let tls = tls_config(ca_file)?;
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
         Ok(ExternalClassifier {
             uri,
             timeout,
             on_error,
-            client: Client::builder(TokioExecutor::new()).build_http(),
+            client: Client::builder(TokioExecutor::new()).build(connector),
         })
     }
 
@@ -167,6 +192,41 @@ impl ExternalClassifier {
             OnError::Ignore => BTreeSet::from([UNAVAILABLE_TAG.to_string()]),
         }
     }
+}
+
+/// The classifier's TLS settings: the CAs of `ca_file`, else the system's.
+fn tls_config(ca_file: Option<&std::path::Path>) -> Result<rustls::ClientConfig, ExternalError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject as _;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let certs = CertificateDer::pem_file_iter(path)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| ExternalError::Tls(format!("{}: {e}", path.display())))?;
+            if certs.is_empty() {
+                return Err(ExternalError::Tls(format!(
+                    "{}: no certificate in it",
+                    path.display()
+                )));
+            }
+            for cert in certs {
+                roots
+                    .add(cert)
+                    .map_err(|e| ExternalError::Tls(format!("{}: {e}", path.display())))?;
+            }
+        }
+        None => {
+            let native = rustls_native_certs::load_native_certs();
+            roots.add_parsable_certificates(native.certs);
+        }
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ExternalError::Tls(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth())
 }
 
 impl ExternalError {

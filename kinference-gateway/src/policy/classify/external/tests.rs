@@ -93,7 +93,8 @@ async fn errors_follow_on_error() {
         ExternalClassifier::new(&url, Duration::from_secs(2), OnError::Ignore).expect("client");
     let tags = open.classify_or_fallback("x", "m").await;
     assert!(!tags.contains("pii") && tags.contains("classifier-unavailable"));
-    assert!(ExternalClassifier::new("https://x", Duration::from_secs(1), OnError::Ignore).is_err());
+    assert!(ExternalClassifier::new("ftp://x", Duration::from_secs(1), OnError::Ignore).is_err());
+    assert!(ExternalClassifier::new("https://x", Duration::from_secs(1), OnError::Ignore).is_ok());
 }
 
 /// The metrics text of `classifier`.
@@ -113,6 +114,7 @@ fn config(
     crate::policy::classify::ClassifierConfig {
         external: Some(super::ExternalConfig {
             url: url.to_string(),
+            ca_file: None,
             timeout_ms,
             on_error,
         }),
@@ -176,7 +178,7 @@ async fn a_slow_or_failing_classifier_makes_the_request_local_only() {
 
 #[tokio::test]
 async fn an_unusable_classifier_url_fails_closed() {
-    let bad = config("https://classifier.example/v1", 100, OnError::Ignore);
+    let bad = config("ftp://classifier.example/v1", 100, OnError::Ignore);
     assert!(bad.validate().is_err());
     let classifier = crate::policy::classify::Classifier::default();
     classifier.configure(&bad);
