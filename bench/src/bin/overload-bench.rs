@@ -10,11 +10,19 @@
 //! and under load, its open-connection and in-flight gauges, and how long `/metrics` took on the
 //! admin port under load.
 //!
+//! With `--flood N` the hostile load is instead N concurrent large bodies (`--flood-bytes`, 4 MB of
+//! `[0,0,...]` in an unknown member: the most a JSON parse can cost per byte) from one tenant, while
+//! the well-behaved clients are another tenant; the gateway's resident memory is sampled every 20 ms
+//! for its peak (issue 31: 1,000 concurrent 4 MB bodies keep it under the chart's 2 GiB limit with
+//! the other tenant served).
+//!
 //! ```text
 //! cargo build --release -p kinference-bench -p kinference-gateway
 //! target/release/overload-bench --idle 10000 --slow 200
+//! target/release/overload-bench --flood 1000
 //! ```
-//! Needs a file-descriptor limit above idle + slow (`ulimit -n`), for this process and the gateway.
+//! Needs a file-descriptor limit above idle + slow (or the flood) (`ulimit -n`), for this process and
+//! the gateway.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -30,7 +38,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::harness::{self, Process, free_port, repo_root, wait_ready};
+use kinference_bench::harness::{self, Process, free_port, repo_root, rss_mib, wait_ready};
 use kinference_bench::stats::percentile_duration as percentile;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -63,7 +71,20 @@ struct Args {
     /// The simulator's time scale (wall seconds per model second).
     #[arg(long, default_value_t = 0.01)]
     time_scale: f64,
+    /// Large bodies sent at once by one tenant instead of the idle and slow-body clients (0: off).
+    #[arg(long, default_value_t = 0)]
+    flood: usize,
+    /// Size of each flood body, in bytes (4 MB: under the default 4 MiB body limit).
+    #[arg(long, default_value_t = 4_000_000)]
+    flood_bytes: usize,
+    /// Extra flags for the gateway (e.g. `--body-budget-bytes=...` to compare budgets).
+    #[arg(long, allow_hyphen_values = true)]
+    gateway_flag: Vec<String>,
 }
+
+/// The flood's tenant and the well-behaved clients' tenant, with their keys.
+const FLOOD_KEY: &str = "sk-overload-flood-0123456789abcdef";
+const STEADY_KEY: &str = "sk-overload-steady-0123456789abcdef";
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -83,13 +104,15 @@ async fn get(client: &HttpClient, url: &str) -> anyhow::Result<(u16, String)> {
     Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-/// `requests` well-behaved requests at `concurrency`: the latencies, and how many failed.
+/// `requests` well-behaved requests at `concurrency` (with `key` as their bearer token, when the
+/// gateway has tenants): the latencies, and how many failed.
 async fn workload(
     client: &HttpClient,
     url: &str,
     body: &Bytes,
     concurrency: usize,
     requests: usize,
+    key: Option<&'static str>,
 ) -> anyhow::Result<(Vec<Duration>, usize)> {
     let next = Arc::new(AtomicUsize::new(0));
     let failed = Arc::new(AtomicUsize::new(0));
@@ -105,11 +128,14 @@ async fn workload(
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             while next.fetch_add(1, Ordering::Relaxed) < requests {
-                let request = Request::builder()
+                let mut request = Request::builder()
                     .method(Method::POST)
                     .uri(&url)
-                    .header("content-type", "application/json")
-                    .body(Full::new(body.clone()))?;
+                    .header("content-type", "application/json");
+                if let Some(key) = key {
+                    request = request.header("authorization", format!("Bearer {key}"));
+                }
+                let request = request.body(Full::new(body.clone()))?;
                 let start = Instant::now();
                 let response = client.request(request).await?;
                 let status = response.status();
@@ -132,19 +158,6 @@ async fn workload(
     }
     all.sort_unstable();
     Ok((all, failed.load(Ordering::Relaxed)))
-}
-
-/// Resident memory of `pid` in MiB (Linux).
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
 /// The first sample of `name` in a Prometheus exposition.
@@ -189,12 +202,13 @@ async fn main() -> anyhow::Result<()> {
             .with_context(|| format!("starting {}", bin_dir.join("vllm-sim").display()))?,
     );
     let config = workdir.join("gateway.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "models:\n  - name: qwen2-sim\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: least-outstanding\n"
-        ),
-    )?;
+    let mut yaml = format!(
+        "models:\n  - name: qwen2-sim\nworkers:\n  - url: {worker}\n    model: qwen2-sim\nrouting: least-outstanding\n"
+    );
+    if args.flood > 0 {
+        yaml.push_str(&tenants(&workdir)?);
+    }
+    std::fs::write(&config, yaml)?;
     let mut gateway = Process::adopt(
         "kinference-gateway",
         Command::new(bin_dir.join("kinference-gateway"))
@@ -202,6 +216,7 @@ async fn main() -> anyhow::Result<()> {
             .args(["--admin-listen", &format!("127.0.0.1:{admin_port}")])
             .arg("--config")
             .arg(&config)
+            .args(&args.gateway_flag)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -249,10 +264,32 @@ async fn main() -> anyhow::Result<()> {
         .to_string(),
     );
     // Warm-up, then the unloaded run.
-    workload(&client, &url, &body, args.concurrency, args.concurrency * 8).await?;
+    let key = (args.flood > 0).then_some(STEADY_KEY);
+    workload(
+        &client,
+        &url,
+        &body,
+        args.concurrency,
+        args.concurrency * 8,
+        key,
+    )
+    .await?;
     let rss_idle = rss_mib(gw_pid);
     let (unloaded, unloaded_failed) =
-        workload(&client, &url, &body, args.concurrency, args.requests).await?;
+        workload(&client, &url, &body, args.concurrency, args.requests, key).await?;
+    if args.flood > 0 {
+        let flooded = flood(&args, gw_port, gw_pid, &client, &url, &body).await?;
+        let (_, metrics) = get(&client, &format!("{admin}/metrics")).await?;
+        print_flood(
+            &args,
+            &unloaded,
+            unloaded_failed,
+            rss_idle,
+            &flooded,
+            &metrics,
+        );
+        return Ok(());
+    }
 
     // The hostile load: idle connections, then slow bodies trickling a byte a second.
     let opened = Instant::now();
@@ -283,7 +320,7 @@ async fn main() -> anyhow::Result<()> {
     let (_, metrics) = get(&client, &format!("{admin}/metrics")).await?;
     let metrics_time = metrics_started.elapsed();
     let (loaded, loaded_failed) =
-        workload(&client, &url, &body, args.concurrency, args.requests).await?;
+        workload(&client, &url, &body, args.concurrency, args.requests, None).await?;
     let rss_loaded = rss_mib(gw_pid);
     let (_, after) = get(&client, &format!("{admin}/metrics")).await?;
 
@@ -335,4 +372,167 @@ async fn main() -> anyhow::Result<()> {
         task.abort();
     }
     Ok(())
+}
+
+/// `tenancy:` lines for the flood's two tenants (their keys written under `dir`).
+fn tenants(dir: &std::path::Path) -> anyhow::Result<String> {
+    let mut objects = Vec::new();
+    for (name, key) in [("flood", FLOOD_KEY), ("steady", STEADY_KEY)] {
+        let secret = dir.join("secrets").join(name);
+        std::fs::create_dir_all(&secret)?;
+        std::fs::write(secret.join("api-key"), key)?;
+        objects.push(format!(
+            "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec:\n  apiKeys: [{{secretRef: {{name: {name}, key: api-key}}}}]\n"
+        ));
+    }
+    std::fs::write(dir.join("tenants.yaml"), objects.join("---\n"))?;
+    Ok(format!(
+        "tenancy:\n  tenants_dir: {}\n  secrets_dir: {}\n  usage_journal: {}\n",
+        dir.join("tenants.yaml").display(),
+        dir.join("secrets").display(),
+        dir.join("usage.jsonl").display()
+    ))
+}
+
+/// What the flood did.
+struct Flooded {
+    /// The well-behaved run during the flood.
+    loaded: Vec<Duration>,
+    loaded_failed: usize,
+    /// The flood's answers by status (0: the connection failed).
+    statuses: std::collections::BTreeMap<u16, usize>,
+    /// The gateway's resident memory at its peak during the flood, in MiB.
+    peak_mib: f64,
+    took: Duration,
+}
+
+/// `args.flood` bodies of `args.flood_bytes` bytes sent at once by tenant `flood` (each on its own
+/// connection, the same bytes shared), while the well-behaved clients run as tenant `steady`; the
+/// gateway's RSS sampled every 20 ms.
+async fn flood(
+    args: &Args,
+    gw_port: u16,
+    gw_pid: u32,
+    client: &HttpClient,
+    url: &str,
+    body: &Bytes,
+) -> anyhow::Result<Flooded> {
+    let opening = br#"{"model":"qwen2-sim","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"padding":["#;
+    let zeros = (args.flood_bytes.saturating_sub(opening.len() + 2) / 2).max(1);
+    let mut big = Vec::with_capacity(zeros * 2 + opening.len() + 2);
+    big.extend_from_slice(opening);
+    for i in 0..zeros {
+        big.extend_from_slice(if i + 1 == zeros { b"0" } else { b"0," });
+    }
+    big.extend_from_slice(b"]}");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {FLOOD_KEY}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        big.len()
+    );
+    let big = Bytes::from(big);
+    let sampling = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let peak = {
+        let sampling = Arc::clone(&sampling);
+        tokio::spawn(async move {
+            let mut peak = 0.0f64;
+            while sampling.load(Ordering::Relaxed) {
+                peak = peak.max(rss_mib(gw_pid));
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            peak
+        })
+    };
+    let started = Instant::now();
+    let mut senders = Vec::with_capacity(args.flood);
+    for _ in 0..args.flood {
+        let (big, head) = (big.clone(), head.clone());
+        senders.push(tokio::spawn(async move {
+            use tokio::io::AsyncReadExt as _;
+            let answer = async {
+                let mut s = TcpStream::connect(("127.0.0.1", gw_port)).await?;
+                s.write_all(head.as_bytes()).await?;
+                // The gateway may answer (and close) before the whole body is in.
+                let _ = s.write_all(&big).await;
+                let mut head = vec![0u8; 64];
+                let n = s.read(&mut head).await?;
+                let status = std::str::from_utf8(&head[..n])
+                    .ok()
+                    .and_then(|h| h.split_whitespace().nth(1))
+                    .and_then(|c| c.parse().ok())
+                    .unwrap_or(0);
+                anyhow::Ok(status)
+            };
+            answer.await.unwrap_or(0u16)
+        }));
+    }
+    let (loaded, loaded_failed) = workload(
+        client,
+        url,
+        body,
+        args.concurrency,
+        args.requests,
+        Some(STEADY_KEY),
+    )
+    .await?;
+    let mut statuses = std::collections::BTreeMap::new();
+    for s in senders {
+        *statuses.entry(s.await?).or_insert(0) += 1;
+    }
+    let took = started.elapsed();
+    sampling.store(false, Ordering::Relaxed);
+    Ok(Flooded {
+        loaded,
+        loaded_failed,
+        statuses,
+        peak_mib: peak.await?,
+        took,
+    })
+}
+
+fn print_flood(
+    args: &Args,
+    unloaded: &[Duration],
+    unloaded_failed: usize,
+    rss_idle: f64,
+    f: &Flooded,
+    metrics: &str,
+) {
+    let (u50, u99) = (percentile(unloaded, 50.0), percentile(unloaded, 99.0));
+    let (l50, l99) = (percentile(&f.loaded, 50.0), percentile(&f.loaded, 99.0));
+    println!(
+        "overload-bench --flood: vllm-sim --preset fast --time-scale {}, {} well-behaved requests (tenant `steady`) at concurrency {}, max_tokens {}; hostile: {} concurrent {}-byte bodies of [0,0,...] from tenant `flood` (all answered in {:.1} s); gateway flags {:?}",
+        args.time_scale,
+        args.requests,
+        args.concurrency,
+        args.max_tokens,
+        args.flood,
+        args.flood_bytes,
+        f.took.as_secs_f64(),
+        args.gateway_flag,
+    );
+    println!();
+    println!("| run | p50 | p99 | failed | gateway RSS |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| unloaded | {:.2} ms | {:.2} ms | {unloaded_failed} | {rss_idle:.0} MiB |",
+        ms(u50),
+        ms(u99)
+    );
+    println!(
+        "| during the flood | {:.2} ms | {:.2} ms | {} | peak {:.0} MiB (chart limit 2048) |",
+        ms(l50),
+        ms(l99),
+        f.loaded_failed,
+        f.peak_mib
+    );
+    println!();
+    println!(
+        "flood answers by status: {:?}; shed for the body budget: {}; p50 ratio during/unloaded {:.2}x",
+        f.statuses,
+        sample(
+            metrics,
+            "kinference_gateway_shed_total{reason=\"body_budget\""
+        ),
+        l50.as_secs_f64() / u50.as_secs_f64(),
+    );
 }

@@ -44,7 +44,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use kinference_bench::harness::{self, Process, free_port, free_ports, repo_root, wait_ready};
+use kinference_bench::harness::{
+    self, Process, free_port, free_ports, repo_root, rss_mib, wait_ready,
+};
 
 const MODEL: &str = "qwen2-sim";
 /// The tenants the clients are spread over (round robin), with their API keys.
@@ -168,19 +170,6 @@ async fn run_client(
             }
         }
     }
-}
-
-/// Resident memory of `pid` in MiB (Linux).
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
 }
 
 /// The gateway's open file descriptors, by what they hold.

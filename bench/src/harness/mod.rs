@@ -8,7 +8,8 @@
 //!   the leader of one), and [`on_cpus`] to pin one;
 //! - [`wait_ready`]: polls a URL until it answers as expected, failing as soon as its process exits
 //!   ([`wait_until`]: any probe);
-//! - [`reset_prefix_cache`]: empties a simulated worker's prefix cache, retried until it is empty.
+//! - [`reset_prefix_cache`]: empties a simulated worker's prefix cache, retried until it is empty;
+//! - [`rss_mib`]: a process's resident memory.
 
 pub mod http;
 mod process;
@@ -126,6 +127,14 @@ where
         }
         tokio::time::sleep(PROBE_EVERY).await;
     }
+}
+
+/// Resident memory of process `pid` in MiB (`VmRSS`; NaN when it cannot be read).
+pub fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| crate::scale::probe::rss_bytes(&s))
+        .map_or(f64::NAN, |b| b as f64 / (1024.0 * 1024.0))
 }
 
 /// Empties `worker`'s prefix cache (`POST /reset_prefix_cache`), so that the next run starts cold.
