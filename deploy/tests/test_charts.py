@@ -195,8 +195,9 @@ def test_kubernetes_validate_rejects_an_unknown_field(tmp_path: Path) -> None:
         {"gateway": {"replicas": "3"}},
         {"serviceMonitor": {"enable": True}},
         {"agent": {"ebpf": {"btfPath": "sys/kernel/btf"}}},
+        {"networkPolicy": {"workerNamespaces": ["*"]}},
     ],
-    ids=["typo", "nested-typo", "wrong-type", "monitor-typo", "relative-host-path"],
+    ids=["typo", "nested-typo", "wrong-type", "monitor-typo", "relative-host-path", "namespace-wildcard"],
 )
 def test_values_schema_refuses_mistakes(bad: dict[str, Any]) -> None:
     """values.schema.json turns a misspelt or mistyped value into an error instead of a silent default."""
@@ -1031,10 +1032,36 @@ def test_network_policies_limit_who_reaches_each_port() -> None:
     assert by_port["grpc"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "kinference", "app.kubernetes.io/instance": RELEASE,
         "app.kubernetes.io/component": "gateway"}}}]
-    assert by_port["kv-events"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"kinference.ai/worker": "true"}}}]
+    workers = {"podSelector": {"matchLabels": {"kinference.ai/worker": "true"}}}
+    # Worker pods of the release's own namespace only (a podSelector alone), not of every namespace.
+    assert by_port["kv-events"] == [workers]
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert by_port["metrics"] == [monitoring]
     gw = {r["ports"][0]["port"]: r.get("from") for r in gateway["ingress"]}
     assert gw == {"http": None, "admin": [monitoring]}
     assert [p["port"] for p in gateway["ingress"][0]["ports"]] == ["http", "extproc"]
     assert not find(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def kv_events_peers(values: dict[str, Any]) -> list[dict[str, Any]]:
+    agent = one(render(values), "NetworkPolicy", "kinference-agent")["spec"]
+    return next(r["from"] for r in agent["ingress"] if r["ports"][0]["port"] == "kv-events")
+
+
+def test_agent_kv_port_admits_worker_pods_of_the_watched_and_listed_namespaces_only() -> None:
+    """A worker-labelled pod in any namespace could once reach the agent's KV-event port; now the release
+    namespace's, the watched namespaces' and those listed in networkPolicy.workerNamespaces only."""
+    workers = {"matchLabels": {"kinference.ai/worker": "true"}}
+
+    def in_ns(ns: str) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}, "podSelector": workers}
+
+    assert kv_events_peers({}) == [{"podSelector": workers}]
+    assert kv_events_peers(ALL_FEATURES) == [{"podSelector": workers}, in_ns(WORKER_NAMESPACE)]
+    listed = {"networkPolicy": {"workerNamespaces": ["ml-a", "ml-b", NAMESPACE]}}
+    assert kv_events_peers(listed) == [{"podSelector": workers}, in_ns("ml-a"), in_ns("ml-b")]
+    # Cluster-wide discovery does not open the port to every namespace: only the listed ones.
+    assert kv_events_peers({"clusterWide": True}) == [{"podSelector": workers}]
+    assert kv_events_peers({"clusterWide": True, **listed}) == [{"podSelector": workers}, in_ns("ml-a"), in_ns("ml-b")]
+    for peers in (kv_events_peers(v) for v in VARIANTS.values() if v.get("agent", {}).get("enabled", True)):
+        assert all(p.get("namespaceSelector") != {} for p in peers), "never every namespace"
