@@ -14,6 +14,7 @@ use kinference_gateway::telemetry::Telemetry;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    args.http.validate().map_err(anyhow::Error::msg)?;
     let telemetry = Telemetry::init(&args.telemetry)?;
     let config = if !args.workers.is_empty() && !args.config.exists() {
         GatewayConfig::default()
@@ -104,24 +105,27 @@ async fn main() -> anyhow::Result<()> {
     let overload = metrics.with_registry(|registry| {
         kinference_gateway::overload::Overload::new(args.overload.clone(), registry)
     });
-    let health = metrics.with_registry(|registry| {
+    let health = Arc::new(metrics.with_registry(|registry| {
         kinference_gateway::backend::health::Health::new(
             args.health.clone(),
             Arc::clone(&router),
             metrics.clone(),
             registry,
         )
-    });
+    }));
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
-        upstream: Upstream::new(&args.http).with_headers(worker_headers),
+        // An answer past the limits counts against the worker's health.
+        upstream: Upstream::new(&args.http)
+            .with_headers(worker_headers)
+            .with_health(Arc::clone(&health)),
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),
         messages_models: config.messages_models(),
         tenancy: Arc::clone(&tenancy),
         policy,
-        health: Arc::new(health),
+        health,
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),

@@ -43,7 +43,7 @@ use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
 use crate::backend::provider::translate::{self, AnthropicStream};
 use crate::backend::sse::SseParser;
-use crate::backend::worker::{error_chain, read_body};
+use crate::backend::worker::{UpstreamLimits, error_chain, read_body};
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 
@@ -105,6 +105,8 @@ pub struct Spec {
     /// An Anthropic answer to an Anthropic client goes as it is (a worker's own `/v1/messages`);
     /// otherwise it is translated through the OpenAI form like any other.
     pub pass_through: bool,
+    /// How much of the answer is held: past it, a bad upstream counted against the worker.
+    pub limits: UpstreamLimits,
 }
 
 impl Spec {
@@ -149,7 +151,7 @@ impl Spec {
 /// A non-streamed answer, read and shaped for the client: the body and the backend's usage. OpenAI
 /// clients of a worker get the worker's bytes untouched (only `usage` is read). The caller settles.
 pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
-    let body = read_body(body, spec.idle_timeout, &spec.label).await?;
+    let body = read_body(body, spec.idle_timeout, &spec.label, &spec.limits).await?;
     if spec.verbatim() {
         let message: serde_json::Value = serde_json::from_slice(&body)
             .map_err(|e| spec.bad(format!("unreadable message: {e}")))?;
@@ -196,7 +198,7 @@ pub fn stream<M: Meter>(body: Incoming, spec: Spec, meter: M, resend: Option<Res
     );
     let mut relay = Relay {
         body,
-        parser: SseParser::new(),
+        parser: SseParser::with_limits(spec.limits.sse),
         from_anthropic: match spec.style {
             ApiStyle::OpenAI => None,
             ApiStyle::Anthropic => Some(AnthropicStream::new()),
@@ -317,6 +319,12 @@ impl<M: Meter> Relay<M> {
                             if self.ended {
                                 break;
                             }
+                        }
+                        if let Some(overflow) = self.parser.overflow()
+                            && !self.ended
+                        {
+                            let error = self.spec.limits.exceeded(&self.spec.label, overflow);
+                            self.fail(error);
                         }
                     }
                 }
@@ -497,7 +505,7 @@ impl<M: Meter> Relay<M> {
         };
         tracing::info!(from = %self.spec.label, to = %resent.label, "stream continues from another backend");
         self.body = resent.body;
-        self.parser = SseParser::new();
+        self.parser = SseParser::with_limits(self.spec.limits.sse);
         self.spec.label = resent.label;
         if let Some(meter) = &mut self.meter {
             (resent.moved)(meter);
