@@ -98,6 +98,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cluster-wide": {"clusterWide": True, "gateway": {"secretNames": ["provider-keys"]}},
     "agent-without-ebpf": {"agent": {"ebpf": {"enabled": False}}},
     "gateway-only": {"agent": {"enabled": False}, "gateway": {"replicas": 1}},
+    # Cluster mode (the five kinds from the API server, status written under a Lease), namespaced and cluster-wide.
+    "cluster-mode": {
+        "watchNamespaces": [NAMESPACE, WORKER_NAMESPACE],
+        "gateway": {
+            "config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE, WORKER_NAMESPACE]}},
+            "tenancy": {"allowPerReplicaLimits": True},
+        },
+    },
+    "cluster-wide-cluster-mode": {
+        "clusterWide": True,
+        "gateway": {
+            "config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE]}},
+            "tenancy": {"allowPerReplicaLimits": True},
+        },
+    },
 }
 
 
@@ -598,18 +613,56 @@ def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() ->
     assert ("kinference-agent", NAMESPACE) not in grants
 
 
-def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease() -> None:
-    crds = {"namespaces": [NAMESPACE]}
-    gateway = {"config": {"routing": "kinference", "crds": crds}, "tenancy": {"allowPerReplicaLimits": True}}
-    grants = rules_by_subject(render({"gateway": gateway}))
-    kinds = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
-    cluster_mode = (
-        {("kinference.ai", k, "", v) for k in kinds for v in WATCH}
-        | {("kinference.ai", f"{k}/status", "", "patch") for k in kinds}
-        | {("coordination.k8s.io", "leases", "", v) for v in ("get", "create", "update")}
-    )
-    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | cluster_mode
+CLUSTER_MODE_GATEWAY = {"config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE]}},
+                        "tenancy": {"allowPerReplicaLimits": True}}
+KINDS = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
+CLUSTER_MODE_KINDS = (
+    {("kinference.ai", k, "", v) for k in KINDS for v in WATCH}
+    | {("kinference.ai", f"{k}/status", "", "patch") for k in KINDS}
+)
+
+
+def lease_rules(name: str = "kinference-gateway-status") -> set[tuple[str, str, str, str]]:
+    """Get and renew the one Lease by name; create cannot be narrowed by name (Kubernetes authorizes a
+    create before the object has one), so it is granted alone, in the Lease's namespace only."""
+    return {("coordination.k8s.io", "leases", name, v) for v in ("get", "update")} | {
+        ("coordination.k8s.io", "leases", "", "create")
+    }
+
+
+def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease_by_name() -> None:
+    grants = rules_by_subject(render({"gateway": CLUSTER_MODE_GATEWAY}))
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | CLUSTER_MODE_KINDS | lease_rules()
     assert normalise(grants[("kinference-agent", NAMESPACE)]) == AGENT_RULES
+
+
+def test_rbac_lease_follows_its_configured_name_and_namespace_only() -> None:
+    crds = {"namespaces": [WORKER_NAMESPACE, NAMESPACE], "lease_name": "writer", "lease_namespace": "leases"}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    grants = rules_by_subject(render({"watchNamespaces": [NAMESPACE, WORKER_NAMESPACE], "gateway": gateway}))
+    assert normalise(grants[("kinference-gateway", "leases")]) == lease_rules("writer")
+    for ns in (NAMESPACE, WORKER_NAMESPACE):
+        assert not any(r[0] == "coordination.k8s.io" for r in normalise(grants[("kinference-gateway", ns)])), ns
+    # The default namespace of the Lease is the first of crds.namespaces, as the gateway takes it.
+    crds = {"namespaces": [WORKER_NAMESPACE, NAMESPACE]}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    grants = rules_by_subject(render({"watchNamespaces": [NAMESPACE, WORKER_NAMESPACE], "gateway": gateway}))
+    leases = {ns for (sa, ns), rules in grants.items() for r in normalise(rules) if r[0] == "coordination.k8s.io"}
+    assert leases == {WORKER_NAMESPACE}
+    # No status written, no Lease.
+    crds = {"namespaces": [NAMESPACE], "write_status": False}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    rules = normalise(rules_by_subject(render({"gateway": gateway}))[("kinference-gateway", NAMESPACE)])
+    assert not any(r[0] == "coordination.k8s.io" for r in rules)
+
+
+def test_rbac_cluster_wide_cluster_mode_keeps_the_lease_in_its_namespace() -> None:
+    """clusterWide turns the watch grants into ClusterRoles; the Lease stays a Role in its namespace."""
+    objects = render({"clusterWide": True, "gateway": CLUSTER_MODE_GATEWAY})
+    grants = rules_by_subject(objects)
+    assert normalise(grants[("kinference-gateway", "*")]) == GATEWAY_RULES | CLUSTER_MODE_KINDS
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == lease_rules()
+    assert {o["kind"] for o in find(objects, "Role")} == {"Role"} and len(find(objects, "Role")) == 1
 
 
 def test_rbac_cluster_wide() -> None:
@@ -920,6 +973,37 @@ def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
     answers = kube.allowed([check for check, _ in expect])
     wrong = [(check, want) for (check, want), got in zip(expect, answers) if got != want]
     assert not wrong, f"authorizer disagrees (check, expected): {wrong}"
+
+
+def test_apiserver_rbac_grants_the_status_lease_by_name_only(kube: Kube) -> None:
+    """Cluster mode, namespaced and cluster-wide, applied for real: the gateway gets and renews its own Lease
+    and no other, creates Leases only in that Lease's namespace, and deletes none."""
+    gw = "kinference-gateway"
+    for variant in ("cluster-mode", "cluster-wide-cluster-mode"):
+        objects = render(VARIANTS[variant])
+        kinds = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+        for ns in {o["metadata"].get("namespace") for o in objects if o["kind"] in kinds} - {None}:
+            kube.run("create", "namespace", ns, check=False)
+        kube.apply([o for o in objects if o["kind"] in kinds])
+        lease = "coordination.k8s.io/leases"
+        expect = [
+            ((gw, "get", f"{lease}:kinference-gateway-status", NAMESPACE), True),
+            ((gw, "update", f"{lease}:kinference-gateway-status", NAMESPACE), True),
+            ((gw, "create", lease, NAMESPACE), True),
+            ((gw, "get", f"{lease}:kube-scheduler", NAMESPACE), False),
+            ((gw, "update", f"{lease}:other", NAMESPACE), False),
+            ((gw, "delete", f"{lease}:kinference-gateway-status", NAMESPACE), False),
+            ((gw, "list", lease, NAMESPACE), False),
+            ((gw, "get", f"{lease}:kinference-gateway-status", "kube-system"), False),
+            ((gw, "update", f"{lease}:kube-controller-manager", "kube-system"), False),
+            ((gw, "create", lease, "kube-system"), False),
+            ((gw, "create", lease, WORKER_NAMESPACE), False),
+            ((gw, "get", lease, None), False),
+        ]
+        answers = kube.allowed([check for check, _ in expect])
+        wrong = [(check, want) for (check, want), got in zip(expect, answers) if got != want]
+        assert not wrong, f"{variant}: authorizer disagrees (check, expected): {wrong}"
+        kube.run("delete", "-f", "-", stdin=yaml.safe_dump_all([o for o in objects if o["kind"] in kinds[1:]]))
 
 
 def test_apiserver_dry_run_rejects_a_broken_object(kube: Kube) -> None:
