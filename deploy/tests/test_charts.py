@@ -15,6 +15,7 @@ Needs the Python packages helm-python-sdk==0.2.2, kubernetes-validate==1.37.0 an
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -243,12 +244,12 @@ def test_replicas_with_tenants_on_the_embedded_store_are_refused() -> None:
 
 def test_admin_key_from_a_secret() -> None:
     """The admin key reaches the gateway from a Secret; with forMetrics Prometheus presents it too."""
-    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(render({}), GATEWAY)))
     values = {
         "gateway": {"adminKey": {"existingSecret": "kinference-admin", "forMetrics": True}},
         "serviceMonitor": {"enabled": True},
     }
     objects = render(values)
+    assert not find(objects, "Secret"), "no key generated when one is given"
     c = container(one(objects, GATEWAY))
     assert env_of(c)["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "kinference-admin", "key": "admin-key"}
@@ -259,6 +260,28 @@ def test_admin_key_from_a_secret() -> None:
         "name": "kinference-admin",
         "key": "admin-key",
     }
+
+
+def test_an_admin_key_is_generated_by_default() -> None:
+    """Without a key every loopback caller is an admin, and behind a mesh sidecar every caller is loopback:
+    by default the chart generates a key in a Secret of its own, which the gateway reads."""
+    objects = render({})
+    secret = one(objects, "Secret", "kinference-gateway-admin")
+    key = base64.b64decode(secret["data"]["admin-key"]).decode()
+    assert len(key) >= 32 and key.isalnum(), "a random key, well over the gateway's 16-character minimum"
+    assert key != base64.b64decode(one(render({}), "Secret")["data"]["admin-key"]).decode(), "random"
+    assert env_of(container(one(objects, GATEWAY)))["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "kinference-gateway-admin", "key": "admin-key"}
+    }
+    # forMetrics works with the generated key too.
+    objects = render({"gateway": {"adminKey": {"forMetrics": True}}, "serviceMonitor": {"enabled": True}})
+    assert "--admin-key-for-metrics" in container(one(objects, GATEWAY))["args"]
+    monitor = one(objects, "ServiceMonitor", "kinference-gateway")
+    assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == "kinference-gateway-admin"
+    # Loopback admins only on request.
+    objects = render({"gateway": {"adminKey": {"generate": False}}})
+    assert not find(objects, "Secret")
+    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(objects, GATEWAY)))
 
 
 def test_worker_api_key_from_a_secret() -> None:
