@@ -74,6 +74,7 @@ ALL_FEATURES: dict[str, Any] = {
         "priorityClassName": "high",
         "logFormat": "json",
         "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
+        "metrics": {"tenantHistograms": True, "tenantSpend": True},
         "service": {"annotations": {"a": "b"}},
         "workerApiKey": {"existingSecret": "vllm-key"},
         "config": {
@@ -282,6 +283,12 @@ def test_an_admin_key_is_generated_by_default() -> None:
     objects = render({"gateway": {"adminKey": {"generate": False}}})
     assert not find(objects, "Secret")
     assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(objects, GATEWAY)))
+
+
+def test_tenant_spend_on_the_metrics_page_only_when_asked() -> None:
+    assert "--metrics-tenant-spend" not in container(one(render({}), GATEWAY))["args"]
+    asked = {"gateway": {"metrics": {"tenantSpend": True}}}
+    assert "--metrics-tenant-spend" in container(one(render(asked), GATEWAY))["args"]
 
 
 def test_worker_api_key_from_a_secret() -> None:

@@ -88,7 +88,10 @@ async fn main() -> anyhow::Result<()> {
     let tenancy = metrics
         .with_registry(|registry| {
             kinference_gateway::tenancy::Tenancy::start(
-                config.tenancy.clone(),
+                kinference_gateway::tenancy::TenancyConfig {
+                    per_tenant_spend: args.metrics_tenant_spend,
+                    ..config.tenancy.clone()
+                },
                 &args.config,
                 config.policy_dir.clone(),
                 config.model_names(),

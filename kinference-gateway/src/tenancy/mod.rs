@@ -133,6 +133,10 @@ pub struct TenancyConfig {
     /// per tenant are always exported.
     #[serde(default)]
     pub per_tenant_histograms: bool,
+    /// Each tenant's cost and monthly spend on `/metrics` (`--metrics-tenant-spend`; not a
+    /// `gateway.yaml` key).
+    #[serde(skip)]
+    pub per_tenant_spend: bool,
 }
 
 impl Default for TenancyConfig {
@@ -151,6 +155,7 @@ impl Default for TenancyConfig {
             prices: BTreeMap::new(),
             reload_interval_ms: default_reload_ms(),
             per_tenant_histograms: false,
+            per_tenant_spend: false,
         }
     }
 }
@@ -289,7 +294,11 @@ impl Tenancy {
         if let Some(r) = &redis {
             tokio::spawn(Arc::clone(r).forward_usage(forward_rx));
         }
-        let metrics = TenancyMetrics::register(registry, config.per_tenant_histograms);
+        let metrics = TenancyMetrics::register(
+            registry,
+            config.per_tenant_histograms,
+            config.per_tenant_spend,
+        );
         let kept_ms = config.journal.keep_periods.max(1) * config.journal.period.ms();
         let mut aggregates = Aggregates::new(kept_ms);
         let spend = budget::Spend::default();
