@@ -47,6 +47,10 @@ use super::usage::UsageRecord;
 
 pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig, OnUnrecorded};
 
+/// Hourly aggregates a usage report reads from Redis in one pipelined round trip: the longest report
+/// (62 days, 1,489 hours) takes 24.
+pub const HOURS_PER_ROUND_TRIP: usize = 64;
+
 /// Records waiting for Redis by default (`tenancy.redis_pending_max`).
 pub const DEFAULT_REDIS_PENDING_MAX: usize = 100_000;
 
@@ -513,6 +517,26 @@ impl RedisStore {
             .map_err(|_| self.down("timed out".into()))?
             .map_err(|e| StoreError::Redis(e.to_string()))?;
         Ok(v.and_then(|s| s.parse().ok()).unwrap_or(0.0))
+    }
+
+    /// The aggregates of each of `hours` (`YYYYMMDDHH`), in order: field -> value. Read
+    /// [`HOURS_PER_ROUND_TRIP`] to a pipelined round trip, each within the timeout.
+    pub async fn hours(&self, hours: &[String]) -> Result<Vec<Vec<(String, String)>>, StoreError> {
+        let mut out = Vec::with_capacity(hours.len());
+        for batch in hours.chunks(HOURS_PER_ROUND_TRIP) {
+            let mut conn = self.connection().await?;
+            let mut pipe = redis::pipe();
+            for hour in batch {
+                pipe.cmd("HGETALL").arg(format!("kinf:usage:h:{hour}"));
+            }
+            let answers: Vec<Vec<(String, String)>> =
+                tokio::time::timeout(self.timeout, pipe.query_async(&mut conn))
+                    .await
+                    .map_err(|_| self.down("timed out".into()))?
+                    .map_err(|e| StoreError::Redis(e.to_string()))?;
+            out.extend(answers);
+        }
+        Ok(out)
     }
 
     /// The aggregates of one hour (`YYYYMMDDHH`): field -> value.
