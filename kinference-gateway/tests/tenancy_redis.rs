@@ -146,12 +146,12 @@ async fn two_replicas_share_one_bucket_within_5_percent() {
 async fn usage_records_apply_once_and_feed_the_budget() {
     let Some(redis) = start_redis() else { return };
     let store = RedisStore::new(&redis.url, Duration::from_millis(500)).unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
     let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
     let r = record("req-1");
     // Sent three times (a retry after a lost answer, another replica replaying): applied once.
-    tx.send(vec![r.clone(), r.clone()]).unwrap();
-    tx.send(vec![r.clone(), record("req-2")]).unwrap();
+    tx.send(vec![r.clone(), r.clone()]).await.unwrap();
+    tx.send(vec![r.clone(), record("req-2")]).await.unwrap();
     drop(tx);
     forward.await.unwrap();
     assert_eq!(store.pending(), 0);
@@ -225,9 +225,9 @@ async fn a_usage_report_reads_its_hours_from_redis_in_a_few_round_trips() {
     let (url, reads) = counting_proxy(port).await;
     let store = RedisStore::new(&url, Duration::from_millis(2000)).unwrap();
     let r = record("req-hours");
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
     let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
-    tx.send(vec![r.clone()]).unwrap();
+    tx.send(vec![r.clone()]).await.unwrap();
     drop(tx);
     forward.await.unwrap();
     // The longest report: 62 days of hours, this one's record among them.
@@ -251,4 +251,53 @@ async fn a_usage_report_reads_its_hours_from_redis_in_a_few_round_trips() {
     );
     assert!(answers[1..].iter().all(Vec::is_empty));
     assert!(trips <= 64, "{trips} round trips for {} hours", hours.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_records_reach_redis_summed_per_tenant_and_hour_in_few_round_trips() {
+    let Some(redis) = start_redis() else { return };
+    let port: u16 = redis.url.rsplit(':').next().unwrap().parse().unwrap();
+    let (url, reads) = counting_proxy(port).await;
+    let store = RedisStore::new(&url, Duration::from_millis(2000)).unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
+    // What the journal hands over: batches of up to 512 records, here of 5 tenants.
+    let now = record("x").ts_ms;
+    let mut sent = 0;
+    for b in 0..10 {
+        let batch: Vec<UsageRecord> = (0..500)
+            .map(|i| {
+                let mut r = record(&format!("rt-{b}-{i}"));
+                r.tenant = format!("tenant-{}", i % 5);
+                r.ts_ms = now;
+                r
+            })
+            .collect();
+        sent += batch.len();
+        tx.send(batch).await.unwrap();
+    }
+    drop(tx);
+    forward.await.unwrap();
+    let trips = reads.load(Ordering::SeqCst);
+    eprintln!("{sent} records applied in {trips} round trips");
+    assert_eq!(store.pending(), 0);
+    let fields = store
+        .hour(&kinference_gateway::tenancy::budget::hour_key(now))
+        .await
+        .unwrap();
+    let sum = |name: &str| -> u64 {
+        fields
+            .iter()
+            .filter(|(f, _)| f.ends_with(&format!("\u{1f}{name}")))
+            .map(|(_, v)| v.parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(sum("requests"), sent as u64);
+    assert_eq!(sum("output"), 5 * sent as u64);
+    for t in 0..5 {
+        let key = kinference_gateway::tenancy::budget::spend_key(&format!("tenant-{t}"), now);
+        assert_eq!(store.spent(&key).await.unwrap(), 2.5 * (sent / 5) as f64);
+    }
+    // Before: one round trip per record (5,000).
+    assert!(trips <= 40, "{trips} round trips for {sent} records");
 }

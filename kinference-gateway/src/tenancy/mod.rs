@@ -114,7 +114,8 @@ pub struct TenancyConfig {
     /// The journal's rotation, compaction, retention and full-disk behaviour.
     #[serde(default)]
     pub journal: JournalConfig,
-    /// Most usage records waiting for Redis; past it the oldest are dropped (and counted).
+    /// Most usage aggregates (tenant / model / pool / provider and hour) waiting for Redis; a record
+    /// that would open one more is dropped (and counted).
     #[serde(default = "default_redis_pending_max")]
     pub redis_pending_max: usize,
     /// Output tokens reserved at admission for requests without `max_tokens`.
@@ -273,7 +274,7 @@ impl Tenancy {
                 )?)
             }
         };
-        let (forward_tx, forward_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (forward_tx, forward_rx) = tokio::sync::mpsc::channel(store::FORWARD_BATCHES);
         let forward = redis.as_ref().map(|_| forward_tx);
         let open = |path: &Path, forward| {
             Journal::open(path, &config.journal, store_metrics.clone(), forward)

@@ -212,7 +212,7 @@ impl Journal {
         path: &Path,
         config: &JournalConfig,
         metrics: StoreMetrics,
-        after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
+        after_sync: Option<mpsc::Sender<Vec<UsageRecord>>>,
     ) -> Result<(Journal, Replayed), StoreError> {
         let err = |source| StoreError::Journal {
             path: path.to_owned(),
@@ -357,7 +357,9 @@ struct Writer {
     /// Records not yet written (a failing disk), oldest first; at most `max_buffered_records`.
     buffer: VecDeque<UsageRecord>,
     shared: Arc<Shared>,
-    after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
+    /// The Redis forwarder, when there is one: a synced batch it has no room for is dropped from
+    /// forwarding (it stays in the journal) and counted.
+    after_sync: Option<mpsc::Sender<Vec<UsageRecord>>>,
 }
 
 impl Writer {
@@ -453,8 +455,10 @@ impl Writer {
                     tracing::info!(path = %self.path.display(), records = written.len(),
                         "usage journal writes again; buffered records written");
                 }
-                if let Some(tx) = &self.after_sync {
-                    let _ = tx.send(written);
+                if let Some(tx) = &self.after_sync
+                    && let Err(mpsc::error::TrySendError::Full(batch)) = tx.try_send(written)
+                {
+                    metrics.redis_dropped_records(batch.len(), "the forwarding channel is full");
                 }
             }
             Err(error) => {

@@ -613,3 +613,34 @@ fn a_queued_record_costs_the_queue_a_pointer_not_the_record() {
     assert!(std::mem::size_of::<UsageRecord>() > 100);
     assert!(std::mem::size_of::<JournalMsg>() <= 2 * std::mem::size_of::<usize>());
 }
+
+#[tokio::test]
+async fn batches_the_redis_forwarder_cannot_take_are_dropped_and_counted() {
+    let dir = scratch("journal-forward");
+    let path = dir.join("usage.jsonl");
+    let metrics = StoreMetrics::default();
+    // A forwarder that takes nothing (Redis stuck), behind a channel of one batch.
+    let (tx, mut rx) = mpsc::channel(1);
+    let (journal, _) =
+        Journal::open(&path, &JournalConfig::default(), metrics.clone(), Some(tx)).unwrap();
+    for batch in 0..4 {
+        for i in 0..3 {
+            journal.append(record(&format!("f{batch}-{i}"), 1));
+        }
+        journal.flush().await;
+    }
+    // Every record is in the journal; the first batch waits in the channel, the others were
+    // dropped from forwarding, and counted.
+    assert_eq!(metrics.redis_dropped(), 9);
+    assert_eq!(rx.recv().await.map(|b| b.len()), Some(3));
+    drop(journal);
+    let (_journal, replayed) = Journal::open(
+        &path,
+        &JournalConfig::default(),
+        StoreMetrics::default(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(replayed.records.len(), 12);
+    let _ = std::fs::remove_dir_all(&dir);
+}
