@@ -94,8 +94,10 @@ pub enum JournalError {
     Write,
     /// A torn last line, cut off at start.
     TornTail,
-    /// An unreadable line in the middle of a segment, skipped.
+    /// An unreadable line in the middle of a segment (or a row of the compacted totals), skipped.
     CorruptLine,
+    /// An unreadable first line of the compacted totals: set aside, the file written again.
+    CorruptHeader,
     /// The current segment could not be sealed.
     Rotation,
     /// A sealed segment could not be compacted.
@@ -109,6 +111,7 @@ impl JournalError {
             JournalError::Write => "write",
             JournalError::TornTail => "torn_tail",
             JournalError::CorruptLine => "corrupt_line",
+            JournalError::CorruptHeader => "corrupt_header",
             JournalError::Rotation => "rotation",
             JournalError::Compaction => "compaction",
         }
@@ -138,7 +141,7 @@ impl StoreMetrics {
         let r = registry.sub_registry_with_prefix("kinference_gateway_usage");
         r.register(
             "journal_errors",
-            "Usage journal failures: write (a batch not written: full disk, I/O error), torn_tail, corrupt_line, rotation, compaction",
+            "Usage journal failures: write (a batch not written: full disk, I/O error), torn_tail, corrupt_line, corrupt_header (of the compacted totals), rotation, compaction",
             Described(self.journal_errors.clone()),
         );
         r.register(

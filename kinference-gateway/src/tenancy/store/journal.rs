@@ -15,7 +15,8 @@
 //!   first line says through which segment number it counts, so that a segment is never counted
 //!   twice (a crash between writing the totals and deleting the segment leaves a segment the next
 //!   start deletes). Rewritten whole each time: temporary file, fsync, rename.
-//! - `kinference-usage.jsonl.corrupt`: the torn last lines cut off at start, kept for a person.
+//! - `kinference-usage.jsonl.corrupt`: the torn last lines cut off at start, and unreadable first
+//!   lines of the compacted file, kept for a person.
 //!
 //! Compaction never holds up the writer: rotation is a rename, after which the writer only nudges
 //! the compactor thread (a one-place channel, never waited on) and goes on appending. The compactor
@@ -29,7 +30,12 @@
 //!
 //! Crash safety: a torn last line (a crash mid-write) is cut off at start, moved to `.corrupt` and
 //! counted; a corrupt line in the middle is skipped up to its newline and counted, and a record
-//! that a torn write ran into is still read. Each batch starts on a fresh line. Request ids are
+//! that a torn write ran into is still read. The compacted file is replaced whole by a rename, so
+//! a crash never tears it, but a disk can: an unreadable row is skipped and counted, and an
+//! unreadable first line (which says through which segment the totals count) is moved to
+//! `.corrupt`, counted (`corrupt_header`) and the file written again, taking every sealed segment
+//! still on disk as not yet counted (the totals' mark lost, that is the likely case: a segment is
+//! deleted right after the totals that count it are written), so the gateway still starts. Each batch starts on a fresh line. Request ids are
 //! deduplicated within a segment (a record written twice, by a retry after a partly failed write,
 //! counts once).
 //!
@@ -580,23 +586,71 @@ impl Compacted {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(me),
             Err(e) => return Err(e),
         };
-        let mut lines = std::io::BufReader::new(file).lines();
+        // Bytes, not text: a damaged block need not even be UTF-8.
+        let mut lines = std::io::BufReader::new(file).split(b'\n');
+        let mut lost_header = None;
         if let Some(first) = lines.next() {
-            me.through = serde_json::from_str::<Header>(&first?)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?
-                .through_segment;
+            let first = first?;
+            match serde_json::from_slice::<Header>(&first) {
+                Ok(header) => me.through = header.through_segment,
+                Err(_) => lost_header = Some(first),
+            }
         }
         for line in lines {
-            match serde_json::from_str::<PeriodTotals>(&line?) {
-                Ok(row) => me
-                    .totals
-                    .entry((row.start_ms, row.group))
-                    .or_default()
-                    .merge(&row.totals),
+            let line = line?;
+            if line.trim_ascii().is_empty() {
+                continue;
+            }
+            match serde_json::from_slice::<PeriodTotals>(&line) {
+                Ok(row) => me.add_row(row),
                 Err(_) => metrics.journal_error(JournalError::CorruptLine),
             }
         }
+        if let Some(bad) = lost_header {
+            me.repair_header(journal, &bad, metrics)?;
+        }
         Ok(me)
+    }
+
+    fn add_row(&mut self, row: PeriodTotals) {
+        self.totals
+            .entry((row.start_ms, row.group))
+            .or_default()
+            .merge(&row.totals);
+    }
+
+    /// The first line, `bad`, is no header: it is set aside (a row whose header was lost is kept
+    /// as a row), every sealed segment on disk is taken as not yet counted, and the file is
+    /// written again with that mark.
+    fn repair_header(
+        &mut self,
+        journal: &Path,
+        bad: &[u8],
+        metrics: &StoreMetrics,
+    ) -> std::io::Result<()> {
+        metrics.journal_error(JournalError::CorruptHeader);
+        if let Ok(row) = serde_json::from_slice::<PeriodTotals>(bad) {
+            self.add_row(row);
+        }
+        let side = with_suffix(journal, ".corrupt");
+        let saved = open_append(&side).and_then(|mut f| {
+            f.write_all(bad)?;
+            f.write_all(b"\n")?;
+            f.sync_data()
+        });
+        if let Err(error) = saved {
+            tracing::warn!(side = %side.display(), %error, "usage journal: unreadable header not saved aside");
+        }
+        self.through = sealed_segments(journal)?
+            .first()
+            .map_or(0, |(seq, _)| seq - 1);
+        let totals = std::mem::take(&mut self.totals);
+        self.write(self.through, &totals)?;
+        self.totals = totals;
+        tracing::error!(path = %self.path.display(), bytes = bad.len(), side = %side.display(),
+            through_segment = self.through,
+            "usage journal: the compacted totals' first line was unreadable; set aside, the sealed segments on disk counted as new");
+        Ok(())
     }
 
     fn rows(&self) -> Vec<PeriodTotals> {
@@ -665,12 +719,20 @@ impl Compacted {
                 .saturating_sub((self.keep - 1) * self.period.ms());
             totals.retain(|(start, _), _| *start >= oldest_kept);
         }
+        self.write(seq, &totals)?;
+        self.totals = totals;
+        self.through = seq;
+        Ok(())
+    }
+
+    /// Writes `totals` with the mark `through` as the whole file: temporary file, fsync, rename.
+    fn write(&self, through: u64, totals: &BTreeMap<(u64, Group), Totals>) -> std::io::Result<()> {
         let mut out = serde_json::to_vec(&Header {
-            through_segment: seq,
+            through_segment: through,
         })
         .map_err(std::io::Error::other)?;
         out.push(b'\n');
-        for ((start_ms, group), t) in &totals {
+        for ((start_ms, group), t) in totals {
             let row = PeriodTotals {
                 start_ms: *start_ms,
                 group: group.clone(),
@@ -683,10 +745,7 @@ impl Compacted {
         let mut file = std::fs::File::create(&tmp)?;
         file.write_all(&out).and_then(|()| file.sync_data())?;
         std::fs::rename(&tmp, &self.path)?;
-        sync_dir(&self.path)?;
-        self.totals = totals;
-        self.through = seq;
-        Ok(())
+        sync_dir(&self.path)
     }
 }
 
