@@ -70,7 +70,8 @@ pub enum KvEvent {
     },
     /// The whole prefix cache was reset.
     AllBlocksCleared,
-    /// An event type this agent does not know (a newer vLLM); ignored.
+    /// An event type this agent does not know (a newer vLLM); ignored: [`decode_batch`] checks its
+    /// structure and keeps nothing of it (two bytes of a message must not become a 120-byte event).
     Unknown,
 }
 
@@ -121,8 +122,9 @@ pub enum DecodeError {
     BadEvent(&'static str),
 }
 
-/// The fewest bytes an event that decodes takes: `[""]` (an event of an unknown type).
-const MIN_EVENT_BYTES: usize = 2;
+/// The fewest bytes of an event that is kept: `["BlockRemoved", []]` (an event of an unknown type,
+/// `[""]`, is 2 bytes, but nothing is kept of it).
+const MIN_EVENT_BYTES: usize = 15;
 
 /// Most elements of a list reserved before any is decoded; a longer list grows as its elements
 /// actually decode.
@@ -149,7 +151,10 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let n_events = r.array_len()?;
     let mut events = Vec::with_capacity(capacity(&r, n_events, MIN_EVENT_BYTES));
     for _ in 0..n_events {
-        events.push(decode_event(&mut r)?);
+        match decode_event(&mut r)? {
+            KvEvent::Unknown => {}
+            event => events.push(event),
+        }
     }
     let mut data_parallel_rank = None;
     if n >= 3 {
