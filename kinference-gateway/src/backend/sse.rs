@@ -115,25 +115,37 @@ impl SseParser {
     }
 
     /// Checks the unfinished event (the whole buffer: it holds no separator) against the limits,
-    /// looking only at the bytes that arrived since the last check.
+    /// looking only at the bytes that arrived since the last check: each line they end, and the
+    /// line still open.
     fn check_tail(&mut self) -> Option<SseOverflow> {
         let from = self.scanned.min(self.buf.len());
-        if let Some(i) = self.buf[from..]
-            .iter()
-            .rposition(|&b| b == b'\n' || b == b'\r')
-        {
-            self.line_start = from + i + 1;
+        let line = SseOverflow::Line {
+            limit: self.limits.max_line,
+        };
+        for (i, &b) in self.buf[from..].iter().enumerate() {
+            if b == b'\n' || b == b'\r' {
+                let end = from + i;
+                if end - self.line_start.min(end) > self.limits.max_line {
+                    return Some(line);
+                }
+                self.line_start = end + 1;
+            }
         }
-        if self.buf.len() > self.limits.max_event {
+        // A line ending at the end may be the start of the blank line that ends the event: it is
+        // not the event's (a complete event is measured without its separator).
+        let ending = self
+            .buf
+            .iter()
+            .rev()
+            .take_while(|&&b| b == b'\n' || b == b'\r')
+            .count();
+        if self.buf.len() - ending > self.limits.max_event {
             return Some(SseOverflow::Event {
                 limit: self.limits.max_event,
             });
         }
-        (self.buf.len() - self.line_start.min(self.buf.len()) > self.limits.max_line).then_some(
-            SseOverflow::Line {
-                limit: self.limits.max_line,
-            },
-        )
+        (self.buf.len() - self.line_start.min(self.buf.len()) > self.limits.max_line)
+            .then_some(line)
     }
 
     /// Checks a complete event's `raw` bytes against the limits.
@@ -229,10 +241,9 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
     let mut event = None;
     let mut data: Option<BytesMut> = None;
     let mut single: Option<Bytes> = None;
-    for line in raw
-        .split(|&b| b == b'\n')
-        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
-    {
+    // A line ends with \n, \r\n or a lone \r (as the separator search and the limits take it); the
+    // empty piece between \r and \n is skipped like any empty line.
+    for line in raw.split(|&b| b == b'\n' || b == b'\r') {
         if line.is_empty() || line[0] == b':' {
             continue;
         }

@@ -184,3 +184,39 @@ fn the_default_parser_holds_no_more_than_its_default_limits() {
     assert!(most <= limits.max_line + (64 << 10), "held {most} bytes");
     assert!(p.overflow().is_some());
 }
+
+#[test]
+fn a_long_line_inside_an_unfinished_event_is_caught_whole_or_in_pieces() {
+    // Found by the sse_capped fuzz target: arriving at once, a line over the limit followed by
+    // shorter ones in an event not yet ended was missed (only the last line was measured).
+    let limits = SseLimits {
+        max_line: 5,
+        max_event: 133,
+    };
+    let stream = b"data: 0123456789\r\nx\ndata:\r\r";
+    let mut whole = SseParser::with_limits(limits);
+    whole.feed(stream);
+    assert_eq!(whole.next_event(), None);
+    assert_eq!(whole.overflow(), Some(SseOverflow::Line { limit: 5 }));
+    let mut pieces = SseParser::with_limits(limits);
+    for b in stream {
+        pieces.feed(std::slice::from_ref(b));
+        assert_eq!(pieces.next_event(), None);
+    }
+    assert_eq!(pieces.overflow(), Some(SseOverflow::Line { limit: 5 }));
+}
+
+#[test]
+fn a_lone_carriage_return_ends_a_line() {
+    // The SSE grammar ends a line with CR LF, LF or CR. Found by the sse_capped fuzz target: a name
+    // of several CR-separated pieces, each within the line limit, came out longer than it.
+    let mut p = SseParser::new();
+    p.feed(b"event: a\rdata: one\rdata: two\r\r\n");
+    assert_eq!(
+        p.next_event(),
+        Some(SseEvent {
+            event: Some("a".into()),
+            data: Bytes::from_static(b"one\ntwo"),
+        })
+    );
+}
