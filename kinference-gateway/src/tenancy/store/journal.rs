@@ -586,13 +586,25 @@ impl Compacted {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(me),
             Err(e) => return Err(e),
         };
+        if let Some(bad) = me.read(std::io::BufReader::new(file), metrics)? {
+            me.repair_header(journal, &bad, metrics)?;
+        }
+        Ok(me)
+    }
+
+    /// Reads the file's lines into the totals; returns the first line when it is no header.
+    fn read(
+        &mut self,
+        reader: impl BufRead,
+        metrics: &StoreMetrics,
+    ) -> std::io::Result<Option<Vec<u8>>> {
         // Bytes, not text: a damaged block need not even be UTF-8.
-        let mut lines = std::io::BufReader::new(file).split(b'\n');
+        let mut lines = reader.split(b'\n');
         let mut lost_header = None;
         if let Some(first) = lines.next() {
             let first = first?;
             match serde_json::from_slice::<Header>(&first) {
-                Ok(header) => me.through = header.through_segment,
+                Ok(header) => self.through = header.through_segment,
                 Err(_) => lost_header = Some(first),
             }
         }
@@ -602,14 +614,11 @@ impl Compacted {
                 continue;
             }
             match serde_json::from_slice::<PeriodTotals>(&line) {
-                Ok(row) => me.add_row(row),
+                Ok(row) => self.add_row(row),
                 Err(_) => metrics.journal_error(JournalError::CorruptLine),
             }
         }
-        if let Some(bad) = lost_header {
-            me.repair_header(journal, &bad, metrics)?;
-        }
-        Ok(me)
+        Ok(lost_header)
     }
 
     fn add_row(&mut self, row: PeriodTotals) {
@@ -813,14 +822,26 @@ fn read_segment(path: &Path, metrics: &StoreMetrics) -> std::io::Result<SegmentR
 fn scan_segment(
     path: &Path,
     metrics: &StoreMetrics,
-    mut keep: impl FnMut(UsageRecord),
+    keep: impl FnMut(UsageRecord),
 ) -> std::io::Result<SegmentEnd> {
     let file = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SegmentEnd::default()),
         Err(e) => return Err(e),
     };
-    let mut reader = std::io::BufReader::new(file);
+    let (end, corrupt) = scan_lines(std::io::BufReader::new(file), metrics, keep)?;
+    if corrupt > 0 {
+        tracing::warn!(path = %path.display(), corrupt, "usage journal: corrupt lines skipped");
+    }
+    Ok(end)
+}
+
+/// [`scan_segment`] of any reader: how the bytes end, and how many corrupt lines were skipped.
+fn scan_lines(
+    mut reader: impl BufRead,
+    metrics: &StoreMetrics,
+    mut keep: impl FnMut(UsageRecord),
+) -> std::io::Result<(SegmentEnd, usize)> {
     let mut end = SegmentEnd::default();
     let mut seen = SeenIds::default();
     let mut keep = |r: UsageRecord| {
@@ -858,10 +879,57 @@ fn scan_segment(
             end.whole_len += n as u64;
         }
     }
-    if corrupt > 0 {
-        tracing::warn!(path = %path.display(), corrupt, "usage journal: corrupt lines skipped");
-    }
-    Ok(end)
+    Ok((end, corrupt))
+}
+
+/// What start-up makes of some bytes, read as a journal segment and as the compacted totals: the
+/// entry of the `journal_replay` fuzz target ([`crate::untrusted::journal_replay`]).
+#[derive(Debug)]
+pub(crate) struct BytesReplayed {
+    /// The segment's records (first of each id).
+    pub records: Vec<UsageRecord>,
+    /// The bytes up to the end of its last whole line.
+    pub whole_len: u64,
+    /// Its last line had no newline: a record (kept) or torn bytes (to be cut off).
+    pub unterminated: bool,
+    /// The torn last line, if that is how it ends.
+    pub torn: Option<Vec<u8>>,
+    /// Corrupt lines skipped in the middle.
+    pub corrupt: usize,
+    /// Read as the compacted totals: its mark, or the first line when it is no header.
+    pub header: Result<u64, Vec<u8>>,
+    /// ... and its rows (merged per period and group).
+    pub rows: Vec<PeriodTotals>,
+}
+
+/// Reads `data` as start-up reads a segment and the compacted totals (no file, no repair).
+pub(crate) fn replay_bytes(data: &[u8]) -> std::io::Result<BytesReplayed> {
+    let metrics = StoreMetrics::default();
+    let mut records = Vec::new();
+    let (end, corrupt) = scan_lines(data, &metrics, |r| records.push(r))?;
+    let mut compacted = Compacted {
+        path: PathBuf::new(),
+        through: 0,
+        period: Period::Hour,
+        keep: 1,
+        totals: BTreeMap::new(),
+    };
+    let header = match compacted.read(data, &metrics)? {
+        Some(bad) => Err(bad),
+        None => Ok(compacted.through),
+    };
+    Ok(BytesReplayed {
+        records,
+        whole_len: end.whole_len,
+        unterminated: matches!(end.tail, Some(Tail::Unterminated)),
+        torn: match end.tail {
+            Some(Tail::Torn(bytes)) => Some(bytes),
+            _ => None,
+        },
+        corrupt,
+        header,
+        rows: compacted.rows(),
+    })
 }
 
 /// The record ids a segment has shown so far, to count each record once. The gateway's own ids
