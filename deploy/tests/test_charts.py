@@ -15,6 +15,7 @@ Needs the Python packages helm-python-sdk==0.2.2, kubernetes-validate==1.37.0 an
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -73,6 +74,7 @@ ALL_FEATURES: dict[str, Any] = {
         "priorityClassName": "high",
         "logFormat": "json",
         "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
+        "metrics": {"tenantHistograms": True, "tenantSpend": True},
         "service": {"annotations": {"a": "b"}},
         "workerApiKey": {"existingSecret": "vllm-key"},
         "config": {
@@ -98,6 +100,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cluster-wide": {"clusterWide": True, "gateway": {"secretNames": ["provider-keys"]}},
     "agent-without-ebpf": {"agent": {"ebpf": {"enabled": False}}},
     "gateway-only": {"agent": {"enabled": False}, "gateway": {"replicas": 1}},
+    # Cluster mode (the five kinds from the API server, status written under a Lease), namespaced and cluster-wide.
+    "cluster-mode": {
+        "watchNamespaces": [NAMESPACE, WORKER_NAMESPACE],
+        "gateway": {
+            "config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE, WORKER_NAMESPACE]}},
+            "tenancy": {"allowPerReplicaLimits": True},
+        },
+    },
+    "cluster-wide-cluster-mode": {
+        "clusterWide": True,
+        "gateway": {
+            "config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE]}},
+            "tenancy": {"allowPerReplicaLimits": True},
+        },
+    },
 }
 
 
@@ -195,8 +212,9 @@ def test_kubernetes_validate_rejects_an_unknown_field(tmp_path: Path) -> None:
         {"gateway": {"replicas": "3"}},
         {"serviceMonitor": {"enable": True}},
         {"agent": {"ebpf": {"btfPath": "sys/kernel/btf"}}},
+        {"networkPolicy": {"workerNamespaces": ["*"]}},
     ],
-    ids=["typo", "nested-typo", "wrong-type", "monitor-typo", "relative-host-path"],
+    ids=["typo", "nested-typo", "wrong-type", "monitor-typo", "relative-host-path", "namespace-wildcard"],
 )
 def test_values_schema_refuses_mistakes(bad: dict[str, Any]) -> None:
     """values.schema.json turns a misspelt or mistyped value into an error instead of a silent default."""
@@ -227,12 +245,12 @@ def test_replicas_with_tenants_on_the_embedded_store_are_refused() -> None:
 
 def test_admin_key_from_a_secret() -> None:
     """The admin key reaches the gateway from a Secret; with forMetrics Prometheus presents it too."""
-    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(render({}), GATEWAY)))
     values = {
         "gateway": {"adminKey": {"existingSecret": "kinference-admin", "forMetrics": True}},
         "serviceMonitor": {"enabled": True},
     }
     objects = render(values)
+    assert not find(objects, "Secret"), "no key generated when one is given"
     c = container(one(objects, GATEWAY))
     assert env_of(c)["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "kinference-admin", "key": "admin-key"}
@@ -243,6 +261,34 @@ def test_admin_key_from_a_secret() -> None:
         "name": "kinference-admin",
         "key": "admin-key",
     }
+
+
+def test_an_admin_key_is_generated_by_default() -> None:
+    """Without a key every loopback caller is an admin, and behind a mesh sidecar every caller is loopback:
+    by default the chart generates a key in a Secret of its own, which the gateway reads."""
+    objects = render({})
+    secret = one(objects, "Secret", "kinference-gateway-admin")
+    key = base64.b64decode(secret["data"]["admin-key"]).decode()
+    assert len(key) >= 32 and key.isalnum(), "a random key, well over the gateway's 16-character minimum"
+    assert key != base64.b64decode(one(render({}), "Secret")["data"]["admin-key"]).decode(), "random"
+    assert env_of(container(one(objects, GATEWAY)))["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "kinference-gateway-admin", "key": "admin-key"}
+    }
+    # forMetrics works with the generated key too.
+    objects = render({"gateway": {"adminKey": {"forMetrics": True}}, "serviceMonitor": {"enabled": True}})
+    assert "--admin-key-for-metrics" in container(one(objects, GATEWAY))["args"]
+    monitor = one(objects, "ServiceMonitor", "kinference-gateway")
+    assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == "kinference-gateway-admin"
+    # Loopback admins only on request.
+    objects = render({"gateway": {"adminKey": {"generate": False}}})
+    assert not find(objects, "Secret")
+    assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(objects, GATEWAY)))
+
+
+def test_tenant_spend_on_the_metrics_page_only_when_asked() -> None:
+    assert "--metrics-tenant-spend" not in container(one(render({}), GATEWAY))["args"]
+    asked = {"gateway": {"metrics": {"tenantSpend": True}}}
+    assert "--metrics-tenant-spend" in container(one(render(asked), GATEWAY))["args"]
 
 
 def test_worker_api_key_from_a_secret() -> None:
@@ -597,18 +643,56 @@ def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() ->
     assert ("kinference-agent", NAMESPACE) not in grants
 
 
-def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease() -> None:
-    crds = {"namespaces": [NAMESPACE]}
-    gateway = {"config": {"routing": "kinference", "crds": crds}, "tenancy": {"allowPerReplicaLimits": True}}
-    grants = rules_by_subject(render({"gateway": gateway}))
-    kinds = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
-    cluster_mode = (
-        {("kinference.ai", k, "", v) for k in kinds for v in WATCH}
-        | {("kinference.ai", f"{k}/status", "", "patch") for k in kinds}
-        | {("coordination.k8s.io", "leases", "", v) for v in ("get", "create", "update")}
-    )
-    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | cluster_mode
+CLUSTER_MODE_GATEWAY = {"config": {"routing": "kinference", "crds": {"namespaces": [NAMESPACE]}},
+                        "tenancy": {"allowPerReplicaLimits": True}}
+KINDS = ("inferencepolicies", "inferencepools", "inferencemodels", "inferenceproviders", "inferencetenants")
+CLUSTER_MODE_KINDS = (
+    {("kinference.ai", k, "", v) for k in KINDS for v in WATCH}
+    | {("kinference.ai", f"{k}/status", "", "patch") for k in KINDS}
+)
+
+
+def lease_rules(name: str = "kinference-gateway-status") -> set[tuple[str, str, str, str]]:
+    """Get and renew the one Lease by name; create cannot be narrowed by name (Kubernetes authorizes a
+    create before the object has one), so it is granted alone, in the Lease's namespace only."""
+    return {("coordination.k8s.io", "leases", name, v) for v in ("get", "update")} | {
+        ("coordination.k8s.io", "leases", "", "create")
+    }
+
+
+def test_rbac_cluster_mode_grants_the_five_kinds_their_status_and_the_lease_by_name() -> None:
+    grants = rules_by_subject(render({"gateway": CLUSTER_MODE_GATEWAY}))
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | CLUSTER_MODE_KINDS | lease_rules()
     assert normalise(grants[("kinference-agent", NAMESPACE)]) == AGENT_RULES
+
+
+def test_rbac_lease_follows_its_configured_name_and_namespace_only() -> None:
+    crds = {"namespaces": [WORKER_NAMESPACE, NAMESPACE], "lease_name": "writer", "lease_namespace": "leases"}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    grants = rules_by_subject(render({"watchNamespaces": [NAMESPACE, WORKER_NAMESPACE], "gateway": gateway}))
+    assert normalise(grants[("kinference-gateway", "leases")]) == lease_rules("writer")
+    for ns in (NAMESPACE, WORKER_NAMESPACE):
+        assert not any(r[0] == "coordination.k8s.io" for r in normalise(grants[("kinference-gateway", ns)])), ns
+    # The default namespace of the Lease is the first of crds.namespaces, as the gateway takes it.
+    crds = {"namespaces": [WORKER_NAMESPACE, NAMESPACE]}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    grants = rules_by_subject(render({"watchNamespaces": [NAMESPACE, WORKER_NAMESPACE], "gateway": gateway}))
+    leases = {ns for (sa, ns), rules in grants.items() for r in normalise(rules) if r[0] == "coordination.k8s.io"}
+    assert leases == {WORKER_NAMESPACE}
+    # No status written, no Lease.
+    crds = {"namespaces": [NAMESPACE], "write_status": False}
+    gateway = {**CLUSTER_MODE_GATEWAY, "config": {"routing": "kinference", "crds": crds}}
+    rules = normalise(rules_by_subject(render({"gateway": gateway}))[("kinference-gateway", NAMESPACE)])
+    assert not any(r[0] == "coordination.k8s.io" for r in rules)
+
+
+def test_rbac_cluster_wide_cluster_mode_keeps_the_lease_in_its_namespace() -> None:
+    """clusterWide turns the watch grants into ClusterRoles; the Lease stays a Role in its namespace."""
+    objects = render({"clusterWide": True, "gateway": CLUSTER_MODE_GATEWAY})
+    grants = rules_by_subject(objects)
+    assert normalise(grants[("kinference-gateway", "*")]) == GATEWAY_RULES | CLUSTER_MODE_KINDS
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == lease_rules()
+    assert {o["kind"] for o in find(objects, "Role")} == {"Role"} and len(find(objects, "Role")) == 1
 
 
 def test_rbac_cluster_wide() -> None:
@@ -921,6 +1005,37 @@ def test_apiserver_rbac_grants_exactly_what_is_needed(kube: Kube) -> None:
     assert not wrong, f"authorizer disagrees (check, expected): {wrong}"
 
 
+def test_apiserver_rbac_grants_the_status_lease_by_name_only(kube: Kube) -> None:
+    """Cluster mode, namespaced and cluster-wide, applied for real: the gateway gets and renews its own Lease
+    and no other, creates Leases only in that Lease's namespace, and deletes none."""
+    gw = "kinference-gateway"
+    for variant in ("cluster-mode", "cluster-wide-cluster-mode"):
+        objects = render(VARIANTS[variant])
+        kinds = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+        for ns in {o["metadata"].get("namespace") for o in objects if o["kind"] in kinds} - {None}:
+            kube.run("create", "namespace", ns, check=False)
+        kube.apply([o for o in objects if o["kind"] in kinds])
+        lease = "coordination.k8s.io/leases"
+        expect = [
+            ((gw, "get", f"{lease}:kinference-gateway-status", NAMESPACE), True),
+            ((gw, "update", f"{lease}:kinference-gateway-status", NAMESPACE), True),
+            ((gw, "create", lease, NAMESPACE), True),
+            ((gw, "get", f"{lease}:kube-scheduler", NAMESPACE), False),
+            ((gw, "update", f"{lease}:other", NAMESPACE), False),
+            ((gw, "delete", f"{lease}:kinference-gateway-status", NAMESPACE), False),
+            ((gw, "list", lease, NAMESPACE), False),
+            ((gw, "get", f"{lease}:kinference-gateway-status", "kube-system"), False),
+            ((gw, "update", f"{lease}:kube-controller-manager", "kube-system"), False),
+            ((gw, "create", lease, "kube-system"), False),
+            ((gw, "create", lease, WORKER_NAMESPACE), False),
+            ((gw, "get", lease, None), False),
+        ]
+        answers = kube.allowed([check for check, _ in expect])
+        wrong = [(check, want) for (check, want), got in zip(expect, answers) if got != want]
+        assert not wrong, f"{variant}: authorizer disagrees (check, expected): {wrong}"
+        kube.run("delete", "-f", "-", stdin=yaml.safe_dump_all([o for o in objects if o["kind"] in kinds[1:]]))
+
+
 def test_apiserver_dry_run_rejects_a_broken_object(kube: Kube) -> None:
     """The dry run really validates: a Deployment whose selector does not match its pod labels is refused."""
     deployment = copy.deepcopy(one(render({}), GATEWAY))
@@ -1031,10 +1146,36 @@ def test_network_policies_limit_who_reaches_each_port() -> None:
     assert by_port["grpc"] == [{"podSelector": {"matchLabels": {
         "app.kubernetes.io/name": "kinference", "app.kubernetes.io/instance": RELEASE,
         "app.kubernetes.io/component": "gateway"}}}]
-    assert by_port["kv-events"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"kinference.ai/worker": "true"}}}]
+    workers = {"podSelector": {"matchLabels": {"kinference.ai/worker": "true"}}}
+    # Worker pods of the release's own namespace only (a podSelector alone), not of every namespace.
+    assert by_port["kv-events"] == [workers]
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert by_port["metrics"] == [monitoring]
     gw = {r["ports"][0]["port"]: r.get("from") for r in gateway["ingress"]}
     assert gw == {"http": None, "admin": [monitoring]}
     assert [p["port"] for p in gateway["ingress"][0]["ports"]] == ["http", "extproc"]
     assert not find(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
+
+
+def kv_events_peers(values: dict[str, Any]) -> list[dict[str, Any]]:
+    agent = one(render(values), "NetworkPolicy", "kinference-agent")["spec"]
+    return next(r["from"] for r in agent["ingress"] if r["ports"][0]["port"] == "kv-events")
+
+
+def test_agent_kv_port_admits_worker_pods_of_the_watched_and_listed_namespaces_only() -> None:
+    """A worker-labelled pod in any namespace could once reach the agent's KV-event port; now the release
+    namespace's, the watched namespaces' and those listed in networkPolicy.workerNamespaces only."""
+    workers = {"matchLabels": {"kinference.ai/worker": "true"}}
+
+    def in_ns(ns: str) -> dict[str, Any]:
+        return {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}, "podSelector": workers}
+
+    assert kv_events_peers({}) == [{"podSelector": workers}]
+    assert kv_events_peers(ALL_FEATURES) == [{"podSelector": workers}, in_ns(WORKER_NAMESPACE)]
+    listed = {"networkPolicy": {"workerNamespaces": ["ml-a", "ml-b", NAMESPACE]}}
+    assert kv_events_peers(listed) == [{"podSelector": workers}, in_ns("ml-a"), in_ns("ml-b")]
+    # Cluster-wide discovery does not open the port to every namespace: only the listed ones.
+    assert kv_events_peers({"clusterWide": True}) == [{"podSelector": workers}]
+    assert kv_events_peers({"clusterWide": True, **listed}) == [{"podSelector": workers}, in_ns("ml-a"), in_ns("ml-b")]
+    for peers in (kv_events_peers(v) for v in VARIANTS.values() if v.get("agent", {}).get("enabled", True)):
+        assert all(p.get("namespaceSelector") != {} for p in peers), "never every namespace"

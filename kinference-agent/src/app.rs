@@ -43,6 +43,8 @@ pub enum StartError {
     Grpc(#[from] tonic::transport::Error),
     #[error("gRPC mTLS: {0}")]
     Tls(#[from] kinference_api::tls::TlsFileError),
+    #[error(transparent)]
+    Guard(#[from] crate::zmq_guard::GuardError),
     #[error("starting the node signals (eBPF, NVML): {0}")]
     Signals(#[from] tokio::task::JoinError),
 }
@@ -57,8 +59,10 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
     )
     .map(|files| files.config())
     .transpose()?;
-    // Fail fast on a bad file at start; later edits that do not parse are only logged.
+    // Fail fast on a bad file or contradictory limits at start; later edits of the file that do not
+    // parse are only logged.
     WorkersFile::load(&args.workers)?;
+    args.zmq_guard().validate()?;
 
     // eBPF and NVML load meanwhile (parsing the kernel's BTF takes a moment): both log once what works and
     // why the rest does not, and never fail the agent.

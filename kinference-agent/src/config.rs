@@ -84,7 +84,8 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_AGENT_ZMQ_MAX_MESSAGE_BYTES", default_value_t = 16 << 20)]
     pub zmq_max_message_bytes: u64,
 
-    /// Established connections per guarded ZeroMQ socket (each worker's KV-event and replay socket).
+    /// Established connections per guarded ZeroMQ socket (each worker's KV-event and replay socket); a
+    /// newcomer past it drops the connection silent longest.
     #[arg(long, default_value_t = 64)]
     pub zmq_max_connections: usize,
 
@@ -100,6 +101,27 @@ pub struct Args {
         default_value_t = 5000
     )]
     pub zmq_handshake_timeout_ms: u64,
+
+    /// An established KV-event or replay connection whose peer sent nothing for this long is closed, in
+    /// milliseconds (vLLM's publisher reconnects by itself, the agent's own sockets redial, and a
+    /// sequence gap is replayed).
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_ZMQ_IDLE_TIMEOUT_MS",
+        default_value_t = 300_000
+    )]
+    pub zmq_idle_timeout_ms: u64,
+
+    /// Bytes of unfinished messages (by their frames' declared sizes) all peers of one guarded ZeroMQ
+    /// socket together may make it hold; a frame past it drops the peer whose unfinished message is
+    /// the oldest. At least `--zmq-max-message-bytes`. Each worker has two guarded sockets (KV events,
+    /// replay): a node's worst case is about workers x 2 x this.
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_ZMQ_MAX_BUFFERED_BYTES",
+        default_value_t = 32 << 20
+    )]
+    pub zmq_max_buffered_bytes: u64,
 
     /// Concurrent connections on the gRPC port; more are closed at once (and counted).
     #[arg(long, default_value_t = 256)]
@@ -163,6 +185,8 @@ impl Args {
             max_connections: self.zmq_max_connections.max(1),
             max_pending: self.zmq_max_pending.max(1),
             handshake_timeout: Duration::from_millis(self.zmq_handshake_timeout_ms.max(10)),
+            idle_timeout: Duration::from_millis(self.zmq_idle_timeout_ms),
+            max_buffered: self.zmq_max_buffered_bytes,
         }
     }
     /// The node name: `--node`, else the host name, else `"local"`.

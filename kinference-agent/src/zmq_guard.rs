@@ -18,20 +18,29 @@
 //! mechanism; READY must be well formed; frames and messages stay within [`Limits`]); what our socket
 //! sends passes untouched. A connection must finish its handshake within `handshake_timeout`; at most
 //! `max_pending` may be handshaking (the oldest is dropped for a newcomer, so idle connections cannot
-//! lock a publisher out) and at most `max_connections` may be established. A violation closes that one
-//! connection, counts `kinference_agent_rejected_total{listener, reason}` and logs at a rate limit; the
-//! socket keeps serving its other peers (vLLM's PUB reconnects by itself).
+//! lock a publisher out) and at most `max_connections` may be established (a newcomer past it drops the
+//! established connection that has been silent longest). An established connection silent for
+//! `idle_timeout` is closed. What a peer makes the ZeroMQ socket hold is bounded per guarded socket:
+//! the `zeromq` crate reserves a frame's declared size when its header arrives and keeps a message's
+//! frames until the last one, so the declared sizes of every connection's unfinished message count
+//! against `max_buffered`; a frame that would pass it drops the connection whose unfinished message is
+//! the oldest (a publisher's messages finish in microseconds, a peer that stops half-way does not), or
+//! this one when its own is the oldest. A violation closes that one connection, counts
+//! `kinference_agent_rejected_total{listener, reason}` and logs at a rate limit; the socket keeps
+//! serving its other peers (vLLM's PUB reconnects by itself, the agent's own sockets redial, and a gap
+//! in the sequence is replayed).
 
 pub mod zmtp;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use std::time::Instant;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -52,6 +61,11 @@ pub struct GuardConfig {
     pub max_pending: usize,
     /// Time a connection has to send its greeting and READY.
     pub handshake_timeout: Duration,
+    /// An established connection whose peer sent nothing for this long is closed.
+    pub idle_timeout: Duration,
+    /// Declared bytes of unfinished messages that all connections of one guarded socket together may
+    /// make its ZeroMQ socket hold.
+    pub max_buffered: u64,
 }
 
 impl Default for GuardConfig {
@@ -61,13 +75,40 @@ impl Default for GuardConfig {
             max_connections: 64,
             max_pending: 16,
             handshake_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(300),
+            max_buffered: 32 << 20,
         }
+    }
+}
+
+impl GuardConfig {
+    /// Refuses limits that contradict each other or turn a protection off.
+    pub fn validate(&self) -> Result<(), GuardError> {
+        let bad = |why: String| Err(GuardError::Config(why));
+        if self.max_buffered < self.limits.max_message {
+            return bad(format!(
+                "the buffer budget ({} bytes) must hold the largest message allowed ({} bytes)",
+                self.max_buffered, self.limits.max_message
+            ));
+        }
+        if self.limits.max_frame == 0 || self.limits.max_message == 0 {
+            return bad("frame and message limits must be at least 1 byte".into());
+        }
+        if self.idle_timeout.is_zero() || self.handshake_timeout.is_zero() {
+            return bad("the idle and handshake timeouts must be longer than 0".into());
+        }
+        if self.max_connections == 0 || self.max_pending == 0 {
+            return bad("at least one connection must be allowed".into());
+        }
+        Ok(())
     }
 }
 
 /// Why a guard could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
+    #[error("ZeroMQ guard limits: {0}")]
+    Config(String),
     #[error("unsupported ZeroMQ endpoint {0:?} (tcp://host:port or ipc://path)")]
     Endpoint(String),
     #[error("{what}: {source}")]
@@ -287,8 +328,21 @@ struct Shared {
     metrics: AgentMetrics,
     /// Connections still in their handshake, oldest first.
     pending: Mutex<VecDeque<(u64, CancellationToken)>>,
-    established: AtomicUsize,
+    /// Connections past their handshake.
+    established: Mutex<HashMap<u64, Conn>>,
     next_id: AtomicU64,
+}
+
+/// An established connection, as the guard's limits see it.
+struct Conn {
+    /// Ends the connection.
+    stop: CancellationToken,
+    /// When its peer last sent a byte.
+    last_read: Instant,
+    /// Declared bytes of its unfinished message ([`Inspector::open_bytes`]).
+    open: u64,
+    /// When that message began.
+    open_since: Instant,
 }
 
 impl Shared {
@@ -304,7 +358,7 @@ impl Shared {
             config,
             metrics,
             pending: Mutex::new(VecDeque::new()),
-            established: AtomicUsize::new(0),
+            established: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(0),
         }
     }
@@ -345,14 +399,110 @@ impl Shared {
     fn unpend(&self, id: u64) {
         self.pending.lock().retain(|(i, _)| *i != id);
     }
+
+    /// Connection `id` finished its handshake: it takes an established place, dropping the one
+    /// silent longest when every place is taken (so that idle peers cannot lock a publisher out).
+    fn establish(&self, id: u64, stop: CancellationToken) -> Established<'_> {
+        let now = Instant::now();
+        let evicted = {
+            let mut conns = self.established.lock();
+            let evicted = if conns.len() >= self.config.max_connections.max(1) {
+                let idlest = conns
+                    .iter()
+                    .min_by_key(|(_, c)| c.last_read)
+                    .map(|(i, _)| *i);
+                idlest.and_then(|i| conns.remove(&i))
+            } else {
+                None
+            };
+            conns.insert(
+                id,
+                Conn {
+                    stop,
+                    last_read: now,
+                    open: 0,
+                    open_since: now,
+                },
+            );
+            evicted
+        };
+        if let Some(conn) = evicted {
+            conn.stop.cancel();
+            self.reject(
+                "idle_evicted",
+                &format_args!(
+                    "all {} established connections taken; the one silent longest was dropped",
+                    self.config.max_connections
+                ),
+            );
+        }
+        Established { shared: self, id }
+    }
+
+    /// Connection `id`'s peer sent bytes after which its unfinished message declares `open` bytes
+    /// (`ended`: a message ended within them, so a message still open began in them). Past the
+    /// buffer budget, the connections whose unfinished messages began before this one's are
+    /// dropped, oldest first, until it fits; when that is not enough, this connection is refused.
+    fn hold(&self, id: u64, open: u64, ended: bool) -> Result<(), End> {
+        let now = Instant::now();
+        let mut evicted = Vec::new();
+        let fits = {
+            let mut conns = self.established.lock();
+            let Some(me) = conns.get_mut(&id) else {
+                // Dropped meanwhile: its end is on its way.
+                return Ok(());
+            };
+            me.last_read = now;
+            if me.open == 0 || ended {
+                me.open_since = now;
+            }
+            if me.open == open {
+                return Ok(());
+            }
+            me.open = open;
+            let mine = me.open_since;
+            let mut total: u64 = conns.values().map(|c| c.open).sum();
+            while total > self.config.max_buffered {
+                let oldest = conns
+                    .iter()
+                    .filter(|(i, c)| **i != id && c.open > 0 && c.open_since <= mine)
+                    .min_by_key(|(_, c)| c.open_since)
+                    .map(|(i, _)| *i);
+                let Some(conn) = oldest.and_then(|i| conns.remove(&i)) else {
+                    break;
+                };
+                total -= conn.open;
+                evicted.push(conn.stop);
+            }
+            let fits = total <= self.config.max_buffered;
+            if !fits && let Some(me) = conns.get_mut(&id) {
+                me.open = 0;
+            }
+            fits
+        };
+        for stop in evicted {
+            stop.cancel();
+            self.reject(
+                "buffer_evicted",
+                &format_args!(
+                    "unfinished messages over the {}-byte buffer budget; the oldest was dropped",
+                    self.config.max_buffered
+                ),
+            );
+        }
+        if fits { Ok(()) } else { Err(End::BufferFull) }
+    }
 }
 
-/// Holds an established-connection slot.
-struct Established<'a>(&'a Shared);
+/// Holds an established place until the connection ends.
+struct Established<'a> {
+    shared: &'a Shared,
+    id: u64,
+}
 
 impl Drop for Established<'_> {
     fn drop(&mut self) {
-        self.0.established.fetch_sub(1, Ordering::Relaxed);
+        self.shared.established.lock().remove(&self.id);
     }
 }
 
@@ -389,7 +539,7 @@ where
                 _ = token.cancelled() => {}
                 _ = async {
                     match dial().await {
-                        Ok(other) => serve(conn, other, &shared, id).await,
+                        Ok(other) => serve(conn, other, &shared, id, &token).await,
                         Err(error) => tracing::debug!(listener = shared.listener, %error, "guard could not reach the other side"),
                     }
                 } => {}
@@ -402,13 +552,19 @@ where
 
 /// Relays one connection: `untrusted` is inspected, `trusted` (our own ZeroMQ socket) is not. In bind mode
 /// the untrusted side is the accepted peer; in connect mode it is the worker the guard dialled.
-async fn serve(accepted: Box<dyn Io>, dialled: Box<dyn Io>, shared: &Shared, id: u64) {
+async fn serve(
+    accepted: Box<dyn Io>,
+    dialled: Box<dyn Io>,
+    shared: &Shared,
+    id: u64,
+    stop: &CancellationToken,
+) {
     let (untrusted, trusted) = if shared.bind_side {
         (accepted, dialled)
     } else {
         (dialled, accepted)
     };
-    if let Err(end) = relay(untrusted, trusted, shared, id).await {
+    if let Err(end) = relay(untrusted, trusted, shared, id, stop).await {
         match end {
             End::Violation(v) => shared.reject(v.reason(), &v),
             End::HandshakeTimeout => shared.reject(
@@ -418,11 +574,15 @@ async fn serve(accepted: Box<dyn Io>, dialled: Box<dyn Io>, shared: &Shared, id:
                     shared.config.handshake_timeout
                 ),
             ),
-            End::TooManyConnections => shared.reject(
-                "too_many_connections",
+            End::IdleTimeout => shared.reject(
+                "idle_timeout",
+                &format_args!("nothing received for {:?}", shared.config.idle_timeout),
+            ),
+            End::BufferFull => shared.reject(
+                "buffer_full",
                 &format_args!(
-                    "over {} established connections",
-                    shared.config.max_connections
+                    "an unfinished message over the {}-byte buffer budget",
+                    shared.config.max_buffered
                 ),
             ),
         }
@@ -432,7 +592,8 @@ async fn serve(accepted: Box<dyn Io>, dialled: Box<dyn Io>, shared: &Shared, id:
 enum End {
     Violation(Violation),
     HandshakeTimeout,
-    TooManyConnections,
+    IdleTimeout,
+    BufferFull,
 }
 
 async fn relay(
@@ -440,6 +601,7 @@ async fn relay(
     trusted: Box<dyn Io>,
     shared: &Shared,
     id: u64,
+    stop: &CancellationToken,
 ) -> Result<(), End> {
     let (mut ur, mut uw) = tokio::io::split(untrusted);
     let (mut tr, mut tw) = tokio::io::split(trusted);
@@ -448,12 +610,14 @@ async fn relay(
     };
     let inbound = async {
         let mut inspector = Inspector::new(shared.config.limits);
-        let mut _slot = None;
+        let mut place = None;
         let deadline = tokio::time::Instant::now() + shared.config.handshake_timeout;
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let read = if inspector.handshake_done() {
-                ur.read(&mut buf).await
+                tokio::time::timeout(shared.config.idle_timeout, ur.read(&mut buf))
+                    .await
+                    .map_err(|_| End::IdleTimeout)?
             } else {
                 tokio::time::timeout_at(deadline, ur.read(&mut buf))
                     .await
@@ -466,13 +630,12 @@ async fn relay(
             let progress = inspector.feed(&buf[..n]).map_err(End::Violation)?;
             if progress.handshake_done {
                 shared.unpend(id);
-                if shared.established.fetch_add(1, Ordering::Relaxed)
-                    >= shared.config.max_connections
-                {
-                    shared.established.fetch_sub(1, Ordering::Relaxed);
-                    return Err(End::TooManyConnections);
-                }
-                _slot = Some(Established(shared));
+                place = Some(shared.establish(id, stop.clone()));
+            }
+            if place.is_some() {
+                // Checked before the bytes reach the ZeroMQ socket, which reserves a frame's size
+                // as soon as its header arrives.
+                shared.hold(id, inspector.open_bytes(), progress.messages > 0)?;
             }
             if tw.write_all(&buf[..n]).await.is_err() {
                 return Ok(());

@@ -388,3 +388,70 @@ async fn write_seed_corpus() {
           vllm:cache_config_info{block_size=\"0\"} 1\nvllm:cache_config_info{block_size=\"x\\\"} 1\n",
     );
 }
+
+/// Seeds as large as a worker may send (a 16 MiB message), too large to commit: `testkit/fuzz/run.sh`
+/// writes them into `$KINFERENCE_FUZZ_LARGE_SEEDS/<target>/` before fuzzing, so that every run starts
+/// from the 16 MiB paths (the decoder's reservations, the events' size once decoded) under the RSS
+/// limit, not from what a mutator would rarely grow to.
+#[test]
+#[ignore = "run by testkit/fuzz/run.sh"]
+fn write_large_seeds() {
+    let dir = PathBuf::from(
+        std::env::var_os("KINFERENCE_FUZZ_LARGE_SEEDS").expect("KINFERENCE_FUZZ_LARGE_SEEDS"),
+    );
+    // Each seed is written, and replayed through its entry as the fuzzer will start with it.
+    let write = |target: &str, name: &str, bytes: &[u8]| {
+        let d = dir.join(target);
+        std::fs::create_dir_all(&d).expect("seed folder");
+        std::fs::write(d.join(name), bytes).expect("seed");
+        let started = std::time::Instant::now();
+        untrusted::run(target, bytes);
+        eprintln!(
+            "{target}/{name}: {} bytes, {:?}",
+            bytes.len(),
+            started.elapsed()
+        );
+    };
+    const MESSAGE: usize = 16 << 20;
+    // A header declaring 2^32-1 events, then junk up to the message limit.
+    let mut declared = vec![0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff];
+    declared.resize(MESSAGE, 0xc1);
+    write("kv_batch", "declared-4g-events-16mib", &declared);
+    // A valid batch of the smallest events kept (2 MiB: the entry decodes, applies and re-encodes
+    // it five times, and a 16 MiB one takes seconds per run; tests/decode_allocation.rs measures
+    // the decoded size).
+    let mut removed = vec![0x92, 0xac];
+    removed.extend(b"BlockRemoved");
+    removed.push(0x90);
+    let n = (MESSAGE / 8 - 16) / removed.len();
+    let mut batch = vec![0x93, 0x00, 0xdd];
+    batch.extend((n as u32).to_be_bytes());
+    for _ in 0..n {
+        batch.extend(&removed);
+    }
+    batch.push(0xc0);
+    write("kv_batch", "empty-removals-2mib", &batch);
+    // A 1M-token prefill's BlockStored (about 5 MiB), as vLLM publishes one.
+    let tokens: Vec<u32> = (0..1u32 << 20).map(|t| t % 151_000).collect();
+    let stored = KvEvent::BlockStored {
+        block_hashes: (0..(1u64 << 16)).collect(),
+        parent_block_hash: None,
+        token_ids: tokens,
+        block_size: 16,
+        medium: Default::default(),
+        lora: None,
+        extra_keys: Vec::new(),
+    };
+    let big = encode_batch(
+        &kinference_agent::kv_events::EventBatch {
+            ts: 1.0,
+            events: vec![stored],
+            data_parallel_rank: None,
+        },
+        EncodeOptions {
+            format: EventFormat::Array,
+            bin_hashes: false,
+        },
+    );
+    write("kv_batch", "prefill-1m-tokens", &big);
+}

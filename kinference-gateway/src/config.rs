@@ -80,6 +80,13 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_DRAIN_TIMEOUT_SECONDS", default_value_t = 30)]
     pub drain_timeout_seconds: u64,
 
+    /// Put each tenant's cost and monthly spend on `/metrics`
+    /// (`kinference_gateway_tenant_cost_total`, `kinference_gateway_tenant_budget_spent`). Off: the
+    /// page is open to whoever reaches the admin port (unless `--admin-key-for-metrics`), and spend
+    /// is read from `/admin/usage`, behind the admin key.
+    #[arg(long, env = "KINFERENCE_METRICS_TENANT_SPEND")]
+    pub metrics_tenant_spend: bool,
+
     #[command(flatten)]
     pub http: HttpSettings,
 

@@ -15,6 +15,7 @@ use kinference_gateway::tenancy::PolicyFiles;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    args.http.validate().map_err(anyhow::Error::msg)?;
     let telemetry = Telemetry::init(&args.telemetry)?;
     let config = if !args.workers.is_empty() && !args.config.exists() {
         GatewayConfig::default()
@@ -102,7 +103,10 @@ async fn main() -> anyhow::Result<()> {
     let tenancy = metrics
         .with_registry(|registry| {
             kinference_gateway::tenancy::Tenancy::start(
-                config.tenancy.clone(),
+                kinference_gateway::tenancy::TenancyConfig {
+                    per_tenant_spend: args.metrics_tenant_spend,
+                    ..config.tenancy.clone()
+                },
                 &args.config,
                 policy_files,
                 config.model_names(),
@@ -119,17 +123,20 @@ async fn main() -> anyhow::Result<()> {
     let overload = metrics.with_registry(|registry| {
         kinference_gateway::overload::Overload::new(args.overload.clone(), registry)
     });
-    let health = metrics.with_registry(|registry| {
+    let health = Arc::new(metrics.with_registry(|registry| {
         kinference_gateway::backend::health::Health::new(
             args.health.clone(),
             Arc::clone(&router),
             metrics.clone(),
             registry,
         )
-    });
+    }));
     let gw = Arc::new(Gateway {
         router: Arc::clone(&router),
-        upstream: Upstream::new(&args.http).with_headers(worker_headers),
+        // An answer past the limits counts against the worker's health.
+        upstream: Upstream::new(&args.http)
+            .with_headers(worker_headers)
+            .with_health(health.clone()),
         metrics,
         settings: args.http.clone(),
         models: config.model_names(),
@@ -137,7 +144,7 @@ async fn main() -> anyhow::Result<()> {
         tenancy: Arc::clone(&tenancy),
         policy,
         pools,
-        health: Arc::new(health),
+        health,
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),

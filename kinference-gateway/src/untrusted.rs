@@ -12,6 +12,10 @@
 //! | [`policy_file`] | a policy file (Git, a mounted ConfigMap) | [`crate::policy::source::parse_file`] |
 //! | [`worker_metrics`] | a worker's `/metrics` (policy pool state) | [`crate::policy::worker_load`] |
 //! | [`pii_scan`] | a client's prompt text | [`crate::policy::classify::pii`] |
+//! | [`sse_capped`] | a worker's or provider's stream, past the line and event limits | [`crate::backend::sse`] with [`SseLimits`] |
+//! | [`body_walk`] | a client's request body, read for the PII scan | [`crate::policy::classify::body::extract`] |
+//! | [`passthrough_request`] | a client's pass-through body, and the worker's answer's usage | [`crate::api::openai::passthrough`] |
+//! | [`journal_replay`] | the usage journal's files read back at start (a damaged disk) | [`crate::tenancy::store::journal`] |
 
 use std::path::Path;
 
@@ -20,10 +24,10 @@ use bytes::BytesMut;
 use crate::api::anthropic::{MessagesRequest, StreamTranslator};
 use crate::api::openai::{self, ChatCompletionRequest, CompletionRequest, StreamChunk};
 use crate::backend::provider::translate::AnthropicStream;
-use crate::backend::sse::SseParser;
+use crate::backend::sse::{SseLimits, SseParser};
 
 /// The names of the entries, as the fuzz targets and corpus folders are named.
-pub const TARGETS: [&str; 7] = [
+pub const TARGETS: [&str; 11] = [
     "openai_request",
     "anthropic_request",
     "sse_stream",
@@ -31,6 +35,10 @@ pub const TARGETS: [&str; 7] = [
     "policy_file",
     "worker_metrics",
     "pii_scan",
+    "sse_capped",
+    "body_walk",
+    "passthrough_request",
+    "journal_replay",
 ];
 
 /// Runs the entry called `target` (one of [`TARGETS`]) on `data`.
@@ -43,6 +51,10 @@ pub fn run(target: &str, data: &[u8]) {
         "pii_scan" => pii_scan(data),
         "policy_file" => policy_file(data),
         "worker_metrics" => worker_metrics(data),
+        "sse_capped" => sse_capped(data),
+        "body_walk" => body_walk(data),
+        "passthrough_request" => passthrough_request(data),
+        "journal_replay" => journal_replay(data),
         other => panic!("no fuzz entry called {other:?}"),
     }
 }
@@ -163,5 +175,158 @@ pub fn pii_scan(data: &[u8]) {
             PiiKind::Iban => assert!(iban_valid(found), "IBAN {found:?}"),
             _ => {}
         }
+    }
+}
+
+/// The stream parser with limits small enough for a fuzzer to cross (the first two bytes choose
+/// them), fed whole and in pieces of the third byte's size: the same events and the same verdict
+/// either way, no event or line past a limit comes out, and between pieces the parser holds no
+/// more than the event limit.
+pub fn sse_capped(data: &[u8]) {
+    let [a, b, c, stream @ ..] = data else {
+        return;
+    };
+    let max_line = usize::from(*a) * 4 + 1;
+    let limits = SseLimits {
+        max_line,
+        max_event: max_line + usize::from(*b) * 8,
+    };
+    let step = usize::from(*c).max(1);
+    let run = |pieces: &mut dyn Iterator<Item = &[u8]>| {
+        let mut parser = SseParser::with_limits(limits);
+        let mut events = Vec::new();
+        for piece in pieces {
+            parser.feed(piece);
+            while let Some(event) = parser.next_event() {
+                events.push(event);
+            }
+            // What is left is an unfinished event within the limit (and the start of its blank
+            // line), or nothing once a limit was passed.
+            assert!(
+                parser.pending() <= limits.max_event + 3,
+                "{} bytes held over a {}-byte event limit",
+                parser.pending(),
+                limits.max_event
+            );
+        }
+        (events, parser.overflow().is_some())
+    };
+    let (whole, whole_over) = run(&mut std::iter::once(stream));
+    let (pieces, pieces_over) = run(&mut stream.chunks(step));
+    assert_eq!(whole, pieces, "the events depend on how the bytes arrived");
+    assert_eq!(
+        whole_over, pieces_over,
+        "the verdict depends on how the bytes arrived"
+    );
+    for event in &whole {
+        assert!(
+            event.data.len() <= limits.max_event,
+            "an event over the limit came out"
+        );
+        assert!(
+            event
+                .event
+                .as_ref()
+                // In characters: name bytes that are not UTF-8 come out as U+FFFD (3 bytes each).
+                .is_none_or(|e| e.chars().count() <= limits.max_line),
+            "an event name over the line limit came out"
+        );
+    }
+}
+
+/// A request body as the PII scan reads it: every key of the top-level object and every plain
+/// string value there is in the text (what cannot be read is reported, never dropped), and the text
+/// is at most a fixed multiple of the body (JSON inside strings is read decoded, to a bounded depth).
+pub fn body_walk(data: &[u8]) {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(data) else {
+        return;
+    };
+    let read = crate::policy::classify::body::extract(&value);
+    assert!(
+        read.text.len() <= 16 * data.len() + 64,
+        "{} bytes of text from a {}-byte body",
+        read.text.len(),
+        data.len()
+    );
+    assert!(read.token_prompts.iter().map(Vec::len).sum::<usize>() <= data.len());
+    if let serde_json::Value::Object(map) = &value {
+        for (key, v) in map {
+            assert!(read.text.contains(key.as_str()), "key {key:?} not read");
+            if let serde_json::Value::String(s) = v
+                && !s.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("data:"))
+            {
+                assert!(read.text.contains(s.as_str()), "value of {key:?} not read");
+            }
+        }
+    }
+}
+
+/// A pass-through body for each route, and the same bytes as the worker's answer: what parses
+/// names a model, streams only where the route does, and its text is no larger than the body.
+pub fn passthrough_request(data: &[u8]) {
+    use crate::api::openai::passthrough::{PassthroughRequest, Route, usage_of};
+    for route in [
+        Route::Embeddings,
+        Route::Responses,
+        Route::Tokenize,
+        Route::Detokenize,
+    ] {
+        if let Ok(request) = PassthroughRequest::parse(route, data) {
+            assert!(!request.model.is_empty());
+            assert!(route == Route::Responses || !request.stream());
+            let text = request.text();
+            assert!(text.len() <= 2 * data.len(), "{} bytes of text", text.len());
+        }
+        if let Some(usage) = usage_of(route, data) {
+            assert!(usage.total_tokens >= usage.prompt_tokens.max(usage.completion_tokens));
+        }
+    }
+}
+
+/// Bytes read back as the usage journal's current segment and as its compacted totals (a damaged
+/// disk, a hand edit): whole lines end at a newline, a torn tail is exactly the bytes after them,
+/// each record id is kept once, and every record kept survives its own round trip.
+pub fn journal_replay(data: &[u8]) {
+    let read = crate::tenancy::store::journal::replay_bytes(data).expect("reading memory");
+    let whole = usize::try_from(read.whole_len).expect("a length");
+    assert!(whole <= data.len());
+    assert!(whole == 0 || data[whole - 1] == b'\n');
+    if let Some(torn) = &read.torn {
+        assert_eq!(
+            torn.as_slice(),
+            &data[whole..],
+            "the torn tail is what follows the lines"
+        );
+        assert!(!read.unterminated);
+    }
+    if whole == data.len() {
+        assert!(read.torn.is_none() && !read.unterminated);
+    }
+    let mut ids = std::collections::HashSet::new();
+    for record in &read.records {
+        assert!(
+            ids.insert(record.id.as_str()),
+            "record {} kept twice",
+            record.id
+        );
+        let line = serde_json::to_vec(record).expect("a record serializes");
+        let again: crate::tenancy::usage::UsageRecord =
+            serde_json::from_slice(&line).expect("a written record reads back");
+        assert_eq!(&again, record);
+    }
+    let lines = data.iter().filter(|&&b| b == b'\n').count();
+    assert!(
+        read.corrupt <= lines,
+        "{} corrupt of {lines} lines",
+        read.corrupt
+    );
+    assert!(
+        read.rows.len() <= lines,
+        "{} rows from {lines} lines",
+        read.rows.len()
+    );
+    // A mark read means a first line that is a header (an empty file has none: mark 0).
+    if read.header.is_ok() && !data.is_empty() {
+        assert!(data.first() == Some(&b'{') || data.first().is_some_and(u8::is_ascii_whitespace));
     }
 }

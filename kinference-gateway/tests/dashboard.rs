@@ -160,14 +160,15 @@ fn every_dashboard_query_names_an_exported_metric() {
     std::fs::create_dir_all(&dir).unwrap();
 
     // The gateway: one (unreachable) worker is enough for every family to be registered; the
-    // per-tenant histograms the latency panels read are opt-in.
+    // per-tenant histograms the latency panels read and the spend the cost panels read are opt-in.
     let config = dir.join("gateway.yaml");
     std::fs::write(
         &config,
         "workers:\n  - url: http://127.0.0.1:9\n    model: m\nrouting: kinference\ntenancy:\n  per_tenant_histograms: true\n",
     )
     .unwrap();
-    let (mut gateway, _api, admin) = support::spawn_gateway(&config);
+    let (mut gateway, _api, admin) =
+        support::spawn_gateway_with(&config, &["--metrics-tenant-spend"]);
 
     let agent_bin = bin_dir().join("kinference-agent");
     assert!(

@@ -47,4 +47,80 @@ fn the_seeds_parse() {
         7,
         "every kind of personal data in the seed is found: {kinds:?}"
     );
+    use kinference_gateway::api::openai::passthrough::{PassthroughRequest, Route, usage_of};
+    let embeddings = std::fs::read(root.join("passthrough_request/embeddings.json")).unwrap();
+    assert_eq!(
+        PassthroughRequest::parse(Route::Embeddings, &embeddings)
+            .expect("embeddings seed parses")
+            .text(),
+        "a\nb"
+    );
+    let completed =
+        std::fs::read(root.join("passthrough_request/responses-completed.json")).unwrap();
+    assert_eq!(
+        usage_of(Route::Responses, &completed).map(|u| u.total_tokens),
+        Some(12)
+    );
+    let data_urls = std::fs::read(root.join("body_walk/data-urls.json")).unwrap();
+    let read = kinference_gateway::policy::classify::body::extract(
+        &serde_json::from_slice(&data_urls).unwrap(),
+    );
+    assert!(read.text.contains("+44 20 7946 0000") && read.text.contains("percent encoded@"));
+    assert_eq!(read.binary, ["image/png"]);
+}
+
+/// Seeds as large as the gateway's limits let in, too large to commit: `testkit/fuzz/run.sh` writes
+/// them into `$KINFERENCE_FUZZ_LARGE_SEEDS/<target>/` before fuzzing, so that every run starts from
+/// the paths past the stream limits (4 MiB lines, 8 MiB events) and at the 4 MiB body limit, under
+/// the RSS limit.
+#[test]
+#[ignore = "run by testkit/fuzz/run.sh"]
+fn write_large_seeds() {
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("KINFERENCE_FUZZ_LARGE_SEEDS").expect("KINFERENCE_FUZZ_LARGE_SEEDS"),
+    );
+    // Each seed is written, and replayed through its entry as the fuzzer will start with it.
+    let write = |target: &str, name: &str, bytes: &[u8]| {
+        let d = dir.join(target);
+        std::fs::create_dir_all(&d).expect("seed folder");
+        std::fs::write(d.join(name), bytes).expect("seed");
+        let started = std::time::Instant::now();
+        untrusted::run(target, bytes);
+        eprintln!(
+            "{target}/{name}: {} bytes, {:?}",
+            bytes.len(),
+            started.elapsed()
+        );
+    };
+    const MIB: usize = 1 << 20;
+    // A stream whose first line passes the 4 MiB line limit, and one whose event passes 8 MiB in
+    // short lines, each followed by an event that must not come out.
+    let mut line = b"data: {\"x\":\"".to_vec();
+    line.resize(4 * MIB + 100, b'a');
+    line.extend(b"\"}\n\ndata: [DONE]\n\n");
+    write("sse_stream", "line-over-4mib", &line);
+    let mut event = b"data: x\n".repeat(8 * MIB / 8 + 10);
+    event.extend(b"\ndata: [DONE]\n\n");
+    write("sse_stream", "event-over-8mib", &event);
+    // Bodies at the 4 MiB limit: strings holding escaped JSON three deep (read decoded), and many
+    // inputs of a pass-through request.
+    let mut inner = String::from("{\"a\":\"x\\u0040y\"}");
+    for _ in 0..2 {
+        inner = serde_json::to_string(&serde_json::json!({ "t": inner })).unwrap();
+    }
+    let args: Vec<String> = std::iter::repeat_n(inner, 4 * MIB / 80).collect();
+    let body = serde_json::json!({"model": "m", "messages": [{"role": "tool", "content": args}]});
+    write(
+        "body_walk",
+        "escaped-json-4mib",
+        body.to_string().as_bytes(),
+    );
+    // 1 MiB of inputs: a 4 MiB one takes most of a 10 s budget to run at all under the sanitizer.
+    let inputs: Vec<String> = (0..MIB / 20).map(|i| format!("input number {i}")).collect();
+    let body = serde_json::json!({"model": "m", "input": inputs});
+    write(
+        "passthrough_request",
+        "embeddings-1mib",
+        body.to_string().as_bytes(),
+    );
 }

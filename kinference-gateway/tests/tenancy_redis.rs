@@ -146,12 +146,12 @@ async fn two_replicas_share_one_bucket_within_5_percent() {
 async fn usage_records_apply_once_and_feed_the_budget() {
     let Some(redis) = start_redis() else { return };
     let store = RedisStore::new(&redis.url, Duration::from_millis(500)).unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
     let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
     let r = record("req-1");
     // Sent three times (a retry after a lost answer, another replica replaying): applied once.
-    tx.send(vec![r.clone(), r.clone()]).unwrap();
-    tx.send(vec![r.clone(), record("req-2")]).unwrap();
+    tx.send(vec![r.clone(), r.clone()]).await.unwrap();
+    tx.send(vec![r.clone(), record("req-2")]).await.unwrap();
     drop(tx);
     forward.await.unwrap();
     assert_eq!(store.pending(), 0);
@@ -179,4 +179,125 @@ async fn usage_records_apply_once_and_feed_the_budget() {
         store.admit(&[], &spend_key, Some(6.0)).await.unwrap(),
         RedisVerdict::Buckets(Verdict::Admitted(_))
     ));
+}
+
+/// A TCP proxy on loopback in front of `port` that counts the reads it gets from its clients: one
+/// per request a client sends and waits on (commands sent together arrive in one or a few reads).
+async fn counting_proxy(port: u16) -> (String, Arc<AtomicU64>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("redis://{}", listener.local_addr().unwrap());
+    let reads = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&reads);
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let counted = Arc::clone(&counted);
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = async {
+                    let mut buf = vec![0u8; 64 << 10];
+                    while let Ok(n) = cr.read(&mut buf).await {
+                        if n == 0 || sw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        counted.fetch_add(1, Ordering::SeqCst);
+                    }
+                };
+                let down = tokio::io::copy(&mut sr, &mut cw);
+                tokio::select! {
+                    _ = up => {}
+                    _ = down => {}
+                }
+            });
+        }
+    });
+    (url, reads)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_usage_report_reads_its_hours_from_redis_in_a_few_round_trips() {
+    let Some(redis) = start_redis() else { return };
+    let port: u16 = redis.url.rsplit(':').next().unwrap().parse().unwrap();
+    let (url, reads) = counting_proxy(port).await;
+    let store = RedisStore::new(&url, Duration::from_millis(2000)).unwrap();
+    let r = record("req-hours");
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
+    tx.send(vec![r.clone()]).await.unwrap();
+    drop(tx);
+    forward.await.unwrap();
+    // The longest report: 62 days of hours, this one's record among them.
+    let hours: Vec<String> = (0..62 * 24 + 1)
+        .map(|i| kinference_gateway::tenancy::budget::hour_key(r.ts_ms - i * 3_600_000))
+        .collect();
+    let before = reads.load(Ordering::SeqCst);
+    let started = Instant::now();
+    let answers = store.hours(&hours).await.unwrap();
+    let trips = reads.load(Ordering::SeqCst) - before;
+    eprintln!(
+        "{} hours read in {trips} round trips, {:?}",
+        hours.len(),
+        started.elapsed()
+    );
+    assert_eq!(answers.len(), hours.len());
+    assert!(
+        answers[0]
+            .iter()
+            .any(|(f, v)| f.ends_with("\u{1f}requests") && v == "1")
+    );
+    assert!(answers[1..].iter().all(Vec::is_empty));
+    assert!(trips <= 64, "{trips} round trips for {} hours", hours.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_records_reach_redis_summed_per_tenant_and_hour_in_few_round_trips() {
+    let Some(redis) = start_redis() else { return };
+    let port: u16 = redis.url.rsplit(':').next().unwrap().parse().unwrap();
+    let (url, reads) = counting_proxy(port).await;
+    let store = RedisStore::new(&url, Duration::from_millis(2000)).unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
+    // What the journal hands over: batches of up to 512 records, here of 5 tenants.
+    let now = record("x").ts_ms;
+    let mut sent = 0;
+    for b in 0..10 {
+        let batch: Vec<UsageRecord> = (0..500)
+            .map(|i| {
+                let mut r = record(&format!("rt-{b}-{i}"));
+                r.tenant = format!("tenant-{}", i % 5);
+                r.ts_ms = now;
+                r
+            })
+            .collect();
+        sent += batch.len();
+        tx.send(batch).await.unwrap();
+    }
+    drop(tx);
+    forward.await.unwrap();
+    let trips = reads.load(Ordering::SeqCst);
+    eprintln!("{sent} records applied in {trips} round trips");
+    assert_eq!(store.pending(), 0);
+    let fields = store
+        .hour(&kinference_gateway::tenancy::budget::hour_key(now))
+        .await
+        .unwrap();
+    let sum = |name: &str| -> u64 {
+        fields
+            .iter()
+            .filter(|(f, _)| f.ends_with(&format!("\u{1f}{name}")))
+            .map(|(_, v)| v.parse::<u64>().unwrap())
+            .sum()
+    };
+    assert_eq!(sum("requests"), sent as u64);
+    assert_eq!(sum("output"), 5 * sent as u64);
+    for t in 0..5 {
+        let key = kinference_gateway::tenancy::budget::spend_key(&format!("tenant-{t}"), now);
+        assert_eq!(store.spent(&key).await.unwrap(), 2.5 * (sent / 5) as f64);
+    }
+    // Before: one round trip per record (5,000).
+    assert!(trips <= 40, "{trips} round trips for {sent} records");
 }

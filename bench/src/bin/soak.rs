@@ -498,8 +498,16 @@ async fn main() -> anyhow::Result<()> {
     // Nothing lost: the journal read back after a restart against the clients and the workers.
     stop_gateway(gateway)?;
     let (_gateway, _, admin_after) = start_gateway(&bin_dir, &config, args.workers, &probe).await?;
-    let (status, report) =
-        get(&http, &format!("{admin_after}/admin/usage?from=2000-01-01")).await?;
+    // From a day back (a report covers at most 62 days): the soak ran minutes ago.
+    let day_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs()
+        - 86_400;
+    let (status, report) = get(
+        &http,
+        &format!("{admin_after}/admin/usage?from={day_ago}&limit=1000"),
+    )
+    .await?;
     if status != 200 {
         bail!("/admin/usage answered {status}: {report}");
     }

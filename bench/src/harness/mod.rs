@@ -133,8 +133,15 @@ where
 pub fn rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
-        .and_then(|s| crate::scale::probe::rss_bytes(&s))
+        .and_then(|s| rss_bytes(&s))
         .map_or(f64::NAN, |b| b as f64 / (1024.0 * 1024.0))
+}
+
+/// `VmRSS` from the text of `/proc/<pid>/status`, in bytes.
+pub fn rss_bytes(status: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Empties `worker`'s prefix cache (`POST /reset_prefix_cache`), so that the next run starts cold.

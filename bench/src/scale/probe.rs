@@ -40,12 +40,7 @@ pub fn cpu_seconds(stat: &str) -> Option<f64> {
     Some((utime + stime) / USER_HZ)
 }
 
-/// `VmRSS` from the text of `/proc/<pid>/status`, in bytes.
-pub fn rss_bytes(status: &str) -> Option<u64> {
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
+pub use crate::harness::rss_bytes;
 
 /// One series of a Prometheus histogram: cumulative bucket counts by upper bound, sum and count.
 #[derive(Debug, Clone, Default, PartialEq)]

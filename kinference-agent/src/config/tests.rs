@@ -58,3 +58,39 @@ fn flags_match_the_contract() {
     assert_eq!(a.node_name(), "n1");
     assert_eq!(a.scrape_interval(), Duration::from_millis(250));
 }
+
+#[test]
+fn zmq_guard_limits_that_contradict_each_other_are_refused() {
+    let args = |extra: &[&str]| {
+        let mut argv = vec!["kinference-agent", "--workers", "w.yaml"];
+        argv.extend_from_slice(extra);
+        Args::parse_from(argv)
+    };
+    assert!(
+        args(&[]).zmq_guard().validate().is_ok(),
+        "the defaults hold"
+    );
+    for bad in [
+        // A budget smaller than the largest message would refuse every large message.
+        &["--zmq-max-buffered-bytes", "1048576"][..],
+        &["--zmq-idle-timeout-ms", "0"],
+        &["--zmq-max-message-bytes", "0"],
+    ] {
+        let error = args(bad).zmq_guard().validate().expect_err("refused");
+        assert!(
+            error.to_string().contains("ZeroMQ guard limits"),
+            "{bad:?}: {error}"
+        );
+    }
+    assert!(
+        args(&[
+            "--zmq-max-buffered-bytes",
+            "1048576",
+            "--zmq-max-message-bytes",
+            "1048576"
+        ])
+        .zmq_guard()
+        .validate()
+        .is_ok()
+    );
+}

@@ -104,6 +104,31 @@ fn a_frame_declaring_two_to_the_forty_bytes_is_refused_from_its_header() {
 }
 
 #[test]
+fn open_bytes_are_the_declared_size_of_the_unfinished_message() {
+    let mut i = Inspector::new(small());
+    i.feed(&handshake()).expect("handshake");
+    assert_eq!(i.open_bytes(), 0);
+    // A first frame of 300 bytes with more to come: declared at once, before its body.
+    let first = frame(true, &[1; 300]);
+    i.feed(&first[..9]).expect("header");
+    assert_eq!(i.open_bytes(), 300);
+    i.feed(&first[9..]).expect("body");
+    assert_eq!(i.open_bytes(), 300, "held until the message's last frame");
+    // The last frame declares 400 more; the message ends with its last byte.
+    let last = frame(false, &[2; 400]);
+    i.feed(&last[..100]).expect("part of the last frame");
+    assert_eq!(i.open_bytes(), 700);
+    i.feed(&last[100..]).expect("the rest");
+    assert_eq!(i.open_bytes(), 0);
+    // Empty frames and commands hold nothing.
+    i.feed(&frame(false, b"")).expect("empty");
+    let mut ping = vec![0x04, 7, 4];
+    ping.extend(b"PING\0\0");
+    i.feed(&ping).expect("ping");
+    assert_eq!(i.open_bytes(), 0);
+}
+
+#[test]
 fn a_message_over_the_limit_is_refused_even_when_each_frame_fits() {
     let mut bytes = handshake();
     bytes.extend(frame(true, &[0; 800]));

@@ -82,8 +82,8 @@ enum State {
     Flags,
     /// Reading the size field: flags, bytes of the size seen so far, the size so far.
     Size { flags: u8, seen: u8, size: u64 },
-    /// Skipping a message frame's body.
-    Body { left: u64 },
+    /// Skipping a message frame's body; `last`: the message's last frame.
+    Body { left: u64, last: bool },
     /// Collecting a command's body into `command`.
     Command { left: u64 },
 }
@@ -106,6 +106,9 @@ pub struct Inspector {
     command: Vec<u8>,
     /// Bytes of the current (multi-frame) message so far, including the frame being read.
     message: u64,
+    /// Declared bytes of the message being received (0 between messages): what the receiver holds
+    /// for it until its last frame ends.
+    open: u64,
     handshake_done: bool,
     /// A violation already reported: every later byte is refused too.
     failed: Option<Violation>,
@@ -119,6 +122,7 @@ impl Inspector {
             greeting: [0; GREETING_LEN],
             command: Vec::new(),
             message: 0,
+            open: 0,
             handshake_done: false,
             failed: None,
         }
@@ -127,6 +131,14 @@ impl Inspector {
     /// True once the peer's greeting and READY have passed.
     pub fn handshake_done(&self) -> bool {
         self.handshake_done
+    }
+
+    /// The declared size of the message the peer is sending, its frames so far and the whole of the
+    /// frame being read; 0 between messages. The receiving ZeroMQ socket reserves a frame's declared
+    /// size when its header arrives and holds a message's frames until the last one ends, so this is
+    /// what the peer makes it hold now.
+    pub fn open_bytes(&self) -> u64 {
+        self.open
     }
 
     /// Inspects the next bytes from the peer. `Ok` means every byte so far may be forwarded.
@@ -191,13 +203,16 @@ impl Inspector {
                 }
                 self.start_frame(flags, size, progress)?;
             }
-            State::Body { left } => {
+            State::Body { left, last } => {
                 let take = left.min(bytes.len() as u64);
                 *bytes = &bytes[take as usize..];
                 let left = left - take;
-                self.state = State::Body { left };
+                self.state = State::Body { left, last };
                 if left == 0 {
                     self.state = State::Flags;
+                    if last {
+                        self.open = 0;
+                    }
                 }
             }
             State::Command { left } => {
@@ -248,16 +263,21 @@ impl Inspector {
                 limit: self.limits.max_message,
             });
         }
-        if flags & FLAG_MORE != 0 {
-            self.message = total;
-        } else {
+        let last = flags & FLAG_MORE == 0;
+        if last {
             self.message = 0;
             progress.messages += 1;
+        } else {
+            self.message = total;
         }
+        self.open = total;
         self.state = if size == 0 {
+            if last {
+                self.open = 0;
+            }
             State::Flags
         } else {
-            State::Body { left: size }
+            State::Body { left: size, last }
         };
         Ok(())
     }

@@ -315,6 +315,35 @@ impl Agent {
             .sum()
     }
 
+    /// One `kinference_agent_rejected_total` series (0 when absent).
+    pub async fn rejected(&self, listener: &str, reason: &str) -> f64 {
+        let text = http_get(&self.metrics_url).await;
+        let want = format!(
+            "kinference_agent_rejected_total{{listener=\"{listener}\",reason=\"{reason}\"}} "
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix(&want)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// The agent's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// A memory figure of the agent's process from `/proc/<pid>/status`, in bytes (`VmRSS`: resident
+    /// now, `VmHWM`: the most it was ever resident).
+    pub fn memory(&self, field: &str) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("the agent's /proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or_else(|| panic!("no {field} in /proc/<pid>/status"))
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -326,6 +355,41 @@ impl Drop for Agent {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Bytes received by the kernel on `port`'s established TCP connections and not yet read by the
+/// process that accepted them (`rx_queue` in `/proc/net/tcp` and `tcp6`). Socket buffers are the
+/// kernel's memory, not the process's resident set, but a cgroup v2 pod is charged for them.
+pub fn tcp_unread(port: u16) -> u64 {
+    let mut total = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(state), Some(queues)) = (cols.get(1), cols.get(3), cols.get(4))
+            else {
+                continue;
+            };
+            let local_port = local
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok());
+            // 01: ESTABLISHED.
+            if local_port != Some(port) || *state != "01" {
+                continue;
+            }
+            if let Some(rx) = queues
+                .split(':')
+                .nth(1)
+                .and_then(|q| u64::from_str_radix(q, 16).ok())
+            {
+                total += rx;
+            }
+        }
+    }
+    total
 }
 
 /// A minimal HTTP GET over a raw socket (tests only).
@@ -460,6 +524,31 @@ impl Watch {
             self.step(left.min(Duration::from_millis(200))).await;
         }
     }
+}
+
+/// A ZMTP 3.0 greeting with the given security mechanism, as a peer sends it.
+pub fn zmtp_greeting(mechanism: &str) -> Vec<u8> {
+    let mut g = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    let mut mech = mechanism.as_bytes().to_vec();
+    mech.resize(20, 0);
+    g.extend(mech);
+    g.push(0);
+    g.extend([0u8; 31]);
+    assert_eq!(g.len(), 64);
+    g
+}
+
+/// A READY command from a socket of type `ty`.
+pub fn zmtp_ready(ty: &str) -> Vec<u8> {
+    let mut body = vec![5];
+    body.extend(b"READY");
+    body.push(11);
+    body.extend(b"Socket-Type");
+    body.extend((ty.len() as u32).to_be_bytes());
+    body.extend(ty.as_bytes());
+    let mut f = vec![0x04, body.len() as u8];
+    f.extend(body);
+    f
 }
 
 /// The workers file for one worker.

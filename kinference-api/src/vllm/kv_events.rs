@@ -70,7 +70,8 @@ pub enum KvEvent {
     },
     /// The whole prefix cache was reset.
     AllBlocksCleared,
-    /// An event type this agent does not know (a newer vLLM); ignored.
+    /// An event type this agent does not know (a newer vLLM); ignored: [`decode_batch`] checks its
+    /// structure and keeps nothing of it (two bytes of a message must not become a 120-byte event).
     Unknown,
 }
 
@@ -121,6 +122,24 @@ pub enum DecodeError {
     BadEvent(&'static str),
 }
 
+/// The fewest bytes of an event that is kept: `["BlockRemoved", []]` (an event of an unknown type,
+/// `[""]`, is 2 bytes, but nothing is kept of it).
+const MIN_EVENT_BYTES: usize = 15;
+
+/// Most elements of a list reserved before any is decoded; a longer list grows as its elements
+/// actually decode.
+const MAX_RESERVED: usize = 4096;
+
+/// The capacity to reserve for a list that declares `declared` elements of at least `min_bytes`
+/// bytes each: no more than the rest of the payload can hold, and at most [`MAX_RESERVED`]. A peer
+/// writes the count; reserving it as written let a 16 MiB message declaring 2^32-1 events hold
+/// 1.9 GB (16 Mi x a 120-byte `KvEvent`) before the first event failed to decode.
+fn capacity(r: &Reader<'_>, declared: usize, min_bytes: usize) -> usize {
+    declared
+        .min(r.remaining() / min_bytes.max(1))
+        .min(MAX_RESERVED)
+}
+
 /// Decodes one batch payload.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut r = Reader::new(payload);
@@ -130,10 +149,12 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     }
     let ts = if r.nil()? { 0.0 } else { r.f64()? };
     let n_events = r.array_len()?;
-    // Capacity is bounded by the input size: a hostile header cannot make us allocate gigabytes.
-    let mut events = Vec::with_capacity(n_events.min(payload.len()));
+    let mut events = Vec::with_capacity(capacity(&r, n_events, MIN_EVENT_BYTES));
     for _ in 0..n_events {
-        events.push(decode_event(&mut r)?);
+        match decode_event(&mut r)? {
+            KvEvent::Unknown => {}
+            event => events.push(event),
+        }
     }
     let mut data_parallel_rank = None;
     if n >= 3 {
@@ -338,7 +359,7 @@ fn opt_hash(r: &mut Reader<'_>) -> Result<Option<u64>, DecodeError> {
 
 fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>, DecodeError> {
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n.min(4096));
+    let mut out = Vec::with_capacity(capacity(r, n, 1));
     for _ in 0..n {
         out.push(hash(r)?);
     }
@@ -347,7 +368,9 @@ fn hashes(r: &mut Reader<'_>) -> Result<Vec<u64>, DecodeError> {
 
 fn tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
     let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n.min(1 << 16));
+    // A prefill's blocks carry thousands of tokens: more reserved than for other lists (256 KiB at
+    // most), still no more than the bytes can hold (a token takes at least one).
+    let mut out = Vec::with_capacity(n.min(r.remaining()).min(1 << 16));
     for _ in 0..n {
         out.push(r.u32()?);
     }
@@ -403,7 +426,7 @@ fn block_extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<ExtraKey>>, DecodeErro
         return Ok(Vec::new());
     }
     let n = r.array_len()?;
-    let mut blocks = Vec::with_capacity(n.min(4096));
+    let mut blocks = Vec::with_capacity(capacity(r, n, 1));
     for _ in 0..n {
         let keys = match r.peek()? {
             0xc0 => {
@@ -412,7 +435,7 @@ fn block_extra_keys(r: &mut Reader<'_>) -> Result<Vec<Vec<ExtraKey>>, DecodeErro
             }
             0x90..=0x9f | 0xdc | 0xdd => {
                 let k = r.array_len()?;
-                let mut keys = Vec::with_capacity(k.min(64));
+                let mut keys = Vec::with_capacity(capacity(r, k, 1).min(64));
                 for _ in 0..k {
                     keys.push(extra_key(r)?);
                 }

@@ -196,6 +196,12 @@ pub struct Health {
     workers: Mutex<HashMap<String, Tracked>>,
 }
 
+impl super::worker::Outcomes for Health {
+    fn observe(&self, worker: &str, ok: bool) {
+        Health::observe(self, worker, ok);
+    }
+}
+
 impl Health {
     /// A record for `router`'s workers, its gauge registered as `kinference_gateway_worker_health`.
     pub fn new(

@@ -43,7 +43,7 @@ use crate::api::anthropic::{self, StreamTranslator};
 use crate::api::openai::{ChatCompletionResponse, StreamChunk, Usage, UsageOnly};
 use crate::backend::provider::translate::{self, AnthropicStream};
 use crate::backend::sse::SseParser;
-use crate::backend::worker::{error_chain, read_body};
+use crate::backend::worker::{UpstreamLimits, error_chain, read_body};
 use crate::body::Body;
 use crate::errors::{GatewayError, Protocol};
 
@@ -106,6 +106,8 @@ pub struct Spec {
     /// An Anthropic answer to an Anthropic client goes as it is (a worker's own `/v1/messages`);
     /// otherwise it is translated through the OpenAI form like any other.
     pub pass_through: bool,
+    /// How much of the answer is held: past it, a bad upstream counted against the worker.
+    pub limits: UpstreamLimits,
 }
 
 impl Spec {
@@ -150,7 +152,7 @@ impl Spec {
 /// A non-streamed answer, read and shaped for the client: the body and the backend's usage. OpenAI
 /// clients of a worker get the worker's bytes untouched (only `usage` is read). The caller settles.
 pub async fn whole(body: Incoming, spec: &Spec) -> Result<(Bytes, Option<Usage>), GatewayError> {
-    let body = read_body(body, spec.idle_timeout, &spec.label).await?;
+    let body = read_body(body, spec.idle_timeout, &spec.label, &spec.limits).await?;
     shape_whole(body, spec)
 }
 
@@ -220,7 +222,7 @@ impl<M: Meter> Feed<M> {
     /// door feeds it the response chunks Envoy shows it; [`stream`] feeds it a backend's body.
     pub fn new(spec: Spec, meter: M, span: tracing::Span) -> Self {
         let mut feed = Feed {
-            parser: SseParser::new(),
+            parser: SseParser::with_limits(spec.limits.sse),
             from_anthropic: match spec.style {
                 ApiStyle::OpenAI => None,
                 ApiStyle::Anthropic => Some(AnthropicStream::new()),
@@ -286,6 +288,12 @@ impl<M: Meter> Feed<M> {
             if self.ended {
                 break;
             }
+        }
+        if let Some(overflow) = self.parser.overflow()
+            && !self.ended
+        {
+            let error = self.spec.limits.exceeded(&self.spec.label, overflow);
+            self.fail(error);
         }
     }
 
@@ -413,7 +421,7 @@ impl<M: Meter> Relay<M> {
         };
         tracing::info!(from = %feed.spec.label, to = %resent.label, "stream continues from another backend");
         *body = resent.body;
-        feed.parser = SseParser::new();
+        feed.parser = SseParser::with_limits(feed.spec.limits.sse);
         feed.spec.label = resent.label;
         if let Some(meter) = &mut feed.meter {
             (resent.moved)(meter);

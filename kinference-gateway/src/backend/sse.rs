@@ -1,8 +1,11 @@
 //! Incremental Server-Sent Events parser for the worker's stream.
 //!
 //! TCP delivers the stream in arbitrary pieces: an event may be split across chunks, and one chunk may
-//! hold several events. The parser buffers only the unfinished tail, so memory stays bounded by the
-//! largest single event, never the whole response.
+//! hold several events. The parser buffers only the unfinished tail, and that tail is bounded: a line
+//! longer than [`SseLimits::max_line`] or an event longer than [`SseLimits::max_event`] stops the
+//! parser ([`SseParser::overflow`] says which), which from then on holds nothing and yields nothing.
+//! A backend is a third party (a Remote pool, a provider): what it sends must not size the gateway's
+//! memory. What the parser holds is at most a limit plus the chunk fed last.
 
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -22,23 +25,141 @@ impl SseEvent {
     }
 }
 
+/// The most the parser holds for one line and for one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SseLimits {
+    /// Longest line (a field and its value), in bytes, without its line ending.
+    pub max_line: usize,
+    /// Longest event (its lines), in bytes, without the blank line that ends it.
+    pub max_event: usize,
+}
+
+/// The defaults of `--upstream-max-line-bytes` and `--upstream-max-event-bytes`.
+impl Default for SseLimits {
+    fn default() -> Self {
+        Self {
+            max_line: DEFAULT_MAX_LINE,
+            max_event: DEFAULT_MAX_EVENT,
+        }
+    }
+}
+
+/// Default longest line: 4 MiB (a streamed chunk is one `data:` line; vLLM's are a few KB, with
+/// top-20 log-probabilities a few tens of KB).
+pub const DEFAULT_MAX_LINE: usize = 4 << 20;
+/// Default longest event: 8 MiB.
+pub const DEFAULT_MAX_EVENT: usize = 8 << 20;
+
+/// Which limit a stream passed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SseOverflow {
+    /// A line longer than the line limit.
+    #[error("a stream line over the {limit}-byte limit (--upstream-max-line-bytes)")]
+    Line {
+        /// The limit passed.
+        limit: usize,
+    },
+    /// An event longer than the event limit.
+    #[error("a stream event over the {limit}-byte limit (--upstream-max-event-bytes)")]
+    Event {
+        /// The limit passed.
+        limit: usize,
+    },
+}
+
 /// Splits a byte stream into [`SseEvent`]s.
 #[derive(Debug, Default)]
 pub struct SseParser {
     buf: BytesMut,
     /// Where to resume looking for the end of the current event (avoids rescanning a long event).
     scanned: usize,
+    /// Where the unfinished event's last line begins.
+    line_start: usize,
+    limits: SseLimits,
+    /// Set once a limit was passed: nothing is held or yielded after it.
+    overflow: Option<SseOverflow>,
 }
 
 impl SseParser {
-    /// An empty parser.
+    /// An empty parser with the default limits.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// Appends bytes received from the network.
+    /// An empty parser with `limits`.
+    pub fn with_limits(limits: SseLimits) -> Self {
+        Self {
+            limits,
+            ..Self::default()
+        }
+    }
+
+    /// Appends bytes received from the network (dropped once a limit was passed).
     pub fn feed(&mut self, chunk: &[u8]) {
-        self.buf.extend_from_slice(chunk);
+        if self.overflow.is_none() {
+            self.buf.extend_from_slice(chunk);
+        }
+    }
+
+    /// The limit the stream passed, if it did; the parser then holds and yields nothing.
+    pub fn overflow(&self) -> Option<SseOverflow> {
+        self.overflow
+    }
+
+    fn stop(&mut self, overflow: SseOverflow) -> Option<SseEvent> {
+        self.overflow = Some(overflow);
+        self.buf = BytesMut::new();
+        self.scanned = 0;
+        self.line_start = 0;
+        None
+    }
+
+    /// Checks the unfinished event (the whole buffer: it holds no separator) against the limits,
+    /// looking only at the bytes that arrived since the last check: each line they end, and the
+    /// line still open.
+    fn check_tail(&mut self) -> Option<SseOverflow> {
+        let from = self.scanned.min(self.buf.len());
+        let line = SseOverflow::Line {
+            limit: self.limits.max_line,
+        };
+        for (i, &b) in self.buf[from..].iter().enumerate() {
+            if b == b'\n' || b == b'\r' {
+                let end = from + i;
+                if end - self.line_start.min(end) > self.limits.max_line {
+                    return Some(line);
+                }
+                self.line_start = end + 1;
+            }
+        }
+        // A line ending at the end may be the start of the blank line that ends the event: it is
+        // not the event's (a complete event is measured without its separator).
+        let ending = self
+            .buf
+            .iter()
+            .rev()
+            .take_while(|&&b| b == b'\n' || b == b'\r')
+            .count();
+        if self.buf.len() - ending > self.limits.max_event {
+            return Some(SseOverflow::Event {
+                limit: self.limits.max_event,
+            });
+        }
+        (self.buf.len() - self.line_start.min(self.buf.len()) > self.limits.max_line)
+            .then_some(line)
+    }
+
+    /// Checks a complete event's `raw` bytes against the limits.
+    fn check_event(&self, raw: &[u8]) -> Option<SseOverflow> {
+        if raw.len() > self.limits.max_event {
+            return Some(SseOverflow::Event {
+                limit: self.limits.max_event,
+            });
+        }
+        raw.split(|&b| b == b'\n' || b == b'\r')
+            .any(|line| line.len() > self.limits.max_line)
+            .then_some(SseOverflow::Line {
+                limit: self.limits.max_line,
+            })
     }
 
     /// Bytes received but not yet part of a complete event.
@@ -46,16 +167,26 @@ impl SseParser {
         self.buf.len()
     }
 
-    /// The next complete event, if the buffer holds one.
+    /// The next complete event, if the buffer holds one; `None` too once a limit was passed.
     pub fn next_event(&mut self) -> Option<SseEvent> {
         loop {
+            if self.overflow.is_some() {
+                return None;
+            }
             let Some((end, sep)) = find_event_end(&self.buf, self.scanned) else {
+                if let Some(overflow) = self.check_tail() {
+                    return self.stop(overflow);
+                }
                 self.scanned = self.buf.len();
                 return None;
             };
+            if let Some(overflow) = self.check_event(&self.buf[..end]) {
+                return self.stop(overflow);
+            }
             let raw = self.buf.split_to(end).freeze();
             self.buf.advance(sep);
             self.scanned = 0;
+            self.line_start = 0;
             if let Some(event) = parse_event(raw) {
                 return Some(event);
             }
@@ -110,10 +241,9 @@ fn parse_event(raw: Bytes) -> Option<SseEvent> {
     let mut event = None;
     let mut data: Option<BytesMut> = None;
     let mut single: Option<Bytes> = None;
-    for line in raw
-        .split(|&b| b == b'\n')
-        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
-    {
+    // A line ends with \n, \r\n or a lone \r (as the separator search and the limits take it); the
+    // empty piece between \r and \n is skipped like any empty line.
+    for line in raw.split(|&b| b == b'\n' || b == b'\r') {
         if line.is_empty() || line[0] == b':' {
             continue;
         }

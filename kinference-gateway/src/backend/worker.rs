@@ -5,6 +5,12 @@
 //! under a millisecond); Nagle is off so small SSE chunks leave at once. The pool is bounded per
 //! worker ([`BoundedConnector`]): past `--upstream-max-connections-per-worker` a request waits for
 //! one of that worker's connections to come free instead of opening another.
+//!
+//! What a backend sends back is bounded ([`UpstreamLimits`]): a whole answer at
+//! `--upstream-max-body-bytes`, a streamed one's lines and events at `--upstream-max-line-bytes` and
+//! `--upstream-max-event-bytes` ([`crate::backend::sse`]). Remote pools and providers are third
+//! parties: an answer past a limit is a bad upstream (502 in the client's protocol) and, for a
+//! worker, one failed outcome toward its health (outlier detection).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,9 +31,73 @@ use parking_lot::RwLock;
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::backend::sse::SseLimits;
 use crate::errors::GatewayError;
 
 pub mod credentials;
+
+/// Where a worker's failed outcomes are counted (the health record,
+/// [`crate::backend::health::Health`], implements it).
+pub trait Outcomes: Send + Sync {
+    /// One outcome of `worker`'s: `ok` or failed.
+    fn observe(&self, worker: &str, ok: bool);
+}
+
+/// How much of one backend's answer the gateway holds, and the health record an answer past it
+/// counts against.
+#[derive(Clone)]
+pub struct UpstreamLimits {
+    /// A whole (not streamed) answer's body, in bytes.
+    pub max_body: usize,
+    /// A streamed answer's lines and events.
+    pub sse: SseLimits,
+    health: Option<Arc<dyn Outcomes>>,
+}
+
+impl std::fmt::Debug for UpstreamLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamLimits")
+            .field("max_body", &self.max_body)
+            .field("sse", &self.sse)
+            .field("counts_health", &self.health.is_some())
+            .finish()
+    }
+}
+
+impl Default for UpstreamLimits {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_BODY, SseLimits::default())
+    }
+}
+
+/// Default largest whole answer: 64 MiB (an embeddings batch of 2,048 inputs of 4,096 dimensions
+/// is about 100 MB as JSON: raise it for those).
+pub const DEFAULT_MAX_BODY: usize = 64 << 20;
+
+impl UpstreamLimits {
+    /// These limits, counting against no health record.
+    pub fn new(max_body: usize, sse: SseLimits) -> Self {
+        Self {
+            max_body,
+            sse,
+            health: None,
+        }
+    }
+
+    /// The error for `backend`'s answer past a limit (`what`); for a worker (not a
+    /// `provider/<name>`: providers have no health record), one failed outcome toward its health.
+    pub fn exceeded(&self, backend: &str, what: impl std::fmt::Display) -> GatewayError {
+        if let Some(health) = &self.health
+            && !backend.starts_with("provider/")
+        {
+            health.observe(backend, false);
+        }
+        GatewayError::BadUpstream {
+            worker: backend.to_string(),
+            detail: format!("the answer was refused: {what}"),
+        }
+    }
+}
 
 /// Pooled HTTP/1.1 client for worker requests.
 #[derive(Clone, Debug)]
@@ -40,6 +110,7 @@ pub struct Upstream {
     headers: http::HeaderMap,
     /// Workers whose `InferencePool` has its own key or headers: these instead of `headers`.
     per_worker: Arc<RwLock<HashMap<String, http::HeaderMap>>>,
+    limits: UpstreamLimits,
 }
 
 impl Upstream {
@@ -68,7 +139,19 @@ impl Upstream {
             idle_timeout: settings.idle_timeout(),
             headers: http::HeaderMap::new(),
             per_worker: Default::default(),
+            limits: settings.upstream_limits(),
         }
+    }
+
+    /// This client, counting answers past the limits against `health`.
+    pub fn with_health(mut self, health: Arc<dyn Outcomes>) -> Self {
+        self.limits.health = Some(health);
+        self
+    }
+
+    /// How much of an answer is held ([`UpstreamLimits`]), for the relay.
+    pub fn limits(&self) -> UpstreamLimits {
+        self.limits.clone()
     }
 
     /// This client, sending `headers` with every request to a worker
@@ -145,9 +228,10 @@ impl Upstream {
         }
     }
 
-    /// Reads a whole (non-streamed) response body, allowing `idle_timeout` between chunks.
+    /// Reads a whole (non-streamed) response body, allowing `idle_timeout` between chunks and at
+    /// most the body limit (past it: a bad upstream, counted against the worker's health).
     pub async fn read_body(&self, worker: &str, body: Incoming) -> Result<Bytes, GatewayError> {
-        read_body(body, self.idle_timeout, worker).await
+        read_body(body, self.idle_timeout, worker, &self.limits).await
     }
 
     /// GETs `worker` + `path` within `timeout`, with the configured worker headers (its API key):
@@ -171,11 +255,10 @@ impl Upstream {
                 .await
                 .map_err(|e| error_chain(&e))?;
             let status = response.status();
-            let body = response
-                .into_body()
+            let body = http_body_util::Limited::new(response.into_body(), self.limits.max_body)
                 .collect()
                 .await
-                .map_err(|e| error_chain(&e))?
+                .map_err(|e| error_chain(e.as_ref()))?
                 .to_bytes();
             Ok((status, body))
         };
@@ -329,11 +412,13 @@ impl hyper::rt::Write for BoundedIo {
 }
 
 /// Reads a whole response body of `backend` (worker URL or `provider/<name>`), allowing `idle`
-/// between chunks.
+/// between chunks and at most `limits.max_body` bytes: past it the read stops, and the answer is a
+/// bad upstream counted against the worker's health ([`UpstreamLimits::exceeded`]).
 pub async fn read_body(
     body: Incoming,
     idle: Duration,
     backend: &str,
+    limits: &UpstreamLimits,
 ) -> Result<Bytes, GatewayError> {
     let mut body = body;
     let mut out = bytes::BytesMut::new();
@@ -354,6 +439,15 @@ pub async fn read_body(
             }
             Ok(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    if out.len() + data.len() > limits.max_body {
+                        return Err(limits.exceeded(
+                            backend,
+                            format_args!(
+                                "a body over the {}-byte limit (--upstream-max-body-bytes)",
+                                limits.max_body
+                            ),
+                        ));
+                    }
                     out.extend_from_slice(data);
                 }
             }
@@ -417,6 +511,37 @@ pub struct HttpSettings {
     #[arg(long, env = "KINFERENCE_IDLE_TIMEOUT_MS", default_value_t = 120_000)]
     pub idle_timeout_ms: u64,
 
+    /// Largest whole (not streamed) answer read from a worker or provider, in bytes; past it the
+    /// request fails with 502 and the worker's health counts a failure. Also bounds what a worker's
+    /// `/v1/models` may send.
+    #[arg(
+        long,
+        env = "KINFERENCE_UPSTREAM_MAX_BODY_BYTES",
+        default_value_t = DEFAULT_MAX_BODY,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..)
+    )]
+    pub upstream_max_body_bytes: usize,
+
+    /// Largest event of a streamed answer, in bytes; past it the stream ends with an error event
+    /// and the worker's health counts a failure.
+    #[arg(
+        long,
+        env = "KINFERENCE_UPSTREAM_MAX_EVENT_BYTES",
+        default_value_t = crate::backend::sse::DEFAULT_MAX_EVENT,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..)
+    )]
+    pub upstream_max_event_bytes: usize,
+
+    /// Longest line of a streamed answer (a `data:` line carries a whole chunk), in bytes; at most
+    /// `--upstream-max-event-bytes`.
+    #[arg(
+        long,
+        env = "KINFERENCE_UPSTREAM_MAX_LINE_BYTES",
+        default_value_t = crate::backend::sse::DEFAULT_MAX_LINE,
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..)
+    )]
+    pub upstream_max_line_bytes: usize,
+
     /// Interval between two `/health` probes of each worker, in milliseconds.
     #[arg(long, env = "KINFERENCE_HEALTH_INTERVAL_MS", default_value_t = 2_000)]
     pub health_interval_ms: u64,
@@ -440,6 +565,28 @@ pub struct HttpSettings {
 }
 
 impl HttpSettings {
+    /// Refuses settings that contradict each other.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.upstream_max_line_bytes > self.upstream_max_event_bytes {
+            return Err(format!(
+                "--upstream-max-line-bytes ({}) is over --upstream-max-event-bytes ({}): a line is part of an event",
+                self.upstream_max_line_bytes, self.upstream_max_event_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// How much of an answer is held ([`UpstreamLimits`]).
+    pub fn upstream_limits(&self) -> UpstreamLimits {
+        UpstreamLimits::new(
+            self.upstream_max_body_bytes,
+            SseLimits {
+                max_line: self.upstream_max_line_bytes,
+                max_event: self.upstream_max_event_bytes,
+            },
+        )
+    }
+
     /// Connect timeout as a [`Duration`].
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)

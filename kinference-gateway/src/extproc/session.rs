@@ -610,6 +610,8 @@ fn spec_of(
         },
         protocol: ex.protocol,
         idle_timeout: handler.gw.upstream.idle_timeout(),
+        // What a worker may send back, as on the HTTP door: the session parses what Envoy shows it.
+        limits: handler.gw.upstream.limits(),
         // Envoy relays the worker's answer: an Anthropic answer goes to the client as it is.
         pass_through: call.style == ApiStyle::Anthropic,
     }

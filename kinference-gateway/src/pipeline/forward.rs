@@ -608,6 +608,7 @@ pub async fn relay(
         protocol: ex.protocol,
         idle_timeout: gw.upstream.idle_timeout(),
         pass_through,
+        limits: gw.upstream.limits(),
     };
     let mut out = if request.stream {
         let Some(mut settlement) = ex.settlement.take() else {

@@ -120,6 +120,9 @@ pub fn endpoint_urls(set: &PolicySet) -> Vec<String> {
     urls
 }
 
+/// The largest `/metrics` page read from an endpoint (vLLM's is some 100 KB).
+const MAX_METRICS_PAGE: usize = 16 << 20;
+
 async fn scrape(
     client: &Client<HttpConnector, Empty<Bytes>>,
     url: &str,
@@ -135,8 +138,8 @@ async fn scrape(
         if !response.status().is_success() {
             return None;
         }
-        response
-            .into_body()
+        // A Remote pool's endpoint is a third party's: its page is read up to a bound.
+        http_body_util::Limited::new(response.into_body(), MAX_METRICS_PAGE)
             .collect()
             .await
             .ok()

@@ -36,6 +36,13 @@ const BLOCKING_THRESHOLD: usize = 16 * 1024;
 const INLINE_MAX: usize = 256 * 1024;
 /// How long the fallback waits for a worker's `/tokenize`.
 const REMOTE_TIMEOUT: Duration = Duration::from_secs(2);
+/// A worker's `/tokenize` answer is read up to this many bytes per byte asked about, plus
+/// [`REMOTE_SLACK`]: a token is at least one byte of the prompt (or a few of the template's) and
+/// at most 7 bytes of JSON (`151643,`), so an honest answer is well within; a worker (a third
+/// party's Remote pool) cannot make the gateway hold more than a multiple of what it sent.
+const REMOTE_BYTES_PER_BYTE: usize = 16;
+/// See [`REMOTE_BYTES_PER_BYTE`].
+const REMOTE_SLACK: usize = 64 << 10;
 
 /// Why a prompt has no tokens.
 #[derive(Debug, thiserror::Error)]
@@ -252,6 +259,10 @@ impl Tokenizers {
             Prompt::Chat(m) => serde_json::json!({ "model": model, "messages": m }),
         };
         let body = serde_json::to_vec(&body).map_err(|e| fail(e.to_string()))?;
+        let most = body
+            .len()
+            .saturating_mul(REMOTE_BYTES_PER_BYTE)
+            .saturating_add(REMOTE_SLACK);
         let uri = format!("{}/tokenize", worker.trim_end_matches('/'));
         let req = http::Request::post(uri)
             .header(http::header::CONTENT_TYPE, "application/json")
@@ -264,11 +275,10 @@ impl Tokenizers {
                 .await
                 .map_err(|e| fail(e.to_string()))?;
             let status = resp.status();
-            let bytes = resp
-                .into_body()
+            let bytes = http_body_util::Limited::new(resp.into_body(), most)
                 .collect()
                 .await
-                .map_err(|e| fail(e.to_string()))?
+                .map_err(|e| fail(format!("reading the answer (at most {most} bytes): {e}")))?
                 .to_bytes();
             if !status.is_success() {
                 return Err(fail(format!(
@@ -302,3 +312,6 @@ fn text_bytes(v: &serde_json::Value) -> usize {
         _ => 8,
     }
 }
+
+#[cfg(test)]
+mod tests;

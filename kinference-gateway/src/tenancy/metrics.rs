@@ -8,6 +8,11 @@
 //! pair: 18 or 16 buckets plus sum and count) only with `tenancy.per_tenant_histograms: true`. The
 //! gateway-wide latency histograms (`kinference_gateway_*_seconds`, by model and worker) answer the
 //! fleet's questions; per-tenant latency distributions are the opt-in for who needs them.
+//!
+//! What each tenant spends (`..._tenant_cost_total`, `..._tenant_budget_spent`) is on the page only
+//! with `--metrics-tenant-spend`: `/metrics` is open to whoever reaches the admin port unless
+//! `--admin-key-for-metrics`, while spend is the admin API's to tell (`/admin/usage`, behind the admin
+//! key or the tenant's own). The families are kept either way (the settlement records into them).
 
 use kinference_api::metrics::Described;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -166,8 +171,8 @@ pub struct TenancyMetrics {
 
 impl TenancyMetrics {
     /// Creates the families and registers them under `kinference_gateway_tenant_*`; the histograms
-    /// only when `histograms` is on.
-    pub fn register(registry: &mut Registry, histograms: bool) -> Self {
+    /// only when `histograms` is on, the cost and budget spent only when `spend` is.
+    pub fn register(registry: &mut Registry, histograms: bool, spend: bool) -> Self {
         let m = TenancyMetrics {
             requests: Family::default(),
             input_tokens: Family::default(),
@@ -204,11 +209,18 @@ impl TenancyMetrics {
             "Generated tokens by tenant and model",
             Described(m.output_tokens.clone()),
         );
-        r.register(
-            "cost",
-            "Cost from the configured prices (cached and uncached prompt tokens priced separately)",
-            Described(m.cost.clone()),
-        );
+        if spend {
+            r.register(
+                "cost",
+                "Cost from the configured prices (cached and uncached prompt tokens priced separately)",
+                Described(m.cost.clone()),
+            );
+            r.register(
+                "budget_spent",
+                "Spend this calendar month (UTC) as this replica knows it",
+                Described(m.spend.clone()),
+            );
+        }
         r.register(
             "routing_decisions",
             "Routing decisions by tenant, model and the router's reason",
@@ -233,11 +245,6 @@ impl TenancyMetrics {
             "limit_store_errors",
             "Admissions that could not reach the shared limit store, by fail mode",
             Described(m.store_errors.clone()),
-        );
-        r.register(
-            "budget_spent",
-            "Spend this calendar month (UTC) as this replica knows it",
-            Described(m.spend.clone()),
         );
         r.register(
             "configured",

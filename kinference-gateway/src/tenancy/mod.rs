@@ -115,7 +115,8 @@ pub struct TenancyConfig {
     /// The journal's rotation, compaction, retention and full-disk behaviour.
     #[serde(default)]
     pub journal: JournalConfig,
-    /// Most usage records waiting for Redis; past it the oldest are dropped (and counted).
+    /// Most usage aggregates (tenant / model / pool / provider and hour) waiting for Redis; a record
+    /// that would open one more is dropped (and counted).
     #[serde(default = "default_redis_pending_max")]
     pub redis_pending_max: usize,
     /// Output tokens reserved at admission for requests without `max_tokens`.
@@ -135,6 +136,10 @@ pub struct TenancyConfig {
     /// per tenant are always exported.
     #[serde(default)]
     pub per_tenant_histograms: bool,
+    /// Each tenant's cost and monthly spend on `/metrics` (`--metrics-tenant-spend`; not a
+    /// `gateway.yaml` key).
+    #[serde(skip)]
+    pub per_tenant_spend: bool,
 }
 
 impl Default for TenancyConfig {
@@ -153,6 +158,7 @@ impl Default for TenancyConfig {
             prices: BTreeMap::new(),
             reload_interval_ms: default_reload_ms(),
             per_tenant_histograms: false,
+            per_tenant_spend: false,
         }
     }
 }
@@ -274,7 +280,7 @@ impl Tenancy {
                 )?)
             }
         };
-        let (forward_tx, forward_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (forward_tx, forward_rx) = tokio::sync::mpsc::channel(store::FORWARD_BATCHES);
         let forward = redis.as_ref().map(|_| forward_tx);
         let open = |path: &Path, forward| {
             Journal::open(path, &config.journal, store_metrics.clone(), forward)
@@ -295,7 +301,11 @@ impl Tenancy {
         if let Some(r) = &redis {
             tokio::spawn(Arc::clone(r).forward_usage(forward_rx));
         }
-        let metrics = TenancyMetrics::register(registry, config.per_tenant_histograms);
+        let metrics = TenancyMetrics::register(
+            registry,
+            config.per_tenant_histograms,
+            config.per_tenant_spend,
+        );
         let kept_ms = config.journal.keep_periods.max(1) * config.journal.period.ms();
         let mut aggregates = Aggregates::new(kept_ms);
         let spend = budget::Spend::default();

@@ -17,17 +17,24 @@
 //! script that first does `SET kinf:usage:seen:<id> NX`, so re-sending a record (after a timeout
 //! whose answer was lost) never counts it twice. Every call has a timeout
 //! (`tenancy.redis_timeout_ms`); what happens to admissions when Redis cannot be reached is each
-//! tenant's `on_store_unavailable` (open: admit; closed: 503). Usage records that cannot be sent
-//! stay queued in memory and are retried, at most `tenancy.redis_pending_max` of them: past that
-//! the oldest are dropped from the queue and counted
-//! (`kinference_gateway_usage_redis_pending_dropped_total`). A dropped record is still in this
+//! tenant's `on_store_unavailable` (open: admit; closed: 503). Usage reaches Redis summed: the
+//! journal hands each synced batch to the forwarder through a channel of [`FORWARD_BATCHES`]
+//! batches, the forwarder adds its records into one aggregate per tenant / model / pool /
+//! provider and hour (what one record script applies), and sends the aggregates
+//! [`AGGREGATES_PER_ROUND_TRIP`] to a pipelined round trip: a journal batch of 512 records of a few
+//! tenants is one round trip, not 512. An aggregate sent gets a random id and keeps it until Redis
+//! confirmed it, so one that is sent again after a lost answer still applies once; a record id
+//! the forwarder saw lately is not added twice. What waits is bounded: at most
+//! `tenancy.redis_pending_max` aggregates (a record that would open one more is dropped), and a
+//! batch the channel has no room for is dropped whole; both are counted in
+//! `kinference_gateway_usage_redis_pending_dropped_total`. A dropped record is still in this
 //! replica's journal, but the shared aggregates and monthly spend in Redis never see it. Redis
 //! Cluster is not supported (scripts touch keys of several slots); use one primary (with
 //! replicas/Sentinel).
 
 pub mod journal;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::LazyLock;
@@ -49,8 +56,22 @@ pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig};
 // A tenant's setting (beside `FailMode` in `limits`), also named from here by admission.
 pub use super::limits::OnUnrecorded;
 
-/// Records waiting for Redis by default (`tenancy.redis_pending_max`).
+/// Hourly aggregates a usage report reads from Redis in one pipelined round trip: the longest report
+/// (62 days, 1,489 hours) takes 24.
+pub const HOURS_PER_ROUND_TRIP: usize = 64;
+
+/// Aggregates waiting for Redis by default (`tenancy.redis_pending_max`).
 pub const DEFAULT_REDIS_PENDING_MAX: usize = 100_000;
+
+/// Journal batches (of up to [`JOURNAL_BATCH`] records) waiting for the forwarder; a batch past
+/// them is dropped from forwarding (it is in the journal) and counted.
+pub const FORWARD_BATCHES: usize = 256;
+
+/// Aggregates applied in one pipelined round trip to Redis.
+pub const AGGREGATES_PER_ROUND_TRIP: usize = 64;
+
+/// Record ids the forwarder remembers, so that a record handed over twice is added once.
+const RECENT_IDS: usize = 65_536;
 
 /// Store failures.
 #[derive(Debug, thiserror::Error)]
@@ -75,8 +96,10 @@ pub enum JournalError {
     Write,
     /// A torn last line, cut off at start.
     TornTail,
-    /// An unreadable line in the middle of a segment, skipped.
+    /// An unreadable line in the middle of a segment (or a row of the compacted totals), skipped.
     CorruptLine,
+    /// An unreadable first line of the compacted totals: set aside, the file written again.
+    CorruptHeader,
     /// The current segment could not be sealed.
     Rotation,
     /// A sealed segment could not be compacted.
@@ -90,6 +113,7 @@ impl JournalError {
             JournalError::Write => "write",
             JournalError::TornTail => "torn_tail",
             JournalError::CorruptLine => "corrupt_line",
+            JournalError::CorruptHeader => "corrupt_header",
             JournalError::Rotation => "rotation",
             JournalError::Compaction => "compaction",
         }
@@ -119,7 +143,7 @@ impl StoreMetrics {
         let r = registry.sub_registry_with_prefix("kinference_gateway_usage");
         r.register(
             "journal_errors",
-            "Usage journal failures: write (a batch not written: full disk, I/O error), torn_tail, corrupt_line, rotation, compaction",
+            "Usage journal failures: write (a batch not written: full disk, I/O error), torn_tail, corrupt_line, corrupt_header (of the compacted totals), rotation, compaction",
             Described(self.journal_errors.clone()),
         );
         r.register(
@@ -144,9 +168,26 @@ impl StoreMetrics {
         );
         r.register(
             "redis_pending_dropped",
-            "Usage records dropped from the Redis queue past tenancy.redis_pending_max (still in the local journal)",
+            "Usage records never sent to Redis (still in the local journal): the forwarding channel was full, or past tenancy.redis_pending_max aggregates",
             self.redis_dropped.clone(),
         );
+    }
+
+    /// `n` records will never reach Redis (`why`); logged when dropping begins, then once per
+    /// 10,000 records dropped.
+    fn redis_dropped_records(&self, n: usize, why: &'static str) {
+        if n == 0 {
+            return;
+        }
+        let before = self.redis_dropped.inc_by(n as u64);
+        let after = before + n as u64;
+        if before == 0 || before / 10_000 != after / 10_000 {
+            tracing::warn!(
+                dropped = after,
+                why,
+                "usage records dropped from forwarding to redis; they stay in the local journal"
+            );
+        }
     }
 
     fn journal_error(&self, error: JournalError) {
@@ -291,17 +332,114 @@ pub struct RedisStore {
     /// No reconnection attempt before this instant (fail fast while Redis is down).
     retry_at: Mutex<Option<std::time::Instant>>,
     timeout: Duration,
-    pending: Mutex<VecDeque<UsageRecord>>,
-    /// At most this many records wait for Redis; past it the oldest are dropped.
+    pending: Mutex<Pending>,
+    /// At most this many aggregates wait for Redis; past it new ones are dropped.
     pending_max: usize,
     metrics: StoreMetrics,
+}
+
+/// A tenant / model / pool / provider's usage in one hour, summed from records.
+#[derive(Debug, Clone, Default)]
+struct Sums {
+    tenant: String,
+    requests: u64,
+    input_uncached: u64,
+    input_cached: u64,
+    output: u64,
+    cost: f64,
+    /// Records summed.
+    records: usize,
+}
+
+/// An aggregate given its id for sending: once sent, sent again with the same id until Redis
+/// confirms it (a lost answer may hide that it was applied).
+#[derive(Debug, Clone)]
+struct Sealed {
+    id: String,
+    field: String,
+    hour_ms: u64,
+    sums: Sums,
+    /// Sent at least once (else it may still take more records).
+    sent: bool,
+}
+
+/// Usage waiting for Redis.
+#[derive(Debug, Default)]
+struct Pending {
+    /// Still adding records: (group field, hour start) -> sums.
+    open: BTreeMap<(String, u64), Sums>,
+    /// Sent, oldest first.
+    sealed: VecDeque<Sealed>,
+    /// Records in `open` and `sealed`.
+    records: usize,
+    /// Record ids seen lately, oldest first.
+    recent: VecDeque<String>,
+    recent_set: HashSet<String>,
+}
+
+impl Pending {
+    fn aggregates(&self) -> usize {
+        self.open.len() + self.sealed.len()
+    }
+
+    /// Whether `id` was not seen lately (it is remembered).
+    fn first(&mut self, id: &str) -> bool {
+        if self.recent_set.contains(id) {
+            return false;
+        }
+        if self.recent.len() >= RECENT_IDS
+            && let Some(old) = self.recent.pop_front()
+        {
+            self.recent_set.remove(&old);
+        }
+        self.recent.push_back(id.to_string());
+        self.recent_set.insert(id.to_string());
+        true
+    }
+
+    /// Seals every open aggregate (each gets its id) behind those already sealed.
+    fn seal(&mut self) {
+        for ((field, hour_ms), sums) in std::mem::take(&mut self.open) {
+            self.sealed.push_back(Sealed {
+                id: format!("{:032x}", rand::random::<u128>()),
+                field,
+                hour_ms,
+                sums,
+                sent: false,
+            });
+        }
+    }
+
+    /// Takes the sealed aggregates never sent back into the open ones (Redis could not be reached:
+    /// they keep taking records instead of one more aggregate per group at every retry).
+    fn unseal_unsent(&mut self) {
+        let (sent, unsent): (VecDeque<Sealed>, VecDeque<Sealed>) = std::mem::take(&mut self.sealed)
+            .into_iter()
+            .partition(|a| a.sent);
+        self.sealed = sent;
+        for a in unsent {
+            let sums = self
+                .open
+                .entry((a.field, a.hour_ms))
+                .or_insert_with(|| Sums {
+                    tenant: a.sums.tenant.clone(),
+                    ..Sums::default()
+                });
+            sums.requests += a.sums.requests;
+            sums.input_uncached += a.sums.input_uncached;
+            sums.input_cached += a.sums.input_cached;
+            sums.output += a.sums.output;
+            sums.cost += a.sums.cost;
+            sums.records += a.sums.records;
+        }
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("timeout", &self.timeout)
-            .field("pending", &self.pending.lock().len())
+            .field("pending", &self.pending.lock().records)
             .finish()
     }
 }
@@ -331,7 +469,7 @@ impl RedisStore {
             conn: Mutex::new(None),
             retry_at: Mutex::new(None),
             timeout,
-            pending: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(Pending::default()),
             pending_max: pending_max.max(1),
             metrics,
         }))
@@ -427,73 +565,141 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Applies one usage record once (by request id).
-    async fn record(&self, r: &UsageRecord) -> Result<bool, StoreError> {
-        let mut inv = RECORD.prepare_invoke();
-        inv.key(format!("kinf:usage:seen:{}", r.id))
-            .key(format!("kinf:usage:h:{}", super::budget::hour_key(r.ts_ms)))
-            .key(super::budget::spend_key(&r.tenant, r.ts_ms))
-            .arg(r.group_field())
-            .arg(r.requests)
-            .arg(r.input_uncached)
-            .arg(r.input_cached)
-            .arg(r.output)
-            .arg(r.cost.to_string())
+    /// The command applying one aggregate once (by its id).
+    fn record_cmd(a: &Sealed) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(RECORD.get_hash())
+            .arg(3)
+            .arg(format!("kinf:usage:seen:{}", a.id))
+            .arg(format!(
+                "kinf:usage:h:{}",
+                super::budget::hour_key(a.hour_ms)
+            ))
+            .arg(super::budget::spend_key(&a.sums.tenant, a.hour_ms))
+            .arg(&a.field)
+            .arg(a.sums.requests)
+            .arg(a.sums.input_uncached)
+            .arg(a.sums.input_cached)
+            .arg(a.sums.output)
+            .arg(a.sums.cost.to_string())
             .arg(USAGE_TTL_S)
             .arg(USAGE_TTL_S);
-        let applied: i64 = self.run(inv).await?;
-        Ok(applied == 1)
+        cmd
     }
 
-    /// Forwards synced journal batches to Redis, retrying what fails (each record applies once).
-    pub async fn forward_usage(self: Arc<Self>, mut rx: mpsc::UnboundedReceiver<Vec<UsageRecord>>) {
+    /// Applies `batch` in one pipelined round trip (the script loaded first, in the same trip, so a
+    /// restarted Redis needs nothing more). The error says whether anything may have been sent.
+    async fn apply(&self, batch: &[Sealed]) -> Result<(), (StoreError, bool)> {
+        let mut conn = self.connection().await.map_err(|e| (e, false))?;
+        let mut pipe = redis::pipe();
+        pipe.cmd("SCRIPT").arg("LOAD").arg(RECORD_LUA).ignore();
+        for a in batch {
+            pipe.add_command(Self::record_cmd(a)).ignore();
+        }
+        let answer: Result<redis::RedisResult<()>, _> =
+            tokio::time::timeout(self.timeout, pipe.query_async(&mut conn)).await;
+        match answer {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) if e.is_io_error() || e.is_connection_dropped() => {
+                Err((self.down(e.to_string()), true))
+            }
+            Ok(Err(e)) => Err((StoreError::Redis(e.to_string()), true)),
+            Err(_) => Err((self.down("timed out".into()), true)),
+        }
+    }
+
+    /// Forwards synced journal batches to Redis, summed per tenant and hour, retrying what fails
+    /// (each aggregate applies once).
+    pub async fn forward_usage(self: Arc<Self>, mut rx: mpsc::Receiver<Vec<UsageRecord>>) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
-            tokio::select! {
+            let open = tokio::select! {
                 batch = rx.recv() => match batch {
-                    Some(b) => self.enqueue(b),
-                    None => { self.drain().await; return; }
+                    Some(b) => { self.enqueue(b); true }
+                    None => false,
                 },
-                _ = tick.tick() => {}
+                _ = tick.tick() => true,
+            };
+            // What else is already waiting joins the same round trips.
+            while let Ok(b) = rx.try_recv() {
+                self.enqueue(b);
             }
             self.drain().await;
+            if !open {
+                return;
+            }
         }
     }
 
-    /// Queues records for Redis, dropping (and counting) the oldest past `pending_max`.
+    /// Adds records to their aggregates; a record that would open one past `pending_max` is
+    /// dropped (and counted).
     fn enqueue(&self, records: Vec<UsageRecord>) {
+        let mut dropped = 0;
         let mut pending = self.pending.lock();
-        pending.extend(records);
-        let over = pending.len().saturating_sub(self.pending_max);
-        if over > 0 {
-            pending.drain(..over);
-            // Logged when dropping begins, then once per 10,000 records dropped.
-            let before = self.metrics.redis_dropped.inc_by(over as u64);
-            let after = before + over as u64;
-            if before == 0 || before / 10_000 != after / 10_000 {
-                tracing::warn!(
-                    dropped = after,
-                    max = self.pending_max,
-                    "usage records dropped from the redis queue (redis unreachable too long); they stay in the local journal"
-                );
+        for r in records {
+            if !pending.first(&r.id) {
+                continue;
             }
+            let hour_ms = r.ts_ms - r.ts_ms % 3_600_000;
+            let key = (r.group_field(), hour_ms);
+            if !pending.open.contains_key(&key) && pending.aggregates() >= self.pending_max {
+                dropped += 1;
+                continue;
+            }
+            let sums = pending.open.entry(key).or_insert_with(|| Sums {
+                tenant: r.tenant.clone(),
+                ..Sums::default()
+            });
+            sums.requests += r.requests;
+            sums.input_uncached += r.input_uncached;
+            sums.input_cached += r.input_cached;
+            sums.output += r.output;
+            sums.cost += r.cost;
+            sums.records += 1;
+            pending.records += 1;
         }
-        self.metrics.redis_pending.set(pending.len() as i64);
+        self.metrics.redis_pending.set(pending.records as i64);
+        drop(pending);
+        self.metrics
+            .redis_dropped_records(dropped, "past tenancy.redis_pending_max aggregates");
     }
 
     async fn drain(&self) {
         loop {
-            let Some(next) = self.pending.lock().front().cloned() else {
-                return;
+            let batch: Vec<Sealed> = {
+                let mut pending = self.pending.lock();
+                pending.seal();
+                pending
+                    .sealed
+                    .iter()
+                    .take(AGGREGATES_PER_ROUND_TRIP)
+                    .cloned()
+                    .collect()
             };
-            match self.record(&next).await {
-                Ok(_) => {
+            if batch.is_empty() {
+                return;
+            }
+            match self.apply(&batch).await {
+                Ok(()) => {
                     let mut pending = self.pending.lock();
-                    pending.pop_front();
-                    self.metrics.redis_pending.set(pending.len() as i64);
+                    let applied: usize = pending
+                        .sealed
+                        .drain(..batch.len())
+                        .map(|a| a.sums.records)
+                        .sum();
+                    pending.records -= applied;
+                    self.metrics.redis_pending.set(pending.records as i64);
                 }
-                Err(error) => {
-                    let queued = self.pending.lock().len();
+                Err((error, sent)) => {
+                    let mut pending = self.pending.lock();
+                    if sent {
+                        for a in pending.sealed.iter_mut().take(batch.len()) {
+                            a.sent = true;
+                        }
+                    }
+                    pending.unseal_unsent();
+                    let queued = pending.records;
+                    drop(pending);
                     tracing::warn!(%error, queued, "usage records not yet in redis; retrying");
                     return;
                 }
@@ -503,7 +709,7 @@ impl RedisStore {
 
     /// Records not yet applied in Redis.
     pub fn pending(&self) -> usize {
-        self.pending.lock().len()
+        self.pending.lock().records
     }
 
     /// This month's spend of a tenant as Redis has it.
@@ -515,6 +721,26 @@ impl RedisStore {
             .map_err(|_| self.down("timed out".into()))?
             .map_err(|e| StoreError::Redis(e.to_string()))?;
         Ok(v.and_then(|s| s.parse().ok()).unwrap_or(0.0))
+    }
+
+    /// The aggregates of each of `hours` (`YYYYMMDDHH`), in order: field -> value. Read
+    /// [`HOURS_PER_ROUND_TRIP`] to a pipelined round trip, each within the timeout.
+    pub async fn hours(&self, hours: &[String]) -> Result<Vec<Vec<(String, String)>>, StoreError> {
+        let mut out = Vec::with_capacity(hours.len());
+        for batch in hours.chunks(HOURS_PER_ROUND_TRIP) {
+            let mut conn = self.connection().await?;
+            let mut pipe = redis::pipe();
+            for hour in batch {
+                pipe.cmd("HGETALL").arg(format!("kinf:usage:h:{hour}"));
+            }
+            let answers: Vec<Vec<(String, String)>> =
+                tokio::time::timeout(self.timeout, pipe.query_async(&mut conn))
+                    .await
+                    .map_err(|_| self.down("timed out".into()))?
+                    .map_err(|e| StoreError::Redis(e.to_string()))?;
+            out.extend(answers);
+        }
+        Ok(out)
     }
 
     /// The aggregates of one hour (`YYYYMMDDHH`): field -> value.

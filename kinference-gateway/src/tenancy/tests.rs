@@ -3,6 +3,7 @@ use http::{HeaderMap, HeaderValue};
 use super::*;
 use crate::api::openai::Usage;
 use crate::errors::{GatewayError, Protocol};
+use crate::tenancy::usage::UsageRecord;
 
 const TENANTS: &str = r#"
 apiVersion: kinference.ai/v1alpha1
@@ -169,22 +170,18 @@ async fn keys_limits_budget_and_usage_end_to_end_in_process() {
     // A restart replays the journal: same figures, budget still spent.
     drop(t);
     let t = start(&dir, true);
+    // From a day back: the records are from now, whichever month that is.
+    let from = format!("from={}", now_ms() / 1000 - 86_400);
     let report = t
-        .usage_report("tenant=acme&from=2000-01-01", None)
+        .usage_report(&format!("tenant=acme&{from}"), None)
         .await
         .unwrap();
     assert_eq!(report["total"]["requests"], 2);
     assert_eq!(report["total"]["output_tokens"], 15);
     // A tenant's own view: its usage, and never another tenant's.
-    let own = t
-        .usage_report("from=2000-01-01", Some("acme"))
-        .await
-        .unwrap();
+    let own = t.usage_report(&from, Some("acme")).await.unwrap();
     assert_eq!(own["total"]["requests"], 2);
-    let nobody = t
-        .usage_report("from=2000-01-01", Some("globex"))
-        .await
-        .unwrap();
+    let nobody = t.usage_report(&from, Some("globex")).await.unwrap();
     assert_eq!(nobody["total"]["requests"], 0);
     let other = t
         .usage_report("tenant=acme", Some("globex"))
@@ -376,4 +373,92 @@ async fn the_gateways_policy_source_is_shared_not_started_again() {
     let pools: Vec<&str> = table.pools.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(pools, ["pool-large", "pool-small"]);
     let _ = std::fs::remove_dir_all(&base);
+}
+
+fn record_of(tenant: &str, ts_ms: u64) -> UsageRecord {
+    UsageRecord {
+        id: format!("{tenant}-{ts_ms}"),
+        request_id: String::new(),
+        ts_ms,
+        tenant: tenant.into(),
+        model: "m".into(),
+        pool: "p".into(),
+        provider: String::new(),
+        status: 200,
+        requests: 1,
+        input_uncached: 2,
+        input_cached: 0,
+        output: 3,
+        cost: 0.0,
+        estimated: false,
+    }
+}
+
+#[tokio::test]
+async fn a_usage_report_covers_at_most_62_days() {
+    let dir = std::env::temp_dir().join(format!("kinf-report-range-{}", std::process::id()));
+    let t = start(&dir, false);
+    let now_s = now_ms() / 1000;
+    // 400 days: 9,600 hourly lookups in Redis for one request.
+    let long = t
+        .usage_report(&format!("from={}", now_s - 400 * 86_400), None)
+        .await
+        .unwrap_err();
+    assert_eq!(long.status(), http::StatusCode::BAD_REQUEST);
+    assert!(long.to_string().contains("62 days"), "{long}");
+    let to = now_s - 100 * 86_400;
+    let explicit = t
+        .usage_report(&format!("from={}&to={to}", to - 63 * 86_400), None)
+        .await
+        .unwrap_err();
+    assert_eq!(explicit.status(), http::StatusCode::BAD_REQUEST);
+    assert!(
+        t.usage_report(&format!("from={}", now_s - 61 * 86_400), None)
+            .await
+            .is_ok()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test]
+async fn a_usage_report_comes_in_pages() {
+    let dir = std::env::temp_dir().join(format!("kinf-report-pages-{}", std::process::id()));
+    let t = start(&dir, false);
+    let now = now_ms();
+    {
+        let mut aggregates = t.aggregates.lock();
+        for i in 0..2_500 {
+            aggregates.add(&record_of(&format!("t{i:04}"), now));
+        }
+    }
+    let mut tenants = Vec::new();
+    let mut query = String::new();
+    let mut pages = 0;
+    loop {
+        let report = t.usage_report(&query, None).await.unwrap();
+        pages += 1;
+        let rows = report["usage"].as_array().unwrap();
+        assert!(rows.len() <= 1_000, "{} rows on a page", rows.len());
+        // The total is the whole range's on every page.
+        assert_eq!(report["total"]["requests"], 2_500);
+        tenants.extend(
+            rows.iter()
+                .map(|r| r["tenant"].as_str().unwrap().to_string()),
+        );
+        match report["next"].as_str() {
+            Some(next) => query = format!("after={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(pages, 3);
+    let expected: Vec<String> = (0..2_500).map(|i| format!("t{i:04}")).collect();
+    assert_eq!(tenants, expected, "every group once, in order");
+    let small = t.usage_report("limit=10", None).await.unwrap();
+    assert_eq!(small["usage"].as_array().unwrap().len(), 10);
+    assert!(small["next"].is_string());
+    for bad in ["limit=0", "limit=1001", "limit=x", "after=%%%"] {
+        let error = t.usage_report(bad, None).await.unwrap_err();
+        assert_eq!(error.status(), http::StatusCode::BAD_REQUEST, "{bad}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }

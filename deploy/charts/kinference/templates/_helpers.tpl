@@ -92,3 +92,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- join "," $parts }}
 {{- end }}
+
+{{/* The Secret holding the admin key: gateway.adminKey.existingSecret, else the generated one (unless
+gateway.adminKey.generate is false), else "" (no key: loopback callers are admins). */}}
+{{- define "kinference.adminKeySecret" -}}
+{{- if .Values.gateway.adminKey.existingSecret }}
+{{- .Values.gateway.adminKey.existingSecret }}
+{{- else if .Values.gateway.adminKey.generate }}
+{{- printf "%s-admin" (include "kinference.gateway.fullname" .) }}
+{{- end }}
+{{- end }}

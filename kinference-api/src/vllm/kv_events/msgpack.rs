@@ -24,6 +24,11 @@ impl<'a> Reader<'a> {
         Self { buf, pos: 0 }
     }
 
+    /// Bytes not yet read.
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len().saturating_sub(self.pos)
+    }
+
     fn eof(&self) -> DecodeError {
         DecodeError::Eof { pos: self.pos }
     }

@@ -173,7 +173,7 @@ fn responses_usage(u: &Value) -> Option<Usage> {
     Some(Usage {
         prompt_tokens: input,
         completion_tokens: output,
-        total_tokens: input + output,
+        total_tokens: input.saturating_add(output),
         prompt_tokens_details: cached.map(|c| super::PromptTokensDetails {
             cached_tokens: Some(c),
         }),

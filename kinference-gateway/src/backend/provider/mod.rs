@@ -330,9 +330,19 @@ impl ProviderClient {
             return Ok(response);
         }
         let status = response.status();
-        let body = crate::backend::worker::read_body(response.into_body(), timeout, &self.label())
-            .await
-            .unwrap_or_default();
+        // Only the message is wanted: a provider's error answer is read up to 1 MiB.
+        let limits = crate::backend::worker::UpstreamLimits::new(
+            1 << 20,
+            crate::backend::sse::SseLimits::default(),
+        );
+        let body = crate::backend::worker::read_body(
+            response.into_body(),
+            timeout,
+            &self.label(),
+            &limits,
+        )
+        .await
+        .unwrap_or_default();
         Err(self.failed(format!(
             "status {status}: {}",
             UpstreamErrorBody::message_from(&body)

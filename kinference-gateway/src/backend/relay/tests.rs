@@ -13,6 +13,7 @@ fn worker_to_anthropic_client() -> Spec {
         protocol: Protocol::Anthropic,
         idle_timeout: Duration::from_secs(30),
         pass_through: false,
+        limits: UpstreamLimits::default(),
     }
 }
 

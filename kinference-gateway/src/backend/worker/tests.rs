@@ -74,3 +74,53 @@ async fn a_worker_never_gets_more_connections_than_the_limit() {
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
+
+#[tokio::test]
+async fn a_body_past_the_limit_is_a_bad_upstream_read_no_further() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::from(
+                        vec![b'x'; 4 << 20],
+                    ))))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let read = |max: usize| {
+        let url = url.clone();
+        async move {
+            let settings = HttpSettings {
+                upstream_max_body_bytes: max,
+                ..HttpSettings::default()
+            };
+            let upstream = Upstream::new(&settings);
+            let response = upstream
+                .post_json(&url, "/v1/chat/completions", Bytes::from_static(b"{}"))
+                .await
+                .expect("answered");
+            upstream.read_body(&url, response.into_body()).await
+        }
+    };
+    let error = read(1 << 20).await.expect_err("4 MiB over a 1 MiB limit");
+    assert_eq!(error.status(), http::StatusCode::BAD_GATEWAY);
+    assert!(error.to_string().contains("1048576"), "{error}");
+    assert_eq!(read(4 << 20).await.expect("within").len(), 4 << 20);
+}
+
+#[test]
+fn a_line_limit_over_the_event_limit_is_refused() {
+    let settings = HttpSettings {
+        upstream_max_line_bytes: 2 << 20,
+        upstream_max_event_bytes: 1 << 20,
+        ..HttpSettings::default()
+    };
+    assert!(settings.validate().is_err());
+    assert!(HttpSettings::default().validate().is_ok());
+}

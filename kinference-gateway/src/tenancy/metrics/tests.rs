@@ -23,6 +23,19 @@ fn one_request(m: &TenancyMetrics, tenant: &str) {
             .inc_by(10);
     }
     m.output_tokens.get_or_create(&labels).inc_by(5);
+    m.cost
+        .get_or_create(&TenantBackend {
+            tenant: tenant.into(),
+            model: "m".into(),
+            pool: "p".into(),
+            provider: String::new(),
+        })
+        .inc_by(0.25);
+    m.spend
+        .get_or_create(&TenantOnly {
+            tenant: tenant.into(),
+        })
+        .set(0.25);
     m.observe_ttft(&labels, 0.02);
     m.observe_itl(&labels, 0.001);
     m.observe_e2e(&labels, 0.1);
@@ -38,8 +51,12 @@ fn series_of(text: &str, tenant: &str) -> usize {
 }
 
 fn exposition(histograms: bool) -> String {
+    exposition_with(histograms, false)
+}
+
+fn exposition_with(histograms: bool, spend: bool) -> String {
     let mut registry = Registry::default();
-    let m = TenancyMetrics::register(&mut registry, histograms);
+    let m = TenancyMetrics::register(&mut registry, histograms, spend);
     for tenant in ["acme", "globex"] {
         one_request(&m, tenant);
     }
@@ -87,4 +104,31 @@ fn histograms_per_tenant_when_turned_on() {
     // Five histograms of 16 to 19 buckets (+Inf included) plus sum and count each.
     assert!(on >= off + 5 * 18, "{off} -> {on}");
     eprintln!("series per tenant and model: {off} without histograms, {on} with");
+}
+
+#[test]
+fn spend_per_tenant_is_off_the_metrics_page_unless_asked() {
+    // Who spends how much is the admin API's to tell (`/admin/usage`, behind the admin key), not an
+    // open /metrics page's.
+    let text = exposition(false);
+    for family in [
+        "kinference_gateway_tenant_cost",
+        "kinference_gateway_tenant_budget_spent",
+    ] {
+        assert!(
+            !text.contains(family),
+            "{family} on the page by default:\n{text}"
+        );
+    }
+    assert!(text.contains("kinference_gateway_tenant_output_tokens_total{"));
+}
+
+#[test]
+fn spend_per_tenant_when_asked() {
+    let text = exposition_with(false, true);
+    assert!(text.contains(
+        "kinference_gateway_tenant_cost_total{tenant=\"acme\",model=\"m\",pool=\"p\",provider=\"\"} 0.25"
+    ), "{text}");
+    assert!(text.contains("kinference_gateway_tenant_budget_spent{tenant=\"globex\"} 0.25"));
+    assert_eq!(series_of(&text, "acme"), 6, "{text}");
 }

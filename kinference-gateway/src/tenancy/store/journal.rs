@@ -15,7 +15,8 @@
 //!   first line says through which segment number it counts, so that a segment is never counted
 //!   twice (a crash between writing the totals and deleting the segment leaves a segment the next
 //!   start deletes). Rewritten whole each time: temporary file, fsync, rename.
-//! - `kinference-usage.jsonl.corrupt`: the torn last lines cut off at start, kept for a person.
+//! - `kinference-usage.jsonl.corrupt`: the torn last lines cut off at start, and unreadable first
+//!   lines of the compacted file, kept for a person.
 //!
 //! Compaction never holds up the writer: rotation is a rename, after which the writer only nudges
 //! the compactor thread (a one-place channel, never waited on) and goes on appending. The compactor
@@ -29,7 +30,12 @@
 //!
 //! Crash safety: a torn last line (a crash mid-write) is cut off at start, moved to `.corrupt` and
 //! counted; a corrupt line in the middle is skipped up to its newline and counted, and a record
-//! that a torn write ran into is still read. Each batch starts on a fresh line. Request ids are
+//! that a torn write ran into is still read. The compacted file is replaced whole by a rename, so
+//! a crash never tears it, but a disk can: an unreadable row is skipped and counted, and an
+//! unreadable first line (which says through which segment the totals count) is moved to
+//! `.corrupt`, counted (`corrupt_header`) and the file written again, taking every sealed segment
+//! still on disk as not yet counted (the totals' mark lost, that is the likely case: a segment is
+//! deleted right after the totals that count it are written), so the gateway still starts. Each batch starts on a fresh line. Request ids are
 //! deduplicated within a segment (a record written twice, by a retry after a partly failed write,
 //! counts once).
 //!
@@ -201,7 +207,7 @@ impl Journal {
         path: &Path,
         config: &JournalConfig,
         metrics: StoreMetrics,
-        after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
+        after_sync: Option<mpsc::Sender<Vec<UsageRecord>>>,
     ) -> Result<(Journal, Replayed), StoreError> {
         let err = |source| StoreError::Journal {
             path: path.to_owned(),
@@ -346,7 +352,9 @@ struct Writer {
     /// Records not yet written (a failing disk), oldest first; at most `max_buffered_records`.
     buffer: VecDeque<UsageRecord>,
     shared: Arc<Shared>,
-    after_sync: Option<mpsc::UnboundedSender<Vec<UsageRecord>>>,
+    /// The Redis forwarder, when there is one: a synced batch it has no room for is dropped from
+    /// forwarding (it stays in the journal) and counted.
+    after_sync: Option<mpsc::Sender<Vec<UsageRecord>>>,
 }
 
 impl Writer {
@@ -442,8 +450,10 @@ impl Writer {
                     tracing::info!(path = %self.path.display(), records = written.len(),
                         "usage journal writes again; buffered records written");
                 }
-                if let Some(tx) = &self.after_sync {
-                    let _ = tx.send(written);
+                if let Some(tx) = &self.after_sync
+                    && let Err(mpsc::error::TrySendError::Full(batch)) = tx.try_send(written)
+                {
+                    metrics.redis_dropped_records(batch.len(), "the forwarding channel is full");
                 }
             }
             Err(error) => {
@@ -565,23 +575,80 @@ impl Compacted {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(me),
             Err(e) => return Err(e),
         };
-        let mut lines = std::io::BufReader::new(file).lines();
+        if let Some(bad) = me.read(std::io::BufReader::new(file), metrics)? {
+            me.repair_header(journal, &bad, metrics)?;
+        }
+        Ok(me)
+    }
+
+    /// Reads the file's lines into the totals; returns the first line when it is no header.
+    fn read(
+        &mut self,
+        reader: impl BufRead,
+        metrics: &StoreMetrics,
+    ) -> std::io::Result<Option<Vec<u8>>> {
+        // Bytes, not text: a damaged block need not even be UTF-8.
+        let mut lines = reader.split(b'\n');
+        let mut lost_header = None;
         if let Some(first) = lines.next() {
-            me.through = serde_json::from_str::<Header>(&first?)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?
-                .through_segment;
+            let first = first?;
+            match serde_json::from_slice::<Header>(&first) {
+                Ok(header) => self.through = header.through_segment,
+                Err(_) => lost_header = Some(first),
+            }
         }
         for line in lines {
-            match serde_json::from_str::<PeriodTotals>(&line?) {
-                Ok(row) => me
-                    .totals
-                    .entry((row.start_ms, row.group))
-                    .or_default()
-                    .merge(&row.totals),
+            let line = line?;
+            if line.trim_ascii().is_empty() {
+                continue;
+            }
+            match serde_json::from_slice::<PeriodTotals>(&line) {
+                Ok(row) => self.add_row(row),
                 Err(_) => metrics.journal_error(JournalError::CorruptLine),
             }
         }
-        Ok(me)
+        Ok(lost_header)
+    }
+
+    fn add_row(&mut self, row: PeriodTotals) {
+        self.totals
+            .entry((row.start_ms, row.group))
+            .or_default()
+            .merge(&row.totals);
+    }
+
+    /// The first line, `bad`, is no header: it is set aside (a row whose header was lost is kept
+    /// as a row), every sealed segment on disk is taken as not yet counted, and the file is
+    /// written again with that mark.
+    fn repair_header(
+        &mut self,
+        journal: &Path,
+        bad: &[u8],
+        metrics: &StoreMetrics,
+    ) -> std::io::Result<()> {
+        metrics.journal_error(JournalError::CorruptHeader);
+        if let Ok(row) = serde_json::from_slice::<PeriodTotals>(bad) {
+            self.add_row(row);
+        }
+        let side = with_suffix(journal, ".corrupt");
+        let saved = open_append(&side).and_then(|mut f| {
+            f.write_all(bad)?;
+            f.write_all(b"\n")?;
+            f.sync_data()
+        });
+        if let Err(error) = saved {
+            tracing::warn!(side = %side.display(), %error, "usage journal: unreadable header not saved aside");
+        }
+        self.through = sealed_segments(journal)?
+            .first()
+            .map_or(0, |(seq, _)| seq - 1);
+        let totals = std::mem::take(&mut self.totals);
+        self.write(self.through, &totals)?;
+        self.totals = totals;
+        tracing::error!(path = %self.path.display(), bytes = bad.len(), side = %side.display(),
+            through_segment = self.through,
+            "usage journal: the compacted totals' first line was unreadable; set aside, the sealed segments on disk counted as new");
+        Ok(())
     }
 
     fn rows(&self) -> Vec<PeriodTotals> {
@@ -650,12 +717,20 @@ impl Compacted {
                 .saturating_sub((self.keep - 1) * self.period.ms());
             totals.retain(|(start, _), _| *start >= oldest_kept);
         }
+        self.write(seq, &totals)?;
+        self.totals = totals;
+        self.through = seq;
+        Ok(())
+    }
+
+    /// Writes `totals` with the mark `through` as the whole file: temporary file, fsync, rename.
+    fn write(&self, through: u64, totals: &BTreeMap<(u64, Group), Totals>) -> std::io::Result<()> {
         let mut out = serde_json::to_vec(&Header {
-            through_segment: seq,
+            through_segment: through,
         })
         .map_err(std::io::Error::other)?;
         out.push(b'\n');
-        for ((start_ms, group), t) in &totals {
+        for ((start_ms, group), t) in totals {
             let row = PeriodTotals {
                 start_ms: *start_ms,
                 group: group.clone(),
@@ -668,10 +743,7 @@ impl Compacted {
         let mut file = std::fs::File::create(&tmp)?;
         file.write_all(&out).and_then(|()| file.sync_data())?;
         std::fs::rename(&tmp, &self.path)?;
-        sync_dir(&self.path)?;
-        self.totals = totals;
-        self.through = seq;
-        Ok(())
+        sync_dir(&self.path)
     }
 }
 
@@ -739,14 +811,26 @@ fn read_segment(path: &Path, metrics: &StoreMetrics) -> std::io::Result<SegmentR
 fn scan_segment(
     path: &Path,
     metrics: &StoreMetrics,
-    mut keep: impl FnMut(UsageRecord),
+    keep: impl FnMut(UsageRecord),
 ) -> std::io::Result<SegmentEnd> {
     let file = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(SegmentEnd::default()),
         Err(e) => return Err(e),
     };
-    let mut reader = std::io::BufReader::new(file);
+    let (end, corrupt) = scan_lines(std::io::BufReader::new(file), metrics, keep)?;
+    if corrupt > 0 {
+        tracing::warn!(path = %path.display(), corrupt, "usage journal: corrupt lines skipped");
+    }
+    Ok(end)
+}
+
+/// [`scan_segment`] of any reader: how the bytes end, and how many corrupt lines were skipped.
+fn scan_lines(
+    mut reader: impl BufRead,
+    metrics: &StoreMetrics,
+    mut keep: impl FnMut(UsageRecord),
+) -> std::io::Result<(SegmentEnd, usize)> {
     let mut end = SegmentEnd::default();
     let mut seen = SeenIds::default();
     let mut keep = |r: UsageRecord| {
@@ -784,10 +868,57 @@ fn scan_segment(
             end.whole_len += n as u64;
         }
     }
-    if corrupt > 0 {
-        tracing::warn!(path = %path.display(), corrupt, "usage journal: corrupt lines skipped");
-    }
-    Ok(end)
+    Ok((end, corrupt))
+}
+
+/// What start-up makes of some bytes, read as a journal segment and as the compacted totals: the
+/// entry of the `journal_replay` fuzz target ([`crate::untrusted::journal_replay`]).
+#[derive(Debug)]
+pub(crate) struct BytesReplayed {
+    /// The segment's records (first of each id).
+    pub records: Vec<UsageRecord>,
+    /// The bytes up to the end of its last whole line.
+    pub whole_len: u64,
+    /// Its last line had no newline: a record (kept) or torn bytes (to be cut off).
+    pub unterminated: bool,
+    /// The torn last line, if that is how it ends.
+    pub torn: Option<Vec<u8>>,
+    /// Corrupt lines skipped in the middle.
+    pub corrupt: usize,
+    /// Read as the compacted totals: its mark, or the first line when it is no header.
+    pub header: Result<u64, Vec<u8>>,
+    /// ... and its rows (merged per period and group).
+    pub rows: Vec<PeriodTotals>,
+}
+
+/// Reads `data` as start-up reads a segment and the compacted totals (no file, no repair).
+pub(crate) fn replay_bytes(data: &[u8]) -> std::io::Result<BytesReplayed> {
+    let metrics = StoreMetrics::default();
+    let mut records = Vec::new();
+    let (end, corrupt) = scan_lines(data, &metrics, |r| records.push(r))?;
+    let mut compacted = Compacted {
+        path: PathBuf::new(),
+        through: 0,
+        period: Period::Hour,
+        keep: 1,
+        totals: BTreeMap::new(),
+    };
+    let header = match compacted.read(data, &metrics)? {
+        Some(bad) => Err(bad),
+        None => Ok(compacted.through),
+    };
+    Ok(BytesReplayed {
+        records,
+        whole_len: end.whole_len,
+        unterminated: matches!(end.tail, Some(Tail::Unterminated)),
+        torn: match end.tail {
+            Some(Tail::Torn(bytes)) => Some(bytes),
+            _ => None,
+        },
+        corrupt,
+        header,
+        rows: compacted.rows(),
+    })
 }
 
 /// The record ids a segment has shown so far, to count each record once. The gateway's own ids

@@ -33,7 +33,7 @@ fn admission_answers_parse() {
 
 #[tokio::test]
 async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
-    // Nothing listens on the port: every record stays queued, up to the bound.
+    // Nothing listens on the port: every aggregate stays queued, up to the bound of 100 aggregates.
     let port = testkit::free_port();
     let metrics = StoreMetrics::default();
     let store = RedisStore::bounded(
@@ -43,13 +43,14 @@ async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
         metrics.clone(),
     )
     .unwrap();
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::channel(16);
     let forward = tokio::spawn(Arc::clone(&store).forward_usage(rx));
+    // One tenant per record: each opens an aggregate of its own.
     let record = |i: usize| UsageRecord {
         id: format!("r{i}"),
         request_id: String::new(),
         ts_ms: 1,
-        tenant: "t".into(),
+        tenant: format!("t{i}"),
         model: "m".into(),
         pool: String::new(),
         provider: String::new(),
@@ -63,6 +64,7 @@ async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
     };
     for batch in 0..3 {
         tx.send((0..50).map(|i| record(batch * 50 + i)).collect())
+            .await
             .unwrap();
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
@@ -71,6 +73,16 @@ async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(store.pending(), 100);
+    assert_eq!(metrics.redis_dropped(), 50);
+    // A record of an aggregate already waiting joins it: nothing more is dropped.
+    let mut again = record(7);
+    again.id = "r7-again".into();
+    tx.send(vec![again]).await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while store.pending() < 101 {
+        assert!(std::time::Instant::now() < deadline, "not added");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(metrics.redis_dropped(), 50);
     forward.abort();
 }

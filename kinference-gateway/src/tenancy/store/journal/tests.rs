@@ -613,3 +613,101 @@ fn a_queued_record_costs_the_queue_a_pointer_not_the_record() {
     assert!(std::mem::size_of::<UsageRecord>() > 100);
     assert!(std::mem::size_of::<JournalMsg>() <= 2 * std::mem::size_of::<usize>());
 }
+
+#[tokio::test]
+async fn batches_the_redis_forwarder_cannot_take_are_dropped_and_counted() {
+    let dir = scratch("journal-forward");
+    let path = dir.join("usage.jsonl");
+    let metrics = StoreMetrics::default();
+    // A forwarder that takes nothing (Redis stuck), behind a channel of one batch.
+    let (tx, mut rx) = mpsc::channel(1);
+    let (journal, _) =
+        Journal::open(&path, &JournalConfig::default(), metrics.clone(), Some(tx)).unwrap();
+    for batch in 0..4 {
+        for i in 0..3 {
+            journal.append(record(&format!("f{batch}-{i}"), 1));
+        }
+        journal.flush().await;
+    }
+    // Every record is in the journal; the first batch waits in the channel, the others were
+    // dropped from forwarding, and counted.
+    assert_eq!(metrics.redis_dropped(), 9);
+    assert_eq!(rx.recv().await.map(|b| b.len()), Some(3));
+    drop(journal);
+    let (_journal, replayed) = Journal::open(
+        &path,
+        &JournalConfig::default(),
+        StoreMetrics::default(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(replayed.records.len(), 12);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_corrupt_header_of_the_compacted_file_is_set_aside_not_fatal() {
+    let hour = 3_600_000;
+    let config = JournalConfig::default();
+    let row = |start_ms: u64, requests: u64| {
+        let totals = Totals {
+            requests,
+            ..Totals::default()
+        };
+        serde_json::to_string(&PeriodTotals {
+            start_ms,
+            group: Group::of(&record("x", start_ms)),
+            totals,
+        })
+        .unwrap()
+    };
+    let headers: [&[u8]; 4] = [
+        b"{\"through_segm",                 // cut short (a disk that lost a block)
+        b"\xff\xfe\x00garbage",             // not even UTF-8
+        b"{\"through_segment\":\"seven\"}", // the wrong type
+        b"",                                // empty
+    ];
+    for (n, header) in headers.into_iter().enumerate() {
+        let dir = scratch("journal-header");
+        let path = dir.join("usage.jsonl");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut compacted = header.to_vec();
+        compacted.push(b'\n');
+        for line in [row(0, 3), row(hour, 4)] {
+            compacted.extend(line.as_bytes());
+            compacted.push(b'\n');
+        }
+        std::fs::write(with_suffix(&path, ".compacted"), &compacted).unwrap();
+        // A sealed segment not yet compacted when the header was lost: counted once.
+        std::fs::write(segment_path(&path, 7), line(&record("s", hour + 5)) + "\n").unwrap();
+        let metrics = StoreMetrics::default();
+        let (journal, replayed) = Journal::open(&path, &config, metrics.clone(), None)
+            .unwrap_or_else(|e| panic!("header {n}: the gateway does not start: {e}"));
+        drop(journal);
+        let requests: Vec<(u64, u64)> = replayed
+            .periods
+            .iter()
+            .map(|p| (p.start_ms, p.totals.requests))
+            .collect();
+        assert_eq!(requests, [(0, 3), (hour, 5)], "header {n}");
+        assert_eq!(
+            metrics.journal_errors(JournalError::CorruptHeader),
+            1,
+            "header {n}"
+        );
+        // The bad line is kept for a person; the file has a good header again.
+        let side = std::fs::read(with_suffix(&path, ".corrupt")).unwrap();
+        assert!(side.starts_with(header), "header {n}");
+        let again = std::fs::read_to_string(with_suffix(&path, ".compacted")).unwrap();
+        assert!(
+            again.starts_with("{\"through_segment\":7}"),
+            "header {n}: {again}"
+        );
+        // A second start finds nothing to repair and the same totals.
+        let metrics = StoreMetrics::default();
+        let (_journal, second) = Journal::open(&path, &config, metrics.clone(), None).unwrap();
+        assert_eq!(second.periods, replayed.periods, "header {n}");
+        assert_eq!(metrics.journal_errors(JournalError::CorruptHeader), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
