@@ -645,3 +645,107 @@ fn render_routes_version_and_peer_probes() {
         assert_eq!(status, 404, "{path}");
     }
 }
+
+/// The worker's `name` counter (summed over its series).
+fn counter(sim: &Sim, name: &str) -> f64 {
+    let (_, text) = sim.call("GET", "/metrics", None);
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn kv_connectors_hand_a_prefill_over_in_vllms_and_sglangs_protocols() {
+    let producer = Sim::start(&["--kv-role", "kv_producer"]);
+    let consumer = Sim::start(&["--kv-role", "kv_consumer"]);
+    let prompt = "parcel route depot truck invoice customs pallet ".repeat(40);
+    let messages = json!([{"role": "user", "content": prompt}]);
+
+    // vLLM's: the prefill answers with kv_transfer_params naming its transfer; the decode pulls it.
+    let (status, text) = producer.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            json!({"model": "qwen2-sim", "messages": messages, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": true, "do_remote_prefill": false}}),
+        ),
+    );
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let params = answer["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{answer}");
+    assert_eq!(params["remote_port"], producer.port);
+    let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+    let blocks = params["remote_block_ids"].as_array().unwrap().len() as u64;
+    assert_eq!(blocks, prompt_tokens / 16);
+    let (status, text) = consumer.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            json!({"model": "qwen2-sim", "messages": messages, "max_tokens": 6,
+            "kv_transfer_params": params}),
+        ),
+    );
+    assert_eq!(status, 200, "{text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 6);
+    assert_eq!(
+        counter(&consumer, "kinference_sim_kv_pulled_blocks_total"),
+        blocks as f64
+    );
+    // The consumer computed one prompt token, not the prompt.
+    assert_eq!(
+        answer["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt_tokens - 1
+    );
+    // A transfer is pulled once: the same params again make the consumer compute the prompt.
+    let (status, _) = consumer.call(
+        "POST",
+        "/v1/chat/completions",
+        Some(
+            json!({"model": "qwen2-sim", "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 1, "kv_transfer_params": answer["kv_transfer_params"].clone()}),
+        ),
+    );
+    assert_eq!(status, 200);
+
+    // SGLang's: the same request to both at once; the consumer waits for the room, then pulls.
+    let body = json!({"model": "qwen2-sim", "messages": [{"role": "user", "content": format!("{prompt} again")}],
+        "max_tokens": 5, "bootstrap_host": "127.0.0.1", "bootstrap_port": producer.port,
+        "bootstrap_room": 42u64});
+    let decode = std::thread::scope(|s| {
+        let decode = s.spawn(|| consumer.call("POST", "/v1/chat/completions", Some(body.clone())));
+        std::thread::sleep(Duration::from_millis(200));
+        let (status, text) = producer.call("POST", "/v1/chat/completions", Some(body.clone()));
+        assert_eq!(status, 200, "{text}");
+        let prefill: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            prefill["usage"]["completion_tokens"], 1,
+            "the prefill side stops at one token"
+        );
+        decode.join().unwrap()
+    });
+    assert_eq!(decode.0, 200, "{}", decode.1);
+    let answer: Value = serde_json::from_str(&decode.1).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 5);
+    assert_eq!(counter(&consumer, "kinference_sim_kv_pulls_total"), 2.0);
+    assert_eq!(
+        counter(&producer, "kinference_sim_kv_prefills_handed_total"),
+        2.0
+    );
+    // Without a connector, transfer fields are ignored (vLLM without --kv-transfer-config).
+    let plain = Sim::start(&[]);
+    let (status, text) = plain.call(
+        "POST",
+        "/v1/completions",
+        Some(
+            json!({"model": "qwen2-sim", "prompt": "hello", "max_tokens": 3,
+            "kv_transfer_params": {"do_remote_decode": true}}),
+        ),
+    );
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 3);
+    assert!(answer["kv_transfer_params"].is_null(), "{answer}");
+}

@@ -85,6 +85,53 @@ pub struct InferencePoolSpec {
     /// Headers sent with every request to the pool's workers, over the gateway-wide `worker_headers`.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub worker_headers: BTreeMap<String, String>,
+    /// The workers' part in prefill/decode disaggregation, unless an endpoint's own `role` or its
+    /// pod's `kinference.ai/role` label says otherwise.
+    #[serde(default, skip_serializing_if = "WorkerRole::is_both")]
+    pub role: WorkerRole,
+    /// How requests this pool serves are split between a prefill worker and one of this pool's
+    /// decode workers. Without it a pool that holds `prefill` workers splits with the defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disaggregation: Option<Disaggregation>,
+}
+
+/// A worker's part in prefill/decode disaggregation (vLLM started with a KV connector, e.g.
+/// `--kv-transfer-config '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'`).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerRole {
+    /// Whole requests only.
+    #[default]
+    Both,
+    /// The prefill of split requests: it computes the prompt's KV cache for a decode worker.
+    Prefill,
+    /// The decode of split requests (from a prefill worker's KV cache), and whole short requests.
+    Decode,
+}
+
+impl WorkerRole {
+    /// Whether it is the default (left out when serialized).
+    pub fn is_both(&self) -> bool {
+        *self == WorkerRole::Both
+    }
+}
+
+/// Prefill/decode disaggregation of a pool's requests: vLLM's two-step protocol (a prefill call that
+/// returns `kv_transfer_params`, then the decode call carrying them).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Disaggregation {
+    /// The pool whose `prefill` workers run this pool's prefills (the prompt is billed at its
+    /// prices); default: this pool's own `prefill` workers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 253))]
+    pub prefill_pool: Option<String>,
+    /// A request whose prompt has fewer tokens than this left to compute on the best decode worker
+    /// (its prompt less what that worker already caches) runs whole on one worker: below it the
+    /// KV transfer and the second call cost more than the prefill they move. Default 512.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(max = 1_000_000))]
+    pub min_uncached_tokens: Option<u32>,
 }
 
 /// Label selector for the pool's worker pods.
@@ -106,4 +153,7 @@ pub struct StaticEndpoint {
     /// Worker base URL, e.g. `http://127.0.0.1:8001`.
     #[schemars(regex(pattern = r"^https?://[^\s/]+"))]
     pub url: String,
+    /// This worker's role, over the pool's `role`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<WorkerRole>,
 }

@@ -223,6 +223,10 @@ pub struct WorkerSpec {
     /// Only messages with this topic are applied (default: all).
     #[serde(default)]
     pub kv_topic: Option<String>,
+    /// The worker's part in prefill/decode disaggregation, reported to the gateways with its state
+    /// (unset: the gateways keep the role their own configuration gives it).
+    #[serde(default)]
+    pub role: Option<kinference_api::WorkerRole>,
 }
 
 fn default_true() -> bool {

@@ -102,6 +102,7 @@ mod tests {
             kv_events_bind: true,
             kv_replay_endpoint: None,
             kv_topic: None,
+            role: None,
         }
     }
 

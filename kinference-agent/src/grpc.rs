@@ -171,6 +171,7 @@ impl Broadcaster {
                     block_size,
                     keys,
                     load: Some(wire_load),
+                    role: wire_role(&slot.spec),
                 });
             }
 
@@ -192,6 +193,7 @@ impl Broadcaster {
                         removed: Vec::new(),
                     };
                     wd.model = slot.spec.model.clone();
+                    wd.role = wire_role(&slot.spec);
                     wd.block_size = block_size;
                     wd.load = Some(wire_load);
                     send = true;
@@ -207,6 +209,7 @@ impl Broadcaster {
                 Some(a) => {
                     if a.block_size != block_size {
                         wd.model = slot.spec.model.clone();
+                        wd.role = wire_role(&slot.spec);
                         wd.block_size = block_size;
                         a.block_size = block_size;
                         send = true;
@@ -305,6 +308,13 @@ impl Broadcaster {
             });
         }
     }
+}
+
+/// The role a worker's spec gives it, as the summary carries it ("" when not given).
+fn wire_role(spec: &crate::config::WorkerSpec) -> String {
+    spec.role
+        .map(|r| r.as_str().to_string())
+        .unwrap_or_default()
 }
 
 fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {

@@ -4,11 +4,13 @@
 //!   `token_ids` (agent) and from a tokenized prompt (gateway), so vLLM's hash settings never matter.
 //! - [`summary`]: the gRPC server-streaming API the agent serves and every gateway replica watches.
 //! - [`vllm`]: vLLM's wire formats (KV-event batches, `/metrics`), for the agent and the simulator.
+//! - [`role`]: a worker's part in prefill/decode disaggregation, as every component names it.
 //! - [`tls`]: mutual TLS for the gRPC connections (agent stream, ext_proc).
 #![forbid(unsafe_code)]
 
 pub mod block_keys;
 pub mod metrics;
+pub mod role;
 pub mod tls;
 pub mod vllm;
 
@@ -20,6 +22,7 @@ pub mod summary {
 }
 
 pub use block_keys::{BlockKey, KeyHasher, with_extra_keys};
+pub use role::WorkerRole;
 
 /// Tokenization as the served model does it: HF `tokenizer.json` plus the model's chat template.
 #[cfg(feature = "tokenize")]

@@ -86,6 +86,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
             .map(|i| WorkerConfig {
                 url: format!("http://10.0.{}.{}:8000", i / 250, i % 250),
                 model: "m".into(),
+                role: Default::default(),
             })
             .collect(),
         models: vec![ModelConfig {
@@ -118,6 +119,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
                 model: "m".into(),
                 block_size: BLOCK as u32,
                 keys: k,
+                role: String::new(),
                 load: Some(pb::WorkerLoad {
                     running: rng.random_range(0..8),
                     waiting: 0,

@@ -50,9 +50,10 @@ pub struct Args {
     pub config: PathBuf,
 
     /// A running OpenAI-compatible worker (vLLM) to route to, e.g. `http://127.0.0.1:8000`; repeat it
-    /// for more. Its model is learned from its `/v1/models`. With `--worker`, a missing `--config`
-    /// file is not an error (everything else keeps its default).
-    #[arg(long = "worker", value_name = "URL")]
+    /// for more. Its model is learned from its `/v1/models`. `URL,role=prefill` (or `decode`, `both`)
+    /// gives its part in prefill/decode disaggregation (vLLM started with a KV connector). With
+    /// `--worker`, a missing `--config` file is not an error (everything else keeps its default).
+    #[arg(long = "worker", value_name = "URL[,role=ROLE]")]
     pub workers: Vec<String>,
 
     /// Tokenizer directory (`tokenizer.json`) of the models learned from `--worker`; without it the
@@ -214,6 +215,35 @@ pub struct GatewayConfig {
     /// Headers sent with every request to a worker, name to value.
     #[serde(default)]
     pub worker_headers: BTreeMap<String, String>,
+    /// Prefill/decode disaggregation where a model has `prefill` workers (`workers[].role`,
+    /// `--worker URL,role=prefill`, the pod label `kinference.ai/role`, an `InferencePool`'s `role`).
+    #[serde(default)]
+    pub disaggregation: DisaggregationConfig,
+}
+
+/// `disaggregation:` of `gateway.yaml`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DisaggregationConfig {
+    /// A request with fewer prompt tokens than this left to compute on the decode worker caching
+    /// most of it runs whole on one worker (an `InferencePool`'s `disaggregation.minUncachedTokens`
+    /// wins for its requests); 0 splits every request. Default 512.
+    #[serde(default = "default_min_uncached_tokens")]
+    pub min_uncached_tokens: usize,
+}
+
+fn default_min_uncached_tokens() -> usize {
+    512
+}
+
+const _: () = assert!(crate::routing::DEFAULT_PD_MIN_UNCACHED_TOKENS == 512);
+
+impl Default for DisaggregationConfig {
+    fn default() -> Self {
+        Self {
+            min_uncached_tokens: default_min_uncached_tokens(),
+        }
+    }
 }
 
 /// Errors loading the configuration file.

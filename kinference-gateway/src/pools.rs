@@ -1,7 +1,9 @@
 //! The pools at run time, beside the policy stage's decisions ([`crate::policy::stage`]): what the
 //! policy set's `InferencePool`s and `InferenceProvider`s make of the gateway's other parts.
 //!
-//! - the router's workers follow the pools' static endpoints on every reload ([`Pools::spawn_sync`]);
+//! - the router's workers follow the pools' static endpoints on every reload, with their roles
+//!   (prefill/decode disaggregation), and selector pools' members get their pool's role
+//!   ([`Pools::spawn_sync`]);
 //! - each pool's workers get the pool's own credentials and headers (`workerCredentials`,
 //!   `workerHeaders`) from the upstream client ([`Pools::spawn_worker_headers`]);
 //! - the providers' clients, made once per provider and reused ([`Pools::provider`]);
@@ -24,6 +26,7 @@ use crate::metrics::fleet::PoolMembers;
 use crate::policy::model::PolicySet;
 use crate::policy::stage::PolicyStage;
 use crate::routing::{ModelConfig, Router, WorkerConfig};
+use kinference_api::WorkerRole;
 
 /// The pools' run-time part: the policy stage it follows, the provider clients, the pools' worker
 /// credentials.
@@ -248,20 +251,32 @@ impl Pools {
     }
 
     /// Keeps the router's workers in line with the pools' endpoints on every reload: new endpoints are
-    /// added, removed ones stop being candidates (workers from `gateway.yaml` stay).
+    /// added (with their roles), removed ones stop being candidates (workers from `gateway.yaml` stay).
+    /// The `role` of a pool with a selector goes to its discovered members now and every
+    /// [`ROLE_INTERVAL`] (members come and go without a reload), unless a pod has its own.
     pub fn spawn_sync(&self, router: Arc<Router>) -> tokio::task::JoinHandle<()> {
         let mut rx = self.stage.subscribe();
+        let stage = Arc::clone(&self.stage);
         tokio::spawn(async move {
             let mut known: BTreeSet<String> = pool_workers(&rx.borrow())
                 .into_iter()
                 .map(|w| w.url)
                 .collect();
-            while rx.changed().await.is_ok() {
+            loop {
+                apply_member_roles(&stage, &router);
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return },
+                    _ = tokio::time::sleep(ROLE_INTERVAL) => continue,
+                }
                 let workers = pool_workers(&rx.borrow_and_update());
                 let now: BTreeSet<String> = workers.iter().map(|w| w.url.clone()).collect();
                 for w in &workers {
                     if !router.upsert_worker(&w.url, &w.model) {
                         tracing::warn!(worker = %w.url, "router worker table full; pool endpoint not added");
+                        continue;
+                    }
+                    if w.role != WorkerRole::Both {
+                        router.set_role(&w.url, w.role);
                     }
                 }
                 for gone in known.difference(&now) {
@@ -276,7 +291,33 @@ impl Pools {
 #[cfg(test)]
 mod tests;
 
-/// Static pool endpoints as router workers (the pool's first model's served name).
+/// How often a selector pool's `role` is applied to its discovered members.
+pub const ROLE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// A pool's `role` (CRD) as the router names it.
+pub fn role(role: kinference_crds::WorkerRole) -> WorkerRole {
+    match role {
+        kinference_crds::WorkerRole::Both => WorkerRole::Both,
+        kinference_crds::WorkerRole::Prefill => WorkerRole::Prefill,
+        kinference_crds::WorkerRole::Decode => WorkerRole::Decode,
+    }
+}
+
+/// Gives the members of every pool with a `role` that role, where they have none of their own.
+fn apply_member_roles(stage: &PolicyStage, router: &Router) {
+    let set = stage.current();
+    for pool in set.pools.values() {
+        if pool.spec.role.is_both() || pool.spec.selector.is_none() {
+            continue;
+        }
+        for member in stage.members(&pool.spec).unwrap_or_default() {
+            router.set_pool_role(&member, role(pool.spec.role));
+        }
+    }
+}
+
+/// Static pool endpoints as router workers (the pool's first model's served name; the endpoint's
+/// role, else the pool's).
 fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
     let mut out: Vec<WorkerConfig> = Vec::new();
     for pool in set.pools.values() {
@@ -293,6 +334,7 @@ fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
                 out.push(WorkerConfig {
                     url,
                     model: served.clone(),
+                    role: role(e.role.unwrap_or(pool.spec.role)),
                 });
             }
         }

@@ -439,6 +439,7 @@ async fn in_process_with(
                 .map(|u| WorkerConfig {
                     url: u.clone(),
                     model: MODEL.into(),
+                    role: Default::default(),
                 })
                 .collect(),
             models: vec![ModelConfig {

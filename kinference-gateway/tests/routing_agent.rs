@@ -104,6 +104,7 @@ fn worker(url: &str, keys: Vec<u64>) -> pb::WorkerState {
         model: "m".into(),
         block_size: 16,
         keys,
+        role: String::new(),
         load: Some(pb::WorkerLoad {
             metrics_ok: true,
             ..Default::default()
@@ -137,6 +138,7 @@ fn router(agent: SocketAddr, tuning: RoutingTuning) -> Router {
             .map(|i| WorkerConfig {
                 url: format!("http://w{i}"),
                 model: "m".into(),
+                role: Default::default(),
             })
             .collect(),
         models: vec![ModelConfig {

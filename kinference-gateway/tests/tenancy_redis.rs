@@ -80,6 +80,7 @@ fn record(id: &str) -> UsageRecord {
         output: 5,
         cost: 2.5,
         estimated: false,
+        prefill_pool: String::new(),
     }
 }
 

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use kinference_bench::sim::engine::Preset;
 use kinference_bench::sim::kv_events::{EventFormat, KvEventsConfig, ReplayFormat};
+use kinference_bench::sim::kv_transfer::KvRole;
 use kinference_bench::sim::{SimConfig, start_many};
 use tokio_util::sync::CancellationToken;
 
@@ -100,6 +101,16 @@ struct Args {
     /// Answer `POST /v1/messages` with 404, as vLLM without the Anthropic Messages API.
     #[arg(long)]
     no_messages_api: bool,
+    /// A KV connector for prefill/decode disaggregation, by vLLM's `kv_role`: `kv_producer` runs
+    /// prefills for other workers (vLLM's `kv_transfer_params` or SGLang's bootstrap rooms),
+    /// `kv_consumer` continues them, `kv_both` either (vLLM's protocol only). Without it, transfer
+    /// fields are ignored. With several ports, one for all or one per port.
+    #[arg(long, value_delimiter = ',')]
+    kv_role: Vec<KvRole>,
+    /// Model seconds to pull one KV block from a prefill worker (default: the preset's; 0.16 ms for
+    /// `l40s-27b-fp8`, 4 MB per block over a ~25 GB/s link).
+    #[arg(long)]
+    kv_transfer_s_per_block: Option<f64>,
 }
 
 impl Args {
@@ -122,6 +133,7 @@ impl Args {
         per_worker("--kv-events-endpoint", self.kv_events_endpoint.len(), false)?;
         per_worker("--kv-replay-endpoint", self.kv_replay_endpoint.len(), false)?;
         per_worker("--kv-topic", self.kv_topic.len(), true)?;
+        per_worker("--kv-role", self.kv_role.len(), true)?;
         if !self.kv_replay_endpoint.is_empty() && self.kv_events_endpoint.is_empty() {
             return Err("--kv-replay-endpoint needs --kv-events-endpoint".into());
         }
@@ -171,6 +183,8 @@ impl Args {
                         buffer_steps: self.kv_buffer_steps,
                         dp_rank: 0,
                     }),
+                kv_role: self.kv_role.get(i).or(self.kv_role.first()).copied(),
+                kv_transfer_s_per_block: self.kv_transfer_s_per_block,
             })
             .collect())
     }

@@ -8,12 +8,15 @@
 //!   events.
 //! - [`engine`]: the scheduler (continuous batching, chunked prefill) and the latency presets.
 //! - [`kv_events`]: the ZeroMQ publisher and replay socket, msgpack as msgspec writes it.
+//! - [`kv_transfer`]: the KV connector of prefill/decode disaggregation (vLLM's `kv_transfer_params`
+//!   and SGLang's bootstrap rooms), with a transfer time per block.
 //! - [`metrics`]: vLLM's Prometheus exposition.
 
 pub mod api;
 pub mod cache;
 pub mod engine;
 pub mod kv_events;
+pub mod kv_transfer;
 pub mod metrics;
 
 use std::net::SocketAddr;
@@ -27,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::engine::{CoreConfig, Engine, Preset};
 use self::kv_events::{KvEventsConfig, KvEventsError, KvPublisher};
+use self::kv_transfer::{KvConnector, KvRole};
 use self::metrics::Metrics;
 
 /// Everything one simulated worker needs (the `vllm-sim` flags, typed).
@@ -59,6 +63,10 @@ pub struct SimConfig {
     /// Serve `POST /v1/messages` (off: 404, as vLLM without the Anthropic Messages API).
     pub messages_api: bool,
     pub kv_events: Option<KvEventsConfig>,
+    /// vLLM's `kv_role` of its KV connector (prefill/decode disaggregation); `None`: no connector.
+    pub kv_role: Option<KvRole>,
+    /// Model seconds to pull one KV block from a prefill worker (`None`: the preset's).
+    pub kv_transfer_s_per_block: Option<f64>,
 }
 
 /// Why the simulator could not start.
@@ -173,7 +181,18 @@ async fn start_with_tokenizer(
         addr: cfg.listen,
         source,
     })?;
+    let kv = cfg.kv_role.map(|role| {
+        KvConnector::new(
+            role,
+            addr.ip().to_string(),
+            addr.port(),
+            cfg.kv_transfer_s_per_block
+                .unwrap_or_else(|| cfg.preset.kv_transfer_s_per_block()),
+            cfg.time_scale,
+        )
+    });
     let state = Arc::new(api::AppState {
+        kv,
         engine,
         tokenizer,
         metrics,

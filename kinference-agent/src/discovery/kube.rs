@@ -5,7 +5,8 @@
 //! A pod is a worker while it is Running and Ready with a pod IP and a model (label or annotation
 //! `kinference.ai/model`). Its spec follows the chart's conventions (deploy/examples/vllm-worker.yaml):
 //! URL `http://<pod ip>:<kinference.ai/http-port, default 8000>`, topic `kv@<pod name>@<model>`, replay at
-//! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated. KV events:
+//! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated, role (prefill/decode disaggregation)
+//! from the label or annotation `kinference.ai/role`, sent to the gateways with the worker's state. KV events:
 //! - with the annotation `kinference.ai/kv-events-port`, the worker's publisher binds that port in its own
 //!   pod (vLLM `"endpoint":"tcp://*:<port>"`) and the agent connects to `tcp://<pod ip>:<port>`: one
 //!   endpoint per worker pod, so any number of workers on a node each reach the agent;
@@ -28,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{WorkerChange, diff};
 use crate::config::WorkerSpec;
+use kinference_api::role::ROLE_KEY;
 
 /// Annotation with the worker's HTTP port.
 pub const HTTP_PORT_ANNOTATION: &str = "kinference.ai/http-port";
@@ -128,6 +130,10 @@ impl KubeSource {
             kv_events_bind,
             kv_replay_endpoint: replay,
             kv_topic: Some(format!("kv@{name}@{model}")),
+            // An unknown role name is left out (the gateways keep theirs), not a reason to drop the pod.
+            role: lookup(meta.labels.as_ref(), ROLE_KEY)
+                .or_else(|| lookup(meta.annotations.as_ref(), ROLE_KEY))
+                .and_then(|r| r.parse().ok()),
         })
     }
 }

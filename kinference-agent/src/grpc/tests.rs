@@ -12,6 +12,7 @@ fn spec(url: &str) -> WorkerSpec {
         kv_events_bind: true,
         kv_replay_endpoint: None,
         kv_topic: None,
+        role: None,
     }
 }
 
@@ -278,4 +279,37 @@ fn node_state_is_in_snapshots_and_in_the_delta_after_a_change() {
     };
     assert!(d.workers.is_empty());
     assert_eq!(d.node_state, Some(state(55)));
+}
+
+#[test]
+fn a_worker_role_travels_in_the_snapshot_and_in_its_first_delta() {
+    let (registry, b) = setup(16);
+    let mut prefill = spec("http://p1");
+    prefill.role = Some(kinference_api::WorkerRole::Prefill);
+    registry.upsert(prefill, 1000);
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g1".into());
+    b.tick(&mut announced);
+    let Some(Kind::Snapshot(s)) = recv_now(&mut rx) else {
+        panic!("a snapshot first");
+    };
+    assert_eq!(s.workers[0].role, "prefill");
+    // A worker announced after the snapshot carries its role with its model; one without a role
+    // sends "" (the gateways keep the role they were given).
+    let mut decode = spec("http://d1");
+    decode.role = Some(kinference_api::WorkerRole::Decode);
+    registry.upsert(decode, 1000);
+    registry.upsert(spec("http://w1"), 1000);
+    b.tick(&mut announced);
+    let Some(Kind::Delta(d)) = recv_now(&mut rx) else {
+        panic!("a delta");
+    };
+    let role = |url: &str| {
+        d.workers
+            .iter()
+            .find(|w| w.worker_id == url)
+            .map(|w| (w.model.clone(), w.role.clone()))
+    };
+    assert_eq!(role("http://d1"), Some(("m".into(), "decode".into())));
+    assert_eq!(role("http://w1"), Some(("m".into(), String::new())));
 }

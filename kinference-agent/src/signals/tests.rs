@@ -12,6 +12,7 @@ fn spec(url: &str) -> WorkerSpec {
         kv_events_bind: true,
         kv_replay_endpoint: None,
         kv_topic: None,
+        role: None,
     }
 }
 

@@ -1,6 +1,8 @@
-//! `--worker URL` (repeatable): the gateway in front of OpenAI-compatible servers that already run,
-//! without a configuration file. Each worker's served model is learned from its `/v1/models`; the
-//! tokenizer comes from `--tokenizer-dir` or, without it, from the worker's own `POST /tokenize`.
+//! `--worker URL[,role=ROLE]` (repeatable): the gateway in front of OpenAI-compatible servers that
+//! already run, without a configuration file. Each worker's served model is learned from its
+//! `/v1/models`; the tokenizer comes from `--tokenizer-dir` or, without it, from the worker's own
+//! `POST /tokenize`. `role=prefill` / `role=decode` make a prefill/decode disaggregation pair (vLLM
+//! started with a KV connector); the default is `both`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -10,6 +12,8 @@ use http::{Method, Request};
 use http_body_util::{BodyExt as _, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+
+use kinference_api::WorkerRole;
 
 use super::GatewayConfig;
 use crate::routing::{ModelConfig, WorkerConfig};
@@ -27,8 +31,8 @@ pub async fn with_flag_workers(
     headers: &http::HeaderMap,
 ) -> Result<GatewayConfig, String> {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
-    for url in urls {
-        let url = url.trim_end_matches('/').to_string();
+    for flag in urls {
+        let (url, role) = parse_flag(flag)?;
         let model = served_model(&client, &url, headers).await?;
         if !config.models.iter().any(|m| m.name == model) {
             config.models.push(ModelConfig {
@@ -38,11 +42,36 @@ pub async fn with_flag_workers(
             });
         }
         if !config.workers.iter().any(|w| w.url == url) {
-            config.workers.push(WorkerConfig { url, model });
+            config.workers.push(WorkerConfig { url, model, role });
         }
     }
     config.validate()?;
     Ok(config)
+}
+
+/// `URL` or `URL,role=ROLE` -> the URL without a trailing slash, and the role (default `both`).
+fn parse_flag(flag: &str) -> Result<(String, WorkerRole), String> {
+    let mut parts = flag.split(',');
+    let url = parts
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .trim_end_matches('/')
+        .to_string();
+    let mut role = WorkerRole::Both;
+    for option in parts {
+        match option.trim().split_once('=') {
+            Some(("role", value)) => {
+                role = value.parse().map_err(|e| format!("--worker {flag}: {e}"))?;
+            }
+            _ => {
+                return Err(format!(
+                    "--worker {flag}: unknown option `{option}` (expected URL or URL,role=prefill|decode|both)"
+                ));
+            }
+        }
+    }
+    Ok((url, role))
 }
 
 /// The first model id of the worker's `GET /v1/models`.
@@ -89,7 +118,25 @@ fn first_model_id(body: &[u8]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::first_model_id;
+    use super::{WorkerRole, first_model_id, parse_flag};
+
+    #[test]
+    fn a_flag_may_name_the_workers_role() {
+        assert_eq!(
+            parse_flag("http://127.0.0.1:8001/").unwrap(),
+            ("http://127.0.0.1:8001".to_string(), WorkerRole::Both)
+        );
+        assert_eq!(
+            parse_flag("http://p:8001,role=prefill").unwrap(),
+            ("http://p:8001".to_string(), WorkerRole::Prefill)
+        );
+        assert_eq!(
+            parse_flag("http://d:8002, role=decode").unwrap().1,
+            WorkerRole::Decode
+        );
+        assert!(parse_flag("http://d:8002,role=encode").is_err());
+        assert!(parse_flag("http://d:8002,weight=2").is_err());
+    }
 
     #[test]
     fn reads_the_first_model_of_an_openai_list() {

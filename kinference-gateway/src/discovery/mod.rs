@@ -103,6 +103,15 @@ impl WorkerSink for Router {
     fn upsert(&self, worker: &PodWorker) {
         if !self.upsert_worker(&worker.url, &worker.model) {
             tracing::error!(worker = %worker.url, "worker table full; discovered worker ignored");
+            return;
+        }
+        // The pod's own role (prefill/decode disaggregation) wins over its pool's.
+        if let Some(role) = worker
+            .labels
+            .get(kinference_api::role::ROLE_KEY)
+            .and_then(|r| r.parse().ok())
+        {
+            self.set_role(&worker.url, role);
         }
     }
     fn remove(&self, url: &str) {

@@ -184,6 +184,7 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
         workers: vec![WorkerConfig {
             url: "http://127.0.0.1:9".into(),
             model: "m".into(),
+            role: Default::default(),
         }],
         models: vec![],
         agents: vec![],

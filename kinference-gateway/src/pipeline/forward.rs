@@ -7,6 +7,12 @@
 //!
 //! How a worker is asked ([`worker_call`]) and picked ([`pick`]) is shared with the ext_proc door,
 //! which forwards through Envoy instead.
+//!
+//! A pool with `prefill` workers runs the chat and completions requests of this door in two steps
+//! ([`pair`]: prefill/decode disaggregation, vLLM's KV-connector protocol); the ext_proc door sends
+//! them whole to one worker (Envoy forwards to one destination).
+
+pub mod pair;
 
 use std::sync::Arc;
 
@@ -50,6 +56,8 @@ pub struct WorkerAnswer {
     call: WorkerCall,
     /// The plan's targets after the one that took the request (none without policies).
     rest: Option<PlanRest>,
+    /// The worker that ran the prefill of a split request ([`pair`]).
+    prefill: Option<String>,
 }
 
 /// The targets of a plan from `next` on: where a stream's second chance goes when no other worker
@@ -99,10 +107,15 @@ pub async fn planned(
     let providers = request.provider_request().is_some() && !plan.local_only;
     for (i, target) in plan.targets.iter().enumerate() {
         match target {
-            PlanTarget::Pool { model, workers, .. } => {
+            PlanTarget::Pool {
+                pool,
+                model,
+                workers,
+            } => {
                 let renamed = request.renamed_for(model)?;
                 let req = renamed.as_ref().unwrap_or(request);
-                match to_worker(gw, ex, req, workers.as_deref()).await {
+                let split = pair::settings(gw, &plan, pool, workers.as_deref());
+                match to_worker(gw, ex, req, workers.as_deref(), &split).await {
                     Ok(mut answer) => {
                         if let Some(stage) = &gw.policy {
                             stage.count_sent(target, plan.burst);
@@ -278,14 +291,19 @@ pub async fn pick(
 }
 
 /// Picks a worker (among `pool` when a policy chose one) and sends the request
-/// ([`send_to_worker`]). The settlement holds the router's ticket from then on.
+/// ([`send_to_worker`]); a request this door may split, to a pool with `prefill` workers, goes to a
+/// pair of workers instead ([`pair::to_pair`]). The settlement holds the router's ticket from then on.
 async fn to_worker(
     gw: &Gateway,
-    ex: &Exchange,
+    ex: &mut Exchange,
     request: &Request,
     pool: Option<&[String]>,
+    split: &pair::Disaggregation,
 ) -> Result<WorkerAnswer, GatewayError> {
     let call = worker_call(gw, ex.endpoint, request, pool, ex.door)?;
+    if pair::splits(&call, ex.door) && gw.router.has_prefill_workers(&call.model) {
+        return pair::to_pair(gw, ex, request, call, split).await;
+    }
     let (decision, response) =
         send_to_worker(gw, &call, request, ex.debug, &ex.tokens, Vec::new()).await?;
     Ok(WorkerAnswer {
@@ -293,6 +311,7 @@ async fn to_worker(
         response,
         call,
         rest: None,
+        prefill: None,
     })
 }
 
@@ -320,50 +339,10 @@ async fn send_to_worker(
             }
             Err(e) => return Err(e.into()),
         };
-        let target = Target::Worker {
-            url: &decision.worker,
-            path: call.path,
-        };
-        let outgoing = Outgoing {
-            body: &call.body,
-            ..outgoing(request)
-        };
-        let model = &call.model;
-        let error = match backend::send(&gw.upstream, target, outgoing).await {
-            Ok(response) if response.status().is_success() => {
-                gw.health.observe(&decision.worker, true);
-                return Ok((decision, response));
-            }
-            Ok(response) => {
-                let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
-                let worker_fault = response.status().is_server_error();
-                gw.health.observe(&decision.worker, !worker_fault);
-                let error = rejection(gw, call, &decision.worker, response).await;
-                if !unavailable {
-                    return Err(error);
-                }
-                error
-            }
-            Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
-                tracing::warn!(worker = %decision.worker, %model, %error, "worker unreachable; marking it unhealthy");
-                gw.health.connect_failed(&decision.worker);
-                error
-            }
-            Err(SendError::Failed(error @ GatewayError::BadUpstream { .. })) => {
-                tracing::warn!(worker = %decision.worker, %model, %error, "worker broke the connection before answering");
-                gw.health.observe(&decision.worker, false);
-                error
-            }
-            Err(SendError::Failed(error)) => {
-                gw.health.observe(&decision.worker, false);
-                return Err(error);
-            }
-            Err(SendError::Unusable(detail)) => {
-                return Err(GatewayError::BadUpstream {
-                    worker: decision.worker.clone(),
-                    detail,
-                });
-            }
+        let error = match send_once(gw, call, request, &decision).await {
+            Ok(response) => return Ok((decision, response)),
+            Err(Unsent::Refused(error)) => return Err(error),
+            Err(Unsent::Unavailable(error)) => error,
         };
         if last.is_some() {
             return Err(error);
@@ -371,6 +350,68 @@ async fn send_to_worker(
         gw.metrics.retry();
         failed.push(decision.worker.clone());
         last = Some(error);
+    }
+}
+
+/// Why a worker did not take a call.
+pub(crate) enum Unsent {
+    /// It failed before answering (refused or broken connection, 503): another worker may take it.
+    Unavailable(GatewayError),
+    /// It refused the request itself (a 4xx, a 5xx other than 503): no other worker would do better.
+    Refused(GatewayError),
+}
+
+/// Sends `call` to the worker of `decision` once: its 2xx answer, or why not, its health observed on
+/// the way (a refused connection marks it unhealthy).
+async fn send_once(
+    gw: &Gateway,
+    call: &WorkerCall,
+    request: &Request,
+    decision: &Decision,
+) -> Result<Response<Incoming>, Unsent> {
+    let target = Target::Worker {
+        url: &decision.worker,
+        path: call.path,
+    };
+    let outgoing = Outgoing {
+        body: &call.body,
+        ..outgoing(request)
+    };
+    let model = &call.model;
+    match backend::send(&gw.upstream, target, outgoing).await {
+        Ok(response) if response.status().is_success() => {
+            gw.health.observe(&decision.worker, true);
+            Ok(response)
+        }
+        Ok(response) => {
+            let unavailable = response.status() == StatusCode::SERVICE_UNAVAILABLE;
+            let worker_fault = response.status().is_server_error();
+            gw.health.observe(&decision.worker, !worker_fault);
+            let error = rejection(gw, call, &decision.worker, response).await;
+            Err(if unavailable {
+                Unsent::Unavailable(error)
+            } else {
+                Unsent::Refused(error)
+            })
+        }
+        Err(SendError::Failed(error @ GatewayError::WorkerUnreachable { .. })) => {
+            tracing::warn!(worker = %decision.worker, %model, %error, "worker unreachable; marking it unhealthy");
+            gw.health.connect_failed(&decision.worker);
+            Err(Unsent::Unavailable(error))
+        }
+        Err(SendError::Failed(error @ GatewayError::BadUpstream { .. })) => {
+            tracing::warn!(worker = %decision.worker, %model, %error, "worker broke the connection before answering");
+            gw.health.observe(&decision.worker, false);
+            Err(Unsent::Unavailable(error))
+        }
+        Err(SendError::Failed(error)) => {
+            gw.health.observe(&decision.worker, false);
+            Err(Unsent::Refused(error))
+        }
+        Err(SendError::Unusable(detail)) => Err(Unsent::Refused(GatewayError::BadUpstream {
+            worker: decision.worker.clone(),
+            detail,
+        })),
     }
 }
 
@@ -546,9 +587,10 @@ pub async fn relay(
                 response,
                 call,
                 rest,
+                prefill,
             } = *answer;
             let style = call.style;
-            let headers = worker_headers(&decision, ex);
+            let headers = worker_headers(&decision, prefill.as_deref(), ex);
             if let Some(s) = ex.settlement() {
                 s.worker(
                     &decision.worker,
@@ -659,7 +701,7 @@ async fn verbatim(
     let WorkerAnswer {
         decision, response, ..
     } = answer;
-    let mut headers = worker_headers(&decision, ex);
+    let mut headers = worker_headers(&decision, None, ex);
     let worker = decision.worker.clone();
     let Some(mut settlement) = ex.settlement.take() else {
         return Err(GatewayError::BadUpstream {
@@ -717,14 +759,20 @@ async fn verbatim(
     Ok(out)
 }
 
-/// For admins only ([`crate::access`]): `x-kinference-worker` (the worker's internal address) and
+/// For admins only ([`crate::access`]): `x-kinference-worker` (the worker's internal address; of a
+/// split request, the decode worker's, and `x-kinference-prefill-worker` the prefill worker's) and
 /// `x-kinference-decision` (when debugging).
-fn worker_headers(decision: &Decision, ex: &Exchange) -> http::HeaderMap {
+fn worker_headers(decision: &Decision, prefill: Option<&str>, ex: &Exchange) -> http::HeaderMap {
     let mut headers = http::HeaderMap::new();
     if ex.admin
         && let Ok(v) = HeaderValue::from_str(&decision.worker)
     {
         headers.insert("x-kinference-worker", v);
+    }
+    if ex.admin
+        && let Some(v) = prefill.and_then(|p| HeaderValue::from_str(p).ok())
+    {
+        headers.insert("x-kinference-prefill-worker", v);
     }
     if ex.debug
         && let Some(v) = decision

@@ -196,6 +196,15 @@ impl Settlement {
         }
     }
 
+    /// The prefill of a split request (prefill/decode disaggregation) ran on `worker`, which
+    /// reported `usage`: the prompt is billed by it, once, when the decode worker's answer settles
+    /// the request.
+    pub fn prefilled(&mut self, worker: &str, usage: Option<&Usage>) {
+        if let Some(admission) = &mut self.admission {
+            admission.prefilled(worker, usage);
+        }
+    }
+
     /// The request went to another worker after the first broke its stream before any output
     /// ([`crate::backend::relay::Resend`]): the new worker's ticket replaces the first's (released
     /// as it drops) and the new worker is the one the request is counted and recorded under.

@@ -317,6 +317,7 @@ fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
                 if ws.block_size > 0 {
                     st.block_size = Some(ws.block_size as usize);
                 }
+                st.set_reported_role(&ws.role);
                 st.load = ws.load.as_ref().map(|l| to_load(l, now));
             }
         }
@@ -401,6 +402,9 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
         st.gone = false;
         if wd.block_size > 0 {
             st.block_size = Some(wd.block_size as usize);
+        }
+        if !wd.model.is_empty() {
+            st.set_reported_role(&wd.role);
         }
         if let Some(l) = &wd.load {
             st.load = Some(to_load(l, now));

@@ -36,6 +36,9 @@ pub struct WorkerConfig {
     pub url: String,
     /// Served model name (what clients put in `model`).
     pub model: String,
+    /// Its part in prefill/decode disaggregation (`prefill`, `decode`, default `both`).
+    #[serde(default)]
+    pub role: kinference_api::WorkerRole,
 }
 
 /// One served model.

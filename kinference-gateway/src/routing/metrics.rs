@@ -49,6 +49,16 @@ pub struct TokenizeLabels {
     pub source: String,
 }
 
+/// Labels of a prefill/decode disaggregation decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PdLabels {
+    /// `split` (a prefill worker and a decode worker), `whole` (too little left to compute on the
+    /// best decode worker: one worker), `untokenized` (whole: the prompt could not be measured),
+    /// `fallback` (whole, after the prefill failed) or `no_transfer_params` (the prefill answered
+    /// without `kv_transfer_params`: its worker has no KV connector, the decode recomputes).
+    pub outcome: String,
+}
+
 /// Labels of a timed stage of a routing decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StageLabels {
@@ -98,6 +108,8 @@ pub struct Metrics {
     pub worker_overhead_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     /// Candidate estimates made without the worker's kernel view, by reason.
     pub kernel_view_missing: Family<KernelMissingLabels, Counter>,
+    /// Prefill/decode disaggregation decisions by outcome.
+    pub pd: Family<PdLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -118,6 +130,7 @@ impl Default for Metrics {
             worker_tokens_per_s: Family::default(),
             worker_overhead_s: Family::default(),
             kernel_view_missing: Family::default(),
+            pd: Family::default(),
         }
     }
 }
@@ -227,6 +240,11 @@ impl Metrics {
             "kernel_view_missing",
             "Candidate TTFT estimates made without the worker's kernel-level queue view (eBPF), by reason",
             kinference_api::metrics::Described(self.kernel_view_missing.clone()),
+        );
+        r.register(
+            "pd",
+            "Requests to pools with prefill workers by outcome: split between a prefill and a decode worker, or whole on one worker (too short, untokenized, the prefill failed), and prefills answered without kv_transfer_params",
+            kinference_api::metrics::Described(self.pd.clone()),
         );
     }
 }

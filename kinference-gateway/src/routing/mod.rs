@@ -12,6 +12,8 @@
 //!   credit for requests just routed;
 //! - [`estimate`]: TTFT per candidate from cached prefix, queued work and learned rates; the choice
 //!   (near-tie spreading, load guard);
+//! - `pair`: prefill/decode disaggregation, the prefill worker and the decode worker of a split
+//!   request ([`Router::pick_pair`]);
 //! - [`baseline`]: the simple strategies the benchmark compares against;
 //! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports.
 //!
@@ -30,6 +32,7 @@ mod config;
 pub mod estimate;
 pub mod kv_index;
 pub mod metrics;
+mod pair;
 pub mod pools;
 pub mod speculative;
 mod ticket;
@@ -39,12 +42,13 @@ pub mod workers;
 pub use config::{
     BuildError, ModelConfig, RoutingConfig, RoutingMode, RoutingTuning, WorkerConfig,
 };
+pub use pair::{Pair, PairRequest};
 pub use ticket::InFlight;
 
 use std::fmt;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kinference_api::tokenize::ModelTokenizer;
@@ -58,6 +62,10 @@ use metrics::{DecisionLabels, KernelMissingLabels};
 use speculative::Speculative;
 use tokenize::{PromptTokens, Source, Tokenizers};
 use workers::{Worker, WorkerTable};
+
+/// The default of [`Router::pd_min_uncached_tokens`]: below about 512 tokens a prefill takes less
+/// than a decode step or two on the calibrated worker, less than the second call and the KV pull.
+pub const DEFAULT_PD_MIN_UNCACHED_TOKENS: usize = 512;
 
 /// Why no worker was picked.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -149,6 +157,8 @@ struct Shared {
     gateway_id: String,
     /// Mutual TLS to the agents (`--agent-tls-*`): their `http://` URLs are dialled as `https://`.
     agent_tls: Option<tonic::transport::ClientTlsConfig>,
+    /// The gateway's `disaggregation.min_uncached_tokens` (pools may set their own).
+    pd_min_uncached_tokens: AtomicUsize,
 }
 
 impl Shared {
@@ -288,7 +298,11 @@ impl Router {
             if table.get(&w.url).is_some() {
                 return Err(BuildError::DuplicateWorker(w.url.clone()));
             }
-            table.get_or_add(&w.url, &w.model, true, &prior_rates);
+            if let Some(worker) = table.get_or_add(&w.url, &w.model, true, &prior_rates)
+                && w.role != kinference_api::WorkerRole::Both
+            {
+                worker.state.lock().pin_role(w.role);
+            }
         }
         let tokenizers = Tokenizers::load(
             config
@@ -323,6 +337,7 @@ impl Router {
             gateway_id: format!("kinference-gateway-{}", std::process::id()),
             agent_tls,
             tuning,
+            pd_min_uncached_tokens: AtomicUsize::new(DEFAULT_PD_MIN_UNCACHED_TOKENS),
         });
         let mut tasks = Vec::new();
         let count = shared.agents.read().len();
@@ -336,6 +351,20 @@ impl Router {
             }
         }
         Ok(Self { shared, tasks })
+    }
+
+    /// Prompt tokens left to compute on the best decode worker below which a request to a pool
+    /// with `prefill` workers runs whole on one worker (the gateway's default; a pool's
+    /// `disaggregation.minUncachedTokens` wins).
+    pub fn pd_min_uncached_tokens(&self) -> usize {
+        self.shared.pd_min_uncached_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`Router::pd_min_uncached_tokens`] (`gateway.yaml`'s `disaggregation`).
+    pub fn set_pd_min_uncached_tokens(&self, tokens: usize) {
+        self.shared
+            .pd_min_uncached_tokens
+            .store(tokens, Ordering::Relaxed);
     }
 
     /// The routing mode.
@@ -869,6 +898,32 @@ impl Router {
             }
             None => false,
         }
+    }
+
+    /// Gives `worker` its own `role` (its pod's `kinference.ai/role` label): over its pool's.
+    pub fn set_role(&self, worker: &str, role: kinference_api::WorkerRole) {
+        if let Some(w) = self.shared.workers.read().get(worker) {
+            w.state.lock().pin_role(role);
+        }
+    }
+
+    /// Gives `worker` its pool's `role`, unless it has one of its own ([`Router::set_role`], an
+    /// agent's report, `workers[].role`).
+    pub fn set_pool_role(&self, worker: &str, role: kinference_api::WorkerRole) {
+        if let Some(w) = self.shared.workers.read().get(worker) {
+            w.state.lock().set_pool_role(role);
+        }
+    }
+
+    /// The role each known worker has now, by URL.
+    pub fn roles(&self) -> Vec<(String, kinference_api::WorkerRole)> {
+        self.shared
+            .workers
+            .read()
+            .all()
+            .iter()
+            .map(|w| (w.url.clone(), w.state.lock().role))
+            .collect()
     }
 
     /// A discovered worker left (pod deleted, not ready, relabelled): no longer a candidate.

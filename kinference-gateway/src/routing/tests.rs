@@ -8,10 +8,12 @@ fn config(mode: RoutingMode) -> RoutingConfig {
             WorkerConfig {
                 url: "http://w1".into(),
                 model: "m".into(),
+                role: Default::default(),
             },
             WorkerConfig {
                 url: "http://w2".into(),
                 model: "m".into(),
+                role: Default::default(),
             },
         ],
         models: vec![ModelConfig {
@@ -127,6 +129,7 @@ fn kconfig(workers: usize, agents: &[&str]) -> RoutingConfig {
             .map(|i| WorkerConfig {
                 url: format!("http://w{i}"),
                 model: "m".into(),
+                role: Default::default(),
             })
             .collect(),
         models: vec![ModelConfig {
@@ -167,6 +170,7 @@ fn worker_state(url: &str, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerSt
         block_size: 16,
         keys,
         load: Some(load),
+        role: String::new(),
     }
 }
 

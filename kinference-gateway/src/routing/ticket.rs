@@ -12,6 +12,9 @@ use super::metrics::WorkerLabels;
 use super::workers::Worker;
 use super::*;
 
+/// Weight of the newest stream in a worker's time per output token.
+const TPOT_EWMA: f64 = 0.2;
+
 /// A routed request's entry in the in-flight ledger.
 ///
 /// Call [`InFlight::first_token`] when the first token arrives and [`InFlight::finish`] at the end.
@@ -118,9 +121,19 @@ impl InFlight {
         }
     }
 
-    /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`).
+    /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`). A
+    /// successful stream of several tokens teaches the worker's time per output token (what the
+    /// decode side of a split request is chosen by).
     pub fn finish(mut self, ok: bool, output_tokens: usize, cached_tokens: Option<usize>) {
         tracing::trace!(worker = %self.worker.url, ok, output_tokens, ?cached_tokens, "request finished");
+        if let Some(first) = self.first_token.filter(|_| ok && output_tokens >= 2) {
+            let tpot = first.elapsed().as_secs_f64() / (output_tokens - 1) as f64;
+            let mut st = self.worker.state.lock();
+            st.tpot_s = Some(
+                st.tpot_s
+                    .map_or(tpot, |t| (1.0 - TPOT_EWMA) * t + TPOT_EWMA * tpot),
+            );
+        }
         self.release();
     }
 

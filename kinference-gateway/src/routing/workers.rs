@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kinference_api::BlockKey;
+use kinference_api::{BlockKey, WorkerRole};
 use parking_lot::Mutex;
 
 use super::estimate::{KernelQueue, Rates, Seen};
@@ -69,6 +69,14 @@ pub struct WorkerState {
     pub healthy: bool,
     /// The prompts of this gateway's requests in flight there, as block keys.
     pub prompts: InFlightPrompts,
+    /// Its part in prefill/decode disaggregation.
+    pub role: WorkerRole,
+    /// The role was given for this worker itself (its configuration, pod label or agent), not by
+    /// its pool: a pool's `role` does not override it.
+    pub role_pinned: bool,
+    /// Time per output token of this gateway's recent streams there (EWMA, seconds): the decode
+    /// side of a split request goes where it is low.
+    pub tpot_s: Option<f64>,
 }
 
 /// The block keys of this gateway's requests in flight on one worker.
@@ -345,6 +353,26 @@ impl LedgerLog {
 }
 
 impl WorkerState {
+    /// The role given for this worker itself (configuration, pod label): it wins over its pool's.
+    pub fn pin_role(&mut self, role: WorkerRole) {
+        self.role = role;
+        self.role_pinned = true;
+    }
+
+    /// The role an agent reports (`""`: the agent was not told; the role known stays).
+    pub fn set_reported_role(&mut self, wire: &str) {
+        if let Some(role) = WorkerRole::from_wire(wire) {
+            self.pin_role(role);
+        }
+    }
+
+    /// A pool's `role` for its member: applied unless the worker has a role of its own.
+    pub fn set_pool_role(&mut self, role: WorkerRole) {
+        if !self.role_pinned {
+            self.role = role;
+        }
+    }
+
     /// A request's prefill is over (its first token, or its end without one): everything up to its
     /// backlog `position` is done and, if it was `awaited`, it no longer awaits its first token.
     pub fn prefill_over(&mut self, position: Option<f64>, awaited: bool, now: Instant) {
@@ -438,6 +466,9 @@ impl WorkerTable {
                 gone: false,
                 healthy: true,
                 prompts: InFlightPrompts::default(),
+                role: WorkerRole::Both,
+                role_pinned: false,
+                tpot_s: None,
             }),
         });
         self.by_url.insert(worker.url.clone(), id);
@@ -457,8 +488,31 @@ impl WorkerTable {
         named
     }
 
-    /// Healthy workers serving `model` (or with an adapter of that name loaded) that have not left.
+    /// Healthy workers serving `model` (or with an adapter of that name loaded) that have not left
+    /// and take whole requests: `prefill` workers only when the model has no other.
     pub fn candidates(&self, model: &str) -> Vec<Arc<Worker>> {
+        let (mut whole, mut prefill) = (Vec::new(), Vec::new());
+        // The model first: only that model's workers are locked (every request calls this).
+        for w in self
+            .list
+            .iter()
+            .filter(|w| w.model == model || self.has_adapter(w.id, model))
+        {
+            let st = w.state.lock();
+            if st.gone || !st.healthy {
+                continue;
+            }
+            if st.role.serves_whole() {
+                whole.push(Arc::clone(w));
+            } else {
+                prefill.push(Arc::clone(w));
+            }
+        }
+        if whole.is_empty() { prefill } else { whole }
+    }
+
+    /// [`WorkerTable::candidates`] of every role: the pair of a split request is picked from them.
+    pub fn candidates_any_role(&self, model: &str) -> Vec<Arc<Worker>> {
         self.list
             .iter()
             // The model first: only that model's workers are locked (every request calls this).

@@ -37,6 +37,10 @@ pub struct Admission {
     headers: Vec<(&'static str, String)>,
     started: Instant,
     worker: Option<String>,
+    /// The prefill of a split request (prefill/decode disaggregation): its worker and the prompt
+    /// tokens it computed and found cached. The prompt is billed by these figures at that worker's
+    /// pool's prices, the output at the decode worker's.
+    prefill: Option<Prefilled>,
     /// The provider that served the request (name, prices of the model it was asked for).
     provider: Option<(String, Option<TokenPrices>)>,
     /// The tenant spent its monthly budget and its `onExceeded` is `LocalOnly`.
@@ -61,6 +65,14 @@ impl std::fmt::Debug for Admission {
             .field("model", &self.model)
             .finish()
     }
+}
+
+/// The prefill half of a split request, as its worker reported it.
+#[derive(Debug, Clone)]
+struct Prefilled {
+    worker: String,
+    prompt: u64,
+    cached: u64,
 }
 
 impl Admission {
@@ -94,6 +106,17 @@ impl Admission {
     /// sent again): the usage record names it.
     pub fn moved(&mut self, worker: &str) {
         self.worker = Some(worker.to_string());
+    }
+
+    /// The prefill of this split request ran on `worker`, which reported `usage` (its prompt tokens
+    /// and those it found cached; its one output token is the gateway's, not billed). The request
+    /// is still settled once, with the decode worker's answer.
+    pub fn prefilled(&mut self, worker: &str, usage: Option<&Usage>) {
+        self.prefill = Some(Prefilled {
+            worker: worker.to_string(),
+            prompt: usage.map_or(0, |u| u.prompt_tokens),
+            cached: usage.and_then(Usage::cached_tokens).unwrap_or(0),
+        });
     }
 
     /// The router chose `worker` for `reason`; `prompt_tokens` is its own count, which replaces the
@@ -318,6 +341,7 @@ impl Tenancy {
             headers: Vec::new(),
             started: Instant::now(),
             worker: None,
+            prefill: None,
             provider: None,
             local_only: false,
             gateway_prompt_tokens: None,
@@ -561,6 +585,12 @@ impl Tenancy {
                 )
             }
         };
+        // A split request's prompt was computed by its prefill worker: the decode worker reports it
+        // as cached (pulled), the prefill worker says what was really computed.
+        let (prompt, cached) = match &a.prefill {
+            Some(p) if p.prompt > 0 && output > 0 => (p.prompt, p.cached.min(p.prompt)),
+            _ => (prompt, cached),
+        };
         // Reconcile the buckets: what was debited becomes what was used.
         let mut adjust = Vec::new();
         for t in &a.takes {
@@ -609,7 +639,19 @@ impl Tenancy {
             .inc_by(cached);
         m.output_tokens.get_or_create(&a.labels).inc_by(output);
         m.observe_sizes(&a.labels, prompt, output);
-        let cost = usage::cost(prices.as_ref(), uncached, cached, output);
+        // The prompt at the prefill worker's pool's prices, the output at the decode worker's.
+        let prefill_pool = a
+            .prefill
+            .as_ref()
+            .filter(|_| provider.is_empty())
+            .and_then(|p| self.pool_of(&p.worker, &a.model));
+        let cost = match &prefill_pool {
+            Some((_, input_prices)) => {
+                usage::cost(Some(input_prices), uncached, cached, 0)
+                    + usage::cost(prices.as_ref(), 0, 0, output)
+            }
+            None => usage::cost(prices.as_ref(), uncached, cached, output),
+        };
         let ts_ms = now_ms();
         m.cost
             .get_or_create(&TenantBackend {
@@ -632,6 +674,7 @@ impl Tenancy {
             tenant: a.tenant.clone(),
             model: a.model.clone(),
             pool,
+            prefill_pool: prefill_pool.map(|(name, _)| name).unwrap_or_default(),
             provider,
             status,
             requests: 1,

@@ -383,6 +383,7 @@ fn record_of(tenant: &str, ts_ms: u64) -> UsageRecord {
         tenant: tenant.into(),
         model: "m".into(),
         pool: "p".into(),
+        prefill_pool: String::new(),
         provider: String::new(),
         status: 200,
         requests: 1,

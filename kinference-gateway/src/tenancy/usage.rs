@@ -26,9 +26,14 @@ pub struct UsageRecord {
     pub tenant: String,
     /// Requested model.
     pub model: String,
-    /// The `InferencePool` that served it ("" when unknown or none).
+    /// The `InferencePool` that served it ("" when unknown or none); for a split request
+    /// (prefill/decode disaggregation), its decode worker's pool, billed the output.
     #[serde(default)]
     pub pool: String,
+    /// The pool whose worker computed the prompt of a split request, billed the input ("" for a
+    /// request served whole).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub prefill_pool: String,
     /// The `InferenceProvider` that served it ("" for local pools).
     #[serde(default)]
     pub provider: String,

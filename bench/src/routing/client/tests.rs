@@ -96,6 +96,8 @@ async fn sim_worker(shutdown: tokio_util::sync::CancellationToken) -> String {
         responses_api: true,
         messages_api: true,
         kv_events: None,
+        kv_role: None,
+        kv_transfer_s_per_block: None,
     };
     let running = crate::sim::start(config, shutdown)
         .await

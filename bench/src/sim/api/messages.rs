@@ -17,7 +17,7 @@ use super::{AppState, Body, full, generate, json_response, openai};
 pub async fn messages(state: &Arc<AppState>, body: &Value) -> Result<Response<Body>, ApiError> {
     let chat = chat_request(body)?;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let answer = generate(state, openai::parse_chat(&chat)?, true).await?;
+    let answer = generate(state, openai::parse_chat(&chat)?, true, None).await?;
     let bytes = answer
         .into_body()
         .collect()

@@ -1,7 +1,8 @@
 //! The simulator's HTTP server (hyper 1, HTTP/1.1 like vLLM's uvicorn): vLLM's OpenAI-compatible routes,
 //! `/tokenize`, `/metrics`, `/health`, `/version`, `/reset_prefix_cache`, the `render` routes (vLLM 0.32's
 //! `GenerateRequest` shape, which vllm-router's `cache_aware`/`kv_aware` read for token ids), and the
-//! simulator-only `/sim/estimate`, `/sim/state` and `/sim/slowdown`.
+//! simulator-only `/sim/estimate`, `/sim/state`, `/sim/slowdown`, and the KV connector's
+//! `/sim/kv/pull` and `/sim/kv/room/ROOM` ([`crate::sim::kv_transfer`]).
 //!
 //! Each generation request is tokenized here (real tokenizer and chat template), checked against
 //! `max_model_len`, queued in the engine and answered from its token stream, whole or as SSE.
@@ -41,6 +42,7 @@ use self::error::ApiError;
 use self::openai::{GenRequest, PromptInput};
 use self::tools::PlannedCall;
 use crate::sim::engine::{Engine, TokenOut};
+use crate::sim::kv_transfer::{self, KvConnector, Transfer};
 use crate::sim::metrics::{CacheInfo, Metrics};
 
 /// Response body: whole or streamed.
@@ -51,6 +53,8 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
 /// Everything the handlers share.
 pub struct AppState {
+    /// The KV connector (prefill/decode disaggregation), when the worker has a `kv_role`.
+    pub kv: Option<KvConnector>,
     pub engine: Arc<Engine>,
     pub tokenizer: Arc<ModelTokenizer>,
     pub metrics: Arc<Metrics>,
@@ -212,20 +216,28 @@ async fn route(
         "/health" | "/ping" if get || post => Ok(full(StatusCode::OK, "application/json", "")),
         "/version" if get => Ok(json_response(StatusCode::OK, &json!({"version": "0.32.0"}))),
         "/v1/models" if get => Ok(json_response(StatusCode::OK, &lora::models_body(state))),
-        "/metrics" if get => Ok(full(
-            StatusCode::OK,
-            "text/plain; version=0.0.4; charset=utf-8",
-            state.metrics.render(
+        "/metrics" if get => {
+            let mut text = state.metrics.render(
                 state.engine.gauges(),
                 &CacheInfo {
                     block_size: state.engine.block_size(),
                     num_gpu_blocks: state.num_blocks,
                 },
-            ),
-        )),
+            );
+            if let Some(kv) = &state.kv {
+                text.push_str(&kv.render(&state.model));
+            }
+            Ok(full(
+                StatusCode::OK,
+                "text/plain; version=0.0.4; charset=utf-8",
+                text,
+            ))
+        }
         "/v1/completions" if post => {
-            let r = openai::parse_completion(&read_json(req).await?)?;
-            generate(state, r, false).await
+            let body = read_json(req).await?;
+            let r = openai::parse_completion(&body)?;
+            let transfer = state.kv.as_ref().and_then(|kv| kv.transfer_of(&body));
+            generate(state, r, false, transfer).await
         }
         "/v1/chat/completions" if post => {
             let body = read_json(req).await?;
@@ -233,7 +245,29 @@ async fn route(
                 return Err(ApiError::bad(tools::AUTO_REFUSED));
             }
             let r = openai::parse_chat(&body)?;
-            generate(state, r, true).await
+            let transfer = state.kv.as_ref().and_then(|kv| kv.transfer_of(&body));
+            generate(state, r, true, transfer).await
+        }
+        "/sim/kv/pull" if post => {
+            let body = read_json(req).await?;
+            let blocks = body
+                .get("request_id")
+                .and_then(Value::as_str)
+                .zip(state.kv.as_ref())
+                .and_then(|(id, kv)| kv.hand_over(id))
+                .ok_or(ApiError::RouteNotFound)?;
+            Ok(json_response(StatusCode::OK, &json!({ "blocks": blocks })))
+        }
+        room if get && room.starts_with("/sim/kv/room/") => {
+            let room = room["/sim/kv/room/".len()..]
+                .parse::<u64>()
+                .map_err(|_| ApiError::RouteNotFound)?;
+            let kv = state.kv.as_ref().ok_or(ApiError::RouteNotFound)?;
+            let blocks = kv
+                .room(room, kv_transfer::ROOM_WAIT)
+                .await
+                .ok_or(ApiError::RouteNotFound)?;
+            Ok(json_response(StatusCode::OK, &json!({ "blocks": blocks })))
         }
         "/v1/completions/render" if post => {
             let r = openai::parse_completion(&read_json(req).await?)?;
@@ -277,6 +311,7 @@ async fn route(
             v["model"] = json!(state.model);
             v["info"] = state.info.clone();
             v["slowdown"] = json!(state.engine.slowdown());
+            v["kv_connector"] = state.kv.as_ref().map_or(Value::Null, KvConnector::info);
             Ok(json_response(StatusCode::OK, &v))
         }
         "/sim/slowdown" if post => {
@@ -375,10 +410,16 @@ async fn generate(
     state: &Arc<AppState>,
     r: GenRequest,
     chat: bool,
+    transfer: Option<Transfer>,
 ) -> Result<Response<Body>, ApiError> {
     check_model(state, &r)?;
     let ids = prompt_ids(state, &r.prompt)?;
-    let max_tokens = r.max_tokens.unwrap_or(16);
+    // The prefill half of a split request ends at its first token, whatever the client asked.
+    let max_tokens = if transfer.as_ref().is_some_and(Transfer::produces) {
+        1
+    } else {
+        r.max_tokens.unwrap_or(16)
+    };
     let total = ids.len() + max_tokens;
     if total > state.max_model_len {
         return Err(ApiError::bad(format!(
@@ -410,8 +451,26 @@ async fn generate(
     });
     let generated = tool_call.as_ref().map_or(max_tokens, |(_, n)| *n);
     let lora = r.model.as_deref().and_then(|m| state.lora(m));
-    let generation = state.engine.submit_with(ids, generated, lora);
+    let block_size = state.engine.block_size();
+    let generation = match (&transfer, &state.kv) {
+        (Some(t), Some(kv)) if t.produces() => {
+            kv.started(t);
+            state.engine.submit_with(ids, generated, lora)
+        }
+        (Some(t), Some(kv)) => {
+            let local = state.engine.cached_tokens(&ids, lora.as_deref()) / block_size;
+            match kv.pull(t, n_prompt / block_size, local).await {
+                Some(_) => state.engine.submit_remote(ids, generated, lora),
+                None => state.engine.submit_with(ids, generated, lora),
+            }
+        }
+        _ => state.engine.submit_with(ids, generated, lora),
+    };
     let id = request_id(chat);
+    // What a producer's answer ends with: its transfer kept for the pull (or its room marked done).
+    let produced = transfer
+        .filter(Transfer::produces)
+        .map(|t| (t, n_prompt / block_size));
     let created = unix_now();
     tracing::debug!(request = %id, engine_id = generation.id, n_prompt, max_tokens, "queued");
     if r.stream {
@@ -427,6 +486,7 @@ async fn generate(
                 logprobs: r.logprobs,
                 include_usage: r.include_usage,
             },
+            produced,
         ));
     }
     let mut tokens = generation.tokens;
@@ -461,6 +521,11 @@ async fn generate(
         }
     });
     surface::expand_choices(&mut body, r.n, logprobs);
+    if let (Some((t, blocks)), Some(kv)) = (&produced, &state.kv)
+        && let Some(params) = kv.produced(t, &id, *blocks)
+    {
+        body["kv_transfer_params"] = params;
+    }
     Ok(json_response(StatusCode::OK, &body))
 }
 
@@ -468,6 +533,7 @@ fn sse(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn stream_response(
     state: Arc<AppState>,
     mut tokens: mpsc::UnboundedReceiver<TokenOut>,
@@ -476,6 +542,7 @@ fn stream_response(
     chat: bool,
     tool_call: Option<(PlannedCall, usize)>,
     choices: Choices,
+    produced: Option<(Transfer, usize)>,
 ) -> Response<Body> {
     let mut call_stream = tool_call.map(|(call, tokens)| CallStream::new(call, tokens));
     let (tx, rx) = mpsc::channel::<Result<Frame<Bytes>, Infallible>>(64);
@@ -547,6 +614,11 @@ fn stream_response(
             if finish.is_some() {
                 break;
             }
+        }
+        // A streamed prefill (SGLang's bootstrap protocol sends the client's `stream`) hands its
+        // cache over when it ends; vLLM's protocol carries no params in a stream.
+        if let (Some((t, blocks)), Some(kv)) = (&produced, &state.kv) {
+            kv.produced(t, &id, *blocks);
         }
         if choices.include_usage {
             let usage = openai::usage(prompt, n * choices.n, cached, state.prompt_tokens_details);

@@ -48,6 +48,9 @@ struct Req {
     rng: u64,
     /// The adapter the request runs with (`None`: the base model).
     lora: Option<Arc<LoraAdapter>>,
+    /// Its prompt's KV cache was pulled from a prefill worker (disaggregation): admitted with all
+    /// but the last prompt token computed. Cleared by a preemption (the pulled cache is gone).
+    remote: bool,
 }
 
 impl Req {
@@ -197,6 +200,29 @@ impl EngineCore {
         max_tokens: usize,
         lora: Option<Arc<LoraAdapter>>,
     ) -> ReqId {
+        self.add_request(prompt, hashes, max_tokens, lora, false)
+    }
+
+    /// [`EngineCore::add_with`] for a request whose prompt's KV cache was pulled from a prefill worker:
+    /// when admitted, it allocates and caches the prompt's blocks and computes only the last token.
+    pub fn add_remote(
+        &mut self,
+        prompt: Vec<u32>,
+        hashes: Vec<BlockDigest>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+    ) -> ReqId {
+        self.add_request(prompt, hashes, max_tokens, lora, true)
+    }
+
+    fn add_request(
+        &mut self,
+        prompt: Vec<u32>,
+        hashes: Vec<BlockDigest>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+        remote: bool,
+    ) -> ReqId {
         let id = self.next_id;
         self.next_id += 1;
         let rng = prompt
@@ -215,6 +241,7 @@ impl EngineCore {
                 cached_tokens: None,
                 rng,
                 lora,
+                remote,
             },
         );
         self.waiting.push_back(id);
@@ -280,6 +307,7 @@ impl EngineCore {
             req.blocks.clear();
             req.num_computed = 0;
             req.num_cached_blocks = 0;
+            req.remote = false;
         }
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
@@ -366,8 +394,14 @@ impl EngineCore {
             };
             let hit = self.hit_blocks(&req.hashes, req.tokens.len());
             let hit_tokens = hit.len() * self.cfg.block_size;
-            let n_new = (req.tokens.len() - hit_tokens).min(budget);
-            let upto = hit_tokens + n_new;
+            // A pulled prompt is computed but for its last token (its blocks are allocated here).
+            let computed = if req.remote {
+                hit_tokens.max(req.tokens.len() - 1)
+            } else {
+                hit_tokens
+            };
+            let n_new = (req.tokens.len() - computed).min(budget);
+            let upto = computed + n_new;
             let need = cdiv(upto, self.cfg.block_size).saturating_sub(hit.len());
             if need + self.pool.num_evictable(&hit) > self.pool.num_free() {
                 break;
@@ -379,9 +413,10 @@ impl EngineCore {
                 req.blocks = hit.clone();
                 req.blocks.extend(new);
                 req.num_cached_blocks = hit.len();
-                req.num_computed = hit_tokens;
+                req.num_computed = computed;
                 if req.cached_tokens.is_none() {
-                    req.cached_tokens = Some(hit_tokens);
+                    // vLLM counts the pulled tokens with the prefix-cache hits in `cached_tokens`.
+                    req.cached_tokens = Some(computed);
                     plan.admitted.push(Admitted {
                         id,
                         queried,
@@ -393,7 +428,7 @@ impl EngineCore {
             self.waiting.pop_front();
             self.running.push(id);
             plan.prefill_tokens += n_new;
-            attn_pairs += attention_pairs(hit_tokens, n_new);
+            attn_pairs += attention_pairs(computed, n_new);
             plan.scheduled.push((id, n_new));
             budget -= n_new;
         }

@@ -198,6 +198,44 @@ impl Engine {
         Generation { id, tokens: rx }
     }
 
+    /// [`Engine::submit_with`] for a request whose prompt's KV cache was pulled from a prefill worker
+    /// (prefill/decode disaggregation): it computes only the prompt's last token.
+    pub fn submit_remote(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+    ) -> Generation {
+        let root = lora.as_ref().map(|l| l.root());
+        let hashes = crate::sim::cache::hash_blocks(root, &prompt, self.block_size);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = {
+            let mut s = self.shared.lock();
+            let id = s.core.add_remote(prompt, hashes, max_tokens, lora);
+            s.clients.insert(
+                id,
+                Client {
+                    tx,
+                    arrival: Instant::now(),
+                    last_token: None,
+                },
+            );
+            id
+        };
+        self.wake.notify_one();
+        Generation { id, tokens: rx }
+    }
+
+    /// Prompt tokens of `prompt` (for `lora`) in the prefix cache now.
+    pub fn cached_tokens(&self, prompt: &[u32], lora: Option<&LoraAdapter>) -> usize {
+        let hashes =
+            crate::sim::cache::hash_blocks(lora.map(|l| l.root()), prompt, self.block_size);
+        self.shared
+            .lock()
+            .core
+            .cached_tokens_for(&hashes, prompt.len())
+    }
+
     /// The cache hit and TTFT a prompt would get if sent now (nothing is queued).
     pub fn estimate(&self, prompt: &[u32]) -> Estimate {
         let hashes = prompt_hashes(prompt, self.block_size);

@@ -267,3 +267,45 @@ fn an_adapter_hits_only_its_own_blocks_and_publishes_its_name() {
     assert!(!first_named.is_empty());
     assert!(first_named.iter().all(|n| n.as_deref() == Some("sql-lora")));
 }
+
+#[test]
+fn a_pulled_prompt_computes_one_token_and_caches_its_blocks() {
+    let bs = 16;
+    let prompt: Vec<u32> = (0..3000).collect();
+    // Computed here: the whole prompt in chunks, on the calibrated worker.
+    let mut local = core(Preset::L40s27bFp8, bs, 1024, 8);
+    let a = add(&mut local, prompt.clone(), 4, bs);
+    let (computed, _) = drain(&mut local, 0.0);
+    // Pulled from a prefill worker: admitted with all but the last token computed.
+    let mut remote = core(Preset::L40s27bFp8, bs, 1024, 8);
+    let h = prompt_hashes(&prompt, bs);
+    let b = remote.add_remote(prompt.clone(), h, 4, None);
+    let plan = remote.schedule().expect("a step");
+    assert_eq!(plan.scheduled, vec![(b, 1)], "only the last prompt token");
+    let stored: usize = plan
+        .events
+        .iter()
+        .map(|e| match e {
+            crate::sim::cache::KvCacheEvent::BlockStored { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(
+        stored,
+        3000 / bs,
+        "the pulled blocks are cached (and published)"
+    );
+    remote.complete(&plan);
+    let (pulled, _) = drain(&mut remote, plan.duration_s);
+    let first_pulled = plan.duration_s;
+    assert!(
+        first_pulled * 10.0 < computed[&a].0,
+        "first token {first_pulled} s after the pull vs {} s computed",
+        computed[&a].0
+    );
+    assert_eq!(pulled[&b].2.len(), 3, "the other three tokens");
+    // The next request with that prompt hits the pulled blocks like any cached prefix.
+    let c2 = add(&mut remote, prompt, 2, bs);
+    let (again, _) = drain(&mut remote, 0.0);
+    assert_eq!(again[&c2].1, 2992);
+}

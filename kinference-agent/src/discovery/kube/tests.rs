@@ -101,3 +101,27 @@ fn malformed_kv_events_port_is_not_a_worker() {
             .is_none()
     );
 }
+
+#[test]
+fn the_role_label_or_annotation_names_the_workers_role() {
+    let s = source();
+    let mut p = pod("p", "10.88.0.7", &[]);
+    p.metadata
+        .labels
+        .as_mut()
+        .unwrap()
+        .insert(ROLE_KEY.to_string(), "prefill".to_string());
+    assert_eq!(
+        s.spec_of(&p).unwrap().role,
+        Some(kinference_api::WorkerRole::Prefill)
+    );
+    let d = pod("d", "10.88.0.8", &[(ROLE_KEY, "decode")]);
+    assert_eq!(
+        s.spec_of(&d).unwrap().role,
+        Some(kinference_api::WorkerRole::Decode)
+    );
+    // No role, or one this agent does not know: the worker is followed without one.
+    assert_eq!(s.spec_of(&pod("w", "10.88.0.9", &[])).unwrap().role, None);
+    let odd = pod("o", "10.88.0.10", &[(ROLE_KEY, "encode")]);
+    assert_eq!(s.spec_of(&odd).unwrap().role, None);
+}

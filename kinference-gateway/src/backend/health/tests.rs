@@ -14,6 +14,7 @@ fn health(n: usize, settings: HealthSettings) -> (Health, Arc<Router>, Metrics) 
                 .map(|i| WorkerConfig {
                     url: format!("http://w{i}"),
                     model: "m".into(),
+                    role: Default::default(),
                 })
                 .collect(),
             models: vec![],

@@ -95,6 +95,7 @@ fn router(agents: &[&str]) -> Router {
             .map(|url| WorkerConfig {
                 url: (*url).into(),
                 model: "m".into(),
+                role: Default::default(),
             })
             .collect(),
         agents: agents.iter().map(|a| (*a).to_string()).collect(),
@@ -162,6 +163,7 @@ fn summary_of(workers: &[(&str, u32, f32)]) -> Summary {
                     model: "m".into(),
                     block_size: 16,
                     keys: vec![1, 2],
+                    role: String::new(),
                     load: Some(pb::WorkerLoad {
                         running: 1,
                         waiting: *waiting,

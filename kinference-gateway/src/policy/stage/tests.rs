@@ -348,6 +348,7 @@ async fn selector_pools_are_the_discovered_workers_their_labels_and_gpu_class_pi
             .map(|u| crate::routing::WorkerConfig {
                 url: u.to_string(),
                 model: "small-served".into(),
+                role: Default::default(),
             })
             .collect(),
         models: pools.routing_additions().1,

@@ -7,6 +7,7 @@ fn router() -> Router {
     let worker = |url: &str| WorkerConfig {
         url: url.into(),
         model: "base".into(),
+        role: Default::default(),
     };
     Router::new(RoutingConfig {
         mode: RoutingMode::Kinference,

@@ -431,6 +431,7 @@ mod replicas {
                 .map(|url| WorkerConfig {
                     url: url.to_string(),
                     model: "m".into(),
+                    role: Default::default(),
                 })
                 .collect(),
             models: vec![ModelConfig {
@@ -472,6 +473,7 @@ mod replicas {
             block_size: 16,
             keys: vec![],
             load: Some(load(k)),
+            role: String::new(),
         };
         Summary {
             kind: Some(summary::Kind::Snapshot(pb::Snapshot {

@@ -21,6 +21,7 @@ fn router() -> Router {
             .map(|i| WorkerConfig {
                 url: format!("http://w{i}"),
                 model: "m".into(),
+                role: Default::default(),
             })
             .collect(),
         models: vec![ModelConfig {

@@ -61,6 +61,7 @@ async fn the_redis_queue_is_bounded_and_counts_what_it_drops() {
         output: 1,
         cost: 0.0,
         estimated: false,
+        prefill_pool: String::new(),
     };
     for batch in 0..3 {
         tx.send((0..50).map(|i| record(batch * 50 + i)).collect())

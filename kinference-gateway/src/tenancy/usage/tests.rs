@@ -25,6 +25,7 @@ fn record(
         output,
         cost: 0.0,
         estimated: false,
+        prefill_pool: String::new(),
     }
 }
 

@@ -18,6 +18,7 @@ fn record(id: &str, ts_ms: u64) -> UsageRecord {
         output: 1,
         cost: 0.5,
         estimated: false,
+        prefill_pool: String::new(),
     }
 }
 
