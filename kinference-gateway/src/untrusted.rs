@@ -16,6 +16,8 @@
 //! | [`body_walk`] | a client's request body, read for the PII scan | [`crate::policy::classify::body::extract`] |
 //! | [`passthrough_request`] | a client's pass-through body, and the worker's answer's usage | [`crate::api::openai::passthrough`] |
 //! | [`journal_replay`] | the usage journal's files read back at start (a damaged disk) | [`crate::tenancy::store::journal`] |
+//! | [`extproc_session`] | a proxy's ext_proc messages, in any order, phases missing, bodies split | [`crate::extproc::session`] |
+//! | [`usage_at_end`] | the tail of an answer a proxy relays (the ext_proc door's billing) | [`crate::extproc::session::usage_at_end`] |
 
 use std::path::Path;
 
@@ -27,7 +29,7 @@ use crate::backend::provider::translate::AnthropicStream;
 use crate::backend::sse::{SseLimits, SseParser};
 
 /// The names of the entries, as the fuzz targets and corpus folders are named.
-pub const TARGETS: [&str; 11] = [
+pub const TARGETS: [&str; 13] = [
     "openai_request",
     "anthropic_request",
     "sse_stream",
@@ -39,6 +41,8 @@ pub const TARGETS: [&str; 11] = [
     "body_walk",
     "passthrough_request",
     "journal_replay",
+    "extproc_session",
+    "usage_at_end",
 ];
 
 /// Runs the entry called `target` (one of [`TARGETS`]) on `data`.
@@ -55,6 +59,8 @@ pub fn run(target: &str, data: &[u8]) {
         "body_walk" => body_walk(data),
         "passthrough_request" => passthrough_request(data),
         "journal_replay" => journal_replay(data),
+        "extproc_session" => extproc_session(data),
+        "usage_at_end" => usage_at_end(data),
         other => panic!("no fuzz entry called {other:?}"),
     }
 }
@@ -329,4 +335,166 @@ pub fn journal_replay(data: &[u8]) {
     if read.header.is_ok() && !data.is_empty() {
         assert!(data.first() == Some(&b'{') || data.first().is_some_and(u8::is_ascii_whitespace));
     }
+}
+
+/// The tail of an answer as the ext_proc door reads it for billing, for every pass-through route and
+/// for chat/completions (first byte picks): what it finds adds up.
+pub fn usage_at_end(data: &[u8]) {
+    use crate::api::openai::passthrough::Route;
+    let Some((&pick, tail)) = data.split_first() else {
+        return;
+    };
+    let route = match pick % 5 {
+        0 => Some(Route::Embeddings),
+        1 => Some(Route::Responses),
+        2 => Some(Route::Tokenize),
+        3 => Some(Route::Detokenize),
+        _ => None,
+    };
+    if let Some(usage) = crate::extproc::session::usage_at_end(route, tail) {
+        let fields = usage.prompt_tokens.max(usage.completion_tokens);
+        assert!(
+            usage.total_tokens >= fields || route.is_none(),
+            "{usage:?} from {route:?}"
+        );
+    }
+}
+
+/// The one gateway the session entry drives (an open gateway with an in-flight limit, one model
+/// `m` whose worker is never reached: Envoy, not the gateway, forwards), and the runtime it runs on.
+fn extproc_handler() -> &'static (tokio::runtime::Runtime, crate::extproc::Handler) {
+    static HANDLER: std::sync::OnceLock<(tokio::runtime::Runtime, crate::extproc::Handler)> =
+        std::sync::OnceLock::new();
+    HANDLER.get_or_init(|| {
+        use crate::gateway::{Gateway, Parts};
+        use crate::overload::OverloadSettings;
+        use crate::routing::{Router, RoutingConfig, RoutingMode, WorkerConfig};
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        let handler = runtime.block_on(async {
+            let router = Router::new(RoutingConfig {
+                workers: vec![WorkerConfig {
+                    url: "http://127.0.0.1:9".into(),
+                    model: "m".into(),
+                    role: Default::default(),
+                }],
+                models: vec![],
+                agents: vec![],
+                mode: RoutingMode::LeastOutstanding,
+            })
+            .expect("a router");
+            let gw = Gateway::assemble(
+                std::sync::Arc::new(router),
+                Parts {
+                    overload: Some(OverloadSettings {
+                        max_in_flight: 64,
+                        overload_queue_timeout_ms: 1,
+                        ..OverloadSettings::default()
+                    }),
+                    models: vec!["m".into()],
+                    ..Parts::default()
+                },
+            )
+            .expect("a gateway");
+            crate::extproc::Handler::new(gw, crate::extproc::Settings::default())
+        });
+        (runtime, handler)
+    })
+}
+
+/// A proxy's ext_proc messages to one session, as the bytes spell them: each message is a kind
+/// byte (request or response headers, body or trailers), a flags byte (end of stream), a length
+/// byte and that many bytes (a header block: a path picked from the gateway's routes, then
+/// `name: value` lines; a body: the bytes). Whatever the order, the phases missing or the bodies
+/// split, every message is answered or ends the session, and once the session is gone it holds
+/// no in-flight slot and no body bytes.
+pub fn extproc_session(data: &[u8]) {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
+    };
+    let (runtime, handler) = extproc_handler();
+    let header_block = |bytes: &[u8], request: bool| {
+        let mut headers = Vec::new();
+        let mut text = bytes;
+        if request && let Some((&pick, rest)) = bytes.split_first() {
+            let routes = crate::pipeline::ROUTES;
+            let route = routes[usize::from(pick) % routes.len()];
+            headers.push((":path".to_string(), route.path().as_bytes().to_vec()));
+            headers.push((
+                ":method".to_string(),
+                route.method().as_str().as_bytes().to_vec(),
+            ));
+            text = rest;
+        }
+        for line in text.split(|&b| b == b'\n') {
+            if let Some(colon) = line.iter().position(|&b| b == b':') {
+                let name = String::from_utf8_lossy(&line[..colon]).to_ascii_lowercase();
+                headers.push((name, line[colon + 1..].trim_ascii().to_vec()));
+            }
+        }
+        HeaderMap {
+            headers: headers
+                .into_iter()
+                .map(|(key, raw_value)| HeaderValue {
+                    key,
+                    raw_value,
+                    ..Default::default()
+                })
+                .collect(),
+        }
+    };
+    runtime.block_on(async {
+        let gw = handler.gateway();
+        {
+            let mut session = crate::extproc::session::Session::new(handler);
+            let mut rest = data;
+            while let [kind, flags, len, tail @ ..] = rest {
+                let n = usize::from(*len).min(tail.len());
+                let (payload, after) = tail.split_at(n);
+                rest = after;
+                let end_of_stream = flags & 1 == 1;
+                let request = match kind % 6 {
+                    0 => PReq::RequestHeaders(HttpHeaders {
+                        headers: Some(header_block(payload, true)),
+                        end_of_stream,
+                        ..Default::default()
+                    }),
+                    1 => PReq::RequestBody(HttpBody {
+                        body: payload.to_vec(),
+                        end_of_stream,
+                        ..Default::default()
+                    }),
+                    2 => PReq::RequestTrailers(HttpTrailers::default()),
+                    3 => PReq::ResponseHeaders(HttpHeaders {
+                        headers: Some(header_block(payload, false)),
+                        end_of_stream,
+                        ..Default::default()
+                    }),
+                    4 => PReq::ResponseBody(HttpBody {
+                        body: payload.to_vec(),
+                        end_of_stream,
+                        ..Default::default()
+                    }),
+                    _ => PReq::ResponseTrailers(HttpTrailers::default()),
+                };
+                let message = ProcessingRequest {
+                    request: Some(request),
+                    ..Default::default()
+                };
+                if session.on_message(message).await.is_none() {
+                    break;
+                }
+            }
+        }
+        assert_eq!(gw.overload.in_flight(), 0, "a slot outlived its session");
+        assert_eq!(
+            gw.overload.body_bytes_held(),
+            0,
+            "body bytes outlived their session"
+        );
+    });
 }

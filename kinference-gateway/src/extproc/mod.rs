@@ -201,6 +201,11 @@ impl Handler {
         Self { gw, settings }
     }
 
+    /// The gateway it serves.
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gw
+    }
+
     /// Sheds when every ready worker of `model` is at the in-flight limit (the router would still
     /// pick one; piling onto it only lengthens everyone's queue, and Envoy can retry elsewhere).
     fn shed(&self, model: &str) -> Result<(), GatewayError> {

@@ -255,6 +255,11 @@ impl Overload {
         self.bodies.settings()
     }
 
+    /// Bytes request bodies hold in the body budget now.
+    pub fn body_bytes_held(&self) -> usize {
+        self.bodies.held()
+    }
+
     /// The in-flight gate, for another front door (ext_proc) to admit through.
     pub fn admitter(&self) -> Admitter {
         self.admitter.clone()

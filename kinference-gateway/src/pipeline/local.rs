@@ -23,8 +23,8 @@ pub async fn answer(
                 return Err(GatewayError::UnknownModel(request.model.clone()));
             }
             let request = request.clone();
-            // A long prompt takes milliseconds to render and encode: off the reactor.
-            let n = tokio::task::spawn_blocking(move || {
+            // A long prompt takes milliseconds to render and encode: off the reactor, one per core.
+            let n = crate::routing::tokenize::off_reactor(move || {
                 anthropic::count_tokens::count(tokenizer.as_deref(), &request)
             })
             .await

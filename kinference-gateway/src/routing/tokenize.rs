@@ -44,6 +44,24 @@ const REMOTE_BYTES_PER_BYTE: usize = 16;
 /// See [`REMOTE_BYTES_PER_BYTE`].
 const REMOTE_SLACK: usize = 64 << 10;
 
+/// Long encodes run at most this many at once, one per core: encoding is CPU-bound, so more at once
+/// finish no sooner, and each holds tens of bytes per token (ids, offsets, the pre-tokenizer's
+/// pieces) until it ends. Unbounded, 160 requests of 4 MB each took the gateway from 150 MiB to
+/// over 1 GiB; the others wait, their bodies held within the body budget.
+static ENCODERS: std::sync::LazyLock<tokio::sync::Semaphore> = std::sync::LazyLock::new(|| {
+    tokio::sync::Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))
+});
+
+/// Runs `encode` (a long tokenization or chat rendering) off the reactor, at most one per core at
+/// once ([`ENCODERS`]).
+pub async fn off_reactor<T: Send + 'static>(
+    encode: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, tokio::task::JoinError> {
+    // The semaphore is never closed.
+    let _permit = ENCODERS.acquire().await.expect("the encoders' semaphore");
+    tokio::task::spawn_blocking(encode).await
+}
+
 /// Why a prompt has no tokens.
 #[derive(Debug, thiserror::Error)]
 pub enum TokensError {
@@ -221,7 +239,7 @@ impl Tokenizers {
                 },
             };
             let tok = Arc::clone(tok);
-            let ids = tokio::task::spawn_blocking(move || match &owned {
+            let ids = off_reactor(move || match &owned {
                 OwnedPrompt::Text(t) => encode(&tok, Prompt::Text(t)),
                 OwnedPrompt::Chat(v) => encode(&tok, Prompt::Chat(v)),
                 OwnedPrompt::Rendered(t) => tok.encode_text(t, false),
