@@ -41,7 +41,7 @@ pub struct RequestLabels {
 
 /// Labels of per-worker series.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WorkerLabels {
+pub struct ModelWorkerLabels {
     /// Model.
     pub model: String,
     /// Worker base URL.
@@ -109,12 +109,12 @@ fn itl_histogram() -> Histogram {
 #[derive(Clone, Debug)]
 pub struct Metrics {
     requests: Family<RequestLabels, Counter>,
-    ttft: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    itl: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    e2e: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    input_tokens: Family<WorkerLabels, Counter>,
-    output_tokens: Family<WorkerLabels, Counter>,
-    cached_input_tokens: Family<WorkerLabels, Counter>,
+    ttft: Family<ModelWorkerLabels, Histogram, fn() -> Histogram>,
+    itl: Family<ModelWorkerLabels, Histogram, fn() -> Histogram>,
+    e2e: Family<ModelWorkerLabels, Histogram, fn() -> Histogram>,
+    input_tokens: Family<ModelWorkerLabels, Counter>,
+    output_tokens: Family<ModelWorkerLabels, Counter>,
+    cached_input_tokens: Family<ModelWorkerLabels, Counter>,
     in_flight: Gauge<i64, std::sync::atomic::AtomicI64>,
     retries: Counter,
     worker_healthy: Family<HealthLabels, Gauge>,
@@ -229,12 +229,12 @@ impl Metrics {
     }
 
     /// `labels` with its model bounded (see the module doc).
-    fn bounded<'a>(&self, labels: &'a WorkerLabels) -> Cow<'a, WorkerLabels> {
+    fn bounded<'a>(&self, labels: &'a ModelWorkerLabels) -> Cow<'a, ModelWorkerLabels> {
         let model = self.models.label(&labels.model, !labels.worker.is_empty());
         if model == labels.model {
             Cow::Borrowed(labels)
         } else {
-            Cow::Owned(WorkerLabels {
+            Cow::Owned(ModelWorkerLabels {
                 model: model.to_string(),
                 worker: labels.worker.clone(),
             })
@@ -251,28 +251,28 @@ impl Metrics {
     }
 
     /// Records time to first token.
-    pub fn ttft(&self, labels: &WorkerLabels, seconds: f64) {
+    pub fn ttft(&self, labels: &ModelWorkerLabels, seconds: f64) {
         self.ttft
             .get_or_create(&self.bounded(labels))
             .observe(seconds);
     }
 
     /// Records one inter-token gap.
-    pub fn itl(&self, labels: &WorkerLabels, seconds: f64) {
+    pub fn itl(&self, labels: &ModelWorkerLabels, seconds: f64) {
         self.itl
             .get_or_create(&self.bounded(labels))
             .observe(seconds);
     }
 
     /// Records end-to-end latency.
-    pub fn e2e(&self, labels: &WorkerLabels, seconds: f64) {
+    pub fn e2e(&self, labels: &ModelWorkerLabels, seconds: f64) {
         self.e2e
             .get_or_create(&self.bounded(labels))
             .observe(seconds);
     }
 
     /// Adds token counts reported by the worker.
-    pub fn tokens(&self, labels: &WorkerLabels, input: u64, output: u64, cached: u64) {
+    pub fn tokens(&self, labels: &ModelWorkerLabels, input: u64, output: u64, cached: u64) {
         let labels = &*self.bounded(labels);
         self.input_tokens.get_or_create(labels).inc_by(input);
         self.output_tokens.get_or_create(labels).inc_by(output);

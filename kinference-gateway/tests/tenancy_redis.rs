@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kinference_crds::RateLimits;
-use kinference_gateway::tenancy::limits::{self, Demand, TenantSettings, Verdict};
+use kinference_gateway::tenancy::limits::{self, Demand, LimitVerdict, TenantSettings};
 use kinference_gateway::tenancy::store::{RedisStore, RedisVerdict};
 use kinference_gateway::tenancy::usage::UsageRecord;
 use testkit::{ChildGuard, free_port};
@@ -121,7 +121,7 @@ async fn two_replicas_share_one_bucket_within_5_percent() {
         tasks.push(tokio::spawn(async move {
             while started.elapsed() < run_for {
                 match store.admit(&takes, "kinf:spend:{t}:none", None).await {
-                    Ok(RedisVerdict::Buckets(Verdict::Admitted(_))) => {
+                    Ok(RedisVerdict::Buckets(LimitVerdict::Admitted(_))) => {
                         admitted.fetch_add(1, Ordering::Relaxed);
                     }
                     Ok(_) => tokio::time::sleep(Duration::from_millis(2)).await,
@@ -178,7 +178,7 @@ async fn usage_records_apply_once_and_feed_the_budget() {
     );
     assert!(matches!(
         store.admit(&[], &spend_key, Some(6.0)).await.unwrap(),
-        RedisVerdict::Buckets(Verdict::Admitted(_))
+        RedisVerdict::Buckets(LimitVerdict::Admitted(_))
     ));
 }
 

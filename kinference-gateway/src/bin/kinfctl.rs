@@ -26,7 +26,7 @@ use kinference_crds::Complexity;
 use kinference_gateway::config_source::{files, inspect};
 use kinference_gateway::policy::classify::{request_facts, tags::TAGS_HEADER};
 use kinference_gateway::policy::engine::{
-    Backend, Decision, Outcome, PoolStates, RequestFacts, evaluate,
+    Backend, Outcome, PolicyDecision, PoolStates, RequestFacts, evaluate,
 };
 use kinference_gateway::policy::lint::{Severity, lint_dir};
 use kinference_gateway::policy::model::PolicySet;
@@ -416,7 +416,7 @@ struct Expect {
     all_local: Option<bool>,
 }
 
-fn check(expect: &Expect, d: &Decision) -> Vec<String> {
+fn check(expect: &Expect, d: &PolicyDecision) -> Vec<String> {
     let mut diffs = Vec::new();
     let (outcome, first) = match &d.outcome {
         Outcome::Route(p) => (if p.burst { "burst" } else { "route" }, p.targets.first()),

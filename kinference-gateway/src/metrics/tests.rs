@@ -39,7 +39,7 @@ fn unknown_models_fold_into_other_and_the_exposition_stays_flat() {
 fn a_name_a_backend_took_is_kept_up_to_the_cap() {
     let metrics = Metrics::new();
     for i in 0..MAX_MODEL_LABELS + 50 {
-        let labels = WorkerLabels {
+        let labels = ModelWorkerLabels {
             model: format!("alias-{i}"),
             worker: "http://w:8000".into(),
         };

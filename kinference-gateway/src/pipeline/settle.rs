@@ -22,7 +22,7 @@ use crate::api::openai::Usage;
 use crate::backend::provider::ProviderClient;
 use crate::backend::relay::Meter;
 use crate::errors::Protocol;
-use crate::metrics::{InFlightGuard, Metrics, RequestLabels, WorkerLabels};
+use crate::metrics::{InFlightGuard, Metrics, ModelWorkerLabels, RequestLabels};
 use crate::overload::budget::BodyReservation;
 use crate::overload::gate::Slot;
 use crate::routing::InFlight;
@@ -41,7 +41,7 @@ pub struct Settlement {
     started: Instant,
     /// `model`: the model the client asked for; `worker`: the backend's label (worker URL or
     /// `provider/<name>`, empty before one is chosen). Kept whole: every text chunk uses them.
-    labels: WorkerLabels,
+    labels: ModelWorkerLabels,
     /// A backend's answer is being relayed: latency and tokens are recorded with the status.
     relaying: bool,
     last_text: Option<Instant>,
@@ -83,7 +83,7 @@ impl Settlement {
             metrics: metrics.clone(),
             protocol,
             started: Instant::now(),
-            labels: WorkerLabels {
+            labels: ModelWorkerLabels {
                 model: String::new(),
                 worker: String::new(),
             },

@@ -1,4 +1,4 @@
-//! The policy engine: ordered rules -> a [`Decision`], explained rule by rule.
+//! The policy engine: ordered rules -> a [`PolicyDecision`], explained rule by rule.
 //!
 //! Semantics (also in `deploy/examples/policies/README.md`):
 //! 1. The requested model is resolved (name, served name, alias, or class). A known tenant with
@@ -156,7 +156,7 @@ impl std::fmt::Display for RuleRef {
 
 /// A decision to route.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct RoutePlan {
+pub struct RuleRoute {
     /// Candidates, most preferred first; the router tries them in order (or scores within).
     pub targets: Vec<Target>,
     /// The request goes to providers because local pools are saturated.
@@ -185,14 +185,14 @@ pub struct Rejection {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
-    Route(RoutePlan),
+    Route(RuleRoute),
     Reject(Rejection),
 }
 
 /// What a rule did for this request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "verdict", content = "reason")]
-pub enum Verdict {
+pub enum RuleVerdict {
     /// Matched and decided the outcome.
     Decided(String),
     /// Matched and added a constraint (`requireLocal`).
@@ -212,7 +212,7 @@ pub enum Verdict {
 pub struct RuleTrace {
     pub rule: RuleRef,
     #[serde(flatten)]
-    pub verdict: Verdict,
+    pub verdict: RuleVerdict,
 }
 
 /// Why the request may only go to local backends.
@@ -225,7 +225,7 @@ pub struct LocalOnly {
 
 /// The engine's answer, with its explanation.
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Decision {
+pub struct PolicyDecision {
     pub outcome: Outcome,
     /// How the requested model resolved.
     pub requested: Requested,
@@ -237,7 +237,7 @@ pub struct Decision {
     pub notes: Vec<String>,
 }
 
-impl Decision {
+impl PolicyDecision {
     /// The deciding rule, if a rule decided.
     pub fn rule(&self) -> Option<&RuleRef> {
         match &self.outcome {
@@ -300,12 +300,12 @@ impl Decision {
         }
         for t in &self.trace {
             let v = match &t.verdict {
-                Verdict::Decided(r) => format!("DECIDED: {r}"),
-                Verdict::Constrained(r) => format!("constrained: {r}"),
-                Verdict::Skipped(r) => format!("skipped: {r}"),
-                Verdict::NoMatch(r) => format!("no match: {r}"),
-                Verdict::NotReached => "not reached (an earlier rule decided)".into(),
-                Verdict::Suspended => "policy suspended".into(),
+                RuleVerdict::Decided(r) => format!("DECIDED: {r}"),
+                RuleVerdict::Constrained(r) => format!("constrained: {r}"),
+                RuleVerdict::Skipped(r) => format!("skipped: {r}"),
+                RuleVerdict::NoMatch(r) => format!("no match: {r}"),
+                RuleVerdict::NotReached => "not reached (an earlier rule decided)".into(),
+                RuleVerdict::Suspended => "policy suspended".into(),
             };
             let _ = writeln!(s, "  rule {}: {v}", t.rule);
         }
@@ -314,7 +314,7 @@ impl Decision {
 }
 
 /// Evaluates the policy set for one request. See the module documentation for the semantics.
-pub fn evaluate(set: &PolicySet, facts: &RequestFacts, state: &PoolStates) -> Decision {
+pub fn evaluate(set: &PolicySet, facts: &RequestFacts, state: &PoolStates) -> PolicyDecision {
     let requested = set.resolve(&facts.model);
     let mut ev = Evaluation {
         set,
@@ -352,11 +352,11 @@ pub fn evaluate(set: &PolicySet, facts: &RequestFacts, state: &PoolStates) -> De
                 rule: rule.name.clone(),
             };
             let verdict = if decided.is_some() {
-                Verdict::NotReached
+                RuleVerdict::NotReached
             } else if policy.spec.suspend {
-                Verdict::Suspended
+                RuleVerdict::Suspended
             } else if let Err(why) = ev.matches(&rule.match_) {
-                Verdict::NoMatch(why)
+                RuleVerdict::NoMatch(why)
             } else {
                 let (verdict, outcome) = ev.act(&rref, &rule.action);
                 decided = outcome;
@@ -381,7 +381,7 @@ fn all_not_reached(set: &PolicySet) -> Vec<RuleTrace> {
                     policy: p.name.clone(),
                     rule: r.name.clone(),
                 },
-                verdict: Verdict::NotReached,
+                verdict: RuleVerdict::NotReached,
             })
         })
         .collect()
@@ -398,8 +398,8 @@ struct Evaluation<'a> {
 }
 
 impl Evaluation<'_> {
-    fn finish(self, outcome: Outcome, trace: Vec<RuleTrace>) -> Decision {
-        Decision {
+    fn finish(self, outcome: Outcome, trace: Vec<RuleTrace>) -> PolicyDecision {
+        PolicyDecision {
             outcome,
             requested: self.requested,
             local_only: self.local_only,
@@ -573,7 +573,7 @@ impl Evaluation<'_> {
         &mut self,
         rref: &RuleRef,
         action: &kinference_crds::RuleAction,
-    ) -> (Verdict, Option<Outcome>) {
+    ) -> (RuleVerdict, Option<Outcome>) {
         if let Some(req) = &action.require_local {
             if self.local_only.is_none() {
                 self.local_only = Some(LocalOnly {
@@ -585,7 +585,7 @@ impl Evaluation<'_> {
                 });
             }
             return (
-                Verdict::Constrained("only local backends from here on".into()),
+                RuleVerdict::Constrained("only local backends from here on".into()),
                 None,
             );
         }
@@ -597,7 +597,7 @@ impl Evaluation<'_> {
                 rule: Some(rref.clone()),
             });
             return (
-                Verdict::Decided(format!("reject {}", rej.status)),
+                RuleVerdict::Decided(format!("reject {}", rej.status)),
                 Some(outcome),
             );
         }
@@ -605,8 +605,8 @@ impl Evaluation<'_> {
             return match self.route_targets(route) {
                 Ok(plan_targets) => {
                     let (targets, selection) = order(route, plan_targets);
-                    let verdict = Verdict::Decided(format!("route: {selection}"));
-                    let plan = RoutePlan {
+                    let verdict = RuleVerdict::Decided(format!("route: {selection}"));
+                    let plan = RuleRoute {
                         targets,
                         burst: false,
                         rule: Some(rref.clone()),
@@ -614,30 +614,31 @@ impl Evaluation<'_> {
                     };
                     (verdict, Some(Outcome::Route(plan)))
                 }
-                Err(why) => (Verdict::Skipped(why), None),
+                Err(why) => (RuleVerdict::Skipped(why), None),
             };
         }
         if let Some(burst) = &action.burst {
             return match self.burst(burst) {
                 Ok((targets, why)) => {
-                    let plan = RoutePlan {
+                    let plan = RuleRoute {
                         targets,
                         burst: true,
                         rule: Some(rref.clone()),
                         selection: why.clone(),
                     };
                     (
-                        Verdict::Decided(format!("burst: {why}")),
+                        RuleVerdict::Decided(format!("burst: {why}")),
                         Some(Outcome::Route(plan)),
                     )
                 }
-                Err(NotBurst::ConditionFalse(why)) => {
-                    (Verdict::NoMatch(format!("burst condition: {why}")), None)
-                }
-                Err(NotBurst::Skipped(why)) => (Verdict::Skipped(why), None),
+                Err(NotBurst::ConditionFalse(why)) => (
+                    RuleVerdict::NoMatch(format!("burst condition: {why}")),
+                    None,
+                ),
+                Err(NotBurst::Skipped(why)) => (RuleVerdict::Skipped(why), None),
             };
         }
-        (Verdict::Skipped("no action".into()), None)
+        (RuleVerdict::Skipped("no action".into()), None)
     }
 
     fn route_targets(&self, route: &RouteAction) -> Result<Vec<Target>, String> {
@@ -838,7 +839,7 @@ impl Evaluation<'_> {
         if !targets.is_empty() {
             self.notes
                 .push("no rule decided: the pools serving the requested model".into());
-            return Outcome::Route(RoutePlan {
+            return Outcome::Route(RuleRoute {
                 targets,
                 burst: false,
                 rule: None,

@@ -2,7 +2,7 @@
 //!
 //! - [`model`]: the loaded, validated policy set built from the five CRDs' specs.
 //! - [`classify`]: facts about a request (PII, prompt complexity, tags) from its text and headers.
-//! - [`engine`]: ordered rules -> a [`engine::Decision`] (route with preferences, reject, burst,
+//! - [`engine`]: ordered rules -> a [`engine::PolicyDecision`] (route with preferences, reject, burst,
 //!   require-local), explained rule by rule. A pure function of (policy set, facts, pool state).
 //! - [`source`]: CRD-shaped YAML from a directory (local mode), reloaded on change; an object that
 //!   fails validation is not applied and its previous version keeps serving.
@@ -25,6 +25,6 @@ pub mod source;
 pub mod stage;
 pub mod worker_load;
 
-pub use engine::{Decision, Outcome, PoolSnapshot, PoolStates, RequestFacts, evaluate};
+pub use engine::{Outcome, PolicyDecision, PoolSnapshot, PoolStates, RequestFacts, evaluate};
 pub use model::PolicySet;
 pub use source::{PolicyWatcher, load_dir};

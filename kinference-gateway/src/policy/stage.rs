@@ -159,7 +159,7 @@ impl PlanTarget {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DecisionLabels {
+struct PolicyDecisionLabels {
     policy: String,
     rule: String,
     outcome: &'static str,
@@ -181,7 +181,7 @@ struct BackendLabels {
 /// The stage's metrics.
 #[derive(Clone, Debug, Default)]
 struct StageMetrics {
-    decisions: Family<DecisionLabels, Counter>,
+    decisions: Family<PolicyDecisionLabels, Counter>,
     rejects: Family<RejectLabels, Counter>,
     served: Family<BackendLabels, Counter>,
 }
@@ -440,7 +440,7 @@ impl PolicyStage {
     fn count(&self, policy: String, rule: String, outcome: &'static str) {
         self.metrics
             .decisions
-            .get_or_create(&DecisionLabels {
+            .get_or_create(&PolicyDecisionLabels {
                 policy,
                 rule,
                 outcome,
@@ -683,7 +683,7 @@ fn served_names(set: &PolicySet, requested: &str) -> Vec<String> {
 }
 
 /// One line: the deciding rule, the targets, and every pool's figures.
-fn explain_line(decision: &engine::Decision, states: &PoolStates) -> String {
+fn explain_line(decision: &engine::PolicyDecision, states: &PoolStates) -> String {
     let mut s = String::new();
     match &decision.outcome {
         Outcome::Route(plan) => {

@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 
 /// Labels of a routing decision.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DecisionLabels {
+pub struct RouteDecisionLabels {
     /// Routing mode.
     pub mode: String,
     /// Decision reason (`cache_hit`, `least_loaded`, `tie_spread`, `load_guard`, `degraded_*`, ...).
@@ -28,7 +28,7 @@ pub struct AgentLabels {
 
 /// Labels naming one worker.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct WorkerLabels {
+pub struct WorkerUrlLabels {
     /// Worker base URL.
     pub worker: String,
 }
@@ -81,7 +81,7 @@ pub struct Metrics {
     /// Time spent routing, by stage: what the gateway adds to every request before it is sent on.
     pub stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
     /// Decisions by mode and reason.
-    pub decisions: Family<DecisionLabels, Counter>,
+    pub decisions: Family<RouteDecisionLabels, Counter>,
     /// Prompt tokens the router expected to be cached on the chosen worker.
     pub predicted_cached_tokens: Counter,
     /// (block, worker) pairs in the KV index.
@@ -103,9 +103,9 @@ pub struct Metrics {
     /// Tokenizations by model and source.
     pub tokenize: Family<TokenizeLabels, Counter>,
     /// Learned prefill throughput per worker, tokens/s.
-    pub worker_tokens_per_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    pub worker_tokens_per_s: Family<WorkerUrlLabels, Gauge<f64, AtomicU64>>,
     /// Learned fixed overhead per worker, seconds.
-    pub worker_overhead_s: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    pub worker_overhead_s: Family<WorkerUrlLabels, Gauge<f64, AtomicU64>>,
     /// Candidate estimates made without the worker's kernel view, by reason.
     pub kernel_view_missing: Family<KernelMissingLabels, Counter>,
     /// Prefill/decode disaggregation decisions by outcome.

@@ -58,7 +58,7 @@ use prometheus_client::registry::Registry;
 use agents::AgentState;
 use estimate::{KernelMissing, Rates, Scored};
 use kv_index::KvIndex;
-use metrics::{DecisionLabels, KernelMissingLabels};
+use metrics::{KernelMissingLabels, RouteDecisionLabels};
 use speculative::Speculative;
 use tokenize::{PromptTokens, Source, Tokenizers};
 use workers::{Worker, WorkerTable};
@@ -686,7 +686,7 @@ impl Router {
     fn count(&self, reason: &'static str, cached_tokens: usize) {
         let m = &self.shared.metrics;
         m.decisions
-            .get_or_create(&DecisionLabels {
+            .get_or_create(&RouteDecisionLabels {
                 mode: self.shared.mode.as_str().to_string(),
                 reason: reason.to_string(),
             })

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use kinference_api::BlockKey;
 
-use super::metrics::WorkerLabels;
+use super::metrics::WorkerUrlLabels;
 use super::workers::Worker;
 use super::*;
 
@@ -94,7 +94,7 @@ impl InFlight {
                 .fleet_rates
                 .lock()
                 .observe(ttft, work, &self.shared.tuning.estimator);
-            let labels = WorkerLabels {
+            let labels = WorkerUrlLabels {
                 worker: self.worker.url.clone(),
             };
             self.shared

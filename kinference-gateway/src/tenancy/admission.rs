@@ -7,7 +7,7 @@ use std::time::Instant;
 use kinference_crds::{BudgetAction, TokenPrices};
 
 use super::headers::rate_headers;
-use super::limits::{self, Demand, Dim, FailMode, Take, Verdict};
+use super::limits::{self, Demand, Dim, FailMode, LimitVerdict, Take};
 use super::metrics::{self, TenantBackend, TenantCache, TenantLimit, TenantModel, TenantStatus};
 use super::store::{self, OnUnrecorded, RedisVerdict};
 use super::usage::{self, UsageRecord};
@@ -427,7 +427,7 @@ impl Tenancy {
             }
         };
         match verdict {
-            Verdict::Admitted(levels) => {
+            LimitVerdict::Admitted(levels) => {
                 admission.headers = rate_headers(protocol, &takes, &levels, None);
                 admission.takes = takes
                     .into_iter()
@@ -438,7 +438,7 @@ impl Tenancy {
                     .collect();
                 Ok(admission.armed())
             }
-            Verdict::Limited {
+            LimitVerdict::Limited {
                 retry_after_s,
                 refused,
                 levels,

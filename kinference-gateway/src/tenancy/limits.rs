@@ -254,7 +254,7 @@ pub struct Level {
 
 /// The answer to an admission.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Verdict {
+pub enum LimitVerdict {
     /// Every bucket had enough; levels after the debit, in the order of the takes.
     Admitted(Vec<Level>),
     /// Some bucket had not; nothing was debited.
@@ -332,12 +332,12 @@ impl LocalBuckets {
     }
 
     /// Admits `takes` all or nothing.
-    pub fn admit(&self, takes: &[Take]) -> Verdict {
+    pub fn admit(&self, takes: &[Take]) -> LimitVerdict {
         self.admit_at(takes, self.now())
     }
 
     /// [`LocalBuckets::admit`] at a given time (seconds since the map was made).
-    pub(crate) fn admit_at(&self, takes: &[Take], now: f64) -> Verdict {
+    pub(crate) fn admit_at(&self, takes: &[Take], now: f64) -> LimitVerdict {
         let mut map = self.buckets.lock();
         let levels: Vec<f64> = takes
             .iter()
@@ -354,9 +354,9 @@ impl LocalBuckets {
                     map.insert(t.key.clone(), Bucket { tokens, at: now });
                     out.push(Level { remaining: tokens });
                 }
-                Verdict::Admitted(out)
+                LimitVerdict::Admitted(out)
             }
-            Err((retry_after_s, refused)) => Verdict::Limited {
+            Err((retry_after_s, refused)) => LimitVerdict::Limited {
                 retry_after_s,
                 refused,
                 levels: levels.iter().map(|l| Level { remaining: *l }).collect(),

@@ -49,7 +49,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
-use super::limits::{Level, Take, Verdict};
+use super::limits::{Level, LimitVerdict, Take};
 use super::usage::UsageRecord;
 
 pub use journal::{JOURNAL_BATCH, JOURNAL_FLUSH, Journal, JournalConfig};
@@ -320,7 +320,7 @@ const USAGE_TTL_S: u64 = 40 * 24 * 3600;
 #[derive(Debug, Clone, PartialEq)]
 pub enum RedisVerdict {
     /// Buckets answered.
-    Buckets(Verdict),
+    Buckets(LimitVerdict),
     /// The tenant's monthly spend (the amount) reached its budget.
     BudgetSpent(f64),
 }
@@ -765,7 +765,7 @@ fn parse_admit(out: &[String], n: usize) -> Option<RedisVerdict> {
                 .iter()
                 .map(|s| num(s).map(|remaining| Level { remaining }))
                 .collect::<Option<Vec<_>>>()?;
-            (levels.len() == n).then_some(RedisVerdict::Buckets(Verdict::Admitted(levels)))
+            (levels.len() == n).then_some(RedisVerdict::Buckets(LimitVerdict::Admitted(levels)))
         }
         "limited" => {
             let levels = out
@@ -773,7 +773,7 @@ fn parse_admit(out: &[String], n: usize) -> Option<RedisVerdict> {
                 .iter()
                 .map(|s| num(s).map(|remaining| Level { remaining }))
                 .collect::<Option<Vec<_>>>()?;
-            Some(RedisVerdict::Buckets(Verdict::Limited {
+            Some(RedisVerdict::Buckets(LimitVerdict::Limited {
                 retry_after_s: num(out.get(1)?)?,
                 refused: out.get(2)?.parse().ok()?,
                 levels,

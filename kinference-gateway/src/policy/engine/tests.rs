@@ -3,7 +3,7 @@ use std::path::Path;
 
 use kinference_crds::Complexity;
 
-use super::{Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts, Verdict, evaluate};
+use super::{Backend, Outcome, PoolSnapshot, PoolStates, RequestFacts, RuleVerdict, evaluate};
 use crate::policy::model::PolicySet;
 use crate::policy::source::parse_file;
 
@@ -198,7 +198,7 @@ fn pii_never_bursts_even_when_saturated() {
         .find(|t| t.rule.rule == "saturated")
         .expect("trace");
     assert!(
-        matches!(&burst.verdict, Verdict::Skipped(r) if r.contains("local-only")),
+        matches!(&burst.verdict, RuleVerdict::Skipped(r) if r.contains("local-only")),
         "{burst:?}"
     );
     assert!(d.local_only.is_some());
@@ -405,7 +405,7 @@ fn every_rule_is_explained() {
         d.trace
             .iter()
             .skip(2)
-            .all(|t| t.verdict == Verdict::NotReached),
+            .all(|t| t.verdict == RuleVerdict::NotReached),
         "{}",
         d.explain()
     );

@@ -79,10 +79,13 @@ fn admission_is_all_or_nothing() {
     let buckets = LocalBuckets::default();
     // 600 rpm (10/s, capacity 10), 600 input tokens per minute (10/s, capacity 10), 6000 output.
     let t = takes_1s_burst(&limits(600, 600, 6000), demand(8.0, 1.0));
-    assert!(matches!(buckets.admit_at(&t, 0.0), Verdict::Admitted(_)));
+    assert!(matches!(
+        buckets.admit_at(&t, 0.0),
+        LimitVerdict::Admitted(_)
+    ));
     // The input bucket has 2 left: refused, and the request bucket was not debited either.
     match buckets.admit_at(&t, 0.0) {
-        Verdict::Limited {
+        LimitVerdict::Limited {
             retry_after_s,
             refused,
             levels,
@@ -94,7 +97,7 @@ fn admission_is_all_or_nothing() {
         other => panic!("{other:?}"),
     }
     match buckets.admit_at(&t, 0.6) {
-        Verdict::Admitted(levels) => {
+        LimitVerdict::Admitted(levels) => {
             assert_eq!(levels[0].remaining, 9.0);
             assert!(levels[1].remaining.abs() < 1e-9);
         }
@@ -117,7 +120,7 @@ fn the_admitted_rate_converges_to_the_limit_under_overload() {
     for ms in 0..100_000u32 {
         if matches!(
             buckets.admit_at(&t, f64::from(ms) / 1000.0),
-            Verdict::Admitted(_)
+            LimitVerdict::Admitted(_)
         ) {
             admitted += 1;
         }
@@ -133,14 +136,17 @@ fn reconciliation_refunds_and_charges_debt() {
     let reserve = takes_1s_burst(&lim, demand(0.0, 10.0));
     assert!(matches!(
         buckets.admit_at(&reserve, 0.0),
-        Verdict::Admitted(_)
+        LimitVerdict::Admitted(_)
     ));
     // Only 4 of the 10 reserved were generated: 6 come back.
     let mut refund = takes_1s_burst(&lim, Demand::default());
     refund[2].amount = -6.0;
     buckets.adjust_at(&refund, 0.0);
     let next = takes_1s_burst(&lim, demand(0.0, 6.0));
-    assert!(matches!(buckets.admit_at(&next, 0.0), Verdict::Admitted(_)));
+    assert!(matches!(
+        buckets.admit_at(&next, 0.0),
+        LimitVerdict::Admitted(_)
+    ));
     // A stream that ran 20 past its reservation leaves the bucket in debt for 2 s.
     let mut debt = takes_1s_burst(&lim, Demand::default());
     debt[2].amount = 20.0;
@@ -148,14 +154,20 @@ fn reconciliation_refunds_and_charges_debt() {
     let one = takes_1s_burst(&lim, demand(0.0, 1.0));
     assert!(matches!(
         buckets.admit_at(&one, 2.0),
-        Verdict::Limited { .. }
+        LimitVerdict::Limited { .. }
     ));
-    assert!(matches!(buckets.admit_at(&one, 2.11), Verdict::Admitted(_)));
+    assert!(matches!(
+        buckets.admit_at(&one, 2.11),
+        LimitVerdict::Admitted(_)
+    ));
 }
 
 #[test]
 fn oversized_demands_are_clamped_to_the_capacity() {
     let buckets = LocalBuckets::default();
     let t = takes_1s_burst(&limits(60, 60, 60), demand(1e6, 0.0));
-    assert!(matches!(buckets.admit_at(&t, 0.0), Verdict::Admitted(_)));
+    assert!(matches!(
+        buckets.admit_at(&t, 0.0),
+        LimitVerdict::Admitted(_)
+    ));
 }

@@ -5,7 +5,7 @@ fn admission_answers_parse() {
     let ok = parse_admit(&["ok".into(), "1.5".into(), "-2".into()], 2);
     assert_eq!(
         ok,
-        Some(RedisVerdict::Buckets(Verdict::Admitted(vec![
+        Some(RedisVerdict::Buckets(LimitVerdict::Admitted(vec![
             Level { remaining: 1.5 },
             Level { remaining: -2.0 }
         ])))
@@ -22,7 +22,10 @@ fn admission_answers_parse() {
     );
     assert!(matches!(
         limited,
-        Some(RedisVerdict::Buckets(Verdict::Limited { refused: 1, .. }))
+        Some(RedisVerdict::Buckets(LimitVerdict::Limited {
+            refused: 1,
+            ..
+        }))
     ));
     assert_eq!(
         parse_admit(&["budget".into(), "12.5".into()], 0),
