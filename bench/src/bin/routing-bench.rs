@@ -17,11 +17,12 @@ use std::time::Duration;
 use clap::Parser;
 use kinference_bench::harness::http::HttpClient;
 use kinference_bench::harness::{self, free_ports, repo_root};
-use kinference_bench::routing::client::LoadClient;
+use kinference_bench::routing::client::{LoadClient, Route};
 use kinference_bench::routing::cluster::{self, Cluster, ClusterConfig, ClusterOptions};
 use kinference_bench::routing::experiment::{self, ExperimentConfig, RequestCount, RunRecord};
 use kinference_bench::routing::fleet::FleetPlan;
 use kinference_bench::routing::oracle::Oracle;
+use kinference_bench::routing::pd::{self, PdConfig, PdFleet, PdRouter, PdWorkload};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
 use kinference_bench::routing::policy::Policy;
 use kinference_bench::routing::report::Report;
@@ -129,6 +130,44 @@ struct Args {
     /// routing.json (`overhead`) and routing.md, so that one report holds every figure of each router.
     #[arg(long)]
     overhead_json: Option<PathBuf>,
+    /// Prefill/decode disaggregation instead of the routing matrix: Kinference's P/D gateway against
+    /// vllm-router's and smg's P/D modes and Kinference aggregated, on `--pd-prefill` kv_producer and
+    /// `--pd-decode` kv_consumer workers (results in bench/results/pd unless --out-dir). Takes the
+    /// `--pd-*` flags, --time-scale, --preset, --seed, --worker-arg and the directory flags.
+    #[arg(long)]
+    pd: bool,
+    /// P/D: prefill (kv_producer) workers.
+    #[arg(long, default_value_t = 2)]
+    pd_prefill: usize,
+    /// P/D: decode (kv_consumer) workers.
+    #[arg(long, default_value_t = 2)]
+    pd_decode: usize,
+    /// P/D: workloads (long-prompt-short-answer, short-prompt-long-answer).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "long-prompt-short-answer,short-prompt-long-answer"
+    )]
+    pd_workloads: Vec<PdWorkload>,
+    /// P/D: concurrency levels.
+    #[arg(long, value_delimiter = ',', default_value = "8,32")]
+    pd_concurrency: Vec<usize>,
+    /// P/D: peers to run (vllm-router, smg; `none` for none).
+    #[arg(long, value_delimiter = ',', default_value = "vllm-router,smg")]
+    pd_peers: Vec<String>,
+    /// P/D: the peers' policy on both sides (`round_robin`: load-only, as unique prompts leave a cache
+    /// policy nothing to find).
+    #[arg(long, default_value = "round_robin")]
+    pd_peer_policy: String,
+    /// P/D: rounds of the whole matrix; figures are medians over rounds, ratios paired by round.
+    #[arg(long, default_value_t = 1)]
+    pd_rounds: usize,
+    /// P/D: requests per run are max(--pd-min-requests, this x concurrency).
+    #[arg(long, default_value_t = 3)]
+    pd_requests_per_user: usize,
+    /// P/D: see --pd-requests-per-user.
+    #[arg(long, default_value_t = 32)]
+    pd_min_requests: usize,
 }
 
 fn fmt_duration(d: Duration) -> String {
@@ -190,6 +229,19 @@ async fn main() -> ExitCode {
             Policy::Oracle,
         ];
         args.requests_per_run.get_or_insert(16);
+    }
+    if args.pd {
+        let out_dir = args
+            .out_dir
+            .clone()
+            .unwrap_or_else(|| repo_root().join("bench/results/pd"));
+        return tokio::select! {
+            code = run_pd(args, out_dir) => code,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("interrupted: stopping the cluster");
+                ExitCode::from(130)
+            }
+        };
     }
     let out_dir = args.out_dir.clone().unwrap_or_else(|| {
         let dir = repo_root().join("bench/results");
@@ -528,6 +580,242 @@ fn append_overhead(path: &std::path::Path, out_dir: &std::path::Path) -> anyhow:
     }
     std::fs::write(out_dir.join("routing.md"), md)?;
     Ok(())
+}
+
+/// `--pd`: the P/D fleet, the two Kinference gateways (with and without roles), the peers' P/D modes,
+/// then every workload x concurrency x router side by side; writes pd.json and pd.md after every run.
+async fn run_pd(args: Args, out_dir: PathBuf) -> ExitCode {
+    let fleet = PdFleet {
+        prefill: args.pd_prefill,
+        decode: args.pd_decode,
+    };
+    if fleet.prefill == 0 || fleet.decode == 0 {
+        eprintln!("routing-bench: --pd needs at least one prefill and one decode worker");
+        return ExitCode::FAILURE;
+    }
+    let mut wanted_peers = Vec::new();
+    for name in args.pd_peers.iter().filter(|n| *n != "none") {
+        match PdRouter::ALL
+            .into_iter()
+            .find(|r| r.peer().is_some_and(|p| p.name() == name))
+        {
+            Some(r) => wanted_peers.push(r),
+            None => {
+                eprintln!("routing-bench: --pd-peers: unknown {name:?} (vllm-router, smg or none)");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let mut routers = vec![PdRouter::KinferencePd, PdRouter::KinferenceAggregated];
+    routers.extend(&wanted_peers);
+    let config = PdConfig {
+        workloads: args.pd_workloads.clone(),
+        concurrency: args.pd_concurrency.clone(),
+        routers,
+        min_requests: args.pd_min_requests,
+        requests_per_user: args.pd_requests_per_user,
+        rounds: args.pd_rounds,
+        seed: args.seed,
+        time_scale: args.time_scale,
+    };
+    let command = format!(
+        "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway --bins\ntarget/release/routing-bench {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    let cluster_config = ClusterConfig {
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
+        tokenizer_dir: args
+            .tokenizer_dir
+            .clone()
+            .unwrap_or_else(cluster::default_tokenizer_dir),
+        workers: fleet.workers(),
+        preset: args.preset.clone(),
+        time_scale: args.time_scale,
+        worker_args: args.worker_args.clone(),
+        gateway_modes: [PdRouter::KinferencePd, PdRouter::KinferenceAggregated]
+            .iter()
+            .filter_map(|r| r.gateway_mode())
+            .map(str::to_string)
+            .collect(),
+        work_dir: std::env::temp_dir().join(format!("kinference-pd-bench-{}", std::process::id())),
+        ready_timeout: Duration::from_secs(60),
+    };
+    let options = ClusterOptions {
+        per_worker_args: fleet.worker_args(),
+        worker_roles: fleet.gateway_roles(),
+        ..ClusterOptions::default()
+    };
+    eprintln!(
+        "routing-bench --pd: {} prefill + {} decode workers, {} runs per round, {} round(s), logs in {}",
+        fleet.prefill,
+        fleet.decode,
+        config.workloads.len() * config.concurrency.len() * config.routers.len(),
+        config.rounds,
+        cluster_config.work_dir.display()
+    );
+    let http = HttpClient::new();
+    let mut cluster = match Cluster::start_with(&cluster_config, http.clone(), &options).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("routing-bench: cannot start the cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut routes = pd::Routes::new();
+    for router in [PdRouter::KinferencePd, PdRouter::KinferenceAggregated] {
+        let route = router
+            .gateway_mode()
+            .and_then(|m| cluster.gateway(m))
+            .map(|g| Route::Endpoint(g.url.clone()))
+            .ok_or_else(|| "no gateway".to_string());
+        routes.insert(router, route);
+    }
+    // Peers: installed (pinned) on first use, started in front of the same workers in their P/D mode.
+    let cache = args
+        .peers_dir
+        .clone()
+        .unwrap_or_else(peers::default_cache_dir);
+    let mut running = Vec::new();
+    let mut peer_setup = Vec::new();
+    for router in wanted_peers {
+        let Some(package) = router.peer() else {
+            continue;
+        };
+        peer_setup.push(json!({"row": router.as_str(), "package": package.requirement(), "policy": args.pd_peer_policy}));
+        let venv = match peers::install(package, &cache, &mut |line| {
+            eprintln!("routing-bench: peer {line}")
+        }) {
+            Ok(v) => v,
+            Err(e) => {
+                routes.insert(router, Err(format!("install failed: {e}")));
+                continue;
+            }
+        };
+        let ports = free_ports(2);
+        let ctx = PeerContext {
+            workers: cluster.worker_endpoints().to_vec(),
+            model: cluster::MODEL.to_string(),
+            block_size: 16,
+            port: ports[0],
+            metrics_port: ports[1],
+            work_dir: cluster.work_dir().to_path_buf(),
+        };
+        let (prefill, decode) = fleet.split(cluster.workers());
+        let Some(plan) = pd::peer_plan(package, &ctx, prefill, decode, &args.pd_peer_policy) else {
+            continue;
+        };
+        eprintln!(
+            "routing-bench: starting {} ({}) on port {}",
+            router.as_str(),
+            package.requirement(),
+            ports[0]
+        );
+        match peers::launch(
+            router.as_str(),
+            &plan,
+            &venv,
+            &ctx,
+            &http,
+            Duration::from_secs(args.peer_ready_timeout_s),
+        )
+        .await
+        {
+            Ok(peer) => {
+                routes.insert(router, Ok(peer.route.clone()));
+                running.push(peer);
+            }
+            Err(e) => {
+                eprintln!("routing-bench: {} cannot run: {e}", router.as_str());
+                let first = e.to_string().lines().next().unwrap_or_default().to_string();
+                routes.insert(router, Err(format!("did not start: {first}")));
+            }
+        }
+    }
+    let setup = json!({
+        "fleet": fleet,
+        "preset": args.preset,
+        "time_scale": args.time_scale,
+        "worker_args": args.worker_args,
+        "peers": peer_setup,
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "git_commit": git_commit(),
+    });
+    // The decision header of Kinference's rows (the peers ignore the request header).
+    let client = LoadClient::new(
+        http.clone(),
+        cluster::MODEL,
+        true,
+        Duration::from_secs(args.request_timeout_s),
+    );
+    let mut done: Vec<pd::PdRecord> = Vec::new();
+    let total = config.rounds.max(1)
+        * config.workloads.len()
+        * config.concurrency.len()
+        * config.routers.len();
+    let result = pd::run_matrix(&mut cluster, &client, &http, &routes, &config, |r| {
+        done.push(r.clone());
+        match &r.summary {
+            Some(s) => eprintln!(
+                "[{:>2}/{total}] round {} {:<24} c={:<2} {:<21} TTFT p50 {:>6.2}s p90 {:>6.2}s  TPOT p50 {:>4.0}ms p90 {:>4.0}ms  goodput {:>6.1}/min  pulls/req {:.2}  err {}  ({:.1}s wall)",
+                done.len(), r.round, r.workload.as_str(), r.concurrency, r.router.as_str(),
+                s.median_ttft_s, s.p90_ttft_s, s.median_tpot_s * 1e3, s.p90_tpot_s * 1e3,
+                s.goodput_rpm, s.kv_pulls_per_request, s.errors, r.wall_s
+            ),
+            None => eprintln!(
+                "[{:>2}/{total}] {} {} c={} n/a: {}",
+                done.len(), r.router.as_str(), r.workload.as_str(), r.concurrency,
+                r.unavailable.as_deref().unwrap_or_default()
+            ),
+        }
+        let report = pd::Report {
+            command: command.clone(),
+            setup: setup.clone(),
+            config: &config,
+            records: &done,
+            notes: pd_notes(&done),
+        };
+        if let Err(e) = report.write_all(&out_dir) {
+            eprintln!("routing-bench: {e}");
+        }
+    })
+    .await;
+    drop(running);
+    if let Err(e) = result {
+        eprintln!(
+            "routing-bench: {e} (logs in {})",
+            cluster.work_dir().display()
+        );
+        return ExitCode::FAILURE;
+    }
+    eprintln!("\nTargets:");
+    for t in pd::targets(&pd::rows(&done), pd::AGGREGATED_TOLERANCE) {
+        eprintln!(
+            "  [{}] {}: {:.2} (required {:.2})",
+            if t.met { "met" } else { "NOT MET" },
+            t.name,
+            t.measured,
+            t.required
+        );
+    }
+    eprintln!("Results in {}", out_dir.display());
+    ExitCode::SUCCESS
+}
+
+/// What the report says under the table about a P/D row whose runs moved no KV cache: its split
+/// computed every prompt twice (the decode worker did not get the prefill worker's KV).
+fn pd_notes(records: &[pd::PdRecord]) -> std::collections::BTreeMap<PdRouter, String> {
+    let mut notes = std::collections::BTreeMap::new();
+    for r in records {
+        let Some(s) = &r.summary else { continue };
+        if r.router.peer().is_some() && r.workload.split_pays() && s.kv_pulls_per_request < 0.01 {
+            notes.insert(
+                r.router,
+                "no KV moved (0 pulls): the decode workers computed every prompt again after the prefill worker's".to_string(),
+            );
+        }
+    }
+    notes
 }
 
 fn git_commit() -> Option<String> {

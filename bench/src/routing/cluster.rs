@@ -115,7 +115,15 @@ pub struct ClusterOptions {
     /// Extra `vllm-sim` arguments of each worker (entry `i` for worker `i`, after
     /// [`ClusterConfig::worker_args`]): a mixed fleet of different speeds and cache sizes.
     pub per_worker_args: Vec<Vec<String>>,
+    /// Each worker's part in prefill/decode disaggregation (`prefill`, `decode`, `both`; entry `i` for
+    /// worker `i`, `workers[].role` in every gateway's config; empty: every worker `both`). A gateway
+    /// mode ending in [`AGGREGATED_SUFFIX`] leaves the roles out: every worker takes whole requests.
+    pub worker_roles: Vec<String>,
 }
+
+/// A gateway mode `M-aggregated` is routing mode `M` with the workers' roles left out (whole requests on
+/// every worker): the baseline the P/D benchmark compares disaggregation with, on the same workers.
+pub const AGGREGATED_SUFFIX: &str = "-aggregated";
 
 /// Where a worker serves and publishes, as a subscriber on loopback connects to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -417,12 +425,25 @@ impl Cluster {
         }
 
         let gateway_yaml_base = gateway_yaml(&worker_urls, &tokenizer_dir, &agent_grpc);
+        let mut gateway_yaml_roles = gateway_yaml_base.clone();
+        for (worker, role) in gateway_yaml_roles["workers"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .zip(&options.worker_roles)
+        {
+            worker["role"] = json!(role);
+        }
         // Their worker-health URLs, in the order they start (the order of `children` after the agent).
         let mut gateway_ready = Vec::with_capacity(gateway_names.len());
         for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
             let file = name.replace('#', "-");
-            let mut yaml = gateway_yaml_base.clone();
-            yaml["routing"] = json!(mode);
+            let (base, routing) = match mode.strip_suffix(AGGREGATED_SUFFIX) {
+                Some(routing) => (&gateway_yaml_base, routing),
+                None => (&gateway_yaml_roles, mode.as_str()),
+            };
+            let mut yaml = base.clone();
+            yaml["routing"] = json!(routing);
             let path = config.work_dir.join(format!("gateway-{file}.yaml"));
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);

@@ -6,13 +6,15 @@
 //! and stops the real processes; [`stats`] turns the measured requests into the figures that
 //! [`report`] writes (JSON, markdown, SVG). [`experiment`] ties them together for `routing-bench` and
 //! `demo`, over the routing [`policy`]s; [`fleet`] describes the mixed fleet of the `heterogeneous` and
-//! `restart` workloads.
+//! `restart` workloads. [`pd`] compares prefill/decode disaggregation with the peers' P/D modes and
+//! with aggregated serving (`routing-bench --pd`).
 
 pub mod client;
 pub mod cluster;
 pub mod experiment;
 pub mod fleet;
 pub mod oracle;
+pub mod pd;
 pub mod peers;
 pub mod policy;
 pub mod report;

@@ -397,8 +397,8 @@ pub fn litellm_config(urls: &[String], model: &str, strategy: &str, master_key: 
 
 /// A started peer router; dropping it stops its process group.
 pub struct RunningPeer {
-    /// The policy it implements.
-    pub policy: Policy,
+    /// Its row name (the peer policy, or the P/D benchmark's router name).
+    pub name: String,
     /// Where to send requests.
     pub route: Route,
     /// Base URL.
@@ -438,6 +438,19 @@ pub async fn start(
             dir: "not a peer".into(),
         })
     })?;
+    launch(&policy.to_string(), &plan, venv, ctx, http, timeout).await
+}
+
+/// Starts `plan` (a router named `name` in its log file) from `venv`, as [`start`] does: also for
+/// launch plans of other modes than [`plan`]'s (the P/D benchmark's prefill/decode lists).
+pub async fn launch(
+    name: &str,
+    plan: &LaunchPlan,
+    venv: &Path,
+    ctx: &PeerContext,
+    http: &HttpClient,
+    timeout: Duration,
+) -> Result<RunningPeer, PeerError> {
     std::fs::create_dir_all(&ctx.work_dir).map_err(|source| ClusterError::Io {
         what: format!("creating {}", ctx.work_dir.display()),
         source,
@@ -448,9 +461,9 @@ pub async fn start(
             source,
         })?;
     }
-    let log = ctx.work_dir.join(format!("peer-{policy}.log"));
+    let log = ctx.work_dir.join(format!("peer-{name}.log"));
     let child = Process::spawn_group(
-        &policy.to_string(),
+        name,
         &venv.join("bin").join(plan.program),
         &plan.args,
         &plan.env,
@@ -460,7 +473,7 @@ pub async fn start(
     let route = plan.route(ctx.port);
     let url = format!("http://127.0.0.1:{}", ctx.port);
     let mut peer = RunningPeer {
-        policy,
+        name: name.to_string(),
         route,
         url: url.clone(),
         log,

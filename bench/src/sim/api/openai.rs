@@ -88,6 +88,14 @@ fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
             "max_tokens must be at least 1, got 0.",
         ));
     }
+    // vLLM declares `min_tokens: int = 0`: pydantic refuses null like any other non-integer (checked
+    // on vLLM 0.32: "Input should be a valid integer"), so a router must send 0, not null.
+    if body.get("min_tokens").is_some_and(|v| !v.is_u64()) {
+        return Err(ApiError::bad_param(
+            "min_tokens",
+            "min_tokens: Input should be a valid integer",
+        ));
+    }
     let stream = opt_bool(body, "stream", false)?;
     let include_usage = match body.get("stream_options") {
         None | Some(Value::Null) => false,

@@ -25,6 +25,7 @@ fn bad_requests_are_400_with_vllm_shape() {
         json!({"prompt": "x", "logprobs": 21}),
         json!({"prompt": "x", "stream_options": {"include_usage": true}}),
         json!({"prompt": ["a", "b"]}),
+        json!({"prompt": "x", "min_tokens": null}),
     ] {
         let e = parse_completion(&body).expect_err("must fail");
         assert_eq!(e.status(), 400, "{body}");
@@ -33,6 +34,7 @@ fn bad_requests_are_400_with_vllm_shape() {
         assert_eq!(v["error"]["code"], 400);
     }
     assert!(parse_chat(&json!({"messages": "hi"})).is_err());
+    assert!(parse_completion(&json!({"prompt": "x", "min_tokens": 0})).is_ok());
 }
 
 #[test]

@@ -178,7 +178,9 @@ async fn prefill_call(
         ("stream", "false".into()),
         ("stream_options", "null".into()),
         ("max_tokens", "1".into()),
-        ("min_tokens", "null".into()),
+        // vLLM's default; it refuses null (`min_tokens: int`), and a client's min_tokens over 1
+        // would contradict max_tokens 1.
+        ("min_tokens", "0".into()),
         ("kv_transfer_params", DO_REMOTE_DECODE.into()),
     ];
     if call.path == "/v1/chat/completions" {
