@@ -19,7 +19,10 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use hash::{BlockDigest, event_hash, hash_block_tokens, hash_blocks, none_hash};
+pub use hash::{
+    BlockDigest, event_hash, hash_block_salted, hash_block_tokens, hash_blocks, hash_blocks_salted,
+    none_hash,
+};
 pub use lora::LoraAdapter;
 
 /// Index of a block in the pool.
@@ -38,6 +41,9 @@ pub enum KvCacheEvent {
         block_size: usize,
         /// The adapter the blocks were computed with (`None`: the base model).
         lora: Option<Arc<LoraAdapter>>,
+        /// The request's `cache_salt` when the first block here is its prompt's first (the one
+        /// block vLLM hashes the salt into, and publishes it as the extra key of).
+        salt: Option<Arc<str>>,
     },
     /// One evicted block (vLLM sends one event per block).
     BlockRemoved { block_hashes: Vec<u64> },
@@ -192,12 +198,14 @@ impl BlockPool {
         num_cached: usize,
         num_full: usize,
         lora: Option<&Arc<LoraAdapter>>,
+        salt: Option<&Arc<str>>,
     ) {
         let num_full = num_full.min(blocks.len()).min(hashes.len());
         if num_full <= num_cached {
             return;
         }
         let mut stored = Vec::with_capacity(num_full - num_cached);
+        let mut first = None;
         for i in num_cached..num_full {
             let id = blocks[i];
             let b = &mut self.blocks[id as usize];
@@ -205,6 +213,7 @@ impl BlockPool {
                 // Already cached (a prefix hit): vLLM never re-announces it here.
                 continue;
             }
+            first.get_or_insert(i);
             b.hash = Some(hashes[i]);
             self.cached.entry(hashes[i]).or_default().push(id);
             stored.push(event_hash(&hashes[i]));
@@ -219,6 +228,7 @@ impl BlockPool {
             token_ids: all_tokens[num_cached * bs..num_full * bs].to_vec(),
             block_size: bs,
             lora: lora.cloned(),
+            salt: salt.filter(|_| first == Some(0)).cloned(),
         });
     }
 
