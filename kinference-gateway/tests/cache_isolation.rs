@@ -420,8 +420,40 @@ async fn one_tenant_cannot_learn_anothers_prompts() {
     assert_eq!(bob_salt.len(), 64, "{bob_salt}");
     assert_eq!(bob_cached, 0, "bob's probe through Envoy sees nothing");
 
+    // The hit rate within a tenant is that of unsalted prompts: the same shuffled workload (4 long
+    // prompts x 4 questions) from alice (salted) and from sam (shared: unsalted), each its own prompts.
+    let hit_share = |tenant: &'static str| async move {
+        let mut order: Vec<(usize, usize)> =
+            (0..4).flat_map(|p| (0..4).map(move |q| (p, q))).collect();
+        order.sort_by_key(|(p, q)| (q * 7 + p * 3) % 16);
+        let (mut cached, mut total) = (0, 0);
+        for (p, q) in order {
+            let text = format!(
+                "{} Question {q}?",
+                prompt(&format!("workload {p} of {tenant}"))
+            );
+            let s = complete(api, tenant, &text, None).await;
+            cached += s.cached;
+            total += s.prompt_tokens;
+            // Each answer's blocks reach the index before the next request, as in steady traffic.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        (cached, total)
+    };
+    let (alice_hits, alice_total) = hit_share("alice").await;
+    let (sam_hits, sam_total) = hit_share("sam").await;
+    let (a, s) = (
+        alice_hits as f64 / alice_total as f64,
+        sam_hits as f64 / sam_total as f64,
+    );
+    assert!(
+        a > 0.5 && (a - s).abs() < 0.03,
+        "salted hit share {a:.3} vs unsalted {s:.3}"
+    );
+
     println!(
         "cache isolation (2 vllm-sim workers, block 16, one agent):\n\
+         - hit share within a tenant, 16 requests (4 prompts x 4 questions): alice (salted) {alice_hits}/{alice_total} = {a:.3}, sam (unsalted) {sam_hits}/{sam_total} = {s:.3}\n\
          - alice, own prompt again: cached {} of {} prompt tokens, worker {}\n\
          - bob probing it: cached {}, routed cold: {}, worker {} ({} alice's)\n\
          - bob with alice's salt forged: cached {}, routed cold: {}\n\
