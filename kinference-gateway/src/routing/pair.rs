@@ -171,15 +171,7 @@ impl Router {
             });
         };
         let started = Instant::now();
-        let pair = self.decide_pair(
-            model,
-            req.route.salt,
-            &prefill,
-            &decode,
-            &tokens,
-            req.min_uncached_tokens,
-            req.route.debug,
-        );
+        let pair = self.decide_pair(&req, &prefill, &decode, &tokens);
         self.shared
             .stages
             .decide
@@ -187,18 +179,17 @@ impl Router {
         Ok(pair)
     }
 
-    /// The decision of [`Router::pick_pair`] for a tokenized prompt (synchronous, like
+    /// The decision of [`Router::pick_pair`] for `req`'s tokenized prompt (synchronous, like
     /// [`Router::decide`]).
     fn decide_pair(
         &self,
-        model: &str,
-        salt: Option<&str>,
+        req: &PairRequest<'_>,
         prefill: &[Arc<Worker>],
         decode: &[Arc<Worker>],
         tokens: &[u32],
-        min_uncached_tokens: usize,
-        debug: bool,
     ) -> Pair {
+        let (model, salt, debug) = (req.route.model, req.route.salt, req.route.debug);
+        let min_uncached_tokens = req.min_uncached_tokens;
         let shared = &self.shared;
         let now = Instant::now();
         let prompt = tokens.len();

@@ -25,6 +25,16 @@ pub use hash::{
 };
 pub use lora::LoraAdapter;
 
+/// What a request's blocks are computed with besides their tokens: its adapter and its cache salt,
+/// both published in `BlockStored`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockExtras<'a> {
+    /// The adapter (`None`: the base model).
+    pub lora: Option<&'a Arc<LoraAdapter>>,
+    /// The `cache_salt` (`None`: unsalted).
+    pub salt: Option<&'a Arc<str>>,
+}
+
 /// Index of a block in the pool.
 pub type BlockId = u32;
 
@@ -189,7 +199,8 @@ impl BlockPool {
 
     /// Registers newly full blocks of one request (`BlockPool.cache_full_blocks`): `blocks` and
     /// `hashes` are the request's blocks and block digests, `all_tokens` its tokens, and blocks
-    /// `num_cached..num_full` become cached. Queues one `BlockStored` for them.
+    /// `num_cached..num_full` become cached. Queues one `BlockStored` for them, naming the request's
+    /// `extras`.
     pub fn cache_full_blocks(
         &mut self,
         blocks: &[BlockId],
@@ -197,9 +208,9 @@ impl BlockPool {
         all_tokens: &[u32],
         num_cached: usize,
         num_full: usize,
-        lora: Option<&Arc<LoraAdapter>>,
-        salt: Option<&Arc<str>>,
+        extras: BlockExtras<'_>,
     ) {
+        let BlockExtras { lora, salt } = extras;
         let num_full = num_full.min(blocks.len()).min(hashes.len());
         if num_full <= num_cached {
             return;

@@ -301,8 +301,10 @@ impl EngineCore {
                 &req.tokens,
                 req.num_cached_blocks,
                 num_full,
-                req.lora.as_ref(),
-                req.salt.as_ref(),
+                crate::sim::cache::BlockExtras {
+                    lora: req.lora.as_ref(),
+                    salt: req.salt.as_ref(),
+                },
             );
             req.num_cached_blocks = num_full;
         }
