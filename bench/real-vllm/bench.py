@@ -286,19 +286,24 @@ def write_yaml(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def start_stack(args: argparse.Namespace, mode: str, cache_blocks: int, work_dir: Path) -> Stack:
-    """Starts agent, workers and gateway and waits until all are ready; stops them all if one fails."""
+def start_stack(
+    args: argparse.Namespace, mode: str, cache_blocks: int, work_dir: Path, gateway_extra: dict | None = None
+) -> Stack:
+    """Starts agent, workers and gateway and waits until all are ready; stops them all if one fails.
+    `gateway_extra`: more top-level keys of the gateway's gateway.yaml (e.g. `tenancy`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(work_dir)
     try:
-        launch(stack, args, mode, cache_blocks)
+        launch(stack, args, mode, cache_blocks, gateway_extra)
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def launch(stack: Stack, args: argparse.Namespace, mode: str, cache_blocks: int) -> None:
+def launch(
+    stack: Stack, args: argparse.Namespace, mode: str, cache_blocks: int, gateway_extra: dict | None = None
+) -> None:
     work_dir = stack.work_dir
     n = args.workers
     ports = free_ports(3 * n + 4)
@@ -376,6 +381,7 @@ def launch(stack: Stack, args: argparse.Namespace, mode: str, cache_blocks: int)
             "workers": [{"url": url, "model": MODEL} for url in stack.workers],
             "agents": [f"http://127.0.0.1:{agent_grpc}"],
             "routing": mode,
+            **(gateway_extra or {}),
         },
     )
     gateway = stack.spawn(

@@ -4,11 +4,15 @@
 
 use std::collections::HashMap;
 
-use kinference_bench::sim::cache::{BlockDigest, KvCacheEvent, event_hash, hash_blocks};
+use kinference_bench::sim::cache::{
+    BlockDigest, KvCacheEvent, event_hash, hash_blocks, hash_blocks_salted,
+};
 use kinference_bench::sim::kv_events::{EventFormat, encode_batch};
 use serde_json::Value;
 
 const RUN2: &str = include_str!("../fixtures/vllm-0.32/events-run2.jsonl");
+/// One prompt under two cache salts and none (`bench/real-vllm/salt_capture.py`, same settings).
+const SALTED: &str = include_str!("../fixtures/vllm-0.32/salted-events.jsonl");
 
 fn lines() -> Vec<Value> {
     RUN2.lines()
@@ -37,6 +41,7 @@ fn to_event(e: &Value) -> KvCacheEvent {
             block_size: e["block_size"].as_u64().expect("block_size") as usize,
             // The captures are of base-model requests.
             lora: None,
+            salt: None,
         },
         "BlockRemoved" => KvCacheEvent::BlockRemoved {
             block_hashes: u64s(&e["block_hashes"]),
@@ -124,4 +129,63 @@ fn batches_encode_to_the_live_payload_layout() {
         assert_eq!(&head[..4], &live[..4], "seq {}", line["seq"]);
         assert_eq!(&head[20..], &live[20..], "seq {}", line["seq"]);
     }
+}
+
+#[test]
+fn salted_prompts_give_the_live_hashes_and_extra_keys() {
+    let tokens: Vec<u32> = (3000..3096).collect();
+    let mut salts = Vec::new();
+    for line in SALTED.lines().filter(|l| !l.trim().is_empty()) {
+        let line: Value = serde_json::from_str(line).expect("fixture line is JSON");
+        let batch = &line["batch"];
+        let e = &batch[1][0];
+        assert_eq!(
+            u64s(&e["token_ids"]),
+            tokens.iter().map(|&t| u64::from(t)).collect::<Vec<_>>()
+        );
+        let salt = e["extra_keys"][0][0].as_str().map(str::to_string);
+        let got: Vec<u64> = hash_blocks_salted(None, &tokens, 32, salt.as_deref())
+            .iter()
+            .map(event_hash)
+            .collect();
+        assert_eq!(got, u64s(&e["block_hashes"]), "salt {salt:?}");
+        // The event the simulator publishes for it: same hashes, the salt as block 0's extra key.
+        let event = KvCacheEvent::BlockStored {
+            block_hashes: got,
+            parent_block_hash: None,
+            token_ids: tokens.clone(),
+            block_size: 32,
+            lora: None,
+            salt: salt.as_deref().map(std::sync::Arc::from),
+        };
+        let ts = batch[0].as_f64().expect("ts");
+        let payload = encode_batch(
+            ts,
+            &[event],
+            batch[2].as_i64().expect("rank"),
+            EventFormat::Map,
+        );
+        if salt.is_some() {
+            // An unsalted batch from 0.32 lists a null per block; the simulator sends none then.
+            assert_eq!(
+                payload.len() as u64,
+                line["payload_len"].as_u64().expect("len"),
+                "salt {salt:?}"
+            );
+        }
+        salts.push(salt);
+    }
+    assert_eq!(
+        salts,
+        [
+            Some("kinference-salt-a".into()),
+            Some("kinference-salt-b".into()),
+            None
+        ]
+    );
+    assert_ne!(
+        hash_blocks_salted(None, &tokens, 32, Some("a"))[1],
+        hash_blocks(None, &tokens, 32)[1],
+        "the first block's salt reaches the next through the chain"
+    );
 }

@@ -85,6 +85,38 @@ pub struct InferenceTenantSpec {
     /// tenant's request is admitted while a lower one's waits briefly, then is refused (503).
     #[serde(default)]
     pub priority: TenantPriority,
+    /// Whose requests may hit this tenant's prompts in the workers' prefix caches (absent: this
+    /// tenant's alone, whenever the gateway has tenants).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_cache: Option<PromptCache>,
+}
+
+/// How a tenant's prompts are kept apart in the workers' prefix caches. The gateway salts every
+/// request it sends a worker (vLLM's `cache_salt`) with a value derived from a gateway-side secret
+/// and the scope below, so a prompt is a cache hit only for requests of the same scope: no other
+/// tenant can learn from `cached_tokens`, or from where it is routed, that it was sent.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PromptCache {
+    /// Who shares the cached prompts.
+    #[serde(default)]
+    pub isolation: CacheIsolation,
+    /// The group whose tenants share with each other (`isolation: Group`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub group: Option<String>,
+}
+
+/// Whose requests share a tenant's cached prompts.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, JsonSchema, Default)]
+pub enum CacheIsolation {
+    /// The tenant's own requests only (the default).
+    #[default]
+    Tenant,
+    /// Every tenant naming the same `group`.
+    Group,
+    /// Every tenant that shares on purpose (no salt: the workers' common cache).
+    Shared,
 }
 
 /// A tenant's share of an overloaded gateway.

@@ -250,7 +250,7 @@ def test_admin_key_from_a_secret() -> None:
         "serviceMonitor": {"enabled": True},
     }
     objects = render(values)
-    assert not find(objects, "Secret"), "no key generated when one is given"
+    assert not find(objects, "Secret", "kinference-gateway-admin"), "no key generated when one is given"
     c = container(one(objects, GATEWAY))
     assert env_of(c)["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "kinference-admin", "key": "admin-key"}
@@ -270,7 +270,8 @@ def test_an_admin_key_is_generated_by_default() -> None:
     secret = one(objects, "Secret", "kinference-gateway-admin")
     key = base64.b64decode(secret["data"]["admin-key"]).decode()
     assert len(key) >= 32 and key.isalnum(), "a random key, well over the gateway's 16-character minimum"
-    assert key != base64.b64decode(one(render({}), "Secret")["data"]["admin-key"]).decode(), "random"
+    again = one(render({}), "Secret", "kinference-gateway-admin")
+    assert key != base64.b64decode(again["data"]["admin-key"]).decode(), "random"
     assert env_of(container(one(objects, GATEWAY)))["KINFERENCE_ADMIN_KEY"]["valueFrom"] == {
         "secretKeyRef": {"name": "kinference-gateway-admin", "key": "admin-key"}
     }
@@ -281,8 +282,37 @@ def test_an_admin_key_is_generated_by_default() -> None:
     assert monitor["spec"]["endpoints"][0]["authorization"]["credentials"]["name"] == "kinference-gateway-admin"
     # Loopback admins only on request.
     objects = render({"gateway": {"adminKey": {"generate": False}}})
-    assert not find(objects, "Secret")
+    assert not find(objects, "Secret", "kinference-gateway-admin")
     assert "KINFERENCE_ADMIN_KEY" not in env_of(container(one(objects, GATEWAY)))
+
+
+def test_a_cache_salt_key_is_generated_and_mounted_by_default() -> None:
+    """Every replica salts the tenants' prompts with the same key (issue 32): by default the chart generates
+    one in a Secret of its own, mounts it, and names the file in gateway.yaml."""
+    objects = render({})
+    secret = one(objects, "Secret", "kinference-gateway-cache-salt")
+    key = base64.b64decode(secret["data"]["cache-salt-key"]).decode()
+    assert len(key) >= 32 and key.isalnum(), "at least the gateway's 32-byte minimum"
+    gateway = one(objects, GATEWAY, "kinference-gateway")
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["cache-salt"]["secret"]["secretName"] == "kinference-gateway-cache-salt"
+    mounts = {m["name"]: m for m in container(gateway)["volumeMounts"]}
+    assert mounts["cache-salt"]["mountPath"] == "/var/run/kinference/cache-salt" and mounts["cache-salt"]["readOnly"]
+    config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert config["tenancy"]["cache_salt_key_file"] == "/var/run/kinference/cache-salt/cache-salt-key"
+    # A Secret of one's own, under one's own key name.
+    objects = render({"gateway": {"cacheSaltKey": {"existingSecret": "salts", "secretKey": "k"}}})
+    assert not find(objects, "Secret", "kinference-gateway-cache-salt")
+    gateway = one(objects, GATEWAY, "kinference-gateway")
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["cache-salt"]["secret"]["secretName"] == "salts"
+    config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert config["tenancy"]["cache_salt_key_file"] == "/var/run/kinference/cache-salt/k"
+    # Each pod its own key, on request.
+    objects = render({"gateway": {"cacheSaltKey": {"generate": False}}})
+    assert not find(objects, "Secret", "kinference-gateway-cache-salt")
+    config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert "cache_salt_key_file" not in config.get("tenancy", {})
 
 
 def test_tenant_spend_on_the_metrics_page_only_when_asked() -> None:

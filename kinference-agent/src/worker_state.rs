@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kinference_api::{BlockKey, KeyHasher, with_extra_keys};
+use kinference_api::{BlockKey, KeyHasher, str_extra_key, with_extra_keys};
 
 use crate::kv_events::{ExtraKey, KvEvent, Lora, Medium};
 
@@ -395,11 +395,7 @@ fn encode_extra_keys(keys: &[ExtraKey], lora: Option<&Lora>, out: &mut Vec<u8>) 
     for key in keys {
         match key {
             ExtraKey::Str(s) if matches!(lora, Some(Lora::Name(name)) if name == s) => {}
-            ExtraKey::Str(s) => {
-                out.push(b's');
-                out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-                out.extend_from_slice(s.as_bytes());
-            }
+            ExtraKey::Str(s) => str_extra_key(s, out),
             ExtraKey::Raw(raw) => {
                 out.push(b'r');
                 out.extend_from_slice(&(raw.len() as u64).to_le_bytes());

@@ -69,6 +69,29 @@ impl KeyHasher {
         out
     }
 
+    /// [`KeyHasher::keys`] of a prompt sent with a cache salt (vLLM's `cache_salt`, `None`: none):
+    /// vLLM hashes the salt into the prompt's first block only, so the first key is mixed with it
+    /// ([`with_extra_keys`] of [`str_extra_key`], as the agent keys that block from its event's
+    /// `extra_keys`) and the rest chain from it. A salted prompt shares no key with the same tokens
+    /// unsalted, nor under another salt.
+    pub fn salted_keys(
+        &self,
+        salt: Option<&str>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Vec<BlockKey> {
+        let Some(salt) = salt.filter(|_| block_size > 0 && tokens.len() >= block_size) else {
+            return self.keys(None, tokens, block_size);
+        };
+        let mut extra = Vec::with_capacity(9 + salt.len());
+        str_extra_key(salt, &mut extra);
+        let first = with_extra_keys(self.block_key(None, &tokens[..block_size]), &extra);
+        let mut out = Vec::with_capacity(tokens.len() / block_size);
+        out.push(first);
+        self.extend_keys(Some(first), &tokens[block_size..], block_size, &mut out);
+        out
+    }
+
     /// Like [`KeyHasher::keys`], appending to `out` (no allocation when `out` has room).
     pub fn extend_keys(
         &self,
@@ -137,6 +160,15 @@ impl KeyHasher {
 /// chained after it, is never counted as a hit for a plain prompt of the same tokens.
 pub fn with_extra_keys(key: BlockKey, extra: &[u8]) -> BlockKey {
     xxh3_64_with_seed(extra, key ^ 0x6a09_e667_f3bc_c908)
+}
+
+/// The bytes one string extra key of a block (a cache salt, say) adds to [`with_extra_keys`]'s input:
+/// `s`, its length as u64 little-endian, its UTF-8. The agent writes an event's string keys so and the
+/// gateway a request's salt, which is why both find the same key for a salted block.
+pub fn str_extra_key(s: &str, out: &mut Vec<u8>) {
+    out.push(b's');
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
 }
 
 fn encode(parent: u64, tokens: &[u32], buf: &mut [u8]) -> usize {

@@ -21,7 +21,7 @@ pub mod summary {
     tonic::include_proto!("kinference.v1");
 }
 
-pub use block_keys::{BlockKey, KeyHasher, with_extra_keys};
+pub use block_keys::{BlockKey, KeyHasher, str_extra_key, with_extra_keys};
 pub use role::WorkerRole;
 
 /// Tokenization as the served model does it: HF `tokenizer.json` plus the model's chat template.

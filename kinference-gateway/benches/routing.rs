@@ -216,6 +216,7 @@ fn pool_pick(c: &mut Criterion) {
             prompt: Prompt::Text(""),
             debug: false,
             tokens: Some(&known),
+            salt: None,
         };
         let d = runtime
             .block_on(router.pick_except(req, within, &[]))

@@ -865,6 +865,7 @@ async fn planned_pools(stage: &PolicyStage, router: &Router) -> Vec<(String, Vec
         tags_header: None,
         debug: false,
         tokens: &tokens,
+        cache_salt: None,
     };
     let Ok(plan) = stage.decide(router, req).await else {
         return Vec::new();

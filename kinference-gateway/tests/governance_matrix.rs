@@ -14,6 +14,9 @@
 //!   kept from the client); through Envoy without the response phase, billed its reservation, never
 //!   zero;
 //! - the gateway at its in-flight limit: 503 with `Retry-After`;
+//! - salted: on every endpoint whose worker keeps a prefix cache (`Endpoint::reaches_prefix_cache`),
+//!   the worker is sent the tenant's `cache_salt`, never the client's own, and another tenant's
+//!   differs (seen in the bodies the Remote stand-in receives);
 //! - every answer echoes its `x-request-id`; every request has one access line and one root span.
 //!
 //! The local pool is a real `vllm-sim`; the Remote pool and the provider are in-test HTTP stand-ins
@@ -49,6 +52,10 @@ use support::policies;
 const MODEL: &str = "qwen2-sim";
 const ACME: &str = "sk-matrix-acme-0123456789abcdef";
 const NARROW: &str = "sk-matrix-narrow-0123456789abcdef";
+/// A second tenant of the model, whose requests must be salted apart from `acme`'s.
+const OTHER: &str = "sk-matrix-other-0123456789abcdef";
+/// The `cache_salt` a client sends, hoping a worker uses it as it is.
+const CLIENT_SALT: &str = "client-chosen-salt";
 const PROVIDER_KEY_ENV: &str = "KINFERENCE_TEST_MATRIX_PROVIDER_KEY";
 /// Personal data a detector finds (a card number and an e-mail address).
 const PERSONAL: &str = "charge 4111 1111 1111 1111 and mail jane.doe@example.com";
@@ -215,6 +222,7 @@ spec:
     let mut tenants = vec![
         tenant(dir, "acme", ACME, ""),
         tenant(dir, "narrow", NARROW, "  allowedModels: [another-model]\n"),
+        tenant(dir, "other", OTHER, ""),
     ];
     for n in 0..cells {
         tenants.push(tenant(
@@ -626,6 +634,41 @@ async fn personal_data(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String>
     Ok(())
 }
 
+/// The `cache_salt` a worker receives for `e` from `acme` and from `other`, both sending the same
+/// client salt: the tenant's (64 hex digits), not the client's, and not the same for both.
+async fn salted(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
+    let mut salts = Vec::new();
+    for key in [ACME, OTHER] {
+        let mut b: Value = serde_json::from_slice(&body(e, "hello there", false, false))
+            .map_err(|e| e.to_string())?;
+        b["cache_salt"] = json!(CLIENT_SALT);
+        let b = b.to_string();
+        let before = f.remote.received.lock().len();
+        let seen = f
+            .send(Call::new(door, e, Some(key), b.as_bytes()).tagged("to-remote"))
+            .await?;
+        expect_status(&seen, 200, "to the Remote pool")?;
+        let received = f.remote.received.lock()[before..].to_vec();
+        let [one] = received.as_slice() else {
+            return Err(format!("{} bodies reached the worker", received.len()));
+        };
+        let (path, sent) = one.split_once(' ').unwrap_or_default();
+        let sent: Value = serde_json::from_str(sent).map_err(|e| format!("{path}: {e}"))?;
+        let salt = sent["cache_salt"].as_str().unwrap_or_default().to_string();
+        if salt.len() != 64 || !salt.bytes().all(|c| c.is_ascii_hexdigit()) {
+            return Err(format!(
+                "{path} was sent cache_salt {:?}",
+                sent["cache_salt"]
+            ));
+        }
+        salts.push(salt);
+    }
+    if salts[0] == salts[1] {
+        return Err("two tenants were sent the same cache_salt".into());
+    }
+    Ok(())
+}
+
 /// The tokens a worker reported in an answer as the client saw it (for a stream, its usage chunk
 /// or event), as (input, output).
 fn reported(e: Endpoint, body: &str) -> Option<(u64, u64)> {
@@ -933,13 +976,14 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
     })
     .await;
 
-    const CHECKS: [&str; 6] = [
+    const CHECKS: [&str; 7] = [
         "no key",
         "not allowed",
         "at limit",
         "personal data",
         "billed",
         "overload",
+        "salted",
     ];
     let mut matrix: BTreeMap<(usize, Door), Vec<Cell>> = BTreeMap::new();
     // The OTLP exporter connects with the first span it sends: one request first, not counted.
@@ -979,6 +1023,12 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
                     Cell::Na
                 },
                 run(overload(&fleet, door, endpoint).await),
+                if endpoint.reaches_prefix_cache() {
+                    run(salted(&fleet, door, endpoint).await)
+                } else {
+                    // No prefix cache behind it: tokenizing, or answered by the gateway.
+                    Cell::Na
+                },
             ];
             matrix.insert((i, door), row);
         }

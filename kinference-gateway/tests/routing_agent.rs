@@ -180,6 +180,7 @@ async fn router_follows_a_real_agent_stream() {
         prompt: Prompt::Text(&prompt),
         debug: true,
         tokens: None,
+        salt: None,
     };
 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -278,6 +279,7 @@ async fn router_follows_a_real_agent_stream() {
             prompt: Prompt::Text("unrelated"),
             debug: false,
             tokens: None,
+            salt: None,
         })
         .await
         .unwrap();

@@ -354,3 +354,77 @@ fn an_adapter_known_only_by_number_gets_keys_no_request_produces() {
     let base = KeyHasher::for_model("tiny").keys(None, &capture_tokens(), 32);
     assert!(base.iter().all(|k| !s.contains(*k)));
 }
+
+/// The events of a real vLLM 0.32 worker for one 96-token prompt sent under the salts
+/// `kinference-salt-a`, `kinference-salt-b` and none (`bench/real-vllm/salt_capture.py`), each
+/// through the wire bytes and the decoder, with the salt of each (`None`: unsalted).
+fn captured_salted_events() -> Vec<(Option<String>, KvEvent)> {
+    let path = format!(
+        "{}/../bench/fixtures/vllm-0.32/salted-events.jsonl",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let line: serde_json::Value = serde_json::from_str(line).expect("json");
+        let mut batch = json_batch(&line["batch"]);
+        let raw = line["batch"][1].as_array().expect("events");
+        let mut salt = None;
+        for (event, json) in batch.events.iter_mut().zip(raw) {
+            if let KvEvent::BlockStored { extra_keys, .. } = event {
+                *extra_keys = json["extra_keys"]
+                    .as_array()
+                    .expect("vLLM 0.32 sends extra_keys")
+                    .iter()
+                    .map(|keys| {
+                        keys.as_array()
+                            .into_iter()
+                            .flatten()
+                            .map(|k| ExtraKey::Str(k.as_str().expect("a salt").to_string()))
+                            .collect()
+                    })
+                    .collect();
+                salt = extra_keys.first().and_then(|k| match k.first() {
+                    Some(ExtraKey::Str(s)) => Some(s.clone()),
+                    _ => None,
+                });
+            }
+        }
+        let bytes = encode_batch(
+            &batch,
+            EncodeOptions {
+                format: EventFormat::Map,
+                bin_hashes: false,
+            },
+        );
+        let mut decoded = decode_batch(&bytes).expect("decodes");
+        out.push((salt, decoded.events.swap_remove(0)));
+    }
+    out
+}
+
+#[test]
+fn salted_blocks_of_real_vllm_key_as_the_gateway_keys_salted_prompts() {
+    let captured = captured_salted_events();
+    let salts: Vec<Option<&str>> = captured.iter().map(|(s, _)| s.as_deref()).collect();
+    assert_eq!(
+        salts,
+        [Some("kinference-salt-a"), Some("kinference-salt-b"), None]
+    );
+    let h = KeyHasher::for_model("tiny");
+    let tokens: Vec<u32> = (3000..3096).collect();
+    for (salt, event) in &captured {
+        let mut s = WorkerState::new("tiny", 1000);
+        s.apply(event);
+        assert_eq!(s.len(), 3);
+        for other in &salts {
+            let keys = h.salted_keys(*other, &tokens, 32);
+            let held = keys.iter().filter(|k| s.contains(**k)).count();
+            if *other == salt.as_deref() {
+                assert_eq!(held, 3, "{salt:?}: the gateway's keys are the agent's");
+            } else {
+                assert_eq!(held, 0, "{salt:?} holds nothing of {other:?}'s prompt");
+            }
+        }
+    }
+}

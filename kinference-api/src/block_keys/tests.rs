@@ -93,3 +93,23 @@ fn keys_are_stable_across_builds() {
     let two = h.keys(None, &big, 300);
     assert_eq!(two[1], h.block_key(Some(two[0]), &big[300..]));
 }
+
+#[test]
+fn a_salt_changes_the_first_key_and_so_every_key_after_it() {
+    let h = KeyHasher::for_model("m");
+    let tokens: Vec<u32> = (0..100).collect();
+    let plain = h.keys(None, &tokens, 32);
+    assert_eq!(h.salted_keys(None, &tokens, 32), plain);
+    let a = h.salted_keys(Some("a"), &tokens, 32);
+    let b = h.salted_keys(Some("b"), &tokens, 32);
+    assert_eq!(a.len(), 3);
+    for (i, k) in a.iter().enumerate() {
+        assert!(!plain.contains(k) && !b.contains(k), "block {i}");
+    }
+    // Only the first block carries the salt: the rest chain from it as plain blocks do.
+    assert_eq!(h.keys(Some(a[0]), &tokens[32..], 32), a[1..]);
+    let mut extra = Vec::new();
+    str_extra_key("a", &mut extra);
+    assert_eq!(a[0], with_extra_keys(plain[0], &extra));
+    assert!(h.salted_keys(Some("a"), &tokens[..31], 32).is_empty());
+}

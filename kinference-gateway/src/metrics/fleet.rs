@@ -280,6 +280,7 @@ pub async fn snapshot(router: &Router, pools: &[PoolMembers]) -> Snapshot {
             prompt: Prompt::Text(""),
             debug: false,
             tokens: Some(&empty),
+            salt: None,
         };
         // No healthy worker: no estimates; the worker list still says why.
         let model_estimates = router

@@ -135,6 +135,11 @@ pub struct Request {
     pub stream: bool,
     /// OpenAI streams: whether the client asked for the usage chunk itself.
     pub client_wants_usage: bool,
+    /// The client's own `cache_salt`, if it sent one.
+    pub client_salt: Option<String>,
+    /// The `cache_salt` its workers are sent ([`crate::tenancy::isolation`], set by stage "limit";
+    /// `None`: unsalted): the router keys the prompt's blocks with it, as the worker will.
+    pub cache_salt: Option<String>,
 }
 
 /// What each endpoint's request is.
@@ -322,7 +327,17 @@ impl Request {
             json: None,
             stream: self.stream,
             client_wants_usage: self.client_wants_usage,
+            client_salt: self.client_salt.clone(),
+            cache_salt: self.cache_salt.clone(),
         })
+    }
+
+    /// `body` with the request's `cache_salt` (unchanged when it has none, or holds it already).
+    pub fn salted(&self, body: &Bytes) -> Result<Bytes, GatewayError> {
+        match &self.cache_salt {
+            Some(salt) => with_members(body, &[("cache_salt", json_string(salt))]),
+            None => Ok(body.clone()),
+        }
     }
 }
 
@@ -393,13 +408,15 @@ pub fn parse_as(endpoint: Endpoint, body: Bytes, keep_json: bool) -> Result<Requ
 }
 
 fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
-    let plain = |kind, body: Bytes, stream| Request {
+    let plain = |kind, body: Bytes, stream, client_salt| Request {
         kind,
         body: body.clone(),
         client_body: body,
         json: None,
         stream,
         client_wants_usage: false,
+        client_salt,
+        cache_salt: None,
     };
     match endpoint {
         Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body),
@@ -414,6 +431,8 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 json: None,
                 kind: Kind::Chat(chat),
                 client_wants_usage: false,
+                client_salt: r.cache_salt,
+                cache_salt: None,
             })
         }
         Endpoint::CountTokens => {
@@ -423,21 +442,22 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 request: Box::new(request),
                 messages,
             };
-            Ok(plain(kind, body, false))
+            Ok(plain(kind, body, false, None))
         }
         Endpoint::Embeddings | Endpoint::Responses | Endpoint::Tokenize | Endpoint::Detokenize => {
             let route = endpoint.passthrough().unwrap_or(Route::Embeddings);
             let request = PassthroughRequest::parse(route, &body)?;
             let stream = request.stream();
             let text = request.text();
+            let client_salt = request.cache_salt.clone();
             let kind = Kind::Passthrough {
                 route,
                 request,
                 text,
             };
-            Ok(plain(kind, body, stream))
+            Ok(plain(kind, body, stream, client_salt))
         }
-        Endpoint::Models => Ok(plain(Kind::Models, Bytes::new(), false)),
+        Endpoint::Models => Ok(plain(Kind::Models, Bytes::new(), false, None)),
     }
 }
 
@@ -448,6 +468,7 @@ trait OpenAiBody: serde::de::DeserializeOwned + serde::Serialize + Clone {
     fn stream_options(&mut self) -> &mut Option<openai::StreamOptions>;
     fn set_model(&mut self, model: &str);
     fn into_kind(self) -> Kind;
+    fn client_salt(&self) -> Option<String>;
 }
 
 macro_rules! openai_body {
@@ -468,6 +489,12 @@ macro_rules! openai_body {
             fn into_kind(self) -> Kind {
                 Kind::$variant(self)
             }
+            fn client_salt(&self) -> Option<String> {
+                match self.extra.get("cache_salt") {
+                    Some(Value::String(s)) => Some(s),
+                    _ => None,
+                }
+            }
         }
     };
 }
@@ -481,6 +508,7 @@ fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
     let mut r: T = openai::parse_body(&body)?;
     r.validate()?;
     let stream = r.stream();
+    let client_salt = r.client_salt();
     let (worker_body, client_wants_usage) =
         match passthrough_body(r.stream_options(), stream, body.clone()) {
             (Some(b), wants) => (b, wants),
@@ -493,6 +521,8 @@ fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
         json: None,
         stream,
         client_wants_usage,
+        client_salt,
+        cache_salt: None,
     })
 }
 

@@ -224,19 +224,19 @@ pub fn worker_call(
         } else {
             Pick::LeastLoaded
         };
-        return Ok(call(
-            endpoint.path(),
-            request.body.clone(),
-            ApiStyle::OpenAI,
-            pick,
-        ));
+        let body = if endpoint.reaches_prefix_cache() {
+            request.salted(&request.body)?
+        } else {
+            request.body.clone()
+        };
+        return Ok(call(endpoint.path(), body, ApiStyle::OpenAI, pick));
     }
     let anthropic_worker =
         door == super::exchange::Door::ExtProc || gw.serves_messages(request.model());
     if endpoint != Endpoint::Messages || !anthropic_worker {
         return Ok(call(
             endpoint.upstream_path(),
-            request.body.clone(),
+            request.salted(&request.body)?,
             ApiStyle::OpenAI,
             Pick::Estimate,
         ));
@@ -245,6 +245,7 @@ pub fn worker_call(
         &request.client_body,
         &[("model", super::exchange::json_string(request.model()))],
     )?;
+    let body = request.salted(&body)?;
     Ok(call(
         "/v1/messages",
         body,
@@ -278,6 +279,7 @@ pub async fn pick(
                 prompt: request.prompt(),
                 debug,
                 tokens: Some(tokens),
+                salt: request.cache_salt.as_deref(),
             };
             gw.router
                 .pick_except(route, call.pool.as_deref(), failed)

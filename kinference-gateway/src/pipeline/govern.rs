@@ -47,6 +47,7 @@ pub async fn prepare(
     limit(gw, ex, &mut request)
         .instrument(tracing::debug_span!("limit"))
         .await?;
+    isolate(gw, ex, &mut request);
     let plan = plan(gw, ex, &request).await?;
     Ok(Prepared {
         request: Arc::new(request),
@@ -97,6 +98,22 @@ async fn limit(gw: &Gateway, ex: &mut Exchange, request: &mut Request) -> Result
     Ok(())
 }
 
+/// The `cache_salt` every worker is sent for `request` ([`crate::tenancy::isolation`]): the
+/// caller's scope, with the client's own salt mixed in, on every endpoint whose worker keeps a prefix
+/// cache; the router keys the prompt with it too, so a probe finds another scope's prompt neither in
+/// `cached_tokens` nor in where it is routed.
+fn isolate(gw: &Gateway, ex: &Exchange, request: &mut Request) {
+    if !ex.endpoint.reaches_prefix_cache() {
+        return;
+    }
+    request.cache_salt = match &ex.caller {
+        Some(caller) => gw
+            .tenancy
+            .cache_salt(caller, request.client_salt.as_deref()),
+        None => request.client_salt.clone(),
+    };
+}
+
 /// A model's own output limit for a prompt of `prompt_tokens`: its context length (from its
 /// `InferenceModel`) less the prompt.
 fn model_limit(gw: &Gateway, model: &str, prompt_tokens: u64) -> Option<u64> {
@@ -135,6 +152,7 @@ async fn plan(gw: &Gateway, ex: &mut Exchange, request: &Request) -> Result<Plan
         tags_header: ex.tags.as_deref(),
         debug: ex.debug,
         tokens: &ex.tokens,
+        cache_salt: request.cache_salt.as_deref(),
     };
     let decided = stage
         .decide(&gw.router, req)

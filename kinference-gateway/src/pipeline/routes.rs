@@ -136,6 +136,20 @@ impl Endpoint {
         }
     }
 
+    /// Whether its worker keeps the prompt in a prefix cache that a `cache_salt` partitions (vLLM
+    /// takes one on chat, completions, `/v1/messages`, responses and embeddings): its requests are
+    /// salted with the tenant's salt ([`crate::tenancy::isolation`]). Tokenizing caches nothing.
+    pub fn reaches_prefix_cache(self) -> bool {
+        matches!(
+            self,
+            Endpoint::ChatCompletions
+                | Endpoint::Completions
+                | Endpoint::Messages
+                | Endpoint::Responses
+                | Endpoint::Embeddings
+        )
+    }
+
     /// Whether the answer may be streamed (`"stream": true`).
     pub fn streams(self) -> bool {
         matches!(

@@ -70,6 +70,8 @@ pub struct StageRequest<'a> {
     pub debug: bool,
     /// The prompt's tokens so far (the estimates add theirs; the route reuses them).
     pub tokens: &'a PromptTokens,
+    /// The `cache_salt` the workers will be sent: the estimates key the prompt with it.
+    pub cache_salt: Option<&'a str>,
 }
 
 /// Where the request may go, most preferred first.
@@ -501,6 +503,7 @@ impl PolicyStage {
                 prompt: req.prompt,
                 debug: false,
                 tokens: Some(req.tokens),
+                salt: req.cache_salt,
             };
             let estimates = router
                 .estimate_workers(route, tokenize_via)

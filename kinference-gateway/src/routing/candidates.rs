@@ -165,12 +165,13 @@ impl Shared {
             .collect()
     }
 
-    /// The prompt's block keys per block size in use, and every candidate's cached run (KV index, then
+    /// The prompt's block keys (salted with `salt` as its worker will salt them) per block size in use, and every candidate's cached run (KV index, then
     /// speculative credit) in one pass per size; also each candidate's `held_blocks`, read under the same
     /// index lock.
     pub(super) fn cached_runs(
         &self,
         model: &str,
+        salt: Option<&str>,
         tokens: &[u32],
         cands: &mut [Candidate<'_>],
         now: Instant,
@@ -182,7 +183,7 @@ impl Shared {
         // Hash before taking any lock: it is the most expensive part of a decision.
         let keys_by_size: Vec<(usize, Arc<[BlockKey]>)> = sizes
             .into_iter()
-            .map(|bs| (bs, hasher.keys(None, tokens, bs).into()))
+            .map(|bs| (bs, hasher.salted_keys(salt, tokens, bs).into()))
             .collect();
         let mut slot_of = vec![
             usize::MAX;

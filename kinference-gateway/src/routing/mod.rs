@@ -99,6 +99,10 @@ pub struct RouteRequest<'a> {
     /// The request's tokens so far, shared by every stage that needs them (`None`: tokenized for
     /// this call alone).
     pub tokens: Option<&'a PromptTokens>,
+    /// The `cache_salt` the worker is sent (`None`: unsalted): vLLM hashes it into the prompt's first
+    /// block, so the prompt's keys carry it too ([`kinference_api::KeyHasher::salted_keys`]) and
+    /// find only the blocks of requests salted alike.
+    pub salt: Option<&'a str>,
 }
 
 /// The router's choice for one request.
@@ -454,7 +458,7 @@ impl Router {
         match self.prompt_tokens(req, candidates).await {
             Some(tokens) => {
                 let started = Instant::now();
-                let decision = self.decide(req.model, candidates, &tokens, req.debug);
+                let decision = self.decide(req.model, req.salt, candidates, &tokens, req.debug);
                 shared
                     .stages
                     .decide
@@ -491,6 +495,7 @@ impl Router {
             prompt,
             debug: false,
             tokens: Some(tokens),
+            salt: None,
         };
         self.prompt_tokens(req, &[]).await;
     }
@@ -554,7 +559,7 @@ impl Router {
         debug: bool,
     ) -> Result<Decision, RouteError> {
         let candidates = self.candidates(model)?;
-        Ok(self.decide(model, &candidates, tokens, debug))
+        Ok(self.decide(model, None, &candidates, tokens, debug))
     }
 
     /// Applies one summary as if agent number `agent` (its index in the configured `agents`) had
@@ -699,6 +704,7 @@ impl Router {
     fn decide(
         &self,
         model: &str,
+        salt: Option<&str>,
         workers: &[Arc<Worker>],
         tokens: &[u32],
         debug: bool,
@@ -714,7 +720,7 @@ impl Router {
         if !missing.is_empty() {
             shared.note_kernel_missing(&missing);
         }
-        let keys_by_size = shared.cached_runs(model, tokens, &mut cands, now);
+        let keys_by_size = shared.cached_runs(model, salt, tokens, &mut cands, now);
 
         let prompt_tokens = tokens.len();
         let est_cfg = &tuning.estimator;

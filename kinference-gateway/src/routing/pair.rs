@@ -171,14 +171,7 @@ impl Router {
             });
         };
         let started = Instant::now();
-        let pair = self.decide_pair(
-            model,
-            &prefill,
-            &decode,
-            &tokens,
-            req.min_uncached_tokens,
-            req.route.debug,
-        );
+        let pair = self.decide_pair(&req, &prefill, &decode, &tokens);
         self.shared
             .stages
             .decide
@@ -186,22 +179,22 @@ impl Router {
         Ok(pair)
     }
 
-    /// The decision of [`Router::pick_pair`] for a tokenized prompt (synchronous, like
+    /// The decision of [`Router::pick_pair`] for `req`'s tokenized prompt (synchronous, like
     /// [`Router::decide`]).
     fn decide_pair(
         &self,
-        model: &str,
+        req: &PairRequest<'_>,
         prefill: &[Arc<Worker>],
         decode: &[Arc<Worker>],
         tokens: &[u32],
-        min_uncached_tokens: usize,
-        debug: bool,
     ) -> Pair {
+        let (model, salt, debug) = (req.route.model, req.route.salt, req.route.debug);
+        let min_uncached_tokens = req.min_uncached_tokens;
         let shared = &self.shared;
         let now = Instant::now();
         let prompt = tokens.len();
         let mut cands = shared.candidates_at(decode, now);
-        let keys_by_size = shared.cached_runs(model, tokens, &mut cands, now);
+        let keys_by_size = shared.cached_runs(model, salt, tokens, &mut cands, now);
         let best_cached = cands
             .iter()
             .map(|c| c.inputs(prompt).cached_tokens)
@@ -210,7 +203,7 @@ impl Router {
         let uncached = prompt.saturating_sub(best_cached);
         if uncached < min_uncached_tokens {
             self.count_pd("whole");
-            let mut decision = self.decide(model, decode, tokens, debug);
+            let mut decision = self.decide(model, salt, decode, tokens, debug);
             decision.explain = decision.explain.map(|e| {
                 format!(
                     "pd=whole: {uncached} prompt tokens left to compute on the decode worker caching most < min_uncached_tokens {min_uncached_tokens}; {e}"
@@ -221,7 +214,7 @@ impl Router {
                 outcome: "whole",
             };
         }
-        let prefill_decision = self.decide(model, prefill, tokens, debug);
+        let prefill_decision = self.decide(model, salt, prefill, tokens, debug);
         let prefill_node = shared
             .workers
             .read()

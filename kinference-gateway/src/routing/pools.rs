@@ -53,7 +53,7 @@ impl Router {
             None => candidates.clone(),
         };
         let tokens = self.prompt_tokens(req, &askable).await;
-        Ok(self.estimates(req.model, &candidates, tokens.as_deref()))
+        Ok(self.estimates(req.model, req.salt, &candidates, tokens.as_deref()))
     }
 
     /// [`Router::pick`] among `workers` (base URLs) only, e.g. one policy pool's workers.
@@ -121,6 +121,7 @@ impl Router {
     fn estimates(
         &self,
         model: &str,
+        salt: Option<&str>,
         workers: &[Arc<Worker>],
         tokens: Option<&[u32]>,
     ) -> Vec<WorkerEstimate> {
@@ -128,7 +129,7 @@ impl Router {
         let now = Instant::now();
         let mut cands = shared.candidates_at(workers, now);
         if let Some(tokens) = tokens {
-            shared.cached_runs(model, tokens, &mut cands, now);
+            shared.cached_runs(model, salt, tokens, &mut cands, now);
         }
         let prompt_tokens = tokens.map_or(0, <[u32]>::len);
         cands

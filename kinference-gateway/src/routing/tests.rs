@@ -32,6 +32,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         prompt: Prompt::Text(prompt),
         debug: true,
         tokens: None,
+        salt: None,
     }
 }
 
@@ -82,6 +83,7 @@ async fn unknown_model_is_an_error() {
             prompt: Prompt::Text("x"),
             debug: false,
             tokens: None,
+            salt: None,
         })
         .await
         .unwrap_err();
@@ -212,6 +214,7 @@ fn text(prompt: &str) -> RouteRequest<'_> {
         prompt: Prompt::Text(prompt),
         debug: true,
         tokens: None,
+        salt: None,
     }
 }
 

@@ -230,6 +230,7 @@ impl Tenancy {
                 priority: t.spec.priority,
                 allowed_models: t.spec.allowed_models.clone(),
                 allowed_classes: t.spec.allowed_classes.clone(),
+                prompt_cache: t.spec.prompt_cache.clone(),
             }));
         }
         Built {

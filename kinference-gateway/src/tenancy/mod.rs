@@ -26,6 +26,7 @@ mod admission;
 pub mod budget;
 mod from_source;
 mod headers;
+pub mod isolation;
 pub mod keys;
 pub mod limits;
 pub mod metrics;
@@ -136,6 +137,12 @@ pub struct TenancyConfig {
     /// per tenant are always exported.
     #[serde(default)]
     pub per_tenant_histograms: bool,
+    /// The secret the tenants' cache salts are derived from ([`isolation`]): a file of at least 32
+    /// bytes, a mounted Secret in a cluster, the same for every replica. Absent: a key of this
+    /// process alone (salts change when it restarts and differ between replicas: cache hits are
+    /// lost, never isolation).
+    #[serde(default)]
+    pub cache_salt_key_file: Option<PathBuf>,
     /// Each tenant's cost and monthly spend on `/metrics` (`--metrics-tenant-spend`; not a
     /// `gateway.yaml` key).
     #[serde(skip)]
@@ -158,6 +165,7 @@ impl Default for TenancyConfig {
             prices: BTreeMap::new(),
             reload_interval_ms: default_reload_ms(),
             per_tenant_histograms: false,
+            cache_salt_key_file: None,
             per_tenant_spend: false,
         }
     }
@@ -182,6 +190,8 @@ pub struct Tenant {
     pub allowed_models: Vec<String>,
     /// Model classes the tenant may request.
     pub allowed_classes: Vec<String>,
+    /// Whose requests share its cached prompts (`None`: its own only).
+    pub prompt_cache: Option<kinference_crds::PromptCache>,
 }
 
 /// Who is calling.
@@ -222,6 +232,9 @@ pub enum TenancyError {
     /// The configuration is inconsistent.
     #[error("tenancy: {0}")]
     Config(String),
+    /// The cache salt key could not be read.
+    #[error(transparent)]
+    SaltKey(#[from] isolation::SaltKeyError),
 }
 
 /// Everything tenancy needs at run time; one per gateway, shared.
@@ -238,6 +251,8 @@ pub struct Tenancy {
     models: Vec<String>,
     /// Fed by a configuration source ([`Tenancy::follow`]): the files are not read any more.
     followed: std::sync::atomic::AtomicBool,
+    /// The secret of the tenants' cache salts.
+    salt_key: isolation::SaltKey,
 }
 
 fn now_ms() -> u64 {
@@ -318,6 +333,24 @@ impl Tenancy {
             spend.add(&r.tenant, r.ts_ms, r.cost);
         }
         let required = config.tenants_dir.is_some();
+        let salt_key = match &config.cache_salt_key_file {
+            Some(path) => {
+                let path = if path.is_relative() {
+                    base.join(path)
+                } else {
+                    path.clone()
+                };
+                isolation::SaltKey::from_file(&path)?
+            }
+            None => {
+                if required {
+                    tracing::warn!(
+                        "tenancy.cache_salt_key_file is not set: cache salts are this process's own; with several replicas, mount one Secret in all of them"
+                    );
+                }
+                isolation::SaltKey::generate()
+            }
+        };
         let tenancy = Arc::new(Tenancy {
             config,
             // Until a first load succeeds: closed (503) when a tenant source is configured.
@@ -330,6 +363,7 @@ impl Tenancy {
             metrics,
             models,
             followed: std::sync::atomic::AtomicBool::new(false),
+            salt_key,
         });
         // Local mode: the tenants (and the pools' prices) through the same kind of configuration
         // source as the cluster's, fed by the files; a cluster source replaces them
@@ -369,6 +403,17 @@ impl Tenancy {
                 outcome: outcome.to_string(),
             })
             .inc();
+    }
+
+    /// The `cache_salt` a worker is sent for `caller`'s request whose client sent `client`
+    /// ([`isolation`]): a tenant's request gets its scope's salt, with the client's mixed in; an
+    /// open gateway's caller keeps the client's salt (or none) as sent.
+    pub fn cache_salt(&self, caller: &Caller, client: Option<&str>) -> Option<String> {
+        let Some(tenant) = caller.tenant() else {
+            return client.map(str::to_string);
+        };
+        let scope = isolation::Scope::of(&tenant.name, tenant.prompt_cache.as_ref());
+        self.salt_key.worker_salt(scope, client)
     }
 
     /// Waits until every usage record so far is on disk (graceful shutdown).

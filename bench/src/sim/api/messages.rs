@@ -58,7 +58,12 @@ fn chat_request(body: &Value) -> Result<Value, ApiError> {
         }
         messages.push(json!({"role": role, "content": text_of(&turn["content"])?}));
     }
-    Ok(json!({"model": body["model"], "messages": messages, "max_tokens": max_tokens}))
+    let mut chat = json!({"model": body["model"], "messages": messages, "max_tokens": max_tokens});
+    // vLLM's `/v1/messages` takes a `cache_salt` and salts the chat request it makes.
+    if let Some(salt) = body.get("cache_salt") {
+        chat["cache_salt"] = salt.clone();
+    }
+    Ok(chat)
 }
 
 /// A string, or the text of text blocks (this minimal route takes no other block).

@@ -451,20 +451,24 @@ async fn generate(
     });
     let generated = tool_call.as_ref().map_or(max_tokens, |(_, n)| *n);
     let lora = r.model.as_deref().and_then(|m| state.lora(m));
+    let salt = r.cache_salt.clone();
     let block_size = state.engine.block_size();
     let generation = match (&transfer, &state.kv) {
         (Some(t), Some(kv)) if t.produces() => {
             kv.started(t);
-            state.engine.submit_with(ids, generated, lora)
+            state.engine.submit_with(ids, generated, lora, salt)
         }
         (Some(t), Some(kv)) => {
-            let local = state.engine.cached_tokens(&ids, lora.as_deref()) / block_size;
+            let local = state
+                .engine
+                .cached_tokens(&ids, lora.as_deref(), salt.as_deref())
+                / block_size;
             match kv.pull(t, n_prompt / block_size, local).await {
-                Some(_) => state.engine.submit_remote(ids, generated, lora),
-                None => state.engine.submit_with(ids, generated, lora),
+                Some(_) => state.engine.submit_remote(ids, generated, lora, salt),
+                None => state.engine.submit_with(ids, generated, lora, salt),
             }
         }
-        _ => state.engine.submit_with(ids, generated, lora),
+        _ => state.engine.submit_with(ids, generated, lora, salt),
     };
     let id = request_id(chat);
     // What a producer's answer ends with: its transfer kept for the pull (or its room marked done).

@@ -1,6 +1,8 @@
 //! OpenAI request fields the simulator reads, and the JSON shapes vLLM 0.32 returns (non-streaming
 //! bodies, SSE chunks, `usage`), as captured live in `docs/vllm-interfaces.md` section 3.2.
 
+use std::sync::Arc;
+
 use serde_json::{Value, json};
 
 use super::error::ApiError;
@@ -36,6 +38,8 @@ pub struct GenRequest {
     /// Logprobs asked for: `Some(k)` with `k` alternatives per token (chat: `logprobs: true` and
     /// `top_logprobs: k`; completions: `logprobs: k`).
     pub logprobs: Option<usize>,
+    /// `cache_salt`: hashed into the prompt's first block, so only requests of the same salt hit it.
+    pub cache_salt: Option<Arc<str>>,
 }
 
 /// Most choices one request may ask for.
@@ -124,7 +128,32 @@ fn common(body: &Value, prompt: PromptInput) -> Result<GenRequest, ApiError> {
         tool_call: None,
         n,
         logprobs,
+        cache_salt: cache_salt(body)?,
     })
+}
+
+/// Longest `cache_salt` vLLM takes, and the characters it refuses in one (0.32's
+/// `validate_cache_salt`).
+const MAX_CACHE_SALT: usize = 128;
+const CACHE_SALT_FORBIDDEN: [char; 4] = ['@', '/', '\\', '\0'];
+
+/// `cache_salt`, checked as vLLM checks it: a non-empty string of at most 128 characters without
+/// `@`, `/`, `\` or NUL.
+fn cache_salt(body: &Value) -> Result<Option<Arc<str>>, ApiError> {
+    match body.get("cache_salt") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s))
+            if !s.is_empty()
+                && s.chars().count() <= MAX_CACHE_SALT
+                && !s.contains(CACHE_SALT_FORBIDDEN) =>
+        {
+            Ok(Some(Arc::from(s.as_str())))
+        }
+        Some(_) => Err(ApiError::bad_param(
+            "cache_salt",
+            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters and must not contain '@', '/', '\\\\', or NUL.",
+        )),
+    }
 }
 
 /// The logprobs a request asks for: chat sends `logprobs: true` (with `top_logprobs`), completions

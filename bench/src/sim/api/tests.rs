@@ -185,3 +185,25 @@ fn embeddings_are_unit_vectors_fixed_by_the_tokens() {
     assert_eq!(a, super::surface::embedding_of(&[1, 2, 3]));
     assert_ne!(a, super::surface::embedding_of(&[3, 2, 1]));
 }
+
+#[test]
+fn cache_salt_is_read_and_checked_as_vllm_does() {
+    let r = parse_completion(&json!({"prompt": "x", "cache_salt": "s1"})).expect("salted");
+    assert_eq!(r.cache_salt.as_deref(), Some("s1"));
+    assert!(
+        parse_completion(&json!({"prompt": "x"}))
+            .expect("plain")
+            .cache_salt
+            .is_none()
+    );
+    for bad in [
+        json!(""),
+        json!(3),
+        json!("a/b"),
+        json!("a@b"),
+        json!("x".repeat(129)),
+    ] {
+        let e = parse_completion(&json!({"prompt": "x", "cache_salt": bad})).expect_err("refused");
+        assert_eq!(e.status(), 400, "{bad}");
+    }
+}

@@ -3,7 +3,11 @@
 //! chained through the *full* 32-byte digest, with `NONE_HASH = sha256(pickle.dumps("vllm-none-hash"))`
 //! as the parent of a sequence's first block. Events carry only the low 64 bits of each digest.
 //!
-//! The pickle encoder writes exactly the opcodes CPython's C pickler emits for that one shape
+//! A request's `cache_salt` is the one extra key the simulator hashes: vLLM (0.31 - 0.34) puts
+//! `(("cache_salt", salt),)` in place of `None` in its prompt's *first* block only, so the salt reaches
+//! every later block through the chain.
+//!
+//! The pickle encoder writes exactly the opcodes CPython's C pickler emits for these shapes
 //! (checked byte for byte against `pickle.dumps`; see the tests), so no Python is needed at run time.
 
 use std::sync::OnceLock;
@@ -18,6 +22,7 @@ const PROTO: u8 = 0x80;
 const FRAME: u8 = 0x95;
 const SHORT_BINBYTES: u8 = b'C';
 const SHORT_BINUNICODE: u8 = 0x8c;
+const BINUNICODE: u8 = b'X';
 const MEMOIZE: u8 = 0x94;
 const MARK: u8 = b'(';
 const TUPLE: u8 = b't';
@@ -49,9 +54,42 @@ pub fn none_hash() -> &'static BlockDigest {
 
 /// The digest of one full block, chained from `parent` (`None` for a sequence's first block).
 pub fn hash_block_tokens(parent: Option<&BlockDigest>, tokens: &[u32]) -> BlockDigest {
+    hash_block_salted(parent, tokens, None)
+}
+
+/// [`hash_block_tokens`] of a block hashed with a `cache_salt` (a request's first block).
+pub fn hash_block_salted(
+    parent: Option<&BlockDigest>,
+    tokens: &[u32],
+    salt: Option<&str>,
+) -> BlockDigest {
     let mut buf = Vec::with_capacity(64 + tokens.len() * 5);
-    pickle_block(parent.unwrap_or_else(|| none_hash()), tokens, &mut buf);
+    pickle_block_salted(
+        parent.unwrap_or_else(|| none_hash()),
+        tokens,
+        salt,
+        &mut buf,
+    );
     Sha256::digest(&buf).into()
+}
+
+/// [`hash_blocks`] of a prompt sent with `cache_salt` `salt` (`None`: unsalted): the salt is hashed
+/// into the first block only, as vLLM's `generate_block_hash_extra_keys` does for `start_token_idx
+/// == 0`.
+pub fn hash_blocks_salted(
+    parent: Option<&BlockDigest>,
+    tokens: &[u32],
+    block_size: usize,
+    salt: Option<&str>,
+) -> Vec<BlockDigest> {
+    let mut out: Vec<BlockDigest> = Vec::with_capacity(tokens.len() / block_size.max(1));
+    let mut prev = parent.copied();
+    for (i, chunk) in tokens.chunks_exact(block_size.max(1)).enumerate() {
+        let d = hash_block_salted(prev.as_ref(), chunk, salt.filter(|_| i == 0));
+        out.push(d);
+        prev = Some(d);
+    }
+    out
 }
 
 /// Digests of every *full* block of `tokens`, chained from `parent` (vLLM ignores a partial tail).
@@ -79,6 +117,16 @@ pub fn event_hash(digest: &BlockDigest) -> u64 {
 
 /// `pickle.dumps((parent, tuple(tokens), None), protocol=5)` into `out`.
 pub fn pickle_block(parent: &BlockDigest, tokens: &[u32], out: &mut Vec<u8>) {
+    pickle_block_salted(parent, tokens, None, out);
+}
+
+/// [`pickle_block`] with `(("cache_salt", salt),)` as the extra keys when `salt` is given.
+pub fn pickle_block_salted(
+    parent: &BlockDigest,
+    tokens: &[u32],
+    salt: Option<&str>,
+    out: &mut Vec<u8>,
+) {
     let mut body = Vec::with_capacity(48 + tokens.len() * 5);
     body.push(SHORT_BINBYTES);
     body.push(parent.len() as u8);
@@ -99,7 +147,14 @@ pub fn pickle_block(parent: &BlockDigest, tokens: &[u32], out: &mut Vec<u8>) {
             body.push(MEMOIZE);
         }
     }
-    body.push(NONE);
+    match salt {
+        None => body.push(NONE),
+        Some(salt) => {
+            push_str(&mut body, "cache_salt");
+            push_str(&mut body, salt);
+            body.extend_from_slice(&[TUPLE2, MEMOIZE, TUPLE1, MEMOIZE]);
+        }
+    }
     body.push(TUPLE3);
     body.push(MEMOIZE);
     body.push(STOP);
@@ -117,6 +172,19 @@ fn framed(body: &[u8]) -> Vec<u8> {
     }
     out.extend_from_slice(body);
     out
+}
+
+/// `save_str`: a memoized unicode string (SHORT_BINUNICODE up to 255 UTF-8 bytes, else BINUNICODE).
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    match u8::try_from(s.len()) {
+        Ok(n) => out.extend_from_slice(&[SHORT_BINUNICODE, n]),
+        Err(_) => {
+            out.push(BINUNICODE);
+            out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        }
+    }
+    out.extend_from_slice(s.as_bytes());
+    out.push(MEMOIZE);
 }
 
 /// `save_long` for a non-negative int: the smallest of BININT1 / BININT2 / BININT, else LONG1.

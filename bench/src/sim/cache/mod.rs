@@ -19,8 +19,21 @@ mod tests;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-pub use hash::{BlockDigest, event_hash, hash_block_tokens, hash_blocks, none_hash};
+pub use hash::{
+    BlockDigest, event_hash, hash_block_salted, hash_block_tokens, hash_blocks, hash_blocks_salted,
+    none_hash,
+};
 pub use lora::LoraAdapter;
+
+/// What a request's blocks are computed with besides their tokens: its adapter and its cache salt,
+/// both published in `BlockStored`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockExtras<'a> {
+    /// The adapter (`None`: the base model).
+    pub lora: Option<&'a Arc<LoraAdapter>>,
+    /// The `cache_salt` (`None`: unsalted).
+    pub salt: Option<&'a Arc<str>>,
+}
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -38,6 +51,9 @@ pub enum KvCacheEvent {
         block_size: usize,
         /// The adapter the blocks were computed with (`None`: the base model).
         lora: Option<Arc<LoraAdapter>>,
+        /// The request's `cache_salt` when the first block here is its prompt's first (the one
+        /// block vLLM hashes the salt into, and publishes it as the extra key of).
+        salt: Option<Arc<str>>,
     },
     /// One evicted block (vLLM sends one event per block).
     BlockRemoved { block_hashes: Vec<u64> },
@@ -183,7 +199,8 @@ impl BlockPool {
 
     /// Registers newly full blocks of one request (`BlockPool.cache_full_blocks`): `blocks` and
     /// `hashes` are the request's blocks and block digests, `all_tokens` its tokens, and blocks
-    /// `num_cached..num_full` become cached. Queues one `BlockStored` for them.
+    /// `num_cached..num_full` become cached. Queues one `BlockStored` for them, naming the request's
+    /// `extras`.
     pub fn cache_full_blocks(
         &mut self,
         blocks: &[BlockId],
@@ -191,13 +208,15 @@ impl BlockPool {
         all_tokens: &[u32],
         num_cached: usize,
         num_full: usize,
-        lora: Option<&Arc<LoraAdapter>>,
+        extras: BlockExtras<'_>,
     ) {
+        let BlockExtras { lora, salt } = extras;
         let num_full = num_full.min(blocks.len()).min(hashes.len());
         if num_full <= num_cached {
             return;
         }
         let mut stored = Vec::with_capacity(num_full - num_cached);
+        let mut first = None;
         for i in num_cached..num_full {
             let id = blocks[i];
             let b = &mut self.blocks[id as usize];
@@ -205,6 +224,7 @@ impl BlockPool {
                 // Already cached (a prefix hit): vLLM never re-announces it here.
                 continue;
             }
+            first.get_or_insert(i);
             b.hash = Some(hashes[i]);
             self.cached.entry(hashes[i]).or_default().push(id);
             stored.push(event_hash(&hashes[i]));
@@ -219,6 +239,7 @@ impl BlockPool {
             token_ids: all_tokens[num_cached * bs..num_full * bs].to_vec(),
             block_size: bs,
             lora: lora.cloned(),
+            salt: salt.filter(|_| first == Some(0)).cloned(),
         });
     }
 

@@ -68,7 +68,7 @@ fn hit_evict_and_parent_follow_vllm() {
     assert_eq!(pool.num_free(), 4);
     let (ta, ha) = digests(100, 3, 4);
     let a = pool.allocate(3).expect("room");
-    pool.cache_full_blocks(&a, &ha, &ta, 0, 3, None);
+    pool.cache_full_blocks(&a, &ha, &ta, 0, 3, BlockExtras::default());
     let ev = pool.take_events();
     assert!(
         matches!(&ev[..], [KvCacheEvent::BlockStored { parent_block_hash: None, block_hashes, .. }] if block_hashes.len() == 3)
@@ -80,7 +80,7 @@ fn hit_evict_and_parent_follow_vllm() {
     // A new 2-block sequence evicts the unused free block first, then A's tail block.
     let (tb, hb) = digests(900, 2, 4);
     let b = pool.allocate(2).expect("room");
-    pool.cache_full_blocks(&b, &hb, &tb, 0, 2, None);
+    pool.cache_full_blocks(&b, &hb, &tb, 0, 2, BlockExtras::default());
     let ev = pool.take_events();
     assert_eq!(
         ev[0],
@@ -97,7 +97,7 @@ fn hit_evict_and_parent_follow_vllm() {
     let mut blocks = hit.clone();
     pool.free(&b);
     blocks.extend(pool.allocate(1).expect("room"));
-    pool.cache_full_blocks(&blocks, &ha, &ta, 2, 3, None);
+    pool.cache_full_blocks(&blocks, &ha, &ta, 2, 3, BlockExtras::default());
     let ev = pool.take_events();
     let stored = ev
         .iter()
@@ -120,7 +120,7 @@ fn reset_refused_while_in_use_then_clears() {
     let mut pool = BlockPool::new(4, 2);
     let (t, h) = digests(1, 1, 2);
     let a = pool.allocate(1).expect("room");
-    pool.cache_full_blocks(&a, &h, &t, 0, 1, None);
+    pool.cache_full_blocks(&a, &h, &t, 0, 1, BlockExtras::default());
     assert!(!pool.reset());
     pool.free(&a);
     assert!(pool.reset());

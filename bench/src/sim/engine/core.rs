@@ -48,6 +48,8 @@ struct Req {
     rng: u64,
     /// The adapter the request runs with (`None`: the base model).
     lora: Option<Arc<LoraAdapter>>,
+    /// Its `cache_salt` (its `hashes` carry it in the first block; its first event names it).
+    salt: Option<Arc<str>>,
     /// Its prompt's KV cache was pulled from a prefill worker (disaggregation): admitted with all
     /// but the last prompt token computed. Cleared by a preemption (the pulled cache is gone).
     remote: bool,
@@ -189,18 +191,20 @@ impl EngineCore {
     /// Queues a request. `hashes` are the digests of the prompt's full blocks ([`prompt_hashes`]).
     /// Output tokens are a deterministic function of the seed and the prompt.
     pub fn add(&mut self, prompt: Vec<u32>, hashes: Vec<BlockDigest>, max_tokens: usize) -> ReqId {
-        self.add_with(prompt, hashes, max_tokens, None)
+        self.add_with(prompt, hashes, max_tokens, None, None)
     }
 
-    /// [`EngineCore::add`] for a request to a LoRA adapter, whose `hashes` chain from the adapter's root.
+    /// [`EngineCore::add`] for a request to a LoRA adapter, whose `hashes` chain from the adapter's
+    /// root, and with a `cache_salt`, hashed into its first block.
     pub fn add_with(
         &mut self,
         prompt: Vec<u32>,
         hashes: Vec<BlockDigest>,
         max_tokens: usize,
         lora: Option<Arc<LoraAdapter>>,
+        salt: Option<Arc<str>>,
     ) -> ReqId {
-        self.add_request(prompt, hashes, max_tokens, lora, false)
+        self.add_request(prompt, hashes, max_tokens, (lora, salt), false)
     }
 
     /// [`EngineCore::add_with`] for a request whose prompt's KV cache was pulled from a prefill worker:
@@ -211,8 +215,9 @@ impl EngineCore {
         hashes: Vec<BlockDigest>,
         max_tokens: usize,
         lora: Option<Arc<LoraAdapter>>,
+        salt: Option<Arc<str>>,
     ) -> ReqId {
-        self.add_request(prompt, hashes, max_tokens, lora, true)
+        self.add_request(prompt, hashes, max_tokens, (lora, salt), true)
     }
 
     fn add_request(
@@ -220,7 +225,7 @@ impl EngineCore {
         prompt: Vec<u32>,
         hashes: Vec<BlockDigest>,
         max_tokens: usize,
-        lora: Option<Arc<LoraAdapter>>,
+        (lora, salt): (Option<Arc<LoraAdapter>>, Option<Arc<str>>),
         remote: bool,
     ) -> ReqId {
         let id = self.next_id;
@@ -241,6 +246,7 @@ impl EngineCore {
                 cached_tokens: None,
                 rng,
                 lora,
+                salt,
                 remote,
             },
         );
@@ -295,7 +301,10 @@ impl EngineCore {
                 &req.tokens,
                 req.num_cached_blocks,
                 num_full,
-                req.lora.as_ref(),
+                crate::sim::cache::BlockExtras {
+                    lora: req.lora.as_ref(),
+                    salt: req.salt.as_ref(),
+                },
             );
             req.num_cached_blocks = num_full;
         }

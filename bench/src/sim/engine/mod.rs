@@ -167,23 +167,26 @@ impl Engine {
 
     /// Queues a request of `prompt` tokens for `max_tokens` output tokens.
     pub fn submit(&self, prompt: Vec<u32>, max_tokens: usize) -> Generation {
-        self.submit_with(prompt, max_tokens, None)
+        self.submit_with(prompt, max_tokens, None, None)
     }
 
-    /// [`Engine::submit`] for a request to a LoRA adapter (`None`: the base model).
+    /// [`Engine::submit`] for a request to a LoRA adapter (`None`: the base model), with a
+    /// `cache_salt` (`None`: unsalted).
     pub fn submit_with(
         &self,
         prompt: Vec<u32>,
         max_tokens: usize,
         lora: Option<Arc<LoraAdapter>>,
+        salt: Option<Arc<str>>,
     ) -> Generation {
         // Hash outside the lock: it is the only per-token work of admission.
         let root = lora.as_ref().map(|l| l.root());
-        let hashes = crate::sim::cache::hash_blocks(root, &prompt, self.block_size);
+        let hashes =
+            crate::sim::cache::hash_blocks_salted(root, &prompt, self.block_size, salt.as_deref());
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut s = self.shared.lock();
-            let id = s.core.add_with(prompt, hashes, max_tokens, lora);
+            let id = s.core.add_with(prompt, hashes, max_tokens, lora, salt);
             s.clients.insert(
                 id,
                 Client {
@@ -205,13 +208,15 @@ impl Engine {
         prompt: Vec<u32>,
         max_tokens: usize,
         lora: Option<Arc<LoraAdapter>>,
+        salt: Option<Arc<str>>,
     ) -> Generation {
         let root = lora.as_ref().map(|l| l.root());
-        let hashes = crate::sim::cache::hash_blocks(root, &prompt, self.block_size);
+        let hashes =
+            crate::sim::cache::hash_blocks_salted(root, &prompt, self.block_size, salt.as_deref());
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut s = self.shared.lock();
-            let id = s.core.add_remote(prompt, hashes, max_tokens, lora);
+            let id = s.core.add_remote(prompt, hashes, max_tokens, lora, salt);
             s.clients.insert(
                 id,
                 Client {
@@ -226,10 +231,19 @@ impl Engine {
         Generation { id, tokens: rx }
     }
 
-    /// Prompt tokens of `prompt` (for `lora`) in the prefix cache now.
-    pub fn cached_tokens(&self, prompt: &[u32], lora: Option<&LoraAdapter>) -> usize {
-        let hashes =
-            crate::sim::cache::hash_blocks(lora.map(|l| l.root()), prompt, self.block_size);
+    /// Prompt tokens of `prompt` (for `lora`, under `salt`) in the prefix cache now.
+    pub fn cached_tokens(
+        &self,
+        prompt: &[u32],
+        lora: Option<&LoraAdapter>,
+        salt: Option<&str>,
+    ) -> usize {
+        let hashes = crate::sim::cache::hash_blocks_salted(
+            lora.map(|l| l.root()),
+            prompt,
+            self.block_size,
+            salt,
+        );
         self.shared
             .lock()
             .core

@@ -238,7 +238,7 @@ fn an_adapter_hits_only_its_own_blocks_and_publishes_its_name() {
     // Runs one request to the end: its cached tokens and the adapters its stored blocks were named with.
     let mut run = |lora: Option<Arc<LoraAdapter>>| {
         let h = crate::sim::cache::hash_blocks(lora.as_ref().map(|l| l.root()), &prompt, 16);
-        let id = c.add_with(prompt.clone(), h, 5, lora);
+        let id = c.add_with(prompt.clone(), h, 5, lora, None);
         let (mut cached, mut named) = (None, Vec::new());
         while let Some(plan) = c.schedule() {
             for e in &plan.events {
@@ -279,7 +279,7 @@ fn a_pulled_prompt_computes_one_token_and_caches_its_blocks() {
     // Pulled from a prefill worker: admitted with all but the last token computed.
     let mut remote = core(Preset::L40s27bFp8, bs, 1024, 8);
     let h = prompt_hashes(&prompt, bs);
-    let b = remote.add_remote(prompt.clone(), h, 4, None);
+    let b = remote.add_remote(prompt.clone(), h, 4, None, None);
     let plan = remote.schedule().expect("a step");
     assert_eq!(plan.scheduled, vec![(b, 1)], "only the last prompt token");
     let stored: usize = plan
@@ -308,4 +308,40 @@ fn a_pulled_prompt_computes_one_token_and_caches_its_blocks() {
     let c2 = add(&mut remote, prompt, 2, bs);
     let (again, _) = drain(&mut remote, 0.0);
     assert_eq!(again[&c2].1, 2992);
+}
+
+#[test]
+fn a_salted_prompt_hits_only_its_own_salt_and_names_it_once() {
+    let mut c = core(Preset::Fast, 16, 64, 8);
+    let prompt: Vec<u32> = (0..100).collect();
+    // Runs one request to the end: its cached tokens and the salts its stored blocks were named with.
+    let mut run = |salt: Option<&str>| {
+        let h = crate::sim::cache::hash_blocks_salted(None, &prompt, 16, salt);
+        let id = c.add_with(prompt.clone(), h, 5, None, salt.map(Arc::from));
+        let (mut cached, mut named) = (None, Vec::new());
+        while let Some(plan) = c.schedule() {
+            for e in &plan.events {
+                if let crate::sim::cache::KvCacheEvent::BlockStored { salt, .. } = e {
+                    named.push(salt.as_deref().map(str::to_string));
+                }
+            }
+            for e in c.complete(&plan) {
+                if e.id == id {
+                    cached.get_or_insert(e.cached_tokens);
+                }
+            }
+        }
+        (cached.expect("ran"), named)
+    };
+    let (a, a_named) = run(Some("a"));
+    assert_eq!(a, 0);
+    assert_eq!(a_named.first(), Some(&Some("a".to_string())));
+    assert!(
+        a_named[1..].iter().all(Option::is_none),
+        "only the event holding block 0 names the salt: {a_named:?}"
+    );
+    assert_eq!(run(Some("b")).0, 0, "another salt misses");
+    assert_eq!(run(None).0, 0, "so does no salt");
+    assert_eq!(run(Some("a")).0, 96, "the same salt hits");
+    assert_eq!(run(None).0, 96);
 }

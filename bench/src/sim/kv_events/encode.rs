@@ -56,17 +56,31 @@ fn to_wire(e: &KvCacheEvent) -> KvEvent {
             token_ids,
             block_size,
             lora,
+            salt,
         } => KvEvent::BlockStored {
             block_hashes: block_hashes.clone(),
             parent_block_hash: *parent_block_hash,
             token_ids: token_ids.clone(),
             block_size: u32::try_from(*block_size).unwrap_or(u32::MAX),
             medium: Medium::Gpu,
-            // As vLLM 0.31+: the adapter's name, and again as each block's (untagged) extra key.
+            // As vLLM 0.31+: the adapter's name, and again as each block's (untagged) extra key; the
+            // salt after it, on the prompt's first block (`to_event_extra_keys`). vLLM 0.32 sends a
+            // list with a null per block even when no block has a key.
             lora: lora.as_ref().map(|l| Lora::Name(l.name.clone())),
-            extra_keys: match lora {
-                Some(l) => vec![vec![ExtraKey::Str(l.name.clone())]; block_hashes.len()],
-                None => Vec::new(),
+            extra_keys: match (lora, salt) {
+                (None, None) => Vec::new(),
+                _ => (0..block_hashes.len())
+                    .map(|i| {
+                        let mut keys: Vec<ExtraKey> =
+                            lora.iter().map(|l| ExtraKey::Str(l.name.clone())).collect();
+                        keys.extend(
+                            salt.iter()
+                                .filter(|_| i == 0)
+                                .map(|s| ExtraKey::Str(s.to_string())),
+                        );
+                        keys
+                    })
+                    .collect(),
             },
         },
         KvCacheEvent::BlockRemoved { block_hashes } => KvEvent::BlockRemoved {

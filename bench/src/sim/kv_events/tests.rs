@@ -40,6 +40,7 @@ fn array_format_is_positional_with_trailing_nils() {
         token_ids: vec![5, 6],
         block_size: 2,
         lora: None,
+        salt: None,
     };
     let b = encode_batch(0.0, &[ev], 0, EventFormat::Array);
     let v = rmpv::decode::read_value(&mut &b[..]).expect("msgpack");
@@ -61,6 +62,7 @@ fn an_adapters_blocks_carry_its_name_as_vllm_publishes_them() {
         token_ids: vec![5, 6, 7, 8],
         block_size: 2,
         lora: Some(lora),
+        salt: None,
     };
     let b = encode_batch(0.0, &[ev], 0, EventFormat::Map);
     let v = rmpv::decode::read_value(&mut &b[..]).expect("msgpack");

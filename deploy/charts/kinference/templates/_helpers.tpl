@@ -102,3 +102,13 @@ gateway.adminKey.generate is false), else "" (no key: loopback callers are admin
 {{- printf "%s-admin" (include "kinference.gateway.fullname" .) }}
 {{- end }}
 {{- end }}
+
+{{/* The Secret holding the cache salt key: gateway.cacheSaltKey.existingSecret, else the generated one
+(unless gateway.cacheSaltKey.generate is false), else "" (each pod generates its own key). */}}
+{{- define "kinference.cacheSaltSecret" -}}
+{{- if .Values.gateway.cacheSaltKey.existingSecret }}
+{{- .Values.gateway.cacheSaltKey.existingSecret }}
+{{- else if .Values.gateway.cacheSaltKey.generate }}
+{{- printf "%s-cache-salt" (include "kinference.gateway.fullname" .) }}
+{{- end }}
+{{- end }}

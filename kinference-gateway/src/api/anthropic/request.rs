@@ -68,6 +68,9 @@ pub struct MessagesRequest {
     /// Who the request is for.
     #[serde(default)]
     pub metadata: Option<Metadata>,
+    /// vLLM's prefix-cache salt (its `/v1/messages` takes one; the gateway mixes the tenant's in).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// Who speaks.

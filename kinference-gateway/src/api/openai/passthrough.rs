@@ -75,6 +75,9 @@ pub struct PassthroughRequest {
     /// Responses: the output limit (the tenant's reservation).
     #[serde(default)]
     pub max_output_tokens: Option<u64>,
+    /// vLLM's prefix-cache salt (the gateway mixes the tenant's into it).
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 impl PassthroughRequest {

@@ -110,6 +110,7 @@ pub async fn to_pair(
         prompt: request.prompt(),
         debug: ex.debug,
         tokens: Some(&ex.tokens),
+        salt: request.cache_salt.as_deref(),
     };
     let pair = gw
         .router

@@ -135,6 +135,7 @@ async fn decide(
         tags_header: None,
         debug: true,
         tokens: &tokens,
+        cache_salt: None,
     };
     match stage.decide(router, req).await {
         Ok(plan) => {

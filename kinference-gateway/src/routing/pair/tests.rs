@@ -102,6 +102,7 @@ fn pair_request(prompt: &str, min_uncached_tokens: usize) -> PairRequest<'_> {
             prompt: Prompt::Text(prompt),
             debug: true,
             tokens: None,
+            salt: None,
         },
         prefill_within: None,
         decode_within: None,

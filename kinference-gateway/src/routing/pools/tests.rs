@@ -41,6 +41,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         prompt: Prompt::Text(prompt),
         debug: false,
         tokens: None,
+        salt: None,
     }
 }
 
