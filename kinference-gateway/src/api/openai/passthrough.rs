@@ -162,7 +162,13 @@ pub fn usage_of(route: Route, body: &[u8]) -> Option<Usage> {
             let response = v.get("response").unwrap_or(&v);
             responses_usage(response.get("usage")?)
         }
-        _ => serde_json::from_value(v.get("usage")?.clone()).ok(),
+        _ => {
+            let mut usage: Usage = serde_json::from_value(v.get("usage")?.clone()).ok()?;
+            // A total that is missing or does not add up is the sum of what was billed.
+            let sum = usage.prompt_tokens.saturating_add(usage.completion_tokens);
+            usage.total_tokens = usage.total_tokens.max(sum);
+            Some(usage)
+        }
     }
 }
 
