@@ -5,7 +5,7 @@ vLLM >= 0.24) and vLLM 0.23's (array_like=True, the positional format). Events r
 and replayed through a DEALER are decoded strictly with them and checked against the simulator's cache
 (`GET /sim/state`).
 
-Run: /work/main/.venv/bin/python -m pytest bench/tests/python. Needs `target/debug/vllm-sim` (or
+Run: .venv/bin/python -m pytest bench/tests/python. Needs `target/debug/vllm-sim` (or
 $KINFERENCE_BIN_DIR/vllm-sim) and the tokenizer ($KINFERENCE_TOKENIZER_DIR, default .assets/qwen2);
 builds nothing.
 """
