@@ -396,22 +396,9 @@ async fn write_seed_corpus() {
 #[test]
 #[ignore = "run by testkit/fuzz/run.sh"]
 fn write_large_seeds() {
-    let dir = PathBuf::from(
-        std::env::var_os("KINFERENCE_FUZZ_LARGE_SEEDS").expect("KINFERENCE_FUZZ_LARGE_SEEDS"),
-    );
     // Each seed is written, and replayed through its entry as the fuzzer will start with it.
-    let write = |target: &str, name: &str, bytes: &[u8]| {
-        let d = dir.join(target);
-        std::fs::create_dir_all(&d).expect("seed folder");
-        std::fs::write(d.join(name), bytes).expect("seed");
-        let started = std::time::Instant::now();
-        untrusted::run(target, bytes);
-        eprintln!(
-            "{target}/{name}: {} bytes, {:?}",
-            bytes.len(),
-            started.elapsed()
-        );
-    };
+    let seeds = testkit::LargeSeeds::from_env(untrusted::run);
+    let write = |target: &str, name: &str, bytes: &[u8]| seeds.write(target, name, bytes);
     const MESSAGE: usize = 16 << 20;
     // A header declaring 2^32-1 events, then junk up to the message limit.
     let mut declared = vec![0x93, 0x00, 0xdd, 0xff, 0xff, 0xff, 0xff];

@@ -76,22 +76,9 @@ fn the_seeds_parse() {
 #[test]
 #[ignore = "run by testkit/fuzz/run.sh"]
 fn write_large_seeds() {
-    let dir = std::path::PathBuf::from(
-        std::env::var_os("KINFERENCE_FUZZ_LARGE_SEEDS").expect("KINFERENCE_FUZZ_LARGE_SEEDS"),
-    );
     // Each seed is written, and replayed through its entry as the fuzzer will start with it.
-    let write = |target: &str, name: &str, bytes: &[u8]| {
-        let d = dir.join(target);
-        std::fs::create_dir_all(&d).expect("seed folder");
-        std::fs::write(d.join(name), bytes).expect("seed");
-        let started = std::time::Instant::now();
-        untrusted::run(target, bytes);
-        eprintln!(
-            "{target}/{name}: {} bytes, {:?}",
-            bytes.len(),
-            started.elapsed()
-        );
-    };
+    let seeds = testkit::LargeSeeds::from_env(untrusted::run);
+    let write = |target: &str, name: &str, bytes: &[u8]| seeds.write(target, name, bytes);
     const MIB: usize = 1 << 20;
     // A stream whose first line passes the 4 MiB line limit, and one whose event passes 8 MiB in
     // short lines, each followed by an event that must not come out.

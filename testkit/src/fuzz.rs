@@ -26,3 +26,36 @@ pub fn replay_corpus(
         assert!(n >= min_files, "{target}: only {n} saved inputs");
     }
 }
+
+/// Where `testkit/fuzz/run.sh` wants the large seeds written (`$KINFERENCE_FUZZ_LARGE_SEEDS`), and the
+/// entry each seed is replayed through as it is written, as the fuzzer will start with it.
+pub struct LargeSeeds<F: Fn(&str, &[u8])> {
+    dir: std::path::PathBuf,
+    run: F,
+}
+
+impl<F: Fn(&str, &[u8])> LargeSeeds<F> {
+    /// The folder named by `KINFERENCE_FUZZ_LARGE_SEEDS` (panics without it), replaying through `run`.
+    pub fn from_env(run: F) -> Self {
+        let dir =
+            std::env::var_os("KINFERENCE_FUZZ_LARGE_SEEDS").expect("KINFERENCE_FUZZ_LARGE_SEEDS");
+        Self {
+            dir: dir.into(),
+            run,
+        }
+    }
+
+    /// Writes `bytes` as `<target>/<name>` and replays it through the entry, printing its size and time.
+    pub fn write(&self, target: &str, name: &str, bytes: &[u8]) {
+        let d = self.dir.join(target);
+        std::fs::create_dir_all(&d).expect("seed folder");
+        std::fs::write(d.join(name), bytes).expect("seed");
+        let started = std::time::Instant::now();
+        (self.run)(target, bytes);
+        eprintln!(
+            "{target}/{name}: {} bytes, {:?}",
+            bytes.len(),
+            started.elapsed()
+        );
+    }
+}

@@ -18,7 +18,7 @@ mod prereq;
 mod process;
 
 pub use apiserver::Apiserver;
-pub use fuzz::replay_corpus;
+pub use fuzz::{LargeSeeds, replay_corpus};
 pub use paths::{bin_dir, repo_root, tokenizer_dir};
 pub use prereq::{in_ci, require, skip};
 pub use process::{ChildGuard, free_port, free_ports};

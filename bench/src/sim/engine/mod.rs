@@ -179,26 +179,7 @@ impl Engine {
         lora: Option<Arc<LoraAdapter>>,
         salt: Option<Arc<str>>,
     ) -> Generation {
-        // Hash outside the lock: it is the only per-token work of admission.
-        let root = lora.as_ref().map(|l| l.root());
-        let hashes =
-            crate::sim::cache::hash_blocks_salted(root, &prompt, self.block_size, salt.as_deref());
-        let (tx, rx) = mpsc::unbounded_channel();
-        let id = {
-            let mut s = self.shared.lock();
-            let id = s.core.add_with(prompt, hashes, max_tokens, lora, salt);
-            s.clients.insert(
-                id,
-                Client {
-                    tx,
-                    arrival: Instant::now(),
-                    last_token: None,
-                },
-            );
-            id
-        };
-        self.wake.notify_one();
-        Generation { id, tokens: rx }
+        self.admit(prompt, max_tokens, lora, salt, false)
     }
 
     /// [`Engine::submit_with`] for a request whose prompt's KV cache was pulled from a prefill worker
@@ -210,13 +191,30 @@ impl Engine {
         lora: Option<Arc<LoraAdapter>>,
         salt: Option<Arc<str>>,
     ) -> Generation {
+        self.admit(prompt, max_tokens, lora, salt, true)
+    }
+
+    /// Admits a request: its block hashes (outside the lock: the only per-token work of admission),
+    /// then the engine's request (`pulled`: its prompt's KV cache came from a prefill worker).
+    fn admit(
+        &self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        lora: Option<Arc<LoraAdapter>>,
+        salt: Option<Arc<str>>,
+        pulled: bool,
+    ) -> Generation {
         let root = lora.as_ref().map(|l| l.root());
         let hashes =
             crate::sim::cache::hash_blocks_salted(root, &prompt, self.block_size, salt.as_deref());
         let (tx, rx) = mpsc::unbounded_channel();
         let id = {
             let mut s = self.shared.lock();
-            let id = s.core.add_remote(prompt, hashes, max_tokens, lora, salt);
+            let id = if pulled {
+                s.core.add_remote(prompt, hashes, max_tokens, lora, salt)
+            } else {
+                s.core.add_with(prompt, hashes, max_tokens, lora, salt)
+            };
             s.clients.insert(
                 id,
                 Client {
