@@ -42,7 +42,7 @@ pub enum StartError {
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
     #[error("gRPC mTLS: {0}")]
-    Tls(#[from] kinference_api::tls::TlsFileError),
+    Tls(#[from] kinference_api::tls::TlsError),
     #[error(transparent)]
     Guard(#[from] crate::zmq_guard::GuardError),
     #[error("starting the node signals (eBPF, NVML): {0}")]
@@ -52,12 +52,14 @@ pub enum StartError {
 /// Runs the agent until `shutdown` is cancelled.
 pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartError> {
     // mTLS on the gRPC port when its three files are given: a missing or bad file stops the start.
+    let tls_metrics = kinference_api::tls::TlsMetrics::default();
     let grpc_tls = kinference_api::tls::ServerTlsFiles::from_flags(
         args.grpc_tls_cert.as_ref(),
         args.grpc_tls_key.as_ref(),
         args.grpc_tls_client_ca.as_ref(),
+        &args.grpc_tls_client_names,
     )
-    .map(|files| files.config())
+    .map(|files| kinference_api::tls::ServerTls::load("grpc", &files, &tls_metrics))
     .transpose()?;
     // Fail fast on a bad file or contradictory limits at start; later edits of the file that do not
     // parse are only logged.
@@ -95,6 +97,7 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
     let metrics = AgentMetrics::default();
     let mut prom = prometheus_client::registry::Registry::default();
     metrics.register(&mut prom);
+    tls_metrics.register(&mut prom);
     signals.register_metrics(&mut prom);
     let prom = Arc::new(prom);
 
@@ -163,18 +166,25 @@ pub async fn run(args: Args, shutdown: CancellationToken) -> Result<(), StartErr
     );
     // Listening, signals started, discovery running: gateways may connect.
     ready.store(true, Ordering::Release);
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = grpc_tls {
-        server = server.tls_config(tls)?;
-    }
-    server
+    let server = tonic::transport::Server::builder()
         .http2_max_header_list_size(HTTP_MAX_HEADER_BYTES as u32)
         .max_concurrent_streams(GRPC_MAX_STREAMS_PER_CONNECTION)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .add_service(service)
-        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-        .await?;
+        .add_service(service);
+    let stopped = shutdown.cancelled_owned();
+    match grpc_tls {
+        Some(tls) => {
+            server
+                .serve_with_incoming_shutdown(tls.accept(Box::pin(incoming)), stopped)
+                .await?
+        }
+        None => {
+            server
+                .serve_with_incoming_shutdown(incoming, stopped)
+                .await?
+        }
+    }
     Ok(())
 }
 

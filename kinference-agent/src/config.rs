@@ -128,7 +128,8 @@ pub struct Args {
     pub grpc_max_connections: usize,
 
     /// mTLS on the gRPC port: this agent's certificate (PEM). With `--grpc-tls-key` and
-    /// `--grpc-tls-client-ca`, only gateways presenting a certificate of that CA may connect.
+    /// `--grpc-tls-client-ca`, only gateways presenting a certificate of that CA may connect. The
+    /// files are read again every 5 s: renewed certificates apply without a restart.
     #[arg(long, env = "KINFERENCE_AGENT_GRPC_TLS_CERT", requires_all = ["grpc_tls_key", "grpc_tls_client_ca"])]
     pub grpc_tls_cert: Option<std::path::PathBuf>,
 
@@ -147,6 +148,17 @@ pub struct Args {
         requires = "grpc_tls_cert"
     )]
     pub grpc_tls_client_ca: Option<std::path::PathBuf>,
+
+    /// mTLS on the gRPC port: the roles admitted, as DNS names a client certificate must carry one of
+    /// in its subject alternative names (comma-separated). The default admits gateways only: another
+    /// agent's certificate of the same CA is refused.
+    #[arg(
+        long,
+        env = "KINFERENCE_AGENT_GRPC_TLS_CLIENT_NAMES",
+        value_delimiter = ',',
+        default_value = "kinference-gateway"
+    )]
+    pub grpc_tls_client_names: Vec<String>,
 
     /// Largest gRPC message the agent sends (a snapshot of every worker's keys), in bytes. Requests are
     /// bounded at 64 KiB (a `WatchRequest` is a few bytes).

@@ -136,9 +136,12 @@ pub struct AgentTlsArgs {
 }
 
 impl AgentTlsArgs {
-    /// The client configuration when the files are given; a file that cannot be read or parsed is
-    /// a start-up error.
-    pub fn config(&self) -> Result<Option<tonic::transport::ClientTlsConfig>, String> {
+    /// The client endpoint when the files are given (read again every 5 s for renewals); a file
+    /// that cannot be read or parsed is a start-up error.
+    pub fn load(
+        &self,
+        metrics: &kinference_api::tls::TlsMetrics,
+    ) -> Result<Option<kinference_api::tls::ClientTls>, kinference_api::tls::TlsError> {
         let (Some(ca), Some(cert), Some(key)) = (
             &self.agent_tls_ca,
             &self.agent_tls_cert,
@@ -152,11 +155,7 @@ impl AgentTlsArgs {
             key: key.clone(),
             server_name: self.agent_tls_server_name.clone(),
         };
-        let config = files.config().map_err(|e| e.to_string())?;
-        tonic::transport::Endpoint::from_static("https://agent.invalid")
-            .tls_config(config.clone())
-            .map_err(|e| format!("agent mTLS: {e}"))?;
-        Ok(Some(config))
+        kinference_api::tls::ClientTls::load("agent-client", &files, metrics).map(Some)
     }
 }
 

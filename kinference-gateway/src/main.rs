@@ -74,10 +74,10 @@ async fn main() -> anyhow::Result<()> {
         None => kinference_gateway::config::with_policy_stage(config, &args.http, local),
     };
     let policy = pools.as_ref().map(|p| Arc::clone(p.stage()));
+    let tls_metrics = kinference_api::tls::TlsMetrics::default();
     let agent_tls = args
         .agent_tls
-        .config()
-        .map_err(anyhow::Error::msg)
+        .load(&tls_metrics)
         .context("loading the agents' mTLS files")?;
     let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(
         config.routing_config(),
@@ -91,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
     // Served names stay `model` labels even for failed requests; other client-chosen names fold.
     metrics.serve_models(config.model_names());
     metrics.with_registry(|registry| router.register_metrics(registry));
+    metrics.with_registry(|registry| tls_metrics.register(registry));
     if let Some(stage) = &policy {
         metrics.with_registry(|registry| stage.register_metrics(registry));
     }
@@ -164,8 +165,13 @@ async fn main() -> anyhow::Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|stop| *stop).await;
     };
-    let extproc =
-        kinference_gateway::extproc::spawn(&args.extproc, &gw, stopped(stop_rx.clone())).await?;
+    let extproc = kinference_gateway::extproc::spawn(
+        &args.extproc,
+        &gw,
+        &tls_metrics,
+        stopped(stop_rx.clone()),
+    )
+    .await?;
     let api = server::bind(args.listen).await?;
     let admin = server::bind(args.admin_listen).await?;
     tracing::info!(listen = %args.listen, admin = %args.admin_listen, workers = config.workers.len(),

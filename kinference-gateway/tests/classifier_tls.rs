@@ -18,7 +18,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 mod support;
 
-use support::certs;
+use testkit::certs;
 
 /// A classifier answering `{"tags": ["pii"]}` over TLS with `name`'s certificate from `dir`.
 async fn tls_classifier(dir: &std::path::Path, name: &str) -> std::net::SocketAddr {

@@ -2,9 +2,13 @@
 //! real `kinference-agent` serving its summary stream with `--grpc-tls-*`, and the real gateway serving
 //! ext_proc with `--extproc-tls-*` while it watches that agent with `--agent-tls-*`.
 //!
-//! - a client presenting a certificate of the CA streams (the agent's snapshot arrives; the ext_proc
-//!   handler answers), and the gateway reports the agent connected over TLS;
-//! - a client without a certificate, with one of another CA, or in plaintext is refused.
+//! - a client presenting a certificate of the CA, for the role the port admits, streams (the agent's
+//!   snapshot arrives; the ext_proc handler answers), and the gateway reports the agent connected over
+//!   TLS;
+//! - a client without a certificate, with one of another CA, of the same CA but another role (an
+//!   agent's or a gateway's certificate at the ext_proc port), or in plaintext is refused;
+//! - certificates renewed on disk apply without a restart: the agent moves to a new CA, the gateway
+//!   loses it, its files are renewed, and it reconnects on its own.
 //!
 //! Needs `openssl`; under `CI=true` a missing one fails.
 
@@ -23,7 +27,7 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity
 
 mod support;
 
-use support::certs::{ca, leaf};
+use testkit::certs::{ca, leaf};
 
 fn pem(dir: &Path, file: &str) -> Vec<u8> {
     std::fs::read(dir.join(file)).expect("PEM file")
@@ -110,25 +114,35 @@ async fn ext_proc(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String>
     }
 }
 
-/// Checks a TLS server named `server` through `connect`: a client presenting the gateway's
-/// certificate (one of the CA in `dir`) gets an answer; one without a certificate, with another
-/// CA's, or in plaintext is refused.
-async fn admits_only_clients_of_the_ca<F: Future<Output = Result<(), String>>>(
+/// Checks a TLS server named `server` through `connect`: a client presenting certificate `admitted`
+/// (of the CA in `dir`, for the role the port admits) gets an answer; one without a certificate,
+/// with another CA's, with one of the CA for another role (`wrong_roles`), or in plaintext is
+/// refused.
+async fn admits_only_its_role_of_the_ca<F: Future<Output = Result<(), String>>>(
     dir: &Path,
     server: &str,
+    admitted: &str,
+    wrong_roles: &[&str],
     connect: impl Fn(Option<ClientTlsConfig>) -> F,
 ) {
-    connect(Some(client_tls(dir, server, Some("gateway"))))
+    connect(Some(client_tls(dir, server, Some(admitted))))
         .await
         .unwrap_or_else(|e| panic!("{server}: a client certificate of the CA was refused: {e}"));
-    for (case, tls) in [
+    let mut refused = vec![
         ("no client certificate", Some(client_tls(dir, server, None))),
         (
             "another CA's certificate",
             Some(client_tls(dir, server, Some("rogue"))),
         ),
         ("plaintext", None),
-    ] {
+    ];
+    for role in wrong_roles {
+        refused.push((
+            "a certificate of the CA for another role",
+            Some(client_tls(dir, server, Some(role))),
+        ));
+    }
+    for (case, tls) in refused {
         assert!(connect(tls).await.is_err(), "{server}: {case} was let in");
     }
 }
@@ -145,7 +159,7 @@ fn wait_listening(port: u16, child: &mut ChildGuard, what: &str) {
 }
 
 #[tokio::test]
-async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
+async fn mtls_admits_only_its_role_of_the_ca_and_renews_in_place() {
     let agent_bin = bin_dir().join("kinference-agent");
     let have_openssl = ["/usr/bin/openssl", "/usr/local/bin/openssl"]
         .iter()
@@ -168,27 +182,47 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
     ca(&dir, "other-ca");
     leaf(&dir, "agent", "DNS:kinference-agent", "ca");
     leaf(&dir, "gateway", "DNS:kinference-gateway", "ca");
+    leaf(&dir, "envoy", "DNS:kinference-envoy", "ca");
     leaf(&dir, "rogue", "DNS:kinference-gateway", "other-ca");
+    // The renewal: a new CA, and the agent's and the gateway's certificates of it.
+    ca(&dir, "ca2");
+    leaf(&dir, "agent2", "DNS:kinference-agent", "ca2");
+    leaf(&dir, "gateway2", "DNS:kinference-gateway", "ca2");
+    // The files the gateway dials the agents with, renewed in place below.
+    for (from, to) in [
+        ("ca.crt", "client-ca.crt"),
+        ("gateway.crt", "client.crt"),
+        ("gateway.key", "client.key"),
+    ] {
+        std::fs::copy(dir.join(from), dir.join(to)).unwrap();
+    }
     let path = |f: &str| dir.join(f).display().to_string();
 
     // The agent, mTLS on its gRPC port.
     std::fs::write(dir.join("workers.yaml"), "workers: []\n").unwrap();
     let (grpc, agent_metrics) = (free_port(), free_port());
-    let mut agent = ChildGuard(
-        Command::new(&agent_bin)
-            .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
-            .args(["--metrics-listen", &format!("127.0.0.1:{agent_metrics}")])
-            .args(["--workers", &path("workers.yaml")])
-            .args(["--grpc-tls-cert", &path("agent.crt")])
-            .args(["--grpc-tls-key", &path("agent.key")])
-            .args(["--grpc-tls-client-ca", &path("ca.crt")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting kinference-agent"),
-    );
+    let start_agent = |cert: &str, client_ca: &str| {
+        ChildGuard(
+            Command::new(&agent_bin)
+                .args(["--grpc-listen", &format!("127.0.0.1:{grpc}")])
+                .args(["--metrics-listen", &format!("127.0.0.1:{agent_metrics}")])
+                .args(["--workers", &path("workers.yaml")])
+                .args(["--grpc-tls-cert", &path(&format!("{cert}.crt"))])
+                .args(["--grpc-tls-key", &path(&format!("{cert}.key"))])
+                .args(["--grpc-tls-client-ca", &path(client_ca)])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("starting kinference-agent"),
+        )
+    };
+    let mut agent = start_agent("agent", "ca.crt");
     wait_listening(grpc, &mut agent, "kinference-agent");
-    admits_only_clients_of_the_ca(&dir, "kinference-agent", |tls| watch(grpc, tls)).await;
+    // The agent admits gateways: another agent's certificate of the same CA is refused.
+    admits_only_its_role_of_the_ca(&dir, "kinference-agent", "gateway", &["agent"], |tls| {
+        watch(grpc, tls)
+    })
+    .await;
 
     // The gateway: ext_proc with mTLS, watching the agent with its client certificate.
     std::fs::write(
@@ -203,32 +237,82 @@ async fn mtls_admits_only_clients_with_a_certificate_of_the_ca() {
             .args(["--extproc-tls-cert", &path("gateway.crt")])
             .args(["--extproc-tls-key", &path("gateway.key")])
             .args(["--extproc-tls-client-ca", &path("ca.crt")])
-            .args(["--agent-tls-ca", &path("ca.crt")])
-            .args(["--agent-tls-cert", &path("gateway.crt")])
-            .args(["--agent-tls-key", &path("gateway.key")])
+            .args(["--agent-tls-ca", &path("client-ca.crt")])
+            .args(["--agent-tls-cert", &path("client.crt")])
+            .args(["--agent-tls-key", &path("client.key")])
             .spawn()
             .expect("starting kinference-gateway"),
     );
     wait_listening(extproc, &mut gateway, "kinference-gateway");
-    // The proxy's certificate is the gateway's own here: any certificate of the CA will do.
-    admits_only_clients_of_the_ca(&dir, "kinference-gateway", |tls| ext_proc(extproc, tls)).await;
+    // The ext_proc port admits the proxy: a gateway's or an agent's certificate of the CA is refused.
+    admits_only_its_role_of_the_ca(
+        &dir,
+        "kinference-gateway",
+        "envoy",
+        &["gateway", "agent"],
+        |tls| ext_proc(extproc, tls),
+    )
+    .await;
 
     // The gateway's own Watch stream to the agent runs over mTLS.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let connected =
-        format!("kinference_routing_agent_connected{{agent=\"http://127.0.0.1:{grpc}\"}} 1");
-    loop {
-        let metrics = reqwest_free_get(admin, "/metrics").await;
-        if metrics.contains(&connected) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the gateway never connected to the agent over mTLS"
-        );
+    let connected = |up: u8| {
+        format!("kinference_routing_agent_connected{{agent=\"http://127.0.0.1:{grpc}\"}} {up}")
+    };
+    wait_metric(
+        admin,
+        &connected(1),
+        "the gateway never connected to the agent over mTLS",
+    )
+    .await;
+
+    // Renewal without a restart: the agent comes back under a new CA; the gateway, still holding
+    // the old files, cannot reach it, and once its files are renewed on disk it reconnects by itself.
+    drop(agent);
+    let mut agent = start_agent("agent2", "ca2.crt");
+    wait_listening(grpc, &mut agent, "kinference-agent (new CA)");
+    wait_metric(
+        admin,
+        &connected(0),
+        "the gateway kept an agent of another CA",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        reqwest_free_get(admin, "/metrics")
+            .await
+            .contains(&connected(0)),
+        "the gateway reached an agent of a CA it does not trust"
+    );
+    for (from, to) in [
+        ("ca2.crt", "client-ca.crt"),
+        ("gateway2.crt", "client.crt"),
+        ("gateway2.key", "client.key"),
+    ] {
+        std::fs::copy(dir.join(from), dir.join(to)).unwrap();
+    }
+    wait_metric(
+        admin,
+        &connected(1),
+        "the gateway never reconnected with its renewed certificates",
+    )
+    .await;
+    let metrics = reqwest_free_get(admin, "/metrics").await;
+    assert!(
+        metrics.contains(
+            r#"kinference_tls_reloads_total{endpoint="agent-client",result="applied"} 1"#
+        ),
+        "the renewal is counted"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits (up to 30 s) for the gateway's `/metrics` on `admin` to hold `line`.
+async fn wait_metric(admin: u16, line: &str, failure: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !reqwest_free_get(admin, "/metrics").await.contains(line) {
+        assert!(Instant::now() < deadline, "{failure}");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// One plain HTTP/1.1 GET on loopback: the body (empty on any failure).

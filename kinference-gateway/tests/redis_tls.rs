@@ -20,7 +20,7 @@ use tokio::net::TcpStream;
 
 mod support;
 
-use support::certs;
+use testkit::certs;
 
 const MODEL: &str = "tls-model";
 const KEY: &str = "sk-acme-redis-tls";

@@ -1,6 +1,6 @@
 //! What the integration tests of every crate share: a prerequisite check that skips locally and fails under
 //! CI ([`require`], [`skip`]), free loopback ports, a child process killed on drop, the tokenizer and binary
-//! folders, a real kube-apiserver started from `deploy/tests/kube-apiserver/`, the replay of saved fuzz
+//! folders, test certificates made by `openssl` ([`certs`]), a real kube-apiserver started from `deploy/tests/kube-apiserver/`, the replay of saved fuzz
 //! corpora ([`replay_corpus`]), and the check that a crate's modules import each other in layers
 //! ([`layers`]).
 //!
@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod apiserver;
+pub mod certs;
 mod fuzz;
 pub mod layers;
 mod paths;

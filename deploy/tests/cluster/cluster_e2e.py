@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -631,6 +632,31 @@ def test_both_replicas_hold_the_same_cache_view(cluster: Kube):
     log(f"gateway views (index pairs, agents connected): {views}")
     assert all(v[1] >= 1 for v in views), f"a replica has no agent stream: {views}"
     assert views[0][0] > 0 and views[0][0] == views[1][0], views
+
+
+def test_agent_port_is_mutual_tls_by_default(cluster: Kube):
+    """The default install generates certificates and the agents serve gRPC over mTLS: the gateways above hold
+    their streams over it, and a plaintext HTTP/2 client is refused during the handshake (and counted)."""
+    pod = cluster.wait_ready("app.kubernetes.io/component=agent", 1)[0]
+    args = pod["spec"]["containers"][0]["args"]
+    assert "--grpc-tls-client-names=kinference-gateway" in args, args
+    port = next(p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "grpc")
+    with socket.create_connection((pod["status"]["podIP"], port), timeout=5) as conn:
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        conn.settimeout(5)
+        try:
+            answer = conn.recv(64)
+        except OSError:
+            answer = b""
+    assert not answer.startswith(b"\x00\x00"), f"the agent spoke plaintext HTTP/2: {answer!r}"
+    deadline = time.monotonic() + 15
+    while True:
+        refused = samples(agent_metrics(cluster), "kinference_tls_handshakes_refused_total")
+        if any(s[1] >= 1 for s in refused):
+            break
+        assert time.monotonic() < deadline, f"the plaintext attempt was not counted: {refused}"
+        time.sleep(1)
+    log(f"agent TLS refusals: {refused}")
 
 
 # ------------------------------------------------------------------------------------------ life cycle

@@ -274,7 +274,7 @@ impl Discovery {
 pub async fn router_with_discovery(
     routing: RoutingConfig,
     kubernetes: Option<&KubernetesConfig>,
-    agent_tls: Option<tonic::transport::ClientTlsConfig>,
+    agent_tls: Option<kinference_api::tls::ClientTls>,
 ) -> Result<(Arc<Router>, Option<Discovery>), DiscoveryError> {
     let mut routing = routing;
     let fixed: BTreeSet<String> = routing.agents.iter().cloned().collect();

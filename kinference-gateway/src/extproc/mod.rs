@@ -108,7 +108,8 @@ pub struct ExtProcArgs {
     pub extproc_stream_deadline_seconds: u64,
 
     /// mTLS on the ext_proc port: the handler's certificate (PEM). With `--extproc-tls-key` and
-    /// `--extproc-tls-client-ca`, only a proxy presenting a certificate of that CA may connect.
+    /// `--extproc-tls-client-ca`, only a proxy presenting a certificate of that CA may connect. The
+    /// files are read again every 5 s: renewed certificates apply without a restart.
     #[arg(long, env = "KINFERENCE_EXTPROC_TLS_CERT", requires_all = ["extproc_tls_key", "extproc_tls_client_ca"])]
     pub extproc_tls_cert: Option<std::path::PathBuf>,
 
@@ -127,6 +128,17 @@ pub struct ExtProcArgs {
         requires = "extproc_tls_cert"
     )]
     pub extproc_tls_client_ca: Option<std::path::PathBuf>,
+
+    /// mTLS on the ext_proc port: the roles admitted, as DNS names the proxy's certificate must carry
+    /// one of in its subject alternative names (comma-separated). The default admits the proxy only:
+    /// an agent's or a gateway's certificate of the same CA is refused.
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_TLS_CLIENT_NAMES",
+        value_delimiter = ',',
+        default_value = "kinference-envoy"
+    )]
+    pub extproc_tls_client_names: Vec<String>,
 }
 
 /// The handler's settings.
@@ -318,28 +330,34 @@ pub async fn serve_handler(
 }
 
 /// [`serve_handler`], with mutual TLS when `tls` is given (clients without a certificate of its CA
-/// are refused during the handshake).
+/// and role are refused during the handshake).
 pub async fn serve_handler_tls(
     listener: TcpListener,
     handler: Handler,
-    tls: Option<tonic::transport::ServerTlsConfig>,
+    tls: Option<kinference_api::tls::ServerTls>,
     shutdown: impl std::future::Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls)?;
-    }
     let settings = handler.settings.clone();
     let incoming = limit::Limited::new(TcpListenerStream::new(listener), settings.max_connections);
-    server
+    let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .max_concurrent_streams(settings.max_streams)
         // A proxy that vanished without closing its connections is found within 40 s.
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .add_service(ExtProcService::with_handler(handler).into_server())
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .add_service(ExtProcService::with_handler(handler).into_server());
+    match tls {
+        Some(tls) => {
+            server
+                .serve_with_incoming_shutdown(tls.accept(incoming), shutdown)
+                .await
+        }
+        None => {
+            server
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+    }
 }
 
 /// Starts the handler when `--extproc-listen` is given (what `main` calls), with the gateway's
@@ -347,6 +365,7 @@ pub async fn serve_handler_tls(
 pub async fn spawn(
     args: &ExtProcArgs,
     gw: &Arc<Gateway>,
+    tls_metrics: &kinference_api::tls::TlsMetrics,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<Option<tokio::task::JoinHandle<()>>> {
     let Some(addr) = args.extproc_listen else {
@@ -356,16 +375,12 @@ pub async fn spawn(
         args.extproc_tls_cert.as_ref(),
         args.extproc_tls_key.as_ref(),
         args.extproc_tls_client_ca.as_ref(),
+        &args.extproc_tls_client_names,
     )
-    .map(|files| files.config())
+    .map(|files| kinference_api::tls::ServerTls::load("extproc", &files, tls_metrics))
     .transpose()
+    // A certificate or key that does not load stops the start, not only the handler later.
     .map_err(|e| std::io::Error::other(format!("ext_proc mTLS: {e}")))?;
-    // A certificate or key that does not parse stops the start, not only the handler later.
-    if let Some(tls) = &tls {
-        tonic::transport::Server::builder()
-            .tls_config(tls.clone())
-            .map_err(|e| std::io::Error::other(format!("ext_proc mTLS: {e}")))?;
-    }
     let listener = TcpListener::bind(addr).await?;
     tracing::info!(listen = %listener.local_addr()?, "ext_proc inference handler listening");
     let handler = Handler::new(Arc::clone(gw), Settings::from(args));

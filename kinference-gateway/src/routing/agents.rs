@@ -120,25 +120,20 @@ async fn watch(
     url: &str,
     got_message: &mut bool,
 ) -> Result<(), WatchError> {
-    let endpoint = match &shared.agent_tls {
-        None => Endpoint::from_shared(url.to_string()),
-        Some(_) => Endpoint::from_shared(url.replacen("http://", "https://", 1)),
-    }
-    .map_err(|e| WatchError::Endpoint(e.to_string()))?;
-    let endpoint = match &shared.agent_tls {
-        None => endpoint,
-        Some(tls) => endpoint
-            .tls_config(tls.clone())
-            .map_err(|e| WatchError::Endpoint(e.to_string()))?,
-    };
-    let endpoint = endpoint
+    // Over mTLS the connector below does TLS itself: tonic sees a plain HTTP/2 connection.
+    let endpoint = Endpoint::from_shared(url.replacen("https://", "http://", 1))
+        .map_err(|e| WatchError::Endpoint(e.to_string()))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         // Keepalive notices a vanished agent whose connection never closed.
         .http2_keep_alive_interval(Duration::from_secs(5))
         .keep_alive_timeout(Duration::from_secs(5))
         .keep_alive_while_idle(true);
-    let channel = endpoint.connect().await?;
+    // Each (re)connection shakes hands with the certificates current then: renewals apply.
+    let channel = match &shared.agent_tls {
+        None => endpoint.connect().await?,
+        Some(tls) => endpoint.connect_with_connector(tls.clone()).await?,
+    };
     let mut client = NodeAgentClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let mut stream = client
         .watch(WatchRequest {

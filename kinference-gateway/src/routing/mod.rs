@@ -160,7 +160,7 @@ struct Shared {
     last_kernel_log: Mutex<Option<Instant>>,
     gateway_id: String,
     /// Mutual TLS to the agents (`--agent-tls-*`): their `http://` URLs are dialled as `https://`.
-    agent_tls: Option<tonic::transport::ClientTlsConfig>,
+    agent_tls: Option<kinference_api::tls::ClientTls>,
     /// The gateway's `disaggregation.min_uncached_tokens` (pools may set their own).
     pd_min_uncached_tokens: AtomicUsize,
 }
@@ -291,7 +291,7 @@ impl Router {
     pub fn with_agent_tls(
         config: RoutingConfig,
         tuning: RoutingTuning,
-        agent_tls: Option<tonic::transport::ClientTlsConfig>,
+        agent_tls: Option<kinference_api::tls::ClientTls>,
     ) -> Result<Self, BuildError> {
         if config.workers.len() > kv_index::MAX_WORKERS {
             return Err(BuildError::TooManyWorkers(config.workers.len()));

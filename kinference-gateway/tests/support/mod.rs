@@ -1,6 +1,6 @@
 //! What several integration tests of the gateway share: the real gateway binary started on free
 //! loopback ports and waited for, a real `vllm-sim` worker, the tenants' key files, and one raw
-//! HTTP/1.1 exchange; test certificates in [`certs`], policy documents in [`policies`], an OTLP
+//! HTTP/1.1 exchange; policy documents in [`policies`], an OTLP
 //! trace receiver in [`otlp`], a proxy's-eye ext_proc client in [`envoy`].
 // Each test crate compiles this module and calls only some of it.
 #![allow(dead_code)]
@@ -15,7 +15,6 @@ use testkit::{ChildGuard, free_port, tokenizer_dir};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-pub mod certs;
 pub mod envoy;
 pub mod otlp;
 pub mod policies;

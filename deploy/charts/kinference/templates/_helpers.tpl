@@ -105,6 +105,28 @@ gateway.adminKey.generate is false), else "" (no key: loopback callers are admin
 
 {{/* The Secret holding the cache salt key: gateway.cacheSaltKey.existingSecret, else the generated one
 (unless gateway.cacheSaltKey.generate is false), else "" (each pod generates its own key). */}}
+{{/* Where the mTLS certificates come from: "secrets" (mtls.agentSecret/gatewaySecret), "certManager"
+(mtls.certManager.issuerRef), "generate", or "" when mtls is off. */}}
+{{- define "kinference.mtls.source" -}}
+{{- if .Values.mtls.enabled }}
+{{- if or .Values.mtls.agentSecret .Values.mtls.gatewaySecret }}secrets
+{{- else if .Values.mtls.certManager.issuerRef.name }}certManager
+{{- else }}generate
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret of one mTLS role ("agent", "gateway", "proxy"): the one named in values, else the chart's
+(generated or cert-manager's), else "" (mtls off, or the proxy's with Secrets of the operator's). */}}
+{{- define "kinference.mtls.secret" -}}
+{{- $source := include "kinference.mtls.source" .ctx }}
+{{- if eq $source "secrets" }}
+{{- if eq .role "agent" }}{{ .ctx.Values.mtls.agentSecret }}{{ else if eq .role "gateway" }}{{ .ctx.Values.mtls.gatewaySecret }}{{ end }}
+{{- else if $source }}
+{{- printf "%s-%s-mtls" (include "kinference.fullname" .ctx) .role }}
+{{- end }}
+{{- end }}
+
 {{- define "kinference.cacheSaltSecret" -}}
 {{- if .Values.gateway.cacheSaltKey.existingSecret }}
 {{- .Values.gateway.cacheSaltKey.existingSecret }}
