@@ -162,6 +162,11 @@ impl ServerTls {
                 async move {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(io)).await {
                         Ok(Ok(tls)) => Some(Ok(tls)),
+                        // Closed before a word: a TCP probe (a kubelet's readiness check), not a refusal.
+                        Ok(Err(error)) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+                            tracing::trace!(endpoint, "connection closed before its TLS handshake");
+                            None
+                        }
                         Ok(Err(error)) => {
                             refused.inc();
                             tracing::debug!(endpoint, %error, "TLS handshake refused");

@@ -156,6 +156,23 @@ async fn only_clients_of_the_ca_with_the_admitted_role_get_in() {
         })
         .get();
     assert_eq!(refused, 2, "each refused handshake is counted");
+    // A TCP probe (connect, close) is not a refusal.
+    drop(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap(),
+    );
+    assert!(admitted(&client(dir, "ca", "gateway-ca", &metrics), port).await);
+    let after_probe = metrics
+        .refused
+        .get_or_create(&EndpointLabels {
+            endpoint: "grpc".into(),
+        })
+        .get();
+    assert_eq!(
+        after_probe, 2,
+        "a connection closed before its handshake is not counted"
+    );
 
     // The client checks the server's role too: a gateway's certificate serving is refused.
     install(dir, "gateway-ca", "server");
