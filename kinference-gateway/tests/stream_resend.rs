@@ -11,44 +11,16 @@ mod support;
 
 use std::time::Duration;
 
+use support::raw_worker::read_request;
 use testkit::ChildGuard;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpListener;
 
 const MODEL: &str = "resend-model";
 
 /// One test at a time: each starts a simulator and a gateway on ports found free a moment before
 /// they bind, and two tests of this file at once can draw the same one.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Reads one HTTP/1.1 request (head and a Content-Length body); its path, or `None` at EOF.
-async fn read_request(s: &mut TcpStream) -> Option<String> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let length: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + length {
-                let n = s.read(&mut chunk).await.ok()?;
-                if n == 0 {
-                    return None;
-                }
-                buf.extend_from_slice(&chunk[..n]);
-            }
-            return head.split_whitespace().nth(1).map(str::to_string);
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
 
 /// A worker that answers `/health` and breaks every stream: after the role chunk, and after one
 /// chunk of text when `text_first`; a Messages stream after its opening events.
@@ -58,7 +30,7 @@ async fn breaking_worker(listener: TcpListener, text_first: bool) {
             return;
         };
         tokio::spawn(async move {
-            while let Some(path) = read_request(&mut s).await {
+            while let Some((path, _)) = read_request(&mut s).await {
                 let events: Vec<String> = match path.as_str() {
                     "/v1/chat/completions" => {
                         let mut chunks = vec![

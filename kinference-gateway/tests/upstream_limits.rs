@@ -7,7 +7,8 @@
 
 mod support;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use support::raw_worker::read_request;
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 
 const MODEL: &str = "flood-model";
@@ -23,37 +24,6 @@ const LIMITS: [&str; 5] = [
     "--outlier-min-requests=8",
     "--outlier-max-ejected-percent=100",
 ];
-
-/// Reads one HTTP/1.1 request (head and a Content-Length body): its path and body, `None` at EOF.
-async fn read_request(s: &mut TcpStream) -> Option<(String, String)> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let length: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            while buf.len() < end + 4 + length {
-                let n = s.read(&mut chunk).await.ok()?;
-                if n == 0 {
-                    return None;
-                }
-                buf.extend_from_slice(&chunk[..n]);
-            }
-            let path = head.split_whitespace().nth(1)?.to_string();
-            let body = String::from_utf8_lossy(&buf[end + 4..end + 4 + length]).into_owned();
-            return Some((path, body));
-        }
-        let n = s.read(&mut chunk).await.ok()?;
-        if n == 0 {
-            return None;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-}
 
 /// Writes `total` bytes of `fill` after `head` as HTTP/1.1 chunks of 1 MiB; stops when the reader
 /// hangs up.

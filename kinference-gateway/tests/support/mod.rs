@@ -1,6 +1,7 @@
 //! What several integration tests of the gateway share: the real gateway binary started on free
 //! loopback ports and waited for, a real `vllm-sim` worker, the tenants' key files, and one raw
-//! HTTP/1.1 exchange; policy documents in [`policies`], an OTLP
+//! HTTP/1.1 exchange; policy documents in [`policies`], hand-written misbehaving
+//! workers' request reader in [`raw_worker`], an OTLP
 //! trace receiver in [`otlp`], a proxy's-eye ext_proc client in [`envoy`].
 // Each test crate compiles this module and calls only some of it.
 #![allow(dead_code)]
@@ -18,6 +19,7 @@ use tokio::net::TcpStream;
 pub mod envoy;
 pub mod otlp;
 pub mod policies;
+pub mod raw_worker;
 
 /// How long a process gets to start answering: generous, for a busy machine.
 const START_DEADLINE: Duration = Duration::from_secs(60);
