@@ -69,6 +69,9 @@ struct Args {
     /// Distinct system prompts (prefix families) the requests cycle through.
     #[arg(long, default_value_t = 16)]
     families: usize,
+    /// Streams open at once (tasks sharing one HTTP/2 connection, as Envoy multiplexes them).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
 }
 
 /// How long a process may take to answer its readiness URL.
@@ -314,21 +317,43 @@ async fn main() -> anyhow::Result<()> {
         one(&mut client, body_for(i, &args)).await?;
         one_duplex(&mut client, body_for(i, &args)).await?;
     }
+    let started = Instant::now();
+    // Side by side: each request's twin in the other mode right after it (the same prefix family
+    // and cache state, a different question), on `concurrency` streams at once.
+    let args = std::sync::Arc::new(args);
+    let tasks = args.concurrency.max(1);
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let mut client = client.clone();
+        let args = std::sync::Arc::clone(&args);
+        handles.push(tokio::spawn(async move {
+            let mut pairs = Vec::new();
+            let mut i = t;
+            while i < args.calls {
+                let buffered = one(&mut client, body_for(args.warmup + 2 * i, &args)).await?;
+                let duplex =
+                    one_duplex(&mut client, body_for(args.warmup + 2 * i + 1, &args)).await?;
+                pairs.push((buffered, duplex));
+                i += tasks;
+            }
+            anyhow::Ok(pairs)
+        }));
+    }
     let mut samples = Vec::with_capacity(args.calls);
     let mut duplex = Vec::with_capacity(args.calls);
-    let started = Instant::now();
-    for i in 0..args.calls {
-        // Side by side: each request's twin in the other mode right after it (the same prefix
-        // family and cache state, a different question).
-        samples.push(one(&mut client, body_for(args.warmup + 2 * i, &args)).await?);
-        duplex.push(one_duplex(&mut client, body_for(args.warmup + 2 * i + 1, &args)).await?);
+    for h in handles {
+        for (b, d) in h.await?? {
+            samples.push(b);
+            duplex.push(d);
+        }
     }
     let wall = started.elapsed();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "extproc-latency: {} calls ({} warm-up), {} workers, {} prefix families of ~{} words, bin dir {}",
+        "extproc-latency: {} calls per arm ({} warm-up) on {} streams at once, {} workers, {} prefix families of ~{} words, bin dir {}",
         args.calls,
         args.warmup,
+        tasks,
         args.workers,
         args.families,
         args.prompt_words,
@@ -360,7 +385,7 @@ async fn main() -> anyhow::Result<()> {
         duplex_stream / buffered_stream
     );
     println!(
-        "throughput {:.0} decisions/s (one stream at a time, both arms)",
+        "throughput {:.0} decisions/s (both arms)",
         (2 * args.calls) as f64 / wall.as_secs_f64()
     );
     drop(guards);
