@@ -24,12 +24,13 @@
 //! `GatewayDestinationEndpointServed` (the served endpoint is read back), `EppUnAvailableFailOpen`.
 //! The others check a Gateway's own status and HTTPRoute handling, which needs a Gateway.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
@@ -38,6 +39,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest, ProcessingResponse,
     ProtocolConfiguration,
 };
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{Struct, Value as ProtoValue};
 use http_body_util::{BodyExt, Full};
 use kinference_gateway::extproc::{self, Settings};
 use kinference_gateway::gateway::{Gateway, Parts};
@@ -547,15 +550,28 @@ async fn the_proxy_walks_the_fallback_list_when_the_first_endpoint_is_down() {
     let bearer = auth();
     let headers = [("authorization", bearer.as_str())];
 
-    // A request held open on the live worker makes the down one the least loaded: chosen first.
+    // A request held open on the live worker (the subset hint puts it there) makes the down one
+    // the least loaded: chosen first.
     let mut hold = raw_stream(p.addr).await;
-    hold.tx
-        .send(headers_message(
-            BodySendMode::FullDuplexStreamed,
-            &[("authorization", &bearer)],
-        ))
-        .await
-        .unwrap();
+    let mut held = headers_message(
+        BodySendMode::FullDuplexStreamed,
+        &[("authorization", &bearer)],
+    );
+    held.metadata_context = Some(Metadata {
+        filter_metadata: HashMap::from([(
+            "envoy.lb.subset_hint".to_string(),
+            Struct {
+                fields: HashMap::from([(
+                    "x-gateway-destination-endpoint-subset".to_string(),
+                    ProtoValue {
+                        kind: Some(Kind::StringValue(alive.endpoint())),
+                    },
+                )]),
+            },
+        )]),
+        ..Default::default()
+    });
+    hold.tx.send(held).await.unwrap();
     hold.tx
         .send(body_message(&chat(MODEL, false, "hold"), true))
         .await
