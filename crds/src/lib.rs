@@ -15,6 +15,7 @@ pub mod pool;
 pub mod provider;
 pub mod reference;
 pub mod schema;
+pub mod standard;
 pub mod tenant;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

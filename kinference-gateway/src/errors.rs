@@ -167,6 +167,11 @@ pub enum GatewayError {
         /// The deadline in milliseconds.
         timeout_ms: u64,
     },
+    /// The proxy's ext_proc processing mode does not let the gateway govern the request (no body
+    /// sent for an endpoint that needs one, trailers after a streamed body): a configuration
+    /// error of the proxy, not the client's (500).
+    #[error("{0}")]
+    ProxyModeUnsupported(String),
 }
 
 impl From<RouteError> for GatewayError {
@@ -222,6 +227,7 @@ impl GatewayError {
             GatewayError::PolicyRejected { status, .. } => *status,
             GatewayError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            GatewayError::ProxyModeUnsupported(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -248,6 +254,7 @@ impl GatewayError {
             GatewayError::PolicyRejected { .. } => "policy_rejected",
             GatewayError::Overloaded { .. } => "overloaded",
             GatewayError::BodyTimeout { .. } => "body_timeout",
+            GatewayError::ProxyModeUnsupported(_) => "proxy_mode_unsupported",
         }
     }
 
@@ -286,6 +293,7 @@ impl GatewayError {
             GatewayError::PolicyRejected { code, .. } => Some(*code),
             GatewayError::Overloaded { .. } => Some("overloaded"),
             GatewayError::BodyTimeout { .. } => Some("request_timeout"),
+            GatewayError::ProxyModeUnsupported(_) => Some("proxy_mode_unsupported"),
             _ => None,
         }
     }

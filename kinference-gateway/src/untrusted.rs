@@ -485,7 +485,7 @@ pub fn extproc_session(data: &[u8]) {
                     request: Some(request),
                     ..Default::default()
                 };
-                if session.on_message(message).await.is_none() {
+                if session.on_message(message).await.is_empty() {
                     break;
                 }
             }

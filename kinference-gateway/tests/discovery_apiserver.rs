@@ -450,3 +450,183 @@ async fn gateway_binary_routes_to_discovered_pods() {
     })
     .await;
 }
+
+/// The standard `InferencePool` CRD the tests install (written from the v1 API types).
+fn standard_pool_crd()
+-> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    let path = testkit::repo_root()
+        .join("deploy/gateway-api/crds/inference.networking.k8s.io_inferencepools.yaml");
+    serde_yaml::from_str(&std::fs::read_to_string(path).expect("CRD file")).expect("CRD")
+}
+
+fn standard_pool(name: &str, picker: &str, ports: &[u16]) -> DynamicObject {
+    let ports: Vec<_> = ports.iter().map(|p| json!({"number": p})).collect();
+    serde_json::from_value(json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NS, "annotations": {"kinference.ai/model": MODEL}},
+        "spec": {
+            "selector": {"matchLabels": {"app": "vllm-standard"}},
+            "targetPorts": ports,
+            "appProtocol": "http",
+            "endpointPickerRef": {"name": picker, "port": {"number": 9002}, "failureMode": "FailOpen"}
+        }
+    }))
+    .expect("pool")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standard_pool_naming_the_picker_service_is_served_port_by_port() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let Some(server) = Apiserver::start("standard-pool") else {
+        return;
+    };
+    let client = client(&server).await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": NS}}))
+            .expect("namespace"),
+        )
+        .await
+        .expect("create namespace");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.create(&PostParams::default(), &standard_pool_crd())
+        .await
+        .expect("install the standard InferencePool CRD");
+    let resource = kube::api::ApiResource {
+        group: "inference.networking.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "inference.networking.k8s.io/v1".into(),
+        kind: "InferencePool".into(),
+        plural: "inferencepools".into(),
+    };
+    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
+    // The CRD is served once established.
+    let start = Instant::now();
+    while pools.list(&Default::default()).await.is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "CRD never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // The schema is the standard's: more than 8 ports, or an unknown failure mode, is refused.
+    let nine: Vec<u16> = (8000..8009).collect();
+    assert!(
+        pools
+            .create(
+                &PostParams::default(),
+                &standard_pool("too-many", "kinference-picker", &nine)
+            )
+            .await
+            .is_err(),
+        "targetPorts is at most 8"
+    );
+    let mut odd = standard_pool("odd", "kinference-picker", &[8000]);
+    odd.data["spec"]["endpointPickerRef"]["failureMode"] = json!("Sometimes");
+    assert!(pools.create(&PostParams::default(), &odd).await.is_err());
+
+    let router = Arc::new(
+        Router::with_tuning(
+            RoutingConfig {
+                models: vec![ModelConfig {
+                    name: MODEL.into(),
+                    tokenizer_dir: None,
+                    serves_messages: false,
+                }],
+                ..Default::default()
+            },
+            RoutingTuning {
+                connect_agents: false,
+                ..Default::default()
+            },
+        )
+        .expect("router"),
+    );
+    let config: KubernetesConfig = serde_json::from_value(json!({
+        "namespaces": [NS],
+        "picker_service": "kinference-picker"
+    }))
+    .expect("config");
+    let _discovery = Discovery::start(
+        client.clone(),
+        &config,
+        Arc::clone(&router) as Arc<dyn WorkerSink>,
+    );
+
+    // A pool naming Kinference (two ports), one naming another picker, one member pod each.
+    pools
+        .create(
+            &PostParams::default(),
+            &standard_pool("qwen", "kinference-picker", &[8000, 8001]),
+        )
+        .await
+        .expect("create the served pool");
+    let mut other = standard_pool("other", "someone-elses-epp", &[9000]);
+    other.data["spec"]["selector"]["matchLabels"] = json!({"app": "other"});
+    pools
+        .create(&PostParams::default(), &other)
+        .await
+        .expect("create the other pool");
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for (name, app) in [("s1", "vllm-standard"), ("o1", "other")] {
+        let pod: Pod = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {"app": app}},
+            "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0"}]}
+        }))
+        .expect("pod");
+        pods.create(&PostParams::default(), &pod)
+            .await
+            .expect("create pod");
+    }
+    set_status(&pods, "s1", "10.0.2.1", true).await;
+    set_status(&pods, "o1", "10.0.2.9", true).await;
+    let served = BTreeMap::from([
+        ("http://10.0.2.1:8000".to_string(), MODEL.to_string()),
+        ("http://10.0.2.1:8001".to_string(), MODEL.to_string()),
+    ]);
+    eventually("each podIP:port of the served pool is a worker", || {
+        ready(&router) == served
+    })
+    .await;
+
+    // The pool now names another picker: its endpoints leave; named again: back.
+    let rename = |name: &str| json!({"spec": {"endpointPickerRef": {"name": name}}});
+    pools
+        .patch(
+            "qwen",
+            &PatchParams::default(),
+            &Patch::Merge(&rename("someone-elses-epp")),
+        )
+        .await
+        .expect("repoint");
+    eventually("a pool naming another picker is not served", || {
+        ready(&router).is_empty()
+    })
+    .await;
+    pools
+        .patch(
+            "qwen",
+            &PatchParams::default(),
+            &Patch::Merge(&rename("kinference-picker")),
+        )
+        .await
+        .expect("repoint back");
+    eventually("served again", || ready(&router) == served).await;
+
+    // The member turns unready: gone. The picker wrote no status (the standard gives it to Gateways).
+    set_status(&pods, "s1", "10.0.2.1", false).await;
+    eventually("an unready member leaves", || ready(&router).is_empty()).await;
+    let pool = pools.get("qwen").await.expect("pool");
+    assert!(
+        pool.data
+            .get("status")
+            .is_none_or(|s| s.get("parents").is_none()),
+        "{:?}",
+        pool.data
+    );
+}

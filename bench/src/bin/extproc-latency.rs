@@ -4,11 +4,17 @@
 //! Starts `vllm-sim` workers and the real `kinference-gateway` with `--extproc-listen` (binaries from
 //! `--bin-dir`, `$KINFERENCE_BIN_DIR` or `target/debug`), then plays Envoy: one `Process` stream per
 //! request, `request_headers` then one buffered `request_body`, and the stream closed. It reports, over
-//! `--calls` requests (after a warm-up):
-//! - `headers`: the round trip of the headers message (the gRPC hop alone, no decision);
-//! - `decision`: the round trip of the body message (parse, tokenize, estimate, pick, reply);
-//! - `added`: decision minus the headers round trip of the same request, i.e. the picking itself;
-//! - `stream`: the whole exchange including opening the stream.
+//! `--calls` requests per arm (after a warm-up), the two arms interleaved request by request:
+//! - `buffered` (`request_body_mode: BUFFERED`, one answer per message):
+//!   - `headers`: the round trip of the headers message (the gRPC hop alone, no decision);
+//!   - `decision`: the round trip of the body message (parse, tokenize, estimate, pick, reply);
+//!   - `added`: decision minus the headers round trip of the same request, i.e. the picking itself;
+//!   - `stream`: the whole exchange including opening the stream.
+//! - `duplex` (`FULL_DUPLEX_STREAMED`, the endpoint picker's mode: headers and body sent at once,
+//!   the headers answered with the route once the body is read):
+//!   - `decision`: from sending the headers to the route (the headers' answer);
+//!   - `body`: from sending the headers to the last streamed body chunk back;
+//!   - `stream`: the whole exchange including opening the stream.
 //!
 //! ```sh
 //! cargo build -p kinference-bench --bin vllm-sim --bin extproc-latency && cargo build -p kinference-gateway
@@ -22,10 +28,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as PReq;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as PResp;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    HttpBody, HttpHeaders, ProcessingRequest, ProtocolConfiguration,
+};
 use kinference_bench::harness::http::HttpClient;
 use kinference_bench::harness::{Process, free_port, wait_ready};
 use kinference_bench::stats::percentile;
@@ -60,6 +69,9 @@ struct Args {
     /// Distinct system prompts (prefix families) the requests cycle through.
     #[arg(long, default_value_t = 16)]
     families: usize,
+    /// Streams open at once (tasks sharing one HTTP/2 connection, as Envoy multiplexes them).
+    #[arg(long, default_value_t = 1)]
+    concurrency: usize,
 }
 
 /// How long a process may take to answer its readiness URL.
@@ -165,6 +177,70 @@ async fn one(
     })
 }
 
+struct DuplexSample {
+    decision: Duration,
+    body: Duration,
+    stream: Duration,
+}
+
+/// One request as Envoy sends it in `FULL_DUPLEX_STREAMED`: headers and the whole body without
+/// waiting; the route comes as the headers' answer, then the body as streamed chunks.
+async fn one_duplex(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    body: Vec<u8>,
+) -> anyhow::Result<DuplexSample> {
+    let start = Instant::now();
+    let (tx, rx) = mpsc::channel(4);
+    let mut responses = client.process(ReceiverStream::new(rx)).await?.into_inner();
+    let t = Instant::now();
+    let duplex = BodySendMode::FullDuplexStreamed as i32;
+    tx.send(ProcessingRequest {
+        request: Some(PReq::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![
+                    header(":method", "POST"),
+                    header(":path", "/v1/chat/completions"),
+                    header("content-type", "application/json"),
+                ],
+            }),
+            ..Default::default()
+        })),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: duplex,
+            response_body_mode: duplex,
+            send_body_without_waiting_for_header_response: true,
+        }),
+        ..Default::default()
+    })
+    .await?;
+    tx.send(ProcessingRequest {
+        request: Some(PReq::RequestBody(HttpBody {
+            body,
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await?;
+    let r = responses.message().await?.context("no headers answer")?;
+    let decision = t.elapsed();
+    if !matches!(r.response, Some(PResp::RequestHeaders(_))) || r.dynamic_metadata.is_none() {
+        bail!("not routed: {r:?}");
+    }
+    let r = responses.message().await?.context("no body answer")?;
+    let body = t.elapsed();
+    if !matches!(r.response, Some(PResp::RequestBody(_))) {
+        bail!("unexpected body answer {r:?}");
+    }
+    drop(tx);
+    let stream = start.elapsed();
+    Ok(DuplexSample {
+        decision,
+        body,
+        stream,
+    })
+}
+
 fn line(name: &str, mut v: Vec<f64>) {
     v.sort_by(f64::total_cmp);
     let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
@@ -239,23 +315,51 @@ async fn main() -> anyhow::Result<()> {
 
     for i in 0..args.warmup {
         one(&mut client, body_for(i, &args)).await?;
+        one_duplex(&mut client, body_for(i, &args)).await?;
+    }
+    let started = Instant::now();
+    // Side by side: each request's twin in the other mode right after it (the same prefix family
+    // and cache state, a different question), on `concurrency` streams at once.
+    let args = std::sync::Arc::new(args);
+    let tasks = args.concurrency.max(1);
+    let mut handles = Vec::new();
+    for t in 0..tasks {
+        let mut client = client.clone();
+        let args = std::sync::Arc::clone(&args);
+        handles.push(tokio::spawn(async move {
+            let mut pairs = Vec::new();
+            let mut i = t;
+            while i < args.calls {
+                let buffered = one(&mut client, body_for(args.warmup + 2 * i, &args)).await?;
+                let duplex =
+                    one_duplex(&mut client, body_for(args.warmup + 2 * i + 1, &args)).await?;
+                pairs.push((buffered, duplex));
+                i += tasks;
+            }
+            anyhow::Ok(pairs)
+        }));
     }
     let mut samples = Vec::with_capacity(args.calls);
-    let started = Instant::now();
-    for i in 0..args.calls {
-        samples.push(one(&mut client, body_for(args.warmup + i, &args)).await?);
+    let mut duplex = Vec::with_capacity(args.calls);
+    for h in handles {
+        for (b, d) in h.await?? {
+            samples.push(b);
+            duplex.push(d);
+        }
     }
     let wall = started.elapsed();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "extproc-latency: {} calls ({} warm-up), {} workers, {} prefix families of ~{} words, bin dir {}",
+        "extproc-latency: {} calls per arm ({} warm-up) on {} streams at once, {} workers, {} prefix families of ~{} words, bin dir {}",
         args.calls,
         args.warmup,
+        tasks,
         args.workers,
         args.families,
         args.prompt_words,
         args.bin_dir.display()
     );
+    println!("buffered (BUFFERED, one answer per message):");
     line("headers", samples.iter().map(|s| ms(s.headers)).collect());
     line("decision", samples.iter().map(|s| ms(s.decision)).collect());
     line(
@@ -266,9 +370,23 @@ async fn main() -> anyhow::Result<()> {
             .collect(),
     );
     line("stream", samples.iter().map(|s| ms(s.stream)).collect());
+    println!("duplex (FULL_DUPLEX_STREAMED, the endpoint picker's mode):");
+    line("decision", duplex.iter().map(|s| ms(s.decision)).collect());
+    line("body", duplex.iter().map(|s| ms(s.body)).collect());
+    line("stream", duplex.iter().map(|s| ms(s.stream)).collect());
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        percentile(&v, 50.0)
+    };
+    let buffered_stream = median(samples.iter().map(|s| ms(s.stream)).collect());
+    let duplex_stream = median(duplex.iter().map(|s| ms(s.stream)).collect());
     println!(
-        "throughput {:.0} decisions/s (one stream at a time)",
-        args.calls as f64 / wall.as_secs_f64()
+        "ratio duplex/buffered stream p50 {:.2}",
+        duplex_stream / buffered_stream
+    );
+    println!(
+        "throughput {:.0} decisions/s (both arms)",
+        (2 * args.calls) as f64 / wall.as_secs_f64()
     );
     drop(guards);
     let _ = std::fs::remove_dir_all(dir);

@@ -15,6 +15,7 @@
 
 pub mod agents;
 pub mod pods;
+pub mod standard;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Weak};
@@ -59,6 +60,11 @@ pub struct KubernetesConfig {
     /// The agents' gRPC port when a slice does not name a `grpc` port.
     #[serde(default = "default_agent_port")]
     pub agent_grpc_port: u16,
+    /// The name of Kinference's picker Service: standard (`inference.networking.k8s.io/v1`)
+    /// `InferencePool`s in the watched namespaces whose `endpointPickerRef` names it are served,
+    /// their members' `podIP:port`s workers ([`standard`]). None: standard pools are not read.
+    #[serde(default)]
+    pub picker_service: Option<String>,
 }
 
 fn default_worker_selector() -> BTreeMap<String, String> {
@@ -174,6 +180,15 @@ impl Discovery {
                 Some(ns) => Api::namespaced(client.clone(), ns),
                 None => Api::all(client.clone()),
             };
+            if let Some(service) = &config.picker_service {
+                tasks.push(tokio::spawn(standard::follow(
+                    client.clone(),
+                    ns.clone(),
+                    service.clone(),
+                    Arc::clone(&sink),
+                    Arc::clone(&workers_tx),
+                )));
+            }
             tasks.push(tokio::spawn(follow_pods(
                 api,
                 selector.clone(),

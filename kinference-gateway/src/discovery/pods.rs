@@ -28,22 +28,7 @@ pub struct PodWorker {
 /// unparsable port, not Running, not Ready, without an IP or being deleted is no worker (yet).
 pub fn worker_of(pod: &Pod) -> Option<PodWorker> {
     let meta = &pod.metadata;
-    if meta.deletion_timestamp.is_some() {
-        return None;
-    }
-    let status = pod.status.as_ref()?;
-    if status.phase.as_deref() != Some("Running") {
-        return None;
-    }
-    let ready = status
-        .conditions
-        .as_ref()?
-        .iter()
-        .any(|c| c.type_ == "Ready" && c.status == "True");
-    if !ready {
-        return None;
-    }
-    let ip = status.pod_ip.as_deref().filter(|ip| !ip.is_empty())?;
+    let ip = ready_ip(pod)?;
     let model = lookup(meta.labels.as_ref(), MODEL_KEY)
         .or_else(|| lookup(meta.annotations.as_ref(), MODEL_KEY))?;
     let port = match lookup(meta.annotations.as_ref(), HTTP_PORT_ANNOTATION) {
@@ -60,6 +45,26 @@ pub fn worker_of(pod: &Pod) -> Option<PodWorker> {
         model: model.to_string(),
         labels: meta.labels.clone().unwrap_or_default(),
     })
+}
+
+/// The pod's IP when it should receive requests now: Running, Ready, with an IP, not being deleted.
+pub fn ready_ip(pod: &Pod) -> Option<&str> {
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = pod.status.as_ref()?;
+    if status.phase.as_deref() != Some("Running") {
+        return None;
+    }
+    let ready = status
+        .conditions
+        .as_ref()?
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return None;
+    }
+    status.pod_ip.as_deref().filter(|ip| !ip.is_empty())
 }
 
 fn lookup<'a>(map: Option<&'a BTreeMap<String, String>>, key: &str) -> Option<&'a str> {

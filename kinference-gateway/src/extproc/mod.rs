@@ -9,9 +9,12 @@
 //! a caller without a key, or past the in-flight limit or the body budget, is answered before Envoy
 //! sends a byte of the body), then the body (`request_body_mode: BUFFERED`, or `STREAMED` chunks,
 //! each taken off the request until the last, which carries the whole body as the worker is to get
-//! it), then the gateway parses, limits, classifies and plans, and picks a worker of the plan's pools
-//! with the same [`crate::routing::Router`]. The last body chunk is answered with
-//! `x-gateway-destination-endpoint: ip:port` (route cache cleared), the dynamic metadata
+//! it; or `FULL_DUPLEX_STREAMED`, the endpoint picker's mode, where the headers wait unanswered for
+//! the body and the body goes back as streamed chunks, [`mode`]), then the gateway parses, limits,
+//! classifies and plans, and picks a worker of the plan's pools (within the proxy's subset hint,
+//! [`picker`]) with the same [`crate::routing::Router`]. The last body chunk (in full duplex: the
+//! headers) is answered with `x-gateway-destination-endpoint: ip:port[,fallback...]` (route cache
+//! cleared), the same value in the dynamic metadata
 //! `envoy.lb { x-gateway-destination-endpoint }` that Envoy's original-destination cluster reads,
 //! the worker's own credentials in place of the client's, and the body rewritten where the gateway
 //! must: the model a policy, alias or class resolved to, the output limit it reserved, and, for a
@@ -34,11 +37,15 @@
 //! children, and the worker gets a `traceparent` naming it (Envoy, not the gateway, makes the
 //! upstream call). One access line per request, written by its settlement as over HTTP.
 //!
-//! [`session`] is one stream's state; [`body`] the request's API when its path does not say;
-//! [`reply`] the messages sent back.
+//! [`session`] is one stream's state; [`mode`] how the proxy sends bodies; [`picker`] the endpoint
+//! picker protocol's subset hint, fallback list and served endpoint; [`body`] the request's API when
+//! its path does not say; [`reply`] the messages sent back. `deploy/picker.md` has the protocol
+//! matrix and the `failureMode` behaviour.
 
 pub mod body;
 mod limit;
+pub mod mode;
+pub mod picker;
 pub mod reply;
 pub mod session;
 
@@ -107,6 +114,16 @@ pub struct ExtProcArgs {
     )]
     pub extproc_stream_deadline_seconds: u64,
 
+    /// Endpoints to name after the chosen one in the destination (`ip:port,ip:port`, the endpoint
+    /// picker protocol's fallback list): other healthy workers of the model, least loaded first,
+    /// which a proxy with retries tries in order. 0 names the chosen endpoint only.
+    #[arg(
+        long,
+        env = "KINFERENCE_EXTPROC_FALLBACK_ENDPOINTS",
+        default_value_t = 0
+    )]
+    pub extproc_fallback_endpoints: usize,
+
     /// mTLS on the ext_proc port: the handler's certificate (PEM). With `--extproc-tls-key` and
     /// `--extproc-tls-client-ca`, only a proxy presenting a certificate of that CA may connect. The
     /// files are read again every 5 s: renewed certificates apply without a restart.
@@ -156,6 +173,8 @@ pub struct Settings {
     pub idle_timeout: Duration,
     /// See [`ExtProcArgs::extproc_stream_deadline_seconds`].
     pub stream_deadline: Duration,
+    /// See [`ExtProcArgs::extproc_fallback_endpoints`].
+    pub fallback_endpoints: usize,
 }
 
 impl Default for Settings {
@@ -185,6 +204,7 @@ impl From<&ExtProcArgs> for Settings {
             max_streams: a.extproc_max_streams.max(1),
             idle_timeout: Duration::from_secs(a.extproc_idle_timeout_seconds.max(1)),
             stream_deadline: Duration::from_secs(a.extproc_stream_deadline_seconds.max(1)),
+            fallback_endpoints: a.extproc_fallback_endpoints,
         }
     }
 }
@@ -283,7 +303,7 @@ impl ExternalProcessor for ExtProcService {
             let settings = &handler.settings;
             let deadline = tokio::time::Instant::now() + settings.stream_deadline;
             let mut session = Session::new(&handler);
-            loop {
+            'stream: loop {
                 let next = tokio::time::timeout_at(
                     deadline.min(tokio::time::Instant::now() + settings.idle_timeout),
                     inbound.message(),
@@ -309,10 +329,10 @@ impl ExternalProcessor for ExtProcService {
                         break;
                     }
                 };
-                if let Some(answer) = session.on_message(msg).await
-                    && tx.send(Ok(answer)).await.is_err()
-                {
-                    break;
+                for answer in session.on_message(msg).await {
+                    if tx.send(Ok(answer)).await.is_err() {
+                        break 'stream;
+                    }
                 }
             }
         });

@@ -9,7 +9,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
-    ProcessingResponse, TrailersResponse,
+    ProcessingResponse, StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -72,19 +72,31 @@ pub const CLIENT_ONLY_HEADERS: [&str; 4] = [
     DESTINATION_HEADER,
 ];
 
-/// The answer to the last request-body chunk once a worker is chosen: the destination header (the
-/// route cache is cleared so Envoy re-evaluates the route with it), the `envoy.lb` metadata, and
-/// `headers` for the worker (its pool's credentials, the request's `x-request-id` and trace context),
-/// the client's own credentials and admin key removed ([`CLIENT_ONLY_HEADERS`]); the body replaced
-/// by `body` when given (with its length).
+/// Which request message a routing answer answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The request headers: a request without a body, or `FULL_DUPLEX_STREAMED`, where the headers
+    /// wait for the body to be read (the body then follows as [`streamed_request_body`] chunks).
+    Headers,
+    /// The last request-body chunk (`BUFFERED`, `STREAMED`): the new body rides in this answer.
+    Body,
+}
+
+/// The answer once a worker is chosen: the destination header (the route cache is cleared so
+/// Envoy re-evaluates the route with it) and the same value in the `envoy.lb` metadata
+/// (`endpoints`: the chosen `ip:port`, then any fallbacks, comma-separated), and `headers` for the
+/// worker (its pool's credentials, the request's `x-request-id` and trace context), the client's
+/// own credentials and admin key removed ([`CLIENT_ONLY_HEADERS`]). With `body` the worker gets
+/// that body: its length is set, and in the [`Phase::Body`] answer the body itself.
 pub fn routed(
-    endpoint: &str,
+    endpoints: &str,
     worker: &str,
     headers: &http::HeaderMap,
     body: Option<&bytes::Bytes>,
+    phase: Phase,
 ) -> ProcessingResponse {
     let mut set_headers = vec![
-        set_header(DESTINATION_HEADER, endpoint),
+        set_header(DESTINATION_HEADER, endpoints),
         set_header(WORKER_HEADER, worker),
     ];
     set_headers.extend(set_all(headers));
@@ -96,23 +108,88 @@ pub fn routed(
         .filter(|h| !headers.contains_key(**h))
         .map(|h| h.to_string())
         .collect();
+    let common = CommonResponse {
+        header_mutation: Some(HeaderMutation {
+            set_headers,
+            remove_headers,
+        }),
+        body_mutation: body.filter(|_| phase == Phase::Body).map(|b| BodyMutation {
+            mutation: Some(Mutation::Body(b.to_vec())),
+        }),
+        clear_route_cache: true,
+        ..Default::default()
+    };
     ProcessingResponse {
-        response: Some(Response::RequestBody(BodyResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers,
-                    remove_headers,
-                }),
-                body_mutation: body.map(|b| BodyMutation {
-                    mutation: Some(Mutation::Body(b.to_vec())),
-                }),
-                clear_route_cache: true,
-                ..Default::default()
+        response: Some(match phase {
+            Phase::Headers => Response::RequestHeaders(HeadersResponse {
+                response: Some(common),
             }),
-        })),
-        dynamic_metadata: Some(destination_metadata(endpoint)),
+            Phase::Body => Response::RequestBody(BodyResponse {
+                response: Some(common),
+            }),
+        }),
+        dynamic_metadata: Some(destination_metadata(endpoints)),
         ..Default::default()
     }
+}
+
+/// The largest body chunk sent back in `FULL_DUPLEX_STREAMED` (Envoy's own default gRPC message
+/// limit is far above it; the reference picker sends chunks of this order too).
+pub const STREAMED_CHUNK_BYTES: usize = 62 * 1024;
+
+fn streamed(body: &[u8], end_of_stream: bool) -> CommonResponse {
+    CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                body: body.to_vec(),
+                end_of_stream,
+                ..Default::default()
+            })),
+        }),
+        ..Default::default()
+    }
+}
+
+/// `body` for the worker in `FULL_DUPLEX_STREAMED` answers: Envoy forwards exactly what these carry,
+/// in chunks of at most [`STREAMED_CHUNK_BYTES`]; the last ends the body when `end_of_stream`
+/// (not when trailers end the request).
+pub fn streamed_request_body(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    chunked(body, end_of_stream, |common| {
+        Response::RequestBody(BodyResponse {
+            response: Some(common),
+        })
+    })
+}
+
+/// A response-body chunk in `FULL_DUPLEX_STREAMED`: what the client gets of it (as the relay
+/// passes it), the last one ending the answer when `end_of_stream`.
+pub fn streamed_response_body(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    chunked(body, end_of_stream, |common| {
+        Response::ResponseBody(BodyResponse {
+            response: Some(common),
+        })
+    })
+}
+
+fn chunked(
+    body: &[u8],
+    end_of_stream: bool,
+    wrap: impl Fn(CommonResponse) -> Response,
+) -> Vec<ProcessingResponse> {
+    let chunks: Vec<&[u8]> = if body.is_empty() {
+        vec![&[]]
+    } else {
+        body.chunks(STREAMED_CHUNK_BYTES).collect()
+    };
+    let last = chunks.len() - 1;
+    chunks
+        .into_iter()
+        .enumerate()
+        .map(|(i, chunk)| ProcessingResponse {
+            response: Some(wrap(streamed(chunk, end_of_stream && i == last))),
+            ..Default::default()
+        })
+        .collect()
 }
 
 /// Continue after request headers, setting `headers` and removing `content-length` (the body may

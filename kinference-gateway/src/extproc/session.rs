@@ -3,8 +3,11 @@
 //!
 //! Request headers: the request's [`Exchange`] (its root span starts here), then stages
 //! "authenticate" and "admit" (a refusal is the answer to the headers: Envoy sends no body). The
-//! body, buffered here until `end_of_stream` (within the body limit and the room admitted), then the
-//! stages up to the plan and the pick. Response phase (when Envoy is configured to send it): the
+//! body, buffered here until `end_of_stream` or trailers (within the body limit and the room
+//! admitted), then the stages up to the plan and the pick, within the proxy's subset hint. How the
+//! route goes back depends on the proxy's body mode ([`super::mode`]): with the last chunk
+//! (`BUFFERED`, `STREAMED`), or, in `FULL_DUPLEX_STREAMED`, as the answer to the held headers
+//! followed by the body in streamed chunks, the only bytes Envoy forwards. Response phase (when Envoy is configured to send it): the
 //! status, then the body through the same relay as the HTTP door ([`relay::Feed`], or
 //! [`Passing`] for a pass-through endpoint): it hears the first token and the usage, and what the
 //! client gets is replaced chunk by chunk where the relay changes it (the usage chunk the client did
@@ -22,6 +25,9 @@ use http_body_util::BodyExt as _;
 use kinference_crds::ApiStyle;
 use tracing::Instrument as _;
 
+use super::mode::{BodyMode, Modes};
+use super::picker::{self, Subset};
+use super::reply::Phase;
 use super::{Handler, body, reply};
 use crate::api::openai::Usage;
 use crate::api::openai::UsageOnly;
@@ -78,6 +84,12 @@ pub struct Session {
     routed: Option<Routed>,
     /// The answer being seen.
     answer: Option<Answer>,
+    /// How Envoy sends bodies on this stream.
+    modes: Modes,
+    /// The endpoints the proxy allows (the picker protocol's subset hint), when it sent one.
+    subset: Option<Subset>,
+    /// `FULL_DUPLEX_STREAMED`: the request headers are not answered yet (they wait for the body).
+    headers_owed: bool,
 }
 
 impl std::fmt::Debug for Session {
@@ -95,6 +107,8 @@ struct Routed {
     spec: Spec,
     route: Option<Route>,
     worker: String,
+    /// The chosen worker's `ip:port` (the first of the destination list).
+    endpoint: String,
 }
 
 /// An answer seen through the response phases.
@@ -129,6 +143,26 @@ enum Decided {
     },
 }
 
+/// What the stages make of a read request.
+enum Verdict {
+    /// The answer is the gateway's own: a local reply or a refusal.
+    Answer(ProcessingResponse),
+    /// A worker takes it.
+    Route(Destination),
+}
+
+/// Where a routed request goes, and as what.
+struct Destination {
+    /// The chosen `ip:port`, then any fallbacks, comma-separated.
+    endpoints: String,
+    /// The chosen worker's base URL.
+    worker: String,
+    /// Headers for the worker (its pool's credentials, the request id, the trace context).
+    headers: http::HeaderMap,
+    /// The body the worker gets.
+    body: Bytes,
+}
+
 impl Session {
     /// A session of `handler`'s.
     pub fn new(handler: &Handler) -> Self {
@@ -144,33 +178,52 @@ impl Session {
             done: false,
             routed: None,
             answer: None,
+            modes: Modes::default(),
+            subset: None,
+            headers_owed: false,
         }
     }
 
-    /// Handles one message from Envoy; returns the answer to send (none in observability mode, or
-    /// after a local reply).
-    pub async fn on_message(&mut self, msg: ProcessingRequest) -> Option<ProcessingResponse> {
-        let answer = match msg.request? {
-            Request::RequestHeaders(h) => self.on_request_headers(h).await,
+    /// Handles one message from Envoy; returns the answers to send, in order: one per message in
+    /// every mode but `FULL_DUPLEX_STREAMED`, where the request's messages are answered together
+    /// once its body is read (the headers' answer first, then the body's chunks), and none in
+    /// observability mode or after a local reply.
+    pub async fn on_message(&mut self, msg: ProcessingRequest) -> Vec<ProcessingResponse> {
+        if let Some(config) = &msg.protocol_config {
+            self.modes = Modes::from(config);
+        }
+        let Some(request) = msg.request else {
+            return Vec::new();
+        };
+        let metadata = msg.metadata_context.as_ref();
+        let answers = match request {
+            Request::RequestHeaders(h) => {
+                self.subset = Subset::from_metadata(metadata);
+                self.on_request_headers(h).await
+            }
             Request::RequestBody(b) => self.on_request_body(b).await,
-            Request::RequestTrailers(_) => reply::request_trailers_continue(),
+            Request::RequestTrailers(_) => self.on_request_trailers().await,
             Request::ResponseHeaders(h) => {
-                self.on_response_headers(h.headers.as_ref());
+                self.on_response_headers(h.headers.as_ref(), picker::served(metadata));
                 if h.end_of_stream {
                     self.end_answer();
                 }
-                reply::response_headers_continue(&self.id_header())
+                vec![reply::response_headers_continue(&self.id_header())]
             }
             Request::ResponseBody(b) => self.on_response_body(b),
-            Request::ResponseTrailers(_) => {
-                self.end_answer();
-                reply::response_trailers_continue()
-            }
+            Request::ResponseTrailers(_) => self.on_response_trailers(),
         };
-        if self.done && !matches!(answer.response, Some(ref r) if is_immediate(r)) {
-            return None;
+        if msg.observability_mode {
+            return Vec::new();
         }
-        (!msg.observability_mode).then_some(answer)
+        if self.done {
+            // After a local reply Envoy ignores everything but that reply.
+            return answers
+                .into_iter()
+                .filter(|a| matches!(a.response, Some(ref r) if is_immediate(r)))
+                .collect();
+        }
+        answers
     }
 
     /// The request's `x-request-id`, as a header to set (none before the request headers).
@@ -182,7 +235,7 @@ impl Session {
         headers
     }
 
-    async fn on_request_headers(&mut self, h: HttpHeaders) -> ProcessingResponse {
+    async fn on_request_headers(&mut self, h: HttpHeaders) -> Vec<ProcessingResponse> {
         let headers = h.headers.as_ref();
         let raw_path = header(headers, ":path").unwrap_or_default();
         let path = raw_path.split('?').next().unwrap_or_default().to_string();
@@ -208,7 +261,7 @@ impl Session {
         }) else {
             // No body, no endpoint (a health check): nothing to route on; Envoy's route decides.
             tracing::debug!(%path, "ext_proc request for no endpoint; not routed");
-            return reply::request_headers_continue(&self.id_header());
+            return vec![reply::request_headers_continue(&self.id_header())];
         };
         self.unknown_path = Endpoint::of_path(&path).is_none();
         let gw = &self.handler.gw;
@@ -234,19 +287,44 @@ impl Session {
             .await;
         self.ex = Some(ex);
         if let Err(error) = admitted {
-            return self.refuse(error).await;
+            return vec![self.refuse(error).await];
         }
         if h.end_of_stream {
-            // No body (`GET /v1/models`): the stages run now.
-            return self.decide(Bytes::new()).await;
+            // No body (`GET /v1/models`): the stages run now, answered on the headers.
+            return self.finish_request(Bytes::new(), true).await;
         }
-        // The body may be rewritten for the worker: its length is Envoy's to set again.
-        reply::request_headers_continue_without_length(&self.id_header())
+        match self.modes.request {
+            BodyMode::None => {
+                // The body never comes: nothing to parse, limit, bill or route on.
+                let error = GatewayError::ProxyModeUnsupported(
+                    "the proxy sends no request body (request_body_mode NONE): set \
+                     FULL_DUPLEX_STREAMED (or BUFFERED) for the inference handler"
+                        .into(),
+                );
+                vec![self.refuse(error).await]
+            }
+            BodyMode::FullDuplex => {
+                // Answered with the route once the body is read; Envoy holds the headers till then.
+                self.headers_owed = true;
+                Vec::new()
+            }
+            // The body may be rewritten for the worker: its length is Envoy's to set again.
+            _ => vec![reply::request_headers_continue_without_length(
+                &self.id_header(),
+            )],
+        }
     }
 
-    async fn on_request_body(&mut self, b: HttpBody) -> ProcessingResponse {
+    async fn on_request_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        let duplex = self.modes.request == BodyMode::FullDuplex;
         if self.done || self.ex.is_none() {
-            return reply::request_body_continue();
+            // Nothing to decide (already answered): in full duplex Envoy forwards only what is
+            // sent back, so the chunk goes on as it came.
+            return if duplex {
+                reply::streamed_request_body(&b.body, b.end_of_stream)
+            } else {
+                vec![reply::request_body_continue()]
+            };
         }
         let limit = self
             .handler
@@ -254,23 +332,100 @@ impl Session {
             .body_limit_bytes
             .min(self.handler.gw.settings.body_limit_bytes);
         if self.body.len() + b.body.len() > limit {
-            return self.refuse(GatewayError::BodyTooLarge { limit }).await;
+            return vec![self.refuse(GatewayError::BodyTooLarge { limit }).await];
         }
         self.body.extend_from_slice(&b.body);
-        if !b.end_of_stream {
+        // `BUFFERED` sends the whole body in one message, even when trailers follow it.
+        let whole = b.end_of_stream || self.modes.request == BodyMode::Buffered;
+        if !whole {
+            if duplex {
+                // Kept; the answers come with the last chunk.
+                return Vec::new();
+            }
             // The whole body goes with the last chunk's answer, as the worker is to get it.
             self.streamed_body = true;
-            return reply::request_body_taken();
+            return vec![reply::request_body_taken()];
         }
         let body = std::mem::take(&mut self.body).freeze();
-        self.decide(body).await
+        self.finish_request(body, b.end_of_stream).await
     }
 
-    /// The stages from the body on, in the request's span and context; the answer to the last
-    /// request message: a local reply, or the route with the worker's body.
-    async fn decide(&mut self, body: Bytes) -> ProcessingResponse {
+    /// Request trailers: the end of the request. A body still being read ends here (a client that
+    /// sends trailers never sets `end_of_stream` on its last chunk).
+    async fn on_request_trailers(&mut self) -> Vec<ProcessingResponse> {
+        if self.done || self.ex.is_none() {
+            return vec![reply::request_trailers_continue()];
+        }
+        if self.modes.request != BodyMode::FullDuplex {
+            // The chunks are answered already: no answer left can carry the route and the body.
+            let error = GatewayError::ProxyModeUnsupported(
+                "request trailers after a streamed body cannot be routed: set \
+                 FULL_DUPLEX_STREAMED (or BUFFERED) for the inference handler"
+                    .into(),
+            );
+            return vec![self.refuse(error).await];
+        }
+        let body = std::mem::take(&mut self.body).freeze();
+        let mut answers = self.finish_request(body, false).await;
+        if !self.done {
+            answers.push(reply::request_trailers_continue());
+        }
+        answers
+    }
+
+    /// The request is read (its body is `body`; `end_of_stream`: nothing follows it): the stages
+    /// decide, and the answers say so in the proxy's mode. A routed request's answer is the
+    /// headers' (no body, or full duplex, then the body in streamed chunks) or the last chunk's
+    /// (with the body when the worker gets another than the client sent, or chunks were taken).
+    async fn finish_request(
+        &mut self,
+        body: Bytes,
+        end_of_stream: bool,
+    ) -> Vec<ProcessingResponse> {
+        let bodyless = body.is_empty() && end_of_stream && !self.streamed_body;
+        let client_body = body.clone();
+        let route = match self.decide(body).await {
+            Verdict::Answer(answer) => return vec![answer],
+            Verdict::Route(route) => route,
+        };
+        let duplex = self.modes.request == BodyMode::FullDuplex && self.headers_owed;
+        self.headers_owed = false;
+        if duplex {
+            let mut answers = vec![reply::routed(
+                &route.endpoints,
+                &route.worker,
+                &route.headers,
+                Some(&route.body),
+                Phase::Headers,
+            )];
+            answers.extend(reply::streamed_request_body(&route.body, end_of_stream));
+            return answers;
+        }
+        if bodyless {
+            return vec![reply::routed(
+                &route.endpoints,
+                &route.worker,
+                &route.headers,
+                None,
+                Phase::Headers,
+            )];
+        }
+        // Chunks taken off the request leave the last to carry the whole body.
+        let new_body = (self.streamed_body || route.body != client_body).then_some(&route.body);
+        vec![reply::routed(
+            &route.endpoints,
+            &route.worker,
+            &route.headers,
+            new_body,
+            Phase::Body,
+        )]
+    }
+
+    /// The stages from the body on, in the request's span and context: a local reply, or the
+    /// route with the worker's body.
+    async fn decide(&mut self, body: Bytes) -> Verdict {
         let Some(mut ex) = self.ex.take() else {
-            return reply::request_body_continue();
+            return Verdict::Answer(reply::request_body_continue());
         };
         if self.unknown_path {
             match body::detect(None, &body) {
@@ -280,7 +435,7 @@ impl Session {
                 }
                 Err(error) => {
                     self.ex = Some(ex);
-                    return self.refuse(error).await;
+                    return Verdict::Answer(self.refuse(error).await);
                 }
             }
         }
@@ -290,11 +445,11 @@ impl Session {
             .clone()
             .unwrap_or_else(|| RequestContext::from_headers(&http::HeaderMap::new()));
         let handler = self.handler.clone();
-        let client_body = body.clone();
+        let subset = self.subset.clone();
         let (decided, telemetry) = context
             .scope(
                 async {
-                    let decided = stages(&handler, &mut ex, body).await;
+                    let decided = stages(&handler, &mut ex, body, subset.as_ref()).await;
                     (decided, telemetry::current_headers())
                 }
                 .instrument(span.clone()),
@@ -311,7 +466,12 @@ impl Session {
                     .map(|id| (REQUEST_ID_HEADER, id))
                     .into_iter()
                     .collect();
-                reply::immediate(200, &json, "kinference_local_answer", &headers)
+                Verdict::Answer(reply::immediate(
+                    200,
+                    &json,
+                    "kinference_local_answer",
+                    &headers,
+                ))
             }
             Ok(Decided::Worker {
                 decision,
@@ -322,12 +482,11 @@ impl Session {
                 let endpoint = ex.endpoint;
                 let Some(endpoint_addr) = super::endpoint_of(&decision.worker) else {
                     self.ex = Some(ex);
-                    return self
-                        .refuse(GatewayError::BadUpstream {
-                            worker: decision.worker.clone(),
-                            detail: "worker URL has no host".into(),
-                        })
-                        .await;
+                    let error = GatewayError::BadUpstream {
+                        worker: decision.worker.clone(),
+                        detail: "worker URL has no host".into(),
+                    };
+                    return Verdict::Answer(self.refuse(error).await);
                 };
                 tracing::debug!(worker = %decision.worker, endpoint = %endpoint_addr,
                     reason = decision.reason, "ext_proc routed");
@@ -346,22 +505,37 @@ impl Session {
                 );
                 settlement.relaying();
                 settlement.answer_unseen(true);
-                // Chunks taken off the request leave the last to carry the whole body.
-                let new_body =
-                    (self.streamed_body || call.body != client_body).then_some(&call.body);
-                let answer = reply::routed(&endpoint_addr, &worker, &headers, new_body);
+                // The chosen endpoint first, then those the proxy may retry (same value in the
+                // header and the metadata, as the protocol requires).
+                let mut endpoints = vec![endpoint_addr.clone()];
+                let fallbacks = self.handler.settings.fallback_endpoints;
+                if fallbacks > 0 {
+                    endpoints.extend(picker::fallbacks(
+                        &self.handler.gw.router.workers(),
+                        &call.model,
+                        &worker,
+                        call.pool.as_deref(),
+                        fallbacks,
+                    ));
+                }
                 self.routed = Some(Routed {
                     spec: spec_of(&self.handler, endpoint, &call, &asked, wants_usage, &ex),
                     route: endpoint.passthrough(),
                     settlement,
-                    worker,
+                    worker: worker.clone(),
+                    endpoint: endpoint_addr,
                 });
-                answer
+                Verdict::Route(Destination {
+                    endpoints: endpoints.join(","),
+                    worker,
+                    headers,
+                    body: call.body,
+                })
             }
             Err(error) => {
                 drop(_in_span);
                 self.ex = Some(ex);
-                self.refuse(error).await
+                Verdict::Answer(self.refuse(error).await)
             }
         }
     }
@@ -409,7 +583,8 @@ impl Session {
         )
     }
 
-    fn on_response_headers(&mut self, headers: Option<&HeaderMap>) {
+    /// The answer's status and type (`served`: the endpoint that answered, when the proxy says).
+    fn on_response_headers(&mut self, headers: Option<&HeaderMap>, served: Option<String>) {
         let Some(routed) = self.routed.take() else {
             return;
         };
@@ -423,10 +598,20 @@ impl Session {
             spec,
             route,
             worker,
+            endpoint,
         } = routed;
         settlement.answer_unseen(false);
         let gw = &self.handler.gw;
-        gw.health.observe(&worker, status < 500);
+        // A fallback answered when the chosen endpoint failed: the health seen is the fallback's
+        // (the chosen one's failure is Envoy's to report through its own outlier detection).
+        let answered = match served.filter(|s| *s != endpoint) {
+            Some(served) => {
+                tracing::debug!(chosen = %endpoint, %served, "ext_proc: a fallback endpoint served");
+                picker::worker_at(&gw.router.workers(), &served).unwrap_or(worker.clone())
+            }
+            None => worker.clone(),
+        };
+        gw.health.observe(&answered, status < 500);
         if !(200..300).contains(&status) {
             // The worker refused or failed: its error reaches the client as it is.
             settlement.finish(status, None);
@@ -449,9 +634,15 @@ impl Session {
         });
     }
 
-    fn on_response_body(&mut self, b: HttpBody) -> ProcessingResponse {
+    fn on_response_body(&mut self, b: HttpBody) -> Vec<ProcessingResponse> {
+        let duplex = self.modes.response == BodyMode::FullDuplex;
         let Some(answer) = self.answer.as_mut() else {
-            return reply::response_body_continue();
+            // Not an answer the gateway reads (a worker's error, an unrouted request): as it came.
+            return if duplex {
+                reply::streamed_response_body(&b.body, b.end_of_stream)
+            } else {
+                vec![reply::response_body_continue()]
+            };
         };
         let out = match answer {
             Answer::Relay(feed) => {
@@ -481,31 +672,53 @@ impl Session {
         if b.end_of_stream {
             self.end_answer();
         }
-        match out {
+        if duplex {
+            // Envoy passes on only what is sent back.
+            let out = out.unwrap_or_else(|| Bytes::from(b.body));
+            return reply::streamed_response_body(&out, b.end_of_stream);
+        }
+        vec![match out {
             Some(out) if out != b.body => reply::response_body_replaced(out),
             _ => reply::response_body_continue(),
+        }]
+    }
+
+    /// Response trailers end the answer; in full duplex what the relay still held (nothing
+    /// ended the body) goes out before the trailers' answer.
+    fn on_response_trailers(&mut self) -> Vec<ProcessingResponse> {
+        let tail = self.end_answer();
+        let mut answers = Vec::new();
+        if self.modes.response == BodyMode::FullDuplex && !tail.is_empty() {
+            answers.extend(reply::streamed_response_body(&tail, false));
         }
+        answers.push(reply::response_trailers_continue());
+        answers
     }
 
     /// The answer ended (its last body chunk, trailers, or headers without a body): settled with
-    /// what it said; the request's span ends with it.
-    fn end_answer(&mut self) {
-        self.settle_answer();
+    /// what it said; the request's span ends with it. Returns what the relay still held for the
+    /// client (only an answer ended by trailers has any).
+    fn end_answer(&mut self) -> Bytes {
+        let tail = self.settle_answer();
         self.span = None;
+        tail
     }
 
-    fn settle_answer(&mut self) {
+    fn settle_answer(&mut self) -> Bytes {
         if let Some(routed) = self.routed.take() {
             // Response headers that ended the response: an answer without a body.
             let mut settlement = routed.settlement;
             settlement.answer_unseen(false);
             settlement.finish(200, None);
-            return;
+            return Bytes::new();
         }
         match self.answer.take() {
-            Some(Answer::Relay(mut feed)) => feed.end(),
+            Some(Answer::Relay(mut feed)) => {
+                feed.end();
+                return feed.output();
+            }
             Some(Answer::Passing(mut passing, worker)) => {
-                let _ = passing.end(&worker);
+                return passing.end(&worker);
             }
             Some(Answer::Whole {
                 mut settlement,
@@ -519,6 +732,7 @@ impl Session {
             }
             None => {}
         }
+        Bytes::new()
     }
 }
 
@@ -539,6 +753,7 @@ async fn stages(
     handler: &Handler,
     ex: &mut Exchange,
     body: Bytes,
+    subset: Option<&Subset>,
 ) -> Result<Decided, GatewayError> {
     let gw = &handler.gw;
     admit::body_read(gw, ex, &body).await?;
@@ -559,7 +774,17 @@ async fn stages(
         };
         let renamed = request.renamed_for(model)?;
         let req = renamed.as_ref().unwrap_or(request);
-        let call = forward::worker_call(gw, ex.endpoint, req, workers.as_deref(), Door::ExtProc)?;
+        let mut call =
+            forward::worker_call(gw, ex.endpoint, req, workers.as_deref(), Door::ExtProc)?;
+        if let Some(subset) = subset {
+            // The proxy's subset hint: only its endpoints; none of them eligible is a 503.
+            let allowed = subset.restrict(&gw.router.workers(), call.pool.as_deref());
+            if allowed.is_empty() {
+                last = Some(GatewayError::NoHealthyWorker(req.model().to_string()));
+                continue;
+            }
+            call.pool = Some(allowed);
+        }
         match forward::pick(gw, &call, req, ex.debug, &ex.tokens, &[]).await {
             Ok(decision) => {
                 if let Some(stage) = &gw.policy {

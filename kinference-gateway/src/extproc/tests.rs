@@ -57,6 +57,7 @@ fn routed_reply_sets_header_and_lb_metadata_and_takes_the_clients_credentials_of
         "http://10.0.0.7:8000",
         &headers,
         Some(&body),
+        reply::Phase::Body,
     );
     let Some(Response::RequestBody(reply_body)) = r.response else {
         panic!("request body response expected")
@@ -150,6 +151,7 @@ async fn through(session: &mut session::Session, path: &str, body: &[u8]) -> Pro
             ..Default::default()
         })
         .await
+        .pop()
         .expect("an answer to the headers");
     if matches!(first.response, Some(Response::ImmediateResponse(_))) {
         return first;
@@ -164,6 +166,7 @@ async fn through(session: &mut session::Session, path: &str, body: &[u8]) -> Pro
             ..Default::default()
         })
         .await
+        .pop()
         .expect("an answer to the body")
 }
 
@@ -242,4 +245,128 @@ async fn ext_proc_requests_take_the_same_in_flight_gate_as_http() {
     drop(routed);
     assert_eq!(gw.overload.in_flight(), 0);
     assert!(gw.overload.admit(TenantPriority::Medium).await.is_ok());
+}
+
+fn subset_metadata(
+    value: envoy_types::pb::google::protobuf::Value,
+) -> envoy_types::pb::envoy::config::core::v3::Metadata {
+    use envoy_types::pb::google::protobuf::Struct;
+    envoy_types::pb::envoy::config::core::v3::Metadata {
+        filter_metadata: std::collections::HashMap::from([(
+            picker::SUBSET_NAMESPACE.to_string(),
+            Struct {
+                fields: std::collections::HashMap::from([(picker::SUBSET_KEY.to_string(), value)]),
+            },
+        )]),
+        ..Default::default()
+    }
+}
+
+fn text(s: &str) -> envoy_types::pb::google::protobuf::Value {
+    envoy_types::pb::google::protobuf::Value {
+        kind: Some(Kind::StringValue(s.to_string())),
+    }
+}
+
+fn view(url: &str, in_flight: usize, healthy: bool) -> crate::routing::WorkerView {
+    crate::routing::WorkerView {
+        url: url.to_string(),
+        model: "m".to_string(),
+        healthy,
+        in_flight,
+        agent_live: false,
+        cached_blocks: 0,
+    }
+}
+
+#[test]
+fn the_subset_hint_is_read_as_a_list_or_a_comma_separated_string() {
+    use envoy_types::pb::google::protobuf::ListValue;
+    assert_eq!(picker::Subset::from_metadata(None), None);
+    let list = subset_metadata(envoy_types::pb::google::protobuf::Value {
+        kind: Some(Kind::ListValue(ListValue {
+            values: vec![text("10.0.0.1:8000"), text("10.0.0.2:8000, 10.0.0.3")],
+        })),
+    });
+    let subset = picker::Subset::from_metadata(Some(&list)).expect("a subset");
+    assert!(subset.admits("10.0.0.1:8000"));
+    assert!(
+        !subset.admits("10.0.0.1:8001"),
+        "a port names that port only"
+    );
+    assert!(subset.admits("10.0.0.2:8000"));
+    assert!(
+        subset.admits("10.0.0.3:9999"),
+        "a bare address admits every port"
+    );
+    assert!(!subset.admits("10.0.0.4:8000"));
+    let string = subset_metadata(text("[fd00::1]:8000,10.0.0.9:80"));
+    let subset = picker::Subset::from_metadata(Some(&string)).expect("a subset");
+    assert!(subset.admits("[fd00::1]:8000") && subset.admits("10.0.0.9:80"));
+    // Present but empty: nothing is eligible (the 503 case), unlike no hint at all.
+    let empty = picker::Subset::from_metadata(Some(&subset_metadata(text("")))).expect("a subset");
+    assert!(
+        empty
+            .restrict(&[view("http://10.0.0.1:8000", 0, true)], None)
+            .is_empty()
+    );
+}
+
+#[test]
+fn the_subset_restricts_the_pool_and_fallbacks_are_the_least_loaded_others() {
+    let workers = [
+        view("http://10.0.0.1:8000", 3, true),
+        view("http://10.0.0.2:8000", 1, true),
+        view("http://10.0.0.3:8000", 0, false),
+        view("http://10.0.0.4:8000", 2, true),
+    ];
+    let subset = picker::Subset::of(&["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.4"]);
+    assert_eq!(
+        subset.restrict(&workers, None),
+        [
+            "http://10.0.0.1:8000",
+            "http://10.0.0.2:8000",
+            "http://10.0.0.4:8000"
+        ]
+    );
+    let pool = vec!["http://10.0.0.1:8000".to_string()];
+    assert_eq!(subset.restrict(&workers, Some(&pool)), pool);
+    // Healthy others of the model, least loaded first; none asked, none given.
+    assert_eq!(
+        picker::fallbacks(&workers, "m", "http://10.0.0.1:8000", None, 2),
+        ["10.0.0.2:8000", "10.0.0.4:8000"]
+    );
+    assert!(picker::fallbacks(&workers, "m", "http://10.0.0.1:8000", None, 0).is_empty());
+    assert!(picker::fallbacks(&workers, "other", "http://10.0.0.1:8000", None, 2).is_empty());
+}
+
+#[test]
+fn full_duplex_bodies_go_back_in_bounded_chunks_the_last_ending_the_stream() {
+    use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
+    let body = vec![b'x'; reply::STREAMED_CHUNK_BYTES * 2 + 10];
+    let answers = reply::streamed_request_body(&body, true);
+    let chunks: Vec<(usize, bool)> = answers
+        .iter()
+        .map(|a| match &a.response {
+            Some(Response::RequestBody(b)) => match b
+                .response
+                .as_ref()
+                .and_then(|c| c.body_mutation.as_ref())
+                .and_then(|m| m.mutation.as_ref())
+            {
+                Some(Mutation::StreamedResponse(s)) => (s.body.len(), s.end_of_stream),
+                other => panic!("a streamed response expected: {other:?}"),
+            },
+            other => panic!("a request body answer expected: {other:?}"),
+        })
+        .collect();
+    let n = reply::STREAMED_CHUNK_BYTES;
+    assert_eq!(chunks, [(n, false), (n, false), (10, true)]);
+    // Ended by trailers: no chunk ends the stream; an empty body is still one (empty) answer.
+    assert!(
+        reply::streamed_request_body(&body, false)
+            .iter()
+            .all(|a| !format!("{a:?}").contains("end_of_stream: true"))
+    );
+    assert_eq!(reply::streamed_response_body(b"", true).len(), 1);
 }
