@@ -62,12 +62,12 @@ pub struct FlowSettings {
     #[command(flatten)]
     pub thresholds: Thresholds,
     /// Longest wait in the queue of the high, medium and low bands, in milliseconds, before the
-    /// request is shed (503 with `Retry-After`); the lowest band's is shortest, so it is shed first.
+    /// request is shed (503 with `Retry-After`); the lowest band's is shortest, so it is shed first
+    /// (a band without a value: the last one given).
     #[arg(
         long = "flow-deadline-ms",
         env = "KINFERENCE_FLOW_DEADLINE_MS",
         value_delimiter = ',',
-        num_args = 3,
         default_value = "20000,10000,5000"
     )]
     pub deadline_ms: Vec<u64>,
@@ -126,7 +126,12 @@ impl Default for FlowSettings {
 impl FlowSettings {
     /// The queue deadline of `band`.
     pub fn deadline(&self, band: TenantPriority) -> Duration {
-        let ms = self.deadline_ms.get(rank(band)).copied().unwrap_or(5_000);
+        let ms = self
+            .deadline_ms
+            .get(rank(band))
+            .or(self.deadline_ms.last())
+            .copied()
+            .unwrap_or(5_000);
         Duration::from_millis(ms)
     }
 }

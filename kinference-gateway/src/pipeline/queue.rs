@@ -82,6 +82,15 @@ pub async fn queue(
     }
 }
 
+/// The band of a request from a tenant of priority `own` that asked for `asked`: a lower band
+/// always, a higher one only where the tenant `may_raise`.
+pub fn band(own: TenantPriority, asked: Option<TenantPriority>, may_raise: bool) -> TenantPriority {
+    match asked {
+        Some(asked) if !asked.above(own) || may_raise => asked,
+        _ => own,
+    }
+}
+
 /// What the flow control weighs the request by: its band, tenant, weight and tokens.
 fn ticket(ex: &Exchange, request: &Request) -> Ticket {
     let tenant = ex.caller.as_ref().and_then(|c| c.tenant());
@@ -89,10 +98,7 @@ fn ticket(ex: &Exchange, request: &Request) -> Ticket {
     let share = tenant
         .and_then(|t| t.flow_control.clone())
         .unwrap_or_default();
-    let band = match ex.asked_band {
-        Some(asked) if !asked.above(own) || share.request_priority => asked,
-        _ => own,
-    };
+    let band = band(own, ex.asked_band, share.request_priority);
     let prompt = ex.tokens.size(request.prompt());
     let output = request.output_limit(ex.endpoint).unwrap_or(0);
     Ticket {
@@ -103,5 +109,24 @@ fn ticket(ex: &Exchange, request: &Request) -> Ticket {
         deadline: share
             .queue_deadline_ms
             .map(|ms| std::time::Duration::from_millis(u64::from(ms))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TenantPriority::{High, Low, Medium};
+
+    #[test]
+    fn a_request_may_lower_its_band_and_raise_it_only_where_its_tenant_allows() {
+        assert_eq!(band(Medium, None, false), Medium);
+        assert_eq!(band(Medium, Some(Low), false), Low);
+        assert_eq!(band(Medium, Some(High), false), Medium);
+        assert_eq!(band(Medium, Some(High), true), High);
+        let mut headers = HeaderMap::new();
+        headers.insert(PRIORITY_HEADER, http::HeaderValue::from_static(" HIGH "));
+        assert_eq!(asked_band(&headers), Some(High));
+        headers.insert(PRIORITY_HEADER, http::HeaderValue::from_static("urgent"));
+        assert_eq!(asked_band(&headers), None);
     }
 }
