@@ -103,6 +103,16 @@ pub struct FlowSettings {
         default_value_t = 10
     )]
     pub interval_ms: u64,
+    /// Room kept for the bands above: a medium-band request is let through only while the pool
+    /// has more room than this, a low-band one more than twice this (room: requests the pool takes
+    /// before it is saturated), so that a flood of low-priority requests leaves headroom for the
+    /// latency-critical ones.
+    #[arg(
+        long = "flow-band-reserve",
+        env = "KINFERENCE_FLOW_BAND_RESERVE",
+        default_value_t = 0
+    )]
+    pub band_reserve: usize,
     /// `Retry-After` of a request the flow control sheds, in seconds.
     #[arg(
         long = "flow-retry-after-seconds",
@@ -124,6 +134,12 @@ impl Default for FlowSettings {
 }
 
 impl FlowSettings {
+    /// The queue deadline of `band`.
+    /// The room a request of `band` leaves to the bands above it.
+    pub fn reserve(&self, band: TenantPriority) -> usize {
+        self.band_reserve * rank(band)
+    }
+
     /// The queue deadline of `band`.
     pub fn deadline(&self, band: TenantPriority) -> Duration {
         let ms = self
@@ -304,13 +320,14 @@ fn wait_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.001, 2.0, 16))
 }
 
-const REASONS: [saturation::Reason; 6] = [
+const REASONS: [saturation::Reason; 7] = [
     saturation::Reason::Queue,
     saturation::Reason::EngineWaiting,
     saturation::Reason::KvCache,
     saturation::Reason::AcceptBacklog,
     saturation::Reason::KernelTtfb,
     saturation::Reason::EstTtft,
+    saturation::Reason::InFlight,
 ];
 
 impl FlowMetrics {
@@ -476,7 +493,7 @@ impl FlowControl {
                 let pending = st.pending(since);
                 let verdict = saturation::judge(&workers, pending, &inner.settings.thresholds);
                 inner.metrics.verdict(&flow.name, &verdict);
-                if !verdict.saturated {
+                if verdict.room > inner.settings.reserve(ticket.band) {
                     st.recent.push_back(since);
                     return Ok(Passed {
                         pool: Some(Arc::clone(&flow)),
@@ -484,7 +501,7 @@ impl FlowControl {
                         explain: None,
                     });
                 }
-                tracing::debug!(pool = %flow.name, reason = verdict.reason.map(|r| r.as_str()), explain = %verdict.explain, "pool saturated: request waits");
+                tracing::debug!(pool = %flow.name, reason = verdict.reason.map(|r| r.as_str()), explain = %verdict.explain, "no room for the request's band: it waits");
             }
             let refuse = |reason| Shed {
                 reason,
@@ -682,7 +699,11 @@ async fn dispatch(control: FlowControl, flow: Arc<PoolFlow>) {
         );
         let mut st = flow.state.lock();
         let mut room = verdict.room;
-        while room > 0 {
+        while st
+            .queue
+            .next_band()
+            .is_some_and(|band| room > inner.settings.reserve(band))
+        {
             let Some(entry) = st.queue.pop() else { break };
             inner.metrics.tenant_gauge(entry.band, &entry.tenant).dec();
             // A waiter that is gone takes no room.

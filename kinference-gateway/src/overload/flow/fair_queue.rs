@@ -106,6 +106,13 @@ impl<T> FairQueue<T> {
         self.len == 0
     }
 
+    /// The band [`FairQueue::pop`] takes from next.
+    pub fn next_band(&self) -> Option<TenantPriority> {
+        ORDER
+            .into_iter()
+            .find(|&band| !self.bands[rank(band)].flows.is_empty())
+    }
+
     /// Requests waiting in `band`.
     pub fn band_len(&self, band: TenantPriority) -> usize {
         self.bands[rank(band)]

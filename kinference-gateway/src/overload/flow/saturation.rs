@@ -12,6 +12,7 @@
 //! | `accept_backlog` | the kernel's accept queue of the worker's port (eBPF)     | >= 8 (or half its limit) |
 //! | `kernel_ttfb`    | the kernel's median first-byte time (eBPF)                | >= 2 x TTFT target |
 //! | `est_ttft`       | the router's estimated TTFT of a short request sent now   | >= TTFT target (2 s) |
+//! | `in_flight`      | requests in flight, every client's (the same views)       | off (e.g. vLLM's `--max-num-seqs`) |
 //!
 //! A **pool is saturated when every one of its healthy workers is full**: as long as one worker has
 //! room the router sends the request there. Requests the flow control let through in the last
@@ -66,6 +67,15 @@ pub struct Thresholds {
         default_value_t = 2_000
     )]
     pub ttft_target_ms: u64,
+    /// Requests in flight on a worker, every client's, at which it is full (0: no limit). Set to the
+    /// engine's batch size (`--max-num-seqs`) to keep its waiting queue empty, so that the gateway's
+    /// bands order every request that waits.
+    #[arg(
+        long = "flow-max-in-flight",
+        env = "KINFERENCE_FLOW_MAX_IN_FLIGHT",
+        default_value_t = 0
+    )]
+    pub in_flight: usize,
 }
 
 impl Default for Thresholds {
@@ -76,6 +86,7 @@ impl Default for Thresholds {
             kv_usage: 0.95,
             accept_backlog: 8,
             ttft_target_ms: 2_000,
+            in_flight: 0,
         }
     }
 }
@@ -101,6 +112,8 @@ pub enum Reason {
     KernelTtfb,
     /// The estimated TTFT is past the target.
     EstTtft,
+    /// As many requests in flight as the worker takes.
+    InFlight,
 }
 
 impl Reason {
@@ -113,6 +126,7 @@ impl Reason {
             Reason::AcceptBacklog => "accept_backlog",
             Reason::KernelTtfb => "kernel_ttfb",
             Reason::EstTtft => "est_ttft",
+            Reason::InFlight => "in_flight",
         }
     }
 }
@@ -136,6 +150,9 @@ pub struct Verdict {
 
 /// Whether `worker` is full, why, and the figure that decided (for the explanation).
 pub fn worker_full(worker: &WorkerPressure, t: &Thresholds) -> Option<(Reason, String)> {
+    if t.in_flight > 0 && worker.in_flight >= t.in_flight {
+        return Some((Reason::InFlight, format!("{} in flight", worker.in_flight)));
+    }
     let queue = worker.before_first_token;
     if t.queue > 0 && queue >= t.queue {
         return Some((
@@ -203,11 +220,18 @@ pub fn judge(workers: &[WorkerPressure], pending: usize, t: &Thresholds) -> Verd
                 explain.push(format!("{} full:{} ({figure})", w.worker, reason.as_str()));
             }
             None => {
-                // Without a queue threshold a worker that is not full takes one more at a time.
-                let left = match t.queue {
-                    0 => 1,
-                    q => q.saturating_sub(w.before_first_token).max(1),
-                };
+                // What the queue and in-flight thresholds leave; without either, one at a time.
+                let queue_left =
+                    (t.queue > 0).then(|| t.queue.saturating_sub(w.before_first_token));
+                let flight_left =
+                    (t.in_flight > 0).then(|| t.in_flight.saturating_sub(w.in_flight));
+                let left = match (queue_left, flight_left) {
+                    (Some(q), Some(f)) => q.min(f),
+                    (Some(q), None) => q,
+                    (None, Some(f)) => f,
+                    (None, None) => 1,
+                }
+                .max(1);
                 room += left;
                 explain.push(format!("{} room:{left}", w.worker));
             }

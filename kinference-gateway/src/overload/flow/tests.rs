@@ -210,6 +210,7 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         kv_usage: 0.0,
         accept_backlog: 0,
         ttft_target_ms: 0,
+        in_flight: 0,
     };
     let busy = WorkerPressure {
         before_first_token: 100,
@@ -221,6 +222,44 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         ..idle
     };
     assert_eq!(worker_full(&busy, &off), None);
+    // The in-flight limit, when set, fills a worker and bounds its room.
+    let capped = Thresholds {
+        in_flight: 4,
+        ..Thresholds::default()
+    };
+    let running = WorkerPressure {
+        in_flight: 3,
+        ..worker("w", 0)
+    };
+    assert_eq!(judge(std::slice::from_ref(&running), 0, &capped).room, 1);
+    let full = WorkerPressure {
+        in_flight: 4,
+        ..running
+    };
+    assert_eq!(
+        worker_full(&full, &capped).map(|(r, _)| r),
+        Some(Reason::InFlight)
+    );
+}
+
+#[tokio::test]
+async fn the_band_reserve_keeps_the_last_room_for_higher_bands() {
+    let flow = control(FlowSettings {
+        band_reserve: 1,
+        deadline_ms: vec![500, 100, 100],
+        ..on()
+    });
+    // Room for one: only the high band may take it.
+    let (_load, probe) = pool(7);
+    for band in [Low, Medium] {
+        let shed = flow
+            .wait("p", Arc::clone(&probe), ticket(band, "a"))
+            .await
+            .unwrap_err();
+        assert_eq!(shed.reason, ShedReason::QueueDeadline, "{band:?}");
+    }
+    let passed = flow.wait("p", probe, ticket(High, "c")).await.unwrap();
+    assert_eq!(passed.waited, Duration::ZERO);
 }
 
 /// A pool whose pressure the test sets.
