@@ -89,7 +89,13 @@ pub fn schedule(loads: &[TenantLoad], duration: Duration, seed: u64) -> Vec<(Dur
         if load.rate_rps <= 0.0 {
             continue;
         }
-        let mut rng = StdRng::seed_from_u64(seed ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9));
+        // Seeded by the tenant, not its place in `loads`: B alone and B beside A get the same arrivals.
+        let stream = load
+            .tenant
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        let mut rng =
+            StdRng::seed_from_u64(seed ^ stream.wrapping_add(1).wrapping_mul(0x9E37_79B9));
         let mut t = 0.0;
         loop {
             let u: f64 = rng.random_range(f64::EPSILON..1.0);
@@ -386,6 +392,14 @@ mod tests {
         assert!((a / 50.0 - 40.0).abs() < 4.0, "a {a}");
         assert!((b / 50.0 - 2.0).abs() < 0.8, "b {b}");
         assert!(one.windows(2).all(|w| w[0].0 <= w[1].0));
+        // B alone has B's arrivals of the mixed schedule.
+        let alone = schedule(&loads[1..], Duration::from_secs(50), 1);
+        let mixed: Vec<Duration> = one
+            .iter()
+            .filter(|(_, i)| *i == 1)
+            .map(|(t, _)| *t)
+            .collect();
+        assert_eq!(alone.iter().map(|(t, _)| *t).collect::<Vec<_>>(), mixed);
     }
 
     #[test]
