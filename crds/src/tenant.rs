@@ -85,6 +85,11 @@ pub struct InferenceTenantSpec {
     /// tenant's request is admitted while a lower one's waits briefly, then is refused (503).
     #[serde(default)]
     pub priority: TenantPriority,
+    /// Its share of a saturated pool, where the gateway holds requests in its own queue (flow
+    /// control): its weight among the tenants of its band, its queue deadline, and whether its
+    /// requests may name their own band.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flow_control: Option<TenantFlowControl>,
     /// Whose requests may hit this tenant's prompts in the workers' prefix caches (absent: this
     /// tenant's alone, whenever the gateway has tenants).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -139,6 +144,62 @@ impl TenantPriority {
             TenantPriority::Medium => "medium",
             TenantPriority::Low => "low",
         }
+    }
+}
+
+/// A tenant's share of a saturated pool's queue in the gateway.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantFlowControl {
+    /// Its weight among the tenants of its band: tokens let through per turn, relative to theirs
+    /// (1 to 1000; default 1).
+    #[serde(default = "default_weight")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub weight: u32,
+    /// Its requests may ask for a band above the tenant's priority with `x-kinference-priority`
+    /// (`high`, `medium`, `low`); asking for a lower one is always allowed.
+    #[serde(default)]
+    pub request_priority: bool,
+    /// Longest wait in the queue, in milliseconds, before a request is shed (absent: its band's,
+    /// the gateway's `--flow-deadline-ms`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 600000))]
+    pub queue_deadline_ms: Option<u32>,
+}
+
+fn default_weight() -> u32 {
+    1
+}
+
+impl Default for TenantFlowControl {
+    fn default() -> Self {
+        TenantFlowControl {
+            weight: default_weight(),
+            request_priority: false,
+            queue_deadline_ms: None,
+        }
+    }
+}
+
+impl TenantPriority {
+    /// The band named `name` (`high`, `medium`, `low`, any case).
+    pub fn parse(name: &str) -> Option<Self> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "high" => Some(TenantPriority::High),
+            "medium" => Some(TenantPriority::Medium),
+            "low" => Some(TenantPriority::Low),
+            _ => None,
+        }
+    }
+
+    /// Whether it is served before `other`.
+    pub fn above(self, other: Self) -> bool {
+        let rank = |p| match p {
+            TenantPriority::High => 0,
+            TenantPriority::Medium => 1,
+            TenantPriority::Low => 2,
+        };
+        rank(self) < rank(other)
     }
 }
 

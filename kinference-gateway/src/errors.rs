@@ -161,6 +161,19 @@ pub enum GatewayError {
         /// `Retry-After`, in seconds.
         retry_after_s: u64,
     },
+    /// The flow control shed the request while its pool was saturated ([`crate::overload::flow`]):
+    /// 429 when its tenant already has its share of the queue waiting, else 503; `Retry-After`.
+    #[error(
+        "the model's workers are saturated and the request was not served ({reason}); retry after {retry_after_s} s"
+    )]
+    FlowShed {
+        /// `queue_deadline`, `queue_full`, `displaced` or `tenant_queue_full`.
+        reason: &'static str,
+        /// `Retry-After`, in seconds.
+        retry_after_s: u64,
+        /// The tenant's own share is the cause (429).
+        tenants_own: bool,
+    },
     /// The client did not send its whole body within the read deadline (408); its slot is freed.
     #[error("the request body did not arrive within {timeout_ms} ms")]
     BodyTimeout {
@@ -179,6 +192,16 @@ impl From<RouteError> for GatewayError {
         match e {
             RouteError::UnknownModel(m) => GatewayError::UnknownModel(m),
             RouteError::NoHealthyWorker(m) => GatewayError::NoHealthyWorker(m),
+        }
+    }
+}
+
+impl From<crate::overload::flow::Shed> for GatewayError {
+    fn from(shed: crate::overload::flow::Shed) -> Self {
+        GatewayError::FlowShed {
+            reason: shed.reason.as_str(),
+            retry_after_s: shed.retry_after_s,
+            tenants_own: shed.reason.tenants_own(),
         }
     }
 }
@@ -226,6 +249,13 @@ impl GatewayError {
             | GatewayError::UsageUnrecorded => StatusCode::SERVICE_UNAVAILABLE,
             GatewayError::PolicyRejected { status, .. } => *status,
             GatewayError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            GatewayError::FlowShed { tenants_own, .. } => {
+                if *tenants_own {
+                    StatusCode::TOO_MANY_REQUESTS
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                }
+            }
             GatewayError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             GatewayError::ProxyModeUnsupported(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -253,6 +283,7 @@ impl GatewayError {
             GatewayError::TenantsUnavailable(_) => "tenants_unavailable",
             GatewayError::PolicyRejected { .. } => "policy_rejected",
             GatewayError::Overloaded { .. } => "overloaded",
+            GatewayError::FlowShed { .. } => "flow_shed",
             GatewayError::BodyTimeout { .. } => "body_timeout",
             GatewayError::ProxyModeUnsupported(_) => "proxy_mode_unsupported",
         }
@@ -292,6 +323,7 @@ impl GatewayError {
             GatewayError::TenantsUnavailable(_) => Some("tenants_unavailable"),
             GatewayError::PolicyRejected { code, .. } => Some(*code),
             GatewayError::Overloaded { .. } => Some("overloaded"),
+            GatewayError::FlowShed { reason, .. } => Some(reason),
             GatewayError::BodyTimeout { .. } => Some("request_timeout"),
             GatewayError::ProxyModeUnsupported(_) => Some("proxy_mode_unsupported"),
             _ => None,
@@ -371,7 +403,9 @@ impl GatewayError {
                 }
             }
         }
-        if let GatewayError::Overloaded { retry_after_s, .. } = self {
+        if let GatewayError::Overloaded { retry_after_s, .. }
+        | GatewayError::FlowShed { retry_after_s, .. } = self
+        {
             response
                 .headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));

@@ -168,6 +168,42 @@ struct Args {
     /// P/D: see --pd-requests-per-user.
     #[arg(long, default_value_t = 32)]
     pd_min_requests: usize,
+    /// The noisy-neighbour benchmark instead of the routing matrix (see
+    /// `kinference_bench::routing::noisy`): tenant A floods, B is steady, C latency-critical; arms
+    /// with and without the gateway's flow control, and B alone and C alone. Takes the `--nn-*`
+    /// flags, --workers, --preset, --time-scale, --worker-arg and the directory flags; results in
+    /// bench/results/flow-control unless --out-dir.
+    #[arg(long)]
+    noisy_neighbour: bool,
+    /// Noisy neighbour: seconds of arrivals per arm.
+    #[arg(long, default_value_t = 30.0)]
+    nn_seconds: f64,
+    /// Noisy neighbour: seconds an arm waits for its last answers after the arrivals end (longer
+    /// waits are cut).
+    #[arg(long, default_value_t = 20.0)]
+    nn_drain_seconds: f64,
+    /// Noisy neighbour: the fleet's capacity in requests per second for the request shape (default:
+    /// measured first, closed loop).
+    #[arg(long)]
+    nn_capacity_rps: Option<f64>,
+    /// Noisy neighbour: A's arrival rate as a multiple of the capacity.
+    #[arg(long, default_value_t = 4.0)]
+    nn_flood_factor: f64,
+    /// Noisy neighbour: B's and C's arrival rates as fractions of the capacity.
+    #[arg(long, value_delimiter = ',', default_value = "0.15,0.08")]
+    nn_light: Vec<f64>,
+    /// Noisy neighbour: prompt words and completion tokens of every request.
+    #[arg(long, value_delimiter = ',', default_value = "200,48")]
+    nn_shape: Vec<usize>,
+    /// Noisy neighbour: the TTFT objective of goodput, seconds (wall).
+    #[arg(long, default_value_t = 2.0)]
+    nn_slo_s: f64,
+    /// Noisy neighbour: seeds of the arrival schedules (one round of every arm each).
+    #[arg(long, value_delimiter = ',', default_value = "42")]
+    nn_seeds: Vec<u64>,
+    /// Noisy neighbour: extra flags of the flow-control gateway (after `--flow-control`).
+    #[arg(long = "nn-flow-arg", allow_hyphen_values = true)]
+    nn_flow_args: Vec<String>,
 }
 
 fn fmt_duration(d: Duration) -> String {
@@ -229,6 +265,19 @@ async fn main() -> ExitCode {
             Policy::Oracle,
         ];
         args.requests_per_run.get_or_insert(16);
+    }
+    if args.noisy_neighbour {
+        let out_dir = args
+            .out_dir
+            .clone()
+            .unwrap_or_else(|| repo_root().join("bench/results/flow-control"));
+        return tokio::select! {
+            code = run_noisy(args, out_dir) => code,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("interrupted: stopping the cluster");
+                ExitCode::from(130)
+            }
+        };
     }
     if args.pd {
         let out_dir = args
@@ -584,6 +633,202 @@ fn append_overhead(path: &std::path::Path, out_dir: &std::path::Path) -> anyhow:
 
 /// `--pd`: the P/D fleet, the two Kinference gateways (with and without roles), the peers' P/D modes,
 /// then every workload x concurrency x router side by side; writes pd.json and pd.md after every run.
+/// The noisy-neighbour benchmark: one cluster, two gateways over the same workers (`kinference`
+/// without flow control, `kinference#2` with it), every arm per seed in turn, the fleet idle between
+/// arms.
+async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
+    use kinference_bench::routing::noisy::{self, ArmResult, TenantLoad};
+    let work_dir = std::env::temp_dir().join(format!("kinference-nn-bench-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir_all(&work_dir) {
+        eprintln!("routing-bench: {}: {e}", work_dir.display());
+        return ExitCode::FAILURE;
+    }
+    let tenancy = match noisy::write_tenants(&work_dir) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("routing-bench: writing the tenants: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut flow_args = vec!["--flow-control".to_string()];
+    flow_args.extend(args.nn_flow_args.iter().cloned());
+    let config = ClusterConfig {
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
+        tokenizer_dir: args
+            .tokenizer_dir
+            .clone()
+            .unwrap_or_else(cluster::default_tokenizer_dir),
+        workers: args.workers,
+        preset: args.preset.clone(),
+        time_scale: args.time_scale,
+        worker_args: args.worker_args.clone(),
+        gateway_modes: vec!["kinference".into()],
+        work_dir: work_dir.clone(),
+        ready_timeout: Duration::from_secs(60),
+    };
+    let options = ClusterOptions {
+        gateway_replicas: 2,
+        gateway_yaml: [("tenancy".to_string(), tenancy)].into_iter().collect(),
+        gateway_args: [("kinference#2".to_string(), flow_args.clone())]
+            .into_iter()
+            .collect(),
+        ..ClusterOptions::default()
+    };
+    let http = HttpClient::new();
+    let cluster = match Cluster::start_with(&config, http.clone(), &options).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("routing-bench: starting the cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (Some(off), Some(on)) = (
+        cluster.gateway("kinference"),
+        cluster.gateway("kinference#2"),
+    ) else {
+        eprintln!("routing-bench: the two gateways did not start");
+        return ExitCode::FAILURE;
+    };
+    let (off, on) = (off.url.clone(), on.url.clone());
+    let (words, max_tokens) = (
+        args.nn_shape.first().copied().unwrap_or(200),
+        args.nn_shape.get(1).copied().unwrap_or(48) as u32,
+    );
+    let load = |tenant: &'static str, rate_rps: f64| TenantLoad {
+        tenant,
+        key: noisy::TENANTS
+            .iter()
+            .find(|(t, _, _)| *t == tenant)
+            .map_or("", |(_, k, _)| k),
+        rate_rps,
+        prompt_words: words,
+        max_tokens,
+    };
+    let model = cluster::MODEL;
+    let capacity = match args.nn_capacity_rps {
+        Some(c) => c,
+        None => {
+            let users = 64 * args.workers;
+            let c = noisy::capacity(
+                &http,
+                &off,
+                model,
+                &load("a", 0.0),
+                users,
+                Duration::from_secs(15),
+            )
+            .await;
+            eprintln!("capacity: {c:.2} requests/s ({users} closed-loop users, 15 s)");
+            noisy::wait_idle(&http, cluster.workers(), Duration::from_secs(60)).await;
+            c
+        }
+    };
+    let light =
+        |i: usize, default: f64| args.nn_light.get(i).copied().unwrap_or(default) * capacity;
+    let (a_rps, b_rps, c_rps) = (
+        args.nn_flood_factor * capacity,
+        light(0, 0.15),
+        light(1, 0.08),
+    );
+    let duration = Duration::from_secs_f64(args.nn_seconds);
+    let drain = Duration::from_secs_f64(args.nn_drain_seconds);
+    let arms: [(&'static str, &str, Vec<TenantLoad>); 4] = [
+        ("b-alone", &off, vec![load("b", b_rps)]),
+        ("c-alone", &off, vec![load("c", c_rps)]),
+        (
+            "no-flow-control",
+            &off,
+            vec![load("a", a_rps), load("b", b_rps), load("c", c_rps)],
+        ),
+        (
+            "flow-control",
+            &on,
+            vec![load("a", a_rps), load("b", b_rps), load("c", c_rps)],
+        ),
+    ];
+    let mut results = Vec::new();
+    for &seed in &args.nn_seeds {
+        for (arm, base, loads) in &arms {
+            let started = std::time::Instant::now();
+            let outcomes = noisy::run_arm(&http, base, model, loads, duration, drain, seed).await;
+            let rows = noisy::figures(&outcomes, args.nn_slo_s, duration);
+            for t in &rows {
+                eprintln!(
+                    "seed {seed} {arm:<16} {}: sent {:>4} served {:>4} 429 {:>4} 503 {:>4} cut {:>4} TTFT p50 {:>6.2}s p90 {:>6.2}s goodput {:>6.1}/min",
+                    t.tenant,
+                    t.sent,
+                    t.served,
+                    t.shed_429,
+                    t.shed_503,
+                    t.cut,
+                    t.ttft_p50_s.unwrap_or(f64::NAN),
+                    t.ttft_p90_s.unwrap_or(f64::NAN),
+                    t.goodput_rpm
+                );
+            }
+            eprintln!("  ({:.0} s wall)", started.elapsed().as_secs_f64());
+            results.push(ArmResult { arm, seed, rows });
+            noisy::wait_idle(&http, cluster.workers(), Duration::from_secs(60)).await;
+        }
+    }
+    let flow_metrics = http
+        .get_text(&format!(
+            "{}/metrics",
+            cluster
+                .gateway("kinference#2")
+                .map_or("", |g| g.admin_url.as_str())
+        ))
+        .await
+        .map(|text| {
+            text.lines()
+                .filter(|l| l.starts_with("kinference_gateway_flow_") && !l.ends_with(" 0"))
+                .filter(|l| !l.contains("_bucket{"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        })
+        .unwrap_or_default();
+    let header = format!(
+        "Noisy neighbour: {} vllm-sim workers (--preset {} --time-scale {} {}), capacity {capacity:.2} req/s ({}); A {a_rps:.2} req/s (x{}), B {b_rps:.2}, C {c_rps:.2}; {words} prompt words, {max_tokens} tokens out; {} s of arrivals per arm, {} s drain; goodput = served with TTFT <= {} s; flow gateway flags {flow_args:?}. Times are wall-clock seconds on a shared 2-core machine.\n\n`{}`",
+        args.workers,
+        args.preset,
+        args.time_scale,
+        args.worker_args.join(" "),
+        if args.nn_capacity_rps.is_some() {
+            "given"
+        } else {
+            "measured"
+        },
+        args.nn_flood_factor,
+        args.nn_seconds,
+        args.nn_drain_seconds,
+        args.nn_slo_s,
+        std::iter::once("routing-bench".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+    let mut md = noisy::markdown(&results, &header);
+    md.push_str(&format!("\nFlow-control gateway metrics at the end (non-zero, no buckets):\n\n```\n{flow_metrics}\n```\n"));
+    let write = || -> std::io::Result<()> {
+        std::fs::create_dir_all(&out_dir)?;
+        std::fs::write(out_dir.join("noisy-neighbour.md"), &md)?;
+        std::fs::write(
+            out_dir.join("noisy-neighbour.json"),
+            serde_json::to_string_pretty(&json!({"capacity_rps": capacity, "results": results}))
+                .unwrap_or_default(),
+        )
+    };
+    if let Err(e) = write() {
+        eprintln!(
+            "routing-bench: writing results to {}: {e}",
+            out_dir.display()
+        );
+        return ExitCode::FAILURE;
+    }
+    println!("{md}");
+    ExitCode::SUCCESS
+}
+
 async fn run_pd(args: Args, out_dir: PathBuf) -> ExitCode {
     let fleet = PdFleet {
         prefill: args.pd_prefill,

@@ -119,6 +119,11 @@ pub struct ClusterOptions {
     /// worker `i`, `workers[].role` in every gateway's config; empty: every worker `both`). A gateway
     /// mode ending in [`AGGREGATED_SUFFIX`] leaves the roles out: every worker takes whole requests.
     pub worker_roles: Vec<String>,
+    /// Top-level keys added to every gateway's configuration (e.g. `tenancy`).
+    pub gateway_yaml: serde_json::Map<String, serde_json::Value>,
+    /// Extra flags of one gateway, by its name ([`Cluster::gateway`]; e.g. `--flow-control` on
+    /// replica `kinference#2` only).
+    pub gateway_args: BTreeMap<String, Vec<String>>,
 }
 
 /// A gateway mode `M-aggregated` is routing mode `M` with the workers' roles left out (whole requests on
@@ -444,14 +449,26 @@ impl Cluster {
             };
             let mut yaml = base.clone();
             yaml["routing"] = json!(routing);
+            for (key, value) in &options.gateway_yaml {
+                yaml[key] = value.clone();
+            }
             let path = config.work_dir.join(format!("gateway-{file}.yaml"));
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
             let admin = format!("127.0.0.1:{}", ports[1]);
+            let mut args = gateway_args(&listen, &admin, &path);
+            args.extend(
+                options
+                    .gateway_args
+                    .get(name)
+                    .into_iter()
+                    .flatten()
+                    .cloned(),
+            );
             let child = Process::spawn(
                 &format!("kinference-gateway ({name})"),
                 &gateway_bin,
-                &gateway_args(&listen, &admin, &path),
+                &args,
                 &[],
                 config.work_dir.join(format!("gateway-{file}.log")),
             )?;

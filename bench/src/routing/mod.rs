@@ -13,6 +13,7 @@ pub mod client;
 pub mod cluster;
 pub mod experiment;
 pub mod fleet;
+pub mod noisy;
 pub mod oracle;
 pub mod pd;
 pub mod peers;

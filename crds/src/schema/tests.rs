@@ -83,3 +83,37 @@ fn pool_endpoint_urls_must_look_like_urls() {
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].path, "spec.endpoints[0].url");
 }
+
+#[test]
+fn a_tenants_flow_control_share_is_validated() {
+    let tenant = |flow: serde_json::Value| {
+        json!({
+            "apiVersion": "kinference.ai/v1alpha1",
+            "kind": "InferenceTenant",
+            "metadata": {"name": "t"},
+            "spec": {
+                "apiKeys": [{"secretRef": {"name": "t", "key": "api-key"}}],
+                "priority": "Low",
+                "flowControl": flow,
+            }
+        })
+    };
+    let ok = validate(
+        "InferenceTenant",
+        &tenant(json!({"weight": 4, "requestPriority": true, "queueDeadlineMs": 1500})),
+    );
+    assert!(ok.is_empty(), "{ok:?}");
+    for (flow, path) in [
+        (json!({"weight": 0}), "spec.flowControl.weight"),
+        (json!({"weight": 1001}), "spec.flowControl.weight"),
+        (
+            json!({"queueDeadlineMs": 0}),
+            "spec.flowControl.queueDeadlineMs",
+        ),
+        (json!({"band": "high"}), "spec.flowControl.band"),
+    ] {
+        let errors = validate("InferenceTenant", &tenant(flow.clone()));
+        assert_eq!(errors.len(), 1, "{flow}: {errors:?}");
+        assert_eq!(errors[0].path, path, "{flow}");
+    }
+}

@@ -38,7 +38,7 @@ use crate::pipeline::exchange::{Door, Exchange};
 use crate::pipeline::forward::{self, WorkerCall};
 use crate::pipeline::passthrough::Passing;
 use crate::pipeline::settle::Settlement;
-use crate::pipeline::{Endpoint, admit, govern, local};
+use crate::pipeline::{Endpoint, admit, govern, local, queue};
 use crate::policy::stage::PlanTarget;
 use crate::routing::Decision;
 use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
@@ -747,7 +747,7 @@ impl Drop for Session {
     }
 }
 
-/// Stages "read" (its cost), "parse" to "policy", and the pick: what the HTTP door runs before it
+/// Stages "read" (its cost), "parse" to "policy", "queue", and the pick: what the HTTP door runs before it
 /// forwards, with the worker's body as Envoy is to send it.
 async fn stages(
     handler: &Handler,
@@ -766,6 +766,7 @@ async fn stages(
     let request = &prepared.request;
     handler.shed(request.model())?;
     let plan = &prepared.plan;
+    queue::queue(gw, ex, request, plan).await?;
     let mut last = None;
     for target in &plan.targets {
         // Envoy forwards to workers only.

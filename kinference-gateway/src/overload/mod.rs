@@ -13,10 +13,16 @@
 //! - a client that stops reading its answer ([`io::StallGuard`]): its connection is cut after the
 //!   write deadline, which drops the upstream request (the worker frees its slot).
 //!
+//! - requests to a saturated pool ([`flow::FlowControl`], `--flow-control`): held in the gateway in
+//!   priority bands, fair between tenants by tokens, let through as the pool gets room, shed (429/503
+//!   with `Retry-After`) past their band's deadline; the saturation detector ([`flow::saturation`])
+//!   reads the agents' engine and kernel figures.
+//!
 //! The request-body read deadline and the bounded upstream pool per worker are knobs of
 //! [`crate::backend::worker::HttpSettings`], beside the other timeouts of the HTTP path.
 
 pub mod budget;
+pub mod flow;
 pub mod gate;
 pub mod io;
 
@@ -87,6 +93,10 @@ pub struct OverloadSettings {
         default_value_t = 1
     )]
     pub overload_retry_after_seconds: u64,
+
+    /// Flow control: requests held in the gateway while their pool is saturated.
+    #[command(flatten)]
+    pub flow: flow::FlowSettings,
 }
 
 impl Default for OverloadSettings {
@@ -148,6 +158,8 @@ pub struct Overload {
     pub api: ConnectionLimit,
     /// The admin port's connections.
     pub admin: ConnectionLimit,
+    /// Requests held while their pool is saturated.
+    pub flow: flow::FlowControl,
 }
 
 /// The in-flight gate and its shed counter: what a front door admits requests through. Clones
@@ -195,6 +207,7 @@ impl Overload {
             Described(bodies_held.clone()),
         );
         let gate = settings.gate().map(|g| Gate::new(g, in_flight, queued));
+        let flow = flow::FlowControl::new(settings.flow.clone(), registry);
         let bodies = BodyBudget::new(
             BudgetSettings {
                 total: settings.body_budget_bytes,
@@ -211,6 +224,7 @@ impl Overload {
             .get_or_create(&PortLabels { port: "admin" })
             .clone();
         Overload {
+            flow,
             bodies,
             api: ConnectionLimit::new(settings.max_connections, api_open),
             admin: ConnectionLimit::new(settings.admin_max_connections, admin_open),

@@ -60,6 +60,8 @@ pub struct Exchange {
     pub explain: Option<String>,
     /// The request's books; moved into the relay when the answer is streamed.
     pub settlement: Option<Settlement>,
+    /// The band `x-kinference-priority` asks for (the queue stage decides whether it applies).
+    pub asked_band: Option<kinference_crds::TenantPriority>,
 }
 
 impl Exchange {
@@ -90,6 +92,7 @@ impl Exchange {
             tokens: PromptTokens::default(),
             explain: None,
             settlement: Some(Settlement::new(metrics, protocol)),
+            asked_band: super::queue::asked_band(headers),
         }
     }
 

@@ -2,13 +2,15 @@
 //! ([`routes::ROUTES`]) and both front doors (this HTTP port and the Envoy ext_proc handler,
 //! [`crate::extproc`]), in the order of [`STAGES`]:
 //!
-//! authenticate -> admit -> read -> parse -> limit -> classify -> policy -> forward -> settle
+//! authenticate -> admit -> read -> parse -> limit -> classify -> policy -> queue -> forward -> settle
 //!
 //! - [`admit`]: the caller, its in-flight slot and room for its body, before the body is read;
 //! - [`exchange`]: the [`Exchange`] made once per request, the body read, and the parsed
 //!   [`exchange::Request`] of any endpoint;
 //! - [`govern`]: parse, limit (the tenant's models, budget and token limits, the output reserved and
 //!   sent), classify and policy (the plan: pools and providers in order);
+//! - [`queue`]: flow control, while the plan's pool is saturated (priority bands, fairness between
+//!   tenants, shed past a deadline; [`crate::overload::flow`]);
 //! - [`forward`]: the request to a worker or a provider, and the answer back through the one relay;
 //!   [`passthrough`]: a pass-through endpoint's answer byte for byte; [`local`]: what the gateway
 //!   answers itself (token counts, the model list);
@@ -29,6 +31,7 @@ pub mod govern;
 pub mod local;
 pub mod models;
 pub mod passthrough;
+pub mod queue;
 pub mod routes;
 pub mod settle;
 
@@ -46,11 +49,12 @@ use exchange::{Door, Exchange};
 pub use routes::{Endpoint, ROUTES};
 
 /// The stages every request passes, in order. Each runs in a span of its name, except "read"
-/// (the HTTP door's alone: Envoy reads the body for the other), "classify" and "policy" (with a
+/// (the HTTP door's alone: Envoy reads the body for the other), "queue" (with flow control on),
+/// "classify" and "policy" (with a
 /// policy directory), "forward" (the router's `routing` span, then the backend's `upstream` and the
 /// relay's `stream`; through Envoy, `routing` only) and "settle" (the request's access line and the
 /// end of its root span).
-pub const STAGES: [&str; 9] = [
+pub const STAGES: [&str; 10] = [
     "authenticate",
     "admit",
     "read",
@@ -58,6 +62,7 @@ pub const STAGES: [&str; 9] = [
     "limit",
     "classify",
     "policy",
+    "queue",
     "forward",
     "settle",
 ];
@@ -125,6 +130,7 @@ async fn run(
         let answer = local::answer(gw, ex, &prepared.request).await?;
         return Ok(json_response(StatusCode::OK, answer.to_string()));
     }
+    queue::queue(gw, ex, &prepared.request, &prepared.plan).await?;
     let forwarded = forward::planned(gw, ex, &prepared.request, Arc::clone(&prepared.plan)).await?;
     forward::relay(gw, ex, &prepared.request, forwarded).await
 }

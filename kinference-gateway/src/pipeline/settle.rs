@@ -51,6 +51,8 @@ pub struct Settlement {
     _slot: Option<Slot>,
     /// The room its body holds in the body-byte budget, freed with the settlement.
     body: Option<BodyReservation>,
+    /// Its pass through the flow control: its end wakes the pool's queue.
+    _flow: Option<crate::overload::flow::Passed>,
     /// The router's count of the prompt, once routed.
     prompt_tokens: Option<u64>,
     /// What the answer said so far (for an answer without usage), and its text chunks.
@@ -93,6 +95,7 @@ impl Settlement {
             admission: None,
             _slot: None,
             body: None,
+            _flow: None,
             prompt_tokens: None,
             counted: CountedOutput::default(),
             _in_flight: metrics.in_flight(),
@@ -123,6 +126,11 @@ impl Settlement {
     /// The request's in-flight slot, held until the answer's last byte (or the client leaves).
     pub fn hold(&mut self, slot: Slot) {
         self._slot = Some(slot);
+    }
+
+    /// The request's pass through the flow control, held until the request ends.
+    pub fn hold_flow(&mut self, passed: crate::overload::flow::Passed) {
+        self._flow = Some(passed);
     }
 
     /// The room the request's body holds in the body-byte budget, kept until the request ends.

@@ -255,6 +255,13 @@ fn to_load(l: &WorkerLoad, now: Instant) -> Load {
             waiting: l.kernel_waiting.min(l.kernel_in_flight),
             waits_for_body: l.kernel_waits_for_body,
         }),
+        accept_backlog: if l.kernel_ok {
+            (l.accept_backlog, l.accept_backlog_max)
+        } else {
+            (0, 0)
+        },
+        kernel_ttfb: (l.kernel_ok && l.kernel_ttfb_p50_us > 0)
+            .then(|| Duration::from_micros(u64::from(l.kernel_ttfb_p50_us))),
         kernel_linger: Duration::from_millis(match l.kernel_idle_gap_ms {
             // Agents before the field had a fixed 500 ms idle gap.
             0 => 500,

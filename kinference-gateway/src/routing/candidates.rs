@@ -26,6 +26,10 @@ pub(super) struct Candidate<'w> {
     pub(super) in_flight: usize,
     /// The live agent's figures, when its scrape of the worker is fresh.
     pub(super) scraped: Option<Load>,
+    /// The live agent's figures, when its kernel view of the worker is fresh.
+    pub(super) kernel_fresh: Option<Load>,
+    /// This gateway's requests there still awaiting their first token.
+    pub(super) awaiting_first_token: usize,
     /// The queue ahead of a new request (every client's, from the best view).
     pub(super) queue: Queue,
     /// Which view sized the other clients' share.
@@ -150,6 +154,8 @@ impl Shared {
                     live,
                     in_flight: st.in_flight,
                     scraped,
+                    kernel_fresh: load.filter(|_| kernel.is_ok()),
+                    awaiting_first_token: st.awaiting_first_token,
                     queue,
                     signal,
                     kernel_missing: kernel.err(),

@@ -29,7 +29,70 @@ pub struct WorkerEstimate {
     pub kv_usage: Option<f32>,
 }
 
+/// One worker's pressure as the flow control's saturation detector reads it
+/// ([`crate::overload::flow::saturation`]): every client's requests from the freshest view, the
+/// engine's own queue and cache, the kernel's accept queue and time to first byte, and the estimate.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerPressure {
+    /// Worker base URL.
+    pub worker: String,
+    /// Requests in flight there, every client's (the estimate's queue: ledger plus the others the
+    /// freshest view shows).
+    pub in_flight: usize,
+    /// Of which still before their first token (queued or in prefill).
+    pub before_first_token: usize,
+    /// Which view sized the other clients' share: `kernel`, `engine` or `ledger`.
+    pub signal: &'static str,
+    /// `vllm:num_requests_waiting` (not scheduled yet), from a fresh scrape.
+    pub engine_waiting: Option<u32>,
+    /// `vllm:kv_cache_usage_perc` (0..1), from a fresh scrape.
+    pub kv_usage: Option<f32>,
+    /// The kernel's accept queue (backlog, its limit), from a fresh kernel view.
+    pub accept_backlog: Option<(u32, u32)>,
+    /// The kernel's median time to first byte, from a fresh kernel view with a sample.
+    pub kernel_ttfb: Option<std::time::Duration>,
+    /// Estimated time to first token of a short uncached request sent now, seconds.
+    pub est_ttft_s: f64,
+}
+
 impl Router {
+    /// The pressure on every healthy worker of `model` among `within` (every worker of the model
+    /// when `None`); empty when none is healthy. Records nothing.
+    pub fn pressure(&self, model: &str, within: Option<&[String]>) -> Vec<WorkerPressure> {
+        let Ok(candidates) = self.candidates(model) else {
+            return Vec::new();
+        };
+        let candidates: Vec<Arc<Worker>> = match within {
+            Some(urls) => {
+                let named = self.shared.workers.read().named(urls);
+                candidates
+                    .into_iter()
+                    .filter(|w| is_named(&named, w))
+                    .collect()
+            }
+            None => candidates,
+        };
+        let shared = &self.shared;
+        shared
+            .candidates_at(&candidates, Instant::now())
+            .into_iter()
+            .map(|c| {
+                let est = estimate::estimate(&c.rates, &c.inputs(1), &shared.tuning.estimator);
+                WorkerPressure {
+                    worker: c.worker.url.clone(),
+                    in_flight: c.queue.running,
+                    before_first_token: c.awaiting_first_token + c.queue.others_waiting,
+                    signal: c.signal.as_str(),
+                    engine_waiting: c.scraped.map(|l| l.waiting),
+                    kv_usage: c.scraped.map(|l| l.kv_usage),
+                    accept_backlog: c.kernel_fresh.map(|l| l.accept_backlog),
+                    kernel_ttfb: c.kernel_fresh.and_then(|l| l.kernel_ttfb),
+                    est_ttft_s: est.ttft_s,
+                }
+            })
+            .collect()
+    }
+
     /// The estimate of `req` on every healthy worker serving `req.model`. Without the gateway's own
     /// tokenizer the prompt is tokenized by a worker's `/tokenize`, asked only among `tokenize_via`
     /// (base URLs) when given: a request that may be local-only never reaches a worker outside the

@@ -26,6 +26,12 @@ pub struct Load {
     pub metrics_ok: bool,
     /// The kernel's view of the worker's port, all clients (eBPF), when the agent has one.
     pub kernel: Option<KernelQueue>,
+    /// The kernel's accept queue of the worker's port: connections the worker has not accepted yet
+    /// (the peak since the agent's previous read), and its limit; 0 without eBPF.
+    pub accept_backlog: (u32, u32),
+    /// The kernel's recent median time from a request's first byte in to the first response byte
+    /// out; `None` without eBPF or without a sample.
+    pub kernel_ttfb: Option<Duration>,
     /// How long a finished response may still count in the kernel's in-flight figure (the agent's idle
     /// gap).
     pub kernel_linger: Duration,

@@ -228,6 +228,7 @@ impl Tenancy {
                 budget: t.spec.budget.clone(),
                 settings: self.config.tenants.get(name).cloned().unwrap_or_default(),
                 priority: t.spec.priority,
+                flow_control: t.spec.flow_control.clone(),
                 allowed_models: t.spec.allowed_models.clone(),
                 allowed_classes: t.spec.allowed_classes.clone(),
                 prompt_cache: t.spec.prompt_cache.clone(),

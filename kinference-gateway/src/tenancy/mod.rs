@@ -186,6 +186,8 @@ pub struct Tenant {
     pub settings: TenantSettings,
     /// Who is shed first when the gateway is overloaded.
     pub priority: kinference_crds::TenantPriority,
+    /// Its share of a saturated pool's queue (flow control; absent: weight 1, the band's deadline).
+    pub flow_control: Option<kinference_crds::TenantFlowControl>,
     /// Models (names or aliases) the tenant may request; with `allowed_classes` both empty: all.
     pub allowed_models: Vec<String>,
     /// Model classes the tenant may request.
