@@ -107,6 +107,10 @@ pub struct ClusterOptions {
     /// Gateway replicas per routing mode (0 or 1: one). Replica `r > 1` of mode `m` is named `m#r`
     /// ([`Cluster::gateway`]); all replicas of a mode share the workers and the agent.
     pub gateway_replicas: usize,
+    /// Each replica of a mode tells the others what it dispatches (`replicas.peers` in its
+    /// `gateway.yaml`: the other replicas' admin URLs). Off: replicas see each other only through
+    /// the agent's load figures.
+    pub share_dispatches: bool,
     /// Workers **bind** their KV-event PUB sockets (`tcp://*:PORT`, vLLM's bind mode) with vLLM's
     /// default empty topic and the agent connects, so that other subscribers (a peer router's
     /// `kv_aware`) can connect too. Off: the workers connect to SUB sockets the agent binds, with topic
@@ -436,7 +440,15 @@ impl Cluster {
         }
         // Their worker-health URLs, in the order they start (the order of `children` after the agent).
         let mut gateway_ready = Vec::with_capacity(gateway_names.len());
-        for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
+        let admin_of: Vec<String> = gateway_ports
+            .chunks(2)
+            .map(|p| format!("http://127.0.0.1:{}", p[1]))
+            .collect();
+        for (g, ((mode, name), ports)) in gateway_names
+            .iter()
+            .zip(gateway_ports.chunks(2))
+            .enumerate()
+        {
             let file = name.replace('#', "-");
             let (base, routing) = match mode.strip_suffix(AGGREGATED_SUFFIX) {
                 Some(routing) => (&gateway_yaml_base, routing),
@@ -444,6 +456,16 @@ impl Cluster {
             };
             let mut yaml = base.clone();
             yaml["routing"] = json!(routing);
+            if options.share_dispatches && replicas > 1 {
+                let peers: Vec<&String> = gateway_names
+                    .iter()
+                    .zip(&admin_of)
+                    .enumerate()
+                    .filter(|(other, ((m, _), _))| *other != g && m == mode)
+                    .map(|(_, (_, url))| url)
+                    .collect();
+                yaml["replicas"] = json!({ "peers": peers });
+            }
             let path = config.work_dir.join(format!("gateway-{file}.yaml"));
             write_yaml(&path, &yaml)?;
             let listen = format!("127.0.0.1:{}", ports[0]);
