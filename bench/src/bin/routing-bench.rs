@@ -177,7 +177,8 @@ struct Args {
     /// --concurrency, the request-count flags, --seeds and the cluster flags.
     #[arg(long, value_delimiter = ',')]
     replicas: Vec<usize>,
-    /// Replicas: each replica tells the others what it dispatches (`replicas.peers`).
+    /// Replicas: a second set of replicas that tell each other what they dispatch
+    /// (`replicas.peers`), run beside the first on every workload: N = 2, 4 with and without.
     #[arg(long)]
     share_dispatches: bool,
     /// Replicas: the results' file name part (`before`, `after`, ...).
@@ -881,14 +882,18 @@ target/release/routing-bench {}",
         preset: args.preset.clone(),
         time_scale: args.time_scale,
         worker_args: args.worker_args.clone(),
-        gateway_modes: vec![Policy::Kinference.as_str().to_string()],
+        gateway_modes: std::iter::once(Policy::Kinference.as_str().to_string())
+            .chain(
+                args.share_dispatches
+                    .then(|| format!("{}{}", Policy::Kinference.as_str(), cluster::SHARED_SUFFIX)),
+            )
+            .collect(),
         work_dir: std::env::temp_dir()
             .join(format!("kinference-replicas-bench-{}", std::process::id())),
         ready_timeout: Duration::from_secs(60),
     };
     let options = ClusterOptions {
         gateway_replicas: most,
-        share_dispatches: args.share_dispatches,
         per_worker_args: fleet
             .as_ref()
             .map(FleetPlan::worker_args)
@@ -901,7 +906,7 @@ target/release/routing-bench {}",
         "preset": args.preset,
         "time_scale": args.time_scale,
         "requests": requests,
-        "share_dispatches": args.share_dispatches,
+        "arms": if args.share_dispatches { "replicas alone and replicas sharing dispatches, side by side" } else { "replicas alone" },
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "git_commit": git_commit(),
@@ -922,13 +927,22 @@ target/release/routing-bench {}",
             return ExitCode::FAILURE;
         }
     };
-    let bases: Vec<String> = (1..=most)
-        .map(|r| match r {
-            1 => "kinference".to_string(),
-            r => format!("kinference#{r}"),
-        })
-        .filter_map(|name| cluster.gateway(&name).map(|g| g.url.clone()))
-        .collect();
+    let replica_urls = |mode: &str| -> Vec<String> {
+        (1..=most)
+            .map(|r| match r {
+                1 => mode.to_string(),
+                r => format!("{mode}#{r}"),
+            })
+            .filter_map(|name| cluster.gateway(&name).map(|g| g.url.clone()))
+            .collect()
+    };
+    // The arms: replicas that see each other through the agent alone, and (--share-dispatches)
+    // replicas that tell each other what they send; one replica runs once, alone.
+    let mut arms = vec![(false, replica_urls(Policy::Kinference.as_str()))];
+    if args.share_dispatches {
+        let mode = format!("{}{}", Policy::Kinference.as_str(), cluster::SHARED_SUFFIX);
+        arms.push((true, replica_urls(&mode)));
+    }
     let client = LoadClient::new(
         http,
         cluster::MODEL,
@@ -936,7 +950,12 @@ target/release/routing-bench {}",
         Duration::from_secs(args.request_timeout_s),
     );
     let mut records: Vec<ReplicaRecord> = Vec::new();
-    let total = args.workloads.len() * args.concurrency.len() * seeds.len() * args.replicas.len();
+    let runs_per_sequence = args
+        .replicas
+        .iter()
+        .map(|&n| if n == 1 { 1 } else { arms.len() })
+        .sum::<usize>();
+    let total = args.workloads.len() * args.concurrency.len() * seeds.len() * runs_per_sequence;
     for &seed in &seeds {
         let config = ExperimentConfig {
             workloads: args.workloads.clone(),
@@ -952,7 +971,12 @@ target/release/routing-bench {}",
         for &kind in &args.workloads {
             for &concurrency in &args.concurrency {
                 let (warmup, workload) = config.sequences(kind, concurrency);
-                for &n in &args.replicas {
+                let runs = args.replicas.iter().flat_map(|&n| {
+                    arms.iter()
+                        .filter(move |(shared, _)| n > 1 || !shared)
+                        .map(move |(shared, bases)| (n, *shared, bases))
+                });
+                for (n, shared, bases) in runs {
                     if let Err(e) = cluster.check_alive() {
                         eprintln!("routing-bench: {e}");
                         return ExitCode::FAILURE;
@@ -984,11 +1008,10 @@ target/release/routing-bench {}",
                     };
                     let s = &r.summary;
                     eprintln!(
-                        "[{:>2}/{total}] {:<13} c={:<2} seed {seed} N={n} shared={} TTFT p50 {:>6.2}s p90 {:>6.2}s goodput {:>6.1}/min hit {:>5.1}% n={} err={} ({:.0}s wall)",
+                        "[{:>2}/{total}] {:<13} c={:<2} seed {seed} N={n} shared={shared:<5} TTFT p50 {:>6.2}s p90 {:>6.2}s goodput {:>6.1}/min hit {:>5.1}% n={} err={} ({:.0}s wall)",
                         records.len() + 1,
                         kind.as_str(),
                         concurrency,
-                        args.share_dispatches,
                         s.median_ttft_s,
                         s.p90_ttft_s,
                         s.goodput_rpm,
@@ -1002,7 +1025,7 @@ target/release/routing-bench {}",
                         concurrency,
                         replicas: n,
                         seed,
-                        share_dispatches: args.share_dispatches,
+                        share_dispatches: shared,
                         summary: r.summary,
                         cache_hit_share: r.cache_hit_share,
                         wall_s: r.wall_s,

@@ -107,10 +107,6 @@ pub struct ClusterOptions {
     /// Gateway replicas per routing mode (0 or 1: one). Replica `r > 1` of mode `m` is named `m#r`
     /// ([`Cluster::gateway`]); all replicas of a mode share the workers and the agent.
     pub gateway_replicas: usize,
-    /// Each replica of a mode tells the others what it dispatches (`replicas.peers` in its
-    /// `gateway.yaml`: the other replicas' admin URLs). Off: replicas see each other only through
-    /// the agent's load figures.
-    pub share_dispatches: bool,
     /// Workers **bind** their KV-event PUB sockets (`tcp://*:PORT`, vLLM's bind mode) with vLLM's
     /// default empty topic and the agent connects, so that other subscribers (a peer router's
     /// `kv_aware`) can connect too. Off: the workers connect to SUB sockets the agent binds, with topic
@@ -124,6 +120,11 @@ pub struct ClusterOptions {
     /// mode ending in [`AGGREGATED_SUFFIX`] leaves the roles out: every worker takes whole requests.
     pub worker_roles: Vec<String>,
 }
+
+/// A gateway mode `M-shared` is routing mode `M` whose replicas tell each other what they dispatch
+/// (`replicas.peers` in each one's `gateway.yaml`: the other replicas' admin URLs); the replicas of
+/// mode `M` see each other only through the agent's load figures.
+pub const SHARED_SUFFIX: &str = "-shared";
 
 /// A gateway mode `M-aggregated` is routing mode `M` with the workers' roles left out (whole requests on
 /// every worker): the baseline the P/D benchmark compares disaggregation with, on the same workers.
@@ -450,13 +451,14 @@ impl Cluster {
             .enumerate()
         {
             let file = name.replace('#', "-");
+            let shared = mode.strip_suffix(SHARED_SUFFIX);
             let (base, routing) = match mode.strip_suffix(AGGREGATED_SUFFIX) {
                 Some(routing) => (&gateway_yaml_base, routing),
-                None => (&gateway_yaml_roles, mode.as_str()),
+                None => (&gateway_yaml_roles, shared.unwrap_or(mode)),
             };
             let mut yaml = base.clone();
             yaml["routing"] = json!(routing);
-            if options.share_dispatches && replicas > 1 {
+            if shared.is_some() && replicas > 1 {
                 let peers: Vec<&String> = gateway_names
                     .iter()
                     .zip(&admin_of)
