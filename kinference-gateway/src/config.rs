@@ -218,6 +218,10 @@ pub struct GatewayConfig {
     /// `--worker URL,role=prefill`, the pod label `kinference.ai/role`, an `InferencePool`'s `role`).
     #[serde(default)]
     pub disaggregation: DisaggregationConfig,
+    /// The other gateway replicas of this fleet: each tells the others what it dispatches, so that
+    /// their estimates count it (see [`crate::routing::replicas`]).
+    #[serde(default)]
+    pub replicas: crate::routing::replicas::ReplicasConfig,
 }
 
 /// `disaggregation:` of `gateway.yaml`.

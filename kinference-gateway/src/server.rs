@@ -56,6 +56,13 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
     let admin = gw
         .access
         .admin_port_admin(req.headers(), req.extensions().get::<Peer>());
+    if req.method() == Method::POST && req.uri().path() == crate::routing::replicas::PATH {
+        return if admin {
+            replica_batch(&gw, req).await
+        } else {
+            unauthorized()
+        };
+    }
     match (req.method(), req.uri().path()) {
         (&Method::GET, "/metrics") => {
             if gw.access.metrics_need_key() && !admin {
@@ -87,6 +94,27 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
         }
         (&Method::GET, "/healthz/workers") => unauthorized(),
         _ => text_response(StatusCode::NOT_FOUND, "not found\n"),
+    }
+}
+
+/// `POST /internal/replicas`: another gateway replica's dispatches, first tokens and ends
+/// ([`crate::routing::replicas`]); at most 16 MiB.
+async fn replica_batch(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
+    use http_body_util::BodyExt as _;
+    const MAX_BYTES: usize = 16 << 20;
+    let body = match http_body_util::Limited::new(req.into_body(), MAX_BYTES)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return text_response(StatusCode::BAD_REQUEST, "unreadable or too large\n"),
+    };
+    match serde_json::from_slice::<crate::routing::replicas::Batch>(&body) {
+        Ok(batch) => {
+            gw.router.apply_replica_batch(batch);
+            text_response(StatusCode::OK, "ok\n")
+        }
+        Err(_) => text_response(StatusCode::BAD_REQUEST, "not a replica batch\n"),
     }
 }
 

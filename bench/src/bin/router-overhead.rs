@@ -417,7 +417,7 @@ async fn main() -> anyhow::Result<()> {
                 Some(format!("Bearer {api_key}")),
             ),
             Route::Endpoint(base) => (format!("{base}/v1/chat/completions"), None),
-            Route::Oracle(_) => continue,
+            Route::Oracle(_) | Route::Front { .. } => continue,
         };
         measure(
             policy.as_str(),

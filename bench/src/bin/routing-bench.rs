@@ -25,6 +25,7 @@ use kinference_bench::routing::oracle::Oracle;
 use kinference_bench::routing::pd::{self, PdConfig, PdFleet, PdRouter, PdWorkload};
 use kinference_bench::routing::peers::{self, PeerContext, PeerRouter, RunningPeer};
 use kinference_bench::routing::policy::Policy;
+use kinference_bench::routing::replicas::{ReplicaRecord, ReplicaReport};
 use kinference_bench::routing::report::Report;
 use kinference_bench::routing::workload::{WorkloadKind, WorkloadShape};
 use serde_json::json;
@@ -204,6 +205,24 @@ struct Args {
     /// Noisy neighbour: extra flags of the flow-control gateway (after `--flow-control`).
     #[arg(long = "nn-flow-arg", allow_hyphen_values = true)]
     nn_flow_args: Vec<String>,
+    /// Gateway replicas instead of the routing matrix: for each workload and concurrency, the
+    /// `kinference` gateway run as each of these numbers of replicas (e.g. `1,2,4`) on the same
+    /// workers and the same request sequence, behind a random front (each request to a replica drawn
+    /// from the seed, its session and its turn, as a Service spreads connections). Writes
+    /// `replicas-<label>.{json,md}` (bench/results/replicas unless --out-dir). Takes --workloads,
+    /// --concurrency, the request-count flags, --seeds and the cluster flags.
+    #[arg(long, value_delimiter = ',')]
+    replicas: Vec<usize>,
+    /// Replicas: a second set of replicas that tell each other what they dispatch
+    /// (`replicas.peers`), run beside the first on every workload: N = 2, 4 with and without.
+    #[arg(long)]
+    share_dispatches: bool,
+    /// Replicas: the results' file name part (`before`, `after`, ...).
+    #[arg(long, default_value = "run")]
+    label: String,
+    /// Replicas: seeds of the request sequences and of the front's draws (default: --seed).
+    #[arg(long, value_delimiter = ',')]
+    seeds: Vec<u64>,
 }
 
 fn fmt_duration(d: Duration) -> String {
@@ -286,6 +305,19 @@ async fn main() -> ExitCode {
             .unwrap_or_else(|| repo_root().join("bench/results/pd"));
         return tokio::select! {
             code = run_pd(args, out_dir) => code,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("interrupted: stopping the cluster");
+                ExitCode::from(130)
+            }
+        };
+    }
+    if !args.replicas.is_empty() {
+        let out_dir = args
+            .out_dir
+            .clone()
+            .unwrap_or_else(|| repo_root().join("bench/results/replicas"));
+        return tokio::select! {
+            code = run_replicas(args, out_dir) => code,
             _ = tokio::signal::ctrl_c() => {
                 eprintln!("interrupted: stopping the cluster");
                 ExitCode::from(130)
@@ -1042,6 +1074,218 @@ async fn run_pd(args: Args, out_dir: PathBuf) -> ExitCode {
             t.measured,
             t.required
         );
+    }
+    eprintln!("Results in {}", out_dir.display());
+    ExitCode::SUCCESS
+}
+
+/// `--replicas`: one cluster with the most replicas asked for, then every workload x concurrency x
+/// seed x N on the same sequence, N replicas (the first N) behind a random front; writes the report
+/// after every run.
+async fn run_replicas(args: Args, out_dir: PathBuf) -> ExitCode {
+    let most = args.replicas.iter().copied().max().unwrap_or(1);
+    if args.replicas.contains(&0) {
+        eprintln!("routing-bench: --replicas: every count must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let fleets: Vec<FleetPlan> = args
+        .workloads
+        .iter()
+        .filter_map(|&kind| FleetPlan::for_workload(kind))
+        .collect();
+    if !fleets.is_empty() && fleets.len() < args.workloads.len() {
+        eprintln!(
+            "routing-bench: the heterogeneous and restart workloads run on a fleet of their own: run them in a command of their own"
+        );
+        return ExitCode::FAILURE;
+    }
+    let fleet = fleets.first().cloned();
+    let seeds = if args.seeds.is_empty() {
+        vec![args.seed]
+    } else {
+        args.seeds.clone()
+    };
+    let requests = match args.requests_per_run {
+        Some(n) => RequestCount::Fixed(n),
+        None => RequestCount::Scaled {
+            min: args.min_requests,
+            per_user: args.requests_per_user,
+        },
+    };
+    let command = format!(
+        "cargo build --release -p kinference-bench -p kinference-agent -p kinference-gateway --bins
+target/release/routing-bench {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    let cluster_config = ClusterConfig {
+        bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
+        tokenizer_dir: args
+            .tokenizer_dir
+            .clone()
+            .unwrap_or_else(cluster::default_tokenizer_dir),
+        workers: fleet.as_ref().map_or(args.workers, |f| f.workers.len()),
+        preset: args.preset.clone(),
+        time_scale: args.time_scale,
+        worker_args: args.worker_args.clone(),
+        gateway_modes: std::iter::once(Policy::Kinference.as_str().to_string())
+            .chain(
+                args.share_dispatches
+                    .then(|| format!("{}{}", Policy::Kinference.as_str(), cluster::SHARED_SUFFIX)),
+            )
+            .collect(),
+        work_dir: std::env::temp_dir()
+            .join(format!("kinference-replicas-bench-{}", std::process::id())),
+        ready_timeout: Duration::from_secs(60),
+    };
+    let options = ClusterOptions {
+        gateway_replicas: most,
+        per_worker_args: fleet
+            .as_ref()
+            .map(FleetPlan::worker_args)
+            .unwrap_or_default(),
+        ..ClusterOptions::default()
+    };
+    let setup = json!({
+        "workers": cluster_config.workers,
+        "fleet": fleet,
+        "preset": args.preset,
+        "time_scale": args.time_scale,
+        "requests": requests,
+        "arms": if args.share_dispatches { "replicas alone and replicas sharing dispatches, side by side" } else { "replicas alone" },
+        "build": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "git_commit": git_commit(),
+    });
+    eprintln!(
+        "routing-bench --replicas: {} workloads x {} concurrency levels x {} seeds x N in {:?}, logs in {}",
+        args.workloads.len(),
+        args.concurrency.len(),
+        seeds.len(),
+        args.replicas,
+        cluster_config.work_dir.display()
+    );
+    let http = HttpClient::new();
+    let mut cluster = match Cluster::start_with(&cluster_config, http.clone(), &options).await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("routing-bench: cannot start the cluster: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let replica_urls = |mode: &str| -> Vec<String> {
+        (1..=most)
+            .map(|r| match r {
+                1 => mode.to_string(),
+                r => format!("{mode}#{r}"),
+            })
+            .filter_map(|name| cluster.gateway(&name).map(|g| g.url.clone()))
+            .collect()
+    };
+    // The arms: replicas that see each other through the agent alone, and (--share-dispatches)
+    // replicas that tell each other what they send; one replica runs once, alone.
+    let mut arms = vec![(false, replica_urls(Policy::Kinference.as_str()))];
+    if args.share_dispatches {
+        let mode = format!("{}{}", Policy::Kinference.as_str(), cluster::SHARED_SUFFIX);
+        arms.push((true, replica_urls(&mode)));
+    }
+    let client = LoadClient::new(
+        http,
+        cluster::MODEL,
+        false,
+        Duration::from_secs(args.request_timeout_s),
+    );
+    let mut records: Vec<ReplicaRecord> = Vec::new();
+    let runs_per_sequence = args
+        .replicas
+        .iter()
+        .map(|&n| if n == 1 { 1 } else { arms.len() })
+        .sum::<usize>();
+    let total = args.workloads.len() * args.concurrency.len() * seeds.len() * runs_per_sequence;
+    for &seed in &seeds {
+        let config = ExperimentConfig {
+            workloads: args.workloads.clone(),
+            concurrency: args.concurrency.clone(),
+            policies: vec![Policy::Kinference],
+            requests,
+            warmup: args.warmup,
+            seed,
+            time_scale: args.time_scale,
+            shape: WorkloadShape::default(),
+            settle: Duration::from_millis(300),
+        };
+        for &kind in &args.workloads {
+            for &concurrency in &args.concurrency {
+                let (warmup, workload) = config.sequences(kind, concurrency);
+                let runs = args.replicas.iter().flat_map(|&n| {
+                    arms.iter()
+                        .filter(move |(shared, _)| n > 1 || !shared)
+                        .map(move |(shared, bases)| (n, *shared, bases))
+                });
+                for (n, shared, bases) in runs {
+                    if let Err(e) = cluster.check_alive() {
+                        eprintln!("routing-bench: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                    let route = Route::Front {
+                        bases: bases[..n.min(bases.len())].to_vec(),
+                        seed,
+                    };
+                    let r = match experiment::run_on(
+                        &cluster,
+                        &client,
+                        &route,
+                        &warmup,
+                        &workload,
+                        Policy::Kinference,
+                        concurrency,
+                        &config,
+                    )
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(e) => {
+                            eprintln!(
+                                "routing-bench: {e} (logs in {})",
+                                cluster.work_dir().display()
+                            );
+                            return ExitCode::FAILURE;
+                        }
+                    };
+                    let s = &r.summary;
+                    eprintln!(
+                        "[{:>2}/{total}] {:<13} c={:<2} seed {seed} N={n} shared={shared:<5} TTFT p50 {:>6.2}s p90 {:>6.2}s goodput {:>6.1}/min hit {:>5.1}% n={} err={} ({:.0}s wall)",
+                        records.len() + 1,
+                        kind.as_str(),
+                        concurrency,
+                        s.median_ttft_s,
+                        s.p90_ttft_s,
+                        s.goodput_rpm,
+                        100.0 * r.cache_hit_share.unwrap_or(f64::NAN),
+                        s.n,
+                        s.errors,
+                        r.wall_s,
+                    );
+                    records.push(ReplicaRecord {
+                        workload: kind,
+                        concurrency,
+                        replicas: n,
+                        seed,
+                        share_dispatches: shared,
+                        summary: r.summary,
+                        cache_hit_share: r.cache_hit_share,
+                        wall_s: r.wall_s,
+                    });
+                    let report = ReplicaReport {
+                        command: command.clone(),
+                        setup: setup.clone(),
+                        records: &records,
+                    };
+                    if let Err(e) = report.write_all(&out_dir, &args.label) {
+                        eprintln!("routing-bench: {e}");
+                    }
+                }
+            }
+        }
     }
     eprintln!("Results in {}", out_dir.display());
     ExitCode::SUCCESS

@@ -45,6 +45,27 @@ pub enum Route {
     },
     /// The client-side oracle picks a worker per request.
     Oracle(Arc<Oracle>),
+    /// Several gateway replicas behind a random front, as a Kubernetes Service spreads connections:
+    /// each request goes to one of `bases`, drawn by [`front_pick`] from `seed` and the request's
+    /// session and turn, so every run of the same sequence sends each request to the same replica.
+    Front {
+        /// The replicas' base URLs.
+        bases: Vec<String>,
+        /// Seed of the draw.
+        seed: u64,
+    },
+}
+
+/// The replica of `replicas` that a random front gives request (`session`, `turn`): a seeded hash
+/// (splitmix64), uniform and the same in every run, with no affinity between a session's turns.
+pub fn front_pick(seed: u64, session: usize, turn: usize, replicas: usize) -> usize {
+    let mut z = seed
+        .wrapping_add((session as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add((turn as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z % replicas.max(1) as u64) as usize
 }
 
 /// What a run may do beyond sending its sessions as fast as its virtual users can.
@@ -187,6 +208,11 @@ impl LoadClient {
             let response = match route {
                 Route::Endpoint(base) => {
                     let url = format!("{base}/v1/chat/completions");
+                    self.start_stream(&url, &body, None).await
+                }
+                Route::Front { bases, seed } => {
+                    let r = front_pick(*seed, request.session, request.turn, bases.len());
+                    let url = format!("{}/v1/chat/completions", bases[r]);
                     self.start_stream(&url, &body, None).await
                 }
                 Route::Authorized { base, api_key } => {

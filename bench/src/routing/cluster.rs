@@ -126,6 +126,11 @@ pub struct ClusterOptions {
     pub gateway_args: BTreeMap<String, Vec<String>>,
 }
 
+/// A gateway mode `M-shared` is routing mode `M` whose replicas tell each other what they dispatch
+/// (`replicas.peers` in each one's `gateway.yaml`: the other replicas' admin URLs); the replicas of
+/// mode `M` see each other only through the agent's load figures.
+pub const SHARED_SUFFIX: &str = "-shared";
+
 /// A gateway mode `M-aggregated` is routing mode `M` with the workers' roles left out (whole requests on
 /// every worker): the baseline the P/D benchmark compares disaggregation with, on the same workers.
 pub const AGGREGATED_SUFFIX: &str = "-aggregated";
@@ -441,16 +446,35 @@ impl Cluster {
         }
         // Their worker-health URLs, in the order they start (the order of `children` after the agent).
         let mut gateway_ready = Vec::with_capacity(gateway_names.len());
-        for ((mode, name), ports) in gateway_names.iter().zip(gateway_ports.chunks(2)) {
+        let admin_of: Vec<String> = gateway_ports
+            .chunks(2)
+            .map(|p| format!("http://127.0.0.1:{}", p[1]))
+            .collect();
+        for (g, ((mode, name), ports)) in gateway_names
+            .iter()
+            .zip(gateway_ports.chunks(2))
+            .enumerate()
+        {
             let file = name.replace('#', "-");
+            let shared = mode.strip_suffix(SHARED_SUFFIX);
             let (base, routing) = match mode.strip_suffix(AGGREGATED_SUFFIX) {
                 Some(routing) => (&gateway_yaml_base, routing),
-                None => (&gateway_yaml_roles, mode.as_str()),
+                None => (&gateway_yaml_roles, shared.unwrap_or(mode)),
             };
             let mut yaml = base.clone();
             yaml["routing"] = json!(routing);
             for (key, value) in &options.gateway_yaml {
                 yaml[key] = value.clone();
+            }
+            if shared.is_some() && replicas > 1 {
+                let peers: Vec<&String> = gateway_names
+                    .iter()
+                    .zip(&admin_of)
+                    .enumerate()
+                    .filter(|(other, ((m, _), _))| *other != g && m == mode)
+                    .map(|(_, (_, url))| url)
+                    .collect();
+                yaml["replicas"] = json!({ "peers": peers });
             }
             let path = config.work_dir.join(format!("gateway-{file}.yaml"));
             write_yaml(&path, &yaml)?;

@@ -227,6 +227,32 @@ pub async fn run_one(
                 .clone(),
         ),
     };
+    run_on(
+        cluster,
+        client,
+        &route,
+        warmup,
+        workload,
+        policy,
+        concurrency,
+        config,
+    )
+    .await
+}
+
+/// [`run_one`] through a given `route` (recorded as `policy`): e.g. several replicas of one gateway
+/// mode behind a random front ([`Route::Front`]).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_on(
+    cluster: &Cluster,
+    client: &LoadClient,
+    route: &Route,
+    warmup: &Workload,
+    workload: &Workload,
+    policy: Policy,
+    concurrency: usize,
+    config: &ExperimentConfig,
+) -> Result<RunRecord, ExperimentError> {
     // A mixed fleet starts every run at its initial speeds (the previous run's event slowed a worker).
     let fleet = config.fleet_for(workload.kind);
     for (i, w) in fleet.iter().flat_map(|f| f.workers.iter().enumerate()) {
@@ -234,7 +260,7 @@ pub async fn run_one(
     }
     cluster.reset_caches(config.settle).await?;
     if !warmup.is_empty() {
-        client.run(&route, warmup, concurrency).await;
+        client.run(route, warmup, concurrency).await;
     }
     let before = cluster.cache_counters().await.ok();
     let fleet_event = fleet.as_ref().and_then(|f| f.event);
@@ -264,7 +290,7 @@ pub async fn run_one(
         event,
     };
     let users = config.users_for(workload.kind, concurrency);
-    let result = client.run_with(&route, workload, users, extras).await;
+    let result = client.run_with(route, workload, users, extras).await;
     let after = cluster.cache_counters().await.ok();
     let summary = summarize(
         &result.outcomes,

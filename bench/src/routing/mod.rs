@@ -7,7 +7,8 @@
 //! [`report`] writes (JSON, markdown, SVG). [`experiment`] ties them together for `routing-bench` and
 //! `demo`, over the routing [`policy`]s; [`fleet`] describes the mixed fleet of the `heterogeneous` and
 //! `restart` workloads. [`pd`] compares prefill/decode disaggregation with the peers' P/D modes and
-//! with aggregated serving (`routing-bench --pd`).
+//! with aggregated serving (`routing-bench --pd`); [`replicas`] reports one gateway against several
+//! replicas behind a random front (`routing-bench --replicas`).
 
 pub mod client;
 pub mod cluster;
@@ -18,6 +19,7 @@ pub mod oracle;
 pub mod pd;
 pub mod peers;
 pub mod policy;
+pub mod replicas;
 pub mod report;
 pub mod stats;
 pub mod workload;

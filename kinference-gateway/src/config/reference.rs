@@ -11,6 +11,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("WorkerConfig", include_str!("../routing/config.rs")),
     ("KubernetesConfig", include_str!("../discovery/mod.rs")),
     ("DisaggregationConfig", include_str!("../config.rs")),
+    ("ReplicasConfig", include_str!("../routing/replicas.rs")),
     ("TenancyConfig", include_str!("../tenancy/mod.rs")),
     ("JournalConfig", include_str!("../tenancy/store/journal.rs")),
     ("TenantSettings", include_str!("../tenancy/limits.rs")),

@@ -92,6 +92,10 @@ pub struct Metrics {
     pub index_evictions: Counter,
     /// Keys held by speculative credits.
     pub speculative_keys: Gauge,
+    /// Other gateway replicas heard from and not forgotten.
+    pub replica_peers: Gauge,
+    /// Requests of other gateway replicas held in this router's ledger.
+    pub replica_tickets: Gauge,
     /// Whether each agent's stream is up (1) or not (0).
     pub agent_connected: Family<AgentLabels, Gauge>,
     /// Stream (re)connections per agent.
@@ -122,6 +126,8 @@ impl Default for Metrics {
             index_bytes: Gauge::default(),
             index_evictions: Counter::default(),
             speculative_keys: Gauge::default(),
+            replica_peers: Gauge::default(),
+            replica_tickets: Gauge::default(),
             agent_connected: Family::default(),
             agent_connects: Family::default(),
             agent_messages: Family::default(),
@@ -200,6 +206,16 @@ impl Metrics {
             "speculative_keys",
             "Keys held by speculative credits",
             kinference_api::metrics::Described(self.speculative_keys.clone()),
+        );
+        r.register(
+            "replica_peers",
+            "Other gateway replicas this one hears from (replicas.peers)",
+            kinference_api::metrics::Described(self.replica_peers.clone()),
+        );
+        r.register(
+            "replica_requests_in_flight",
+            "Requests other gateway replicas told this one they have in flight",
+            kinference_api::metrics::Described(self.replica_tickets.clone()),
         );
         r.register(
             "agent_connected",

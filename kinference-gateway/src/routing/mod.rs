@@ -15,7 +15,8 @@
 //! - `pair`: prefill/decode disaggregation, the prefill worker and the decode worker of a split
 //!   request ([`Router::pick_pair`]);
 //! - [`baseline`]: the simple strategies the benchmark compares against;
-//! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports.
+//! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports;
+//! - [`replicas`]: what the other gateway replicas dispatch, held in the same ledger.
 //!
 //! This file holds the [`Router`] and its decision; beside it `config` (the configuration and the
 //! tuning), `candidates` (one decision's candidates and their cached runs) and `ticket` (the
@@ -34,6 +35,7 @@ pub mod kv_index;
 pub mod metrics;
 mod pair;
 pub mod pools;
+pub mod replicas;
 pub mod speculative;
 mod ticket;
 pub mod tokenize;
@@ -163,6 +165,12 @@ struct Shared {
     agent_tls: Option<kinference_api::tls::ClientTls>,
     /// The gateway's `disaggregation.min_uncached_tokens` (pools may set their own).
     pd_min_uncached_tokens: AtomicUsize,
+    /// The other replicas' requests in flight ([`replicas`]).
+    peer_ledger: replicas::PeerLedger,
+    /// Where this replica's dispatches go to the others (set once sharing starts).
+    outbox: std::sync::OnceLock<Arc<replicas::Outbox>>,
+    /// A replica silent this long is forgotten (`replicas.forget_after_ms`).
+    replica_forget_after_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Shared {
@@ -342,6 +350,11 @@ impl Router {
             agent_tls,
             tuning,
             pd_min_uncached_tokens: AtomicUsize::new(DEFAULT_PD_MIN_UNCACHED_TOKENS),
+            peer_ledger: replicas::PeerLedger::default(),
+            outbox: std::sync::OnceLock::new(),
+            replica_forget_after_ms: std::sync::atomic::AtomicU64::new(
+                replicas::ReplicasConfig::default().forget_after_ms,
+            ),
         });
         let mut tasks = Vec::new();
         let count = shared.agents.read().len();
@@ -369,6 +382,44 @@ impl Router {
         self.shared
             .pd_min_uncached_tokens
             .store(tokens, Ordering::Relaxed);
+    }
+
+    /// Shares this replica's dispatches with the other replicas in `config.peers` and holds theirs
+    /// ([`replicas`]); the sweep of silent peers runs even with no peers configured (others may
+    /// still post here). Call once, inside the runtime; later calls change nothing.
+    pub fn share_with_replicas(&self, config: &replicas::ReplicasConfig) {
+        if self.shared.outbox.get().is_some() {
+            return;
+        }
+        self.shared
+            .replica_forget_after_ms
+            .store(config.forget_after_ms.max(1), Ordering::Relaxed);
+        if let Some(outbox) = replicas::start(&self.shared, config) {
+            let _ = self.shared.outbox.set(outbox);
+        }
+        tracing::info!(
+            peers = config.peers.len(),
+            "sharing dispatches with gateway replicas"
+        );
+    }
+
+    /// Applies a batch another replica posted ([`replicas::PATH`]); peers silent longer than
+    /// `replicas.forget_after_ms` are forgotten.
+    pub fn apply_replica_batch(&self, batch: replicas::Batch) {
+        let forget_after =
+            Duration::from_millis(self.shared.replica_forget_after_ms.load(Ordering::Relaxed));
+        replicas::apply(&self.shared, batch, Instant::now(), forget_after);
+    }
+
+    /// Forgets the replicas silent at `now` for longer than `forget_after` (the periodic sweep does
+    /// this with the real clock; tests pass a later `now`).
+    pub fn forget_silent_replicas(&self, now: Instant, forget_after: Duration) {
+        replicas::sweep(&self.shared, now, forget_after);
+    }
+
+    /// Requests the other replicas told this one they have in flight.
+    pub fn replica_requests_in_flight(&self) -> usize {
+        self.shared.peer_ledger.tickets()
     }
 
     /// The routing mode.
@@ -791,6 +842,21 @@ impl Router {
                 .speculative_keys
                 .set(spec.total_keys() as i64);
         }
+        // The other replicas hold this request in their ledgers until its end.
+        let share = shared.outbox.get().map(|outbox| {
+            let id = outbox.next_id();
+            outbox.send(replicas::Note::Dispatch {
+                id,
+                worker: chosen.worker.url.clone(),
+                keys: keys
+                    .as_ref()
+                    .map(|k| k[..k.len().min(replicas::MAX_KEYS)].to_vec())
+                    .unwrap_or_default(),
+                uncached_tokens: uncached,
+                est_ttft_s: est.ttft_s,
+            });
+            (Arc::clone(outbox), id)
+        });
         // With a live agent, the credit ends soon after the first token (the events take over).
         let credit = keys.filter(|_| chosen.live);
         self.count(reason, inputs.cached_tokens);
@@ -851,7 +917,8 @@ impl Router {
                 Some(est.work),
                 credit,
                 prompt,
-            ),
+            )
+            .shared_as(share),
         }
     }
 

@@ -36,6 +36,8 @@ pub struct InFlight {
     awaiting: bool,
     first_token: Option<Instant>,
     done: bool,
+    /// Where its first token and end are told to the other replicas, and its number there.
+    share: Option<(Arc<super::replicas::Outbox>, u64)>,
 }
 
 impl fmt::Debug for InFlight {
@@ -68,7 +70,15 @@ impl InFlight {
             awaiting: true,
             first_token: None,
             done: false,
+            share: None,
         }
+    }
+
+    /// Tells the other replicas of this request's first token and end through `share` (the outbox
+    /// and the number its dispatch went out with).
+    pub(super) fn shared_as(mut self, share: Option<(Arc<super::replicas::Outbox>, u64)>) -> Self {
+        self.share = share;
+        self
     }
 
     /// The first token (or first response byte) arrived; feeds the worker's learned rates.
@@ -110,6 +120,9 @@ impl InFlight {
         }
         drop(st);
         self.end_credit(now);
+        if let Some((outbox, id)) = &self.share {
+            outbox.send(super::replicas::Note::FirstToken { id: *id });
+        }
     }
 
     /// Ends the speculative credit soon after the prefill (see
@@ -158,6 +171,9 @@ impl InFlight {
         }
         drop(st);
         self.end_credit(now);
+        if let Some((outbox, id)) = self.share.take() {
+            outbox.send(super::replicas::Note::End { id });
+        }
     }
 }
 

@@ -1,6 +1,26 @@
 use super::*;
 
 #[test]
+fn the_random_front_spreads_evenly_and_draws_the_same_replica_every_run() {
+    let mut counts = [0usize; 4];
+    for session in 0..1000 {
+        for turn in 0..4 {
+            let r = super::front_pick(42, session, turn, 4);
+            assert_eq!(r, super::front_pick(42, session, turn, 4));
+            counts[r] += 1;
+        }
+    }
+    // 4,000 draws over 4 replicas: about 1,000 each (3 sigma is about 82).
+    assert!(
+        counts.iter().all(|&c| (900..1100).contains(&c)),
+        "{counts:?}"
+    );
+    // Another seed draws another sequence; one replica takes everything.
+    assert!((0..64).any(|s| super::front_pick(42, s, 0, 4) != super::front_pick(7, s, 0, 4)));
+    assert_eq!(super::front_pick(42, 5, 1, 1), 0);
+}
+
+#[test]
 fn sse_events_are_reassembled_across_arbitrary_cuts() {
     let stream = concat!(
         "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",

@@ -1,0 +1,224 @@
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kinference_api::KeyHasher;
+
+use super::{Batch, Note, PATH, ReplicasConfig};
+use crate::routing::{ModelConfig, Router, RoutingConfig, RoutingMode, WorkerConfig};
+
+fn router() -> Router {
+    Router::new(RoutingConfig {
+        workers: ["http://w1", "http://w2"]
+            .iter()
+            .map(|url| WorkerConfig {
+                url: url.to_string(),
+                model: "m".into(),
+                role: Default::default(),
+            })
+            .collect(),
+        models: vec![ModelConfig {
+            name: "m".into(),
+            tokenizer_dir: None,
+            serves_messages: false,
+        }],
+        agents: vec![],
+        mode: RoutingMode::Kinference,
+    })
+    .unwrap()
+}
+
+/// A 2,048-token prompt (128 blocks of 16) and its block keys as the router computes them.
+fn prompt(seed: u32) -> (Vec<u32>, Vec<u64>) {
+    let tokens: Vec<u32> = (0..2048).map(|i| seed * 100_000 + i).collect();
+    let keys = KeyHasher::for_model("m").keys(None, &tokens, 16);
+    (tokens, keys)
+}
+
+fn dispatch(id: u64, worker: &str, keys: Vec<u64>) -> Note {
+    Note::Dispatch {
+        id,
+        worker: worker.into(),
+        keys,
+        uncached_tokens: 2048.0,
+        est_ttft_s: 0.5,
+    }
+}
+
+fn in_flight(router: &Router, url: &str) -> usize {
+    router
+        .workers()
+        .into_iter()
+        .find(|w| w.url == url)
+        .map_or(0, |w| w.in_flight)
+}
+
+#[test]
+fn a_peers_dispatch_is_in_the_ledger_and_draws_its_prompt_until_it_ends() {
+    let router = router();
+    let (tokens, keys) = prompt(1);
+    router.apply_replica_batch(Batch {
+        from: "peer-a".into(),
+        notes: vec![dispatch(7, "http://w2", keys)],
+    });
+    assert_eq!(in_flight(&router, "http://w2"), 1);
+    assert_eq!(router.replica_requests_in_flight(), 1);
+    // The same prompt follows the peer's request: w2 is about to hold its 128 blocks, w1 none.
+    let d = router.pick_tokens("m", &tokens, true).unwrap();
+    assert_eq!(d.worker, "http://w2", "{:?}", d.explain);
+    drop(d);
+    router.apply_replica_batch(Batch {
+        from: "peer-a".into(),
+        notes: vec![Note::FirstToken { id: 7 }, Note::End { id: 7 }],
+    });
+    assert_eq!(in_flight(&router, "http://w2"), 0);
+    assert_eq!(router.replica_requests_in_flight(), 0);
+    // An end for a request never dispatched, or twice, changes nothing.
+    router.apply_replica_batch(Batch {
+        from: "peer-a".into(),
+        notes: vec![Note::End { id: 7 }, Note::End { id: 99 }],
+    });
+    assert_eq!(in_flight(&router, "http://w2"), 0);
+}
+
+#[test]
+fn a_silent_peers_requests_are_forgotten_after_the_bound_and_not_before() {
+    let router = router();
+    let (_, keys) = prompt(2);
+    let sent = Instant::now();
+    router.apply_replica_batch(Batch {
+        from: "peer-b".into(),
+        notes: vec![
+            dispatch(1, "http://w1", keys.clone()),
+            dispatch(2, "http://w1", keys),
+            // A worker this router does not know is skipped.
+            dispatch(3, "http://elsewhere", vec![1, 2, 3]),
+        ],
+    });
+    assert_eq!(in_flight(&router, "http://w1"), 2);
+    let bound = Duration::from_secs(1);
+    router.forget_silent_replicas(sent + Duration::from_millis(500), bound);
+    assert_eq!(in_flight(&router, "http://w1"), 2);
+    router.forget_silent_replicas(sent + Duration::from_millis(1500), bound);
+    assert_eq!(in_flight(&router, "http://w1"), 0);
+    assert_eq!(router.replica_requests_in_flight(), 0);
+}
+
+#[test]
+fn the_batch_wire_format_is_tagged_json() {
+    let batch = Batch {
+        from: "g1".into(),
+        notes: vec![dispatch(1, "http://w1", vec![5, 6]), Note::End { id: 1 }],
+    };
+    let text = serde_json::to_string(&batch).unwrap();
+    assert!(text.contains(r#""kind":"dispatch""#), "{text}");
+    assert!(text.contains(r#"{"kind":"end","id":1}"#), "{text}");
+    let back: Batch = serde_json::from_str(&text).unwrap();
+    assert_eq!(back.notes, batch.notes);
+}
+
+/// Serves `PATH` on loopback for `router` as the gateway's admin port does.
+async fn serve(router: Arc<Router>) -> SocketAddr {
+    use http_body_util::BodyExt as _;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let router = Arc::clone(&router);
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let router = Arc::clone(&router);
+                        async move {
+                            assert_eq!(req.uri().path(), PATH);
+                            let body = req.into_body().collect().await?.to_bytes();
+                            let batch: Batch = serde_json::from_slice(&body).unwrap();
+                            router.apply_replica_batch(batch);
+                            Ok::<_, hyper::Error>(hyper::Response::new(http_body_util::Empty::<
+                                bytes::Bytes,
+                            >::new(
+                            )))
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+async fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(5), "{what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
+    let b = Arc::new(router());
+    let config = ReplicasConfig {
+        peers: vec![],
+        heartbeat_ms: 20,
+        forget_after_ms: 200,
+    };
+    b.share_with_replicas(&config);
+    let addr = serve(Arc::clone(&b)).await;
+    // Replica A runs in a runtime of its own, so that dropping that runtime loses it at once, tasks
+    // and all, as a killed process would: no end is ever sent for its requests.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let a_thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let a = router();
+            a.share_with_replicas(&ReplicasConfig {
+                peers: vec![format!("http://{addr}")],
+                heartbeat_ms: 20,
+                forget_after_ms: 200,
+            });
+            let (tokens, _) = prompt(3);
+            let done = a.pick_tokens("m", &tokens, false).unwrap();
+            let mut open = a.pick_tokens("m", &tokens, false).unwrap();
+            open.ticket.first_token();
+            done.ticket.finish(true, 8, None);
+            // Keep the open request (and the replica) alive until the test says stop.
+            tokio::task::spawn_blocking(move || rx.recv()).await.ok();
+            std::mem::forget(open);
+        });
+        rt.shutdown_background();
+    });
+    // B holds A's open request, and no longer the finished one.
+    wait_for("B hears of A's requests", || {
+        b.replica_requests_in_flight() == 1
+    })
+    .await;
+    // A stays alive for several forget bounds: its heartbeats keep its request in B's ledger.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(b.replica_requests_in_flight(), 1);
+    tx.send(()).unwrap();
+    a_thread.join().unwrap();
+    let lost = Instant::now();
+    wait_for("B forgets lost A", || b.replica_requests_in_flight() == 0).await;
+    // Forgotten within the bound (200 ms) plus a sweep period (20 ms) and scheduling slack.
+    assert!(
+        lost.elapsed() < Duration::from_millis(1000),
+        "{:?}",
+        lost.elapsed()
+    );
+    assert!(
+        lost.elapsed() >= Duration::from_millis(150),
+        "{:?}",
+        lost.elapsed()
+    );
+    assert_eq!(b.workers().iter().map(|w| w.in_flight).sum::<usize>(), 0);
+}
