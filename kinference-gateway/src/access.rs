@@ -27,7 +27,11 @@ pub const ADMIN_KEY_HEADER: &str = "x-kinference-admin-key";
 
 /// The admin key as configured. Deliberately no `Display`, and `Debug` shows no byte of it.
 #[derive(Clone)]
-pub struct AdminKey(KeyDigest);
+pub struct AdminKey {
+    digest: KeyDigest,
+    /// The key itself: what this gateway presents to its peer replicas' admin ports.
+    secret: std::sync::Arc<str>,
+}
 
 impl AdminKey {
     /// Parses the flag's value: at least 16 bytes, so that a placeholder like `changeme` or an
@@ -37,11 +41,19 @@ impl AdminKey {
         if value.len() < 16 {
             return Err("the admin key must be at least 16 characters long".into());
         }
-        Ok(AdminKey(keys::digest(value.as_bytes())))
+        Ok(AdminKey {
+            digest: keys::digest(value.as_bytes()),
+            secret: value.into(),
+        })
     }
 
     fn matches(&self, presented: &KeyDigest) -> bool {
-        bool::from(presented.ct_eq(&self.0))
+        bool::from(presented.ct_eq(&self.digest))
+    }
+
+    /// The key, for this gateway's own calls to its peer replicas (which share it).
+    pub fn expose(&self) -> &str {
+        &self.secret
     }
 }
 

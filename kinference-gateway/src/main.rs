@@ -87,7 +87,13 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("building the router")?;
     router.set_pd_min_uncached_tokens(config.disaggregation.min_uncached_tokens);
-    router.share_with_replicas(&config.replicas);
+    router.share_with_replicas(
+        &config.replicas,
+        args.access
+            .admin_key
+            .as_ref()
+            .map(|k| k.expose().to_owned()),
+    );
     let metrics = Metrics::new();
     // Served names stay `model` labels even for failed requests; other client-chosen names fold.
     metrics.serve_models(config.model_names());

@@ -386,15 +386,20 @@ impl Router {
 
     /// Shares this replica's dispatches with the other replicas in `config.peers` and holds theirs
     /// ([`replicas`]); the sweep of silent peers runs even with no peers configured (others may
-    /// still post here). Call once, inside the runtime; later calls change nothing.
-    pub fn share_with_replicas(&self, config: &replicas::ReplicasConfig) {
+    /// still post here). `admin_key` is what the peers' admin ports expect (replicas share one).
+    /// Call once, inside the runtime; later calls change nothing.
+    pub fn share_with_replicas(
+        &self,
+        config: &replicas::ReplicasConfig,
+        admin_key: Option<String>,
+    ) {
         if self.shared.outbox.get().is_some() {
             return;
         }
         self.shared
             .replica_forget_after_ms
             .store(config.forget_after_ms.max(1), Ordering::Relaxed);
-        if let Some(outbox) = replicas::start(&self.shared, config) {
+        if let Some(outbox) = replicas::start(&self.shared, config, admin_key) {
             let _ = self.shared.outbox.set(outbox);
         }
         tracing::info!(

@@ -55,7 +55,8 @@ const MAX_TICKETS_PER_PEER: usize = 65_536;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicasConfig {
-    /// The other replicas' admin base URLs (`http://host:admin-port`).
+    /// The other replicas' admin base URLs (`http://host:admin-port`); batches go there with this
+    /// gateway's admin key (`--admin-key`, one for all replicas), which their admin port requires.
     #[serde(default)]
     pub peers: Vec<String>,
     /// An empty batch goes to each peer when nothing was sent for this long, milliseconds.
@@ -298,7 +299,11 @@ fn mirror(
 /// Starts sharing with `config.peers`: the outbox's sender task and the sweep of silent peers. Both
 /// end with the router (the sender when the outbox's channel closes, the sweep when the router is
 /// gone).
-pub(super) fn start(shared: &Arc<Shared>, config: &ReplicasConfig) -> Option<Arc<Outbox>> {
+pub(super) fn start(
+    shared: &Arc<Shared>,
+    config: &ReplicasConfig,
+    admin_key: Option<String>,
+) -> Option<Arc<Outbox>> {
     let handle = tokio::runtime::Handle::try_current().ok()?;
     let forget_after = Duration::from_millis(config.forget_after_ms.max(1));
     let period = Duration::from_millis(config.heartbeat_ms.max(1));
@@ -328,7 +333,7 @@ pub(super) fn start(shared: &Arc<Shared>, config: &ReplicasConfig) -> Option<Arc
         .iter()
         .map(|p| format!("{}{PATH}", p.trim_end_matches('/')))
         .collect();
-    handle.spawn(send_loop(rx, from, peers, period));
+    handle.spawn(send_loop(rx, from, peers, admin_key, period));
     Some(Arc::new(Outbox {
         tx,
         next_id: AtomicU64::new(0),
@@ -341,8 +346,10 @@ async fn send_loop(
     mut rx: mpsc::UnboundedReceiver<Note>,
     from: String,
     peers: Vec<String>,
+    admin_key: Option<String>,
     heartbeat: Duration,
 ) {
+    let authorization = admin_key.map(|key| format!("Bearer {key}"));
     let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
     let mut last_error_log: Option<Instant> = None;
@@ -366,9 +373,12 @@ async fn send_loop(
         };
         // Every peer at once, each bounded: a dead peer delays the next batch by at most that.
         let posts = peers.iter().map(|url| {
-            let request = hyper::Request::post(url)
-                .header(hyper::header::CONTENT_TYPE, "application/json")
-                .body(Full::new(body.clone()));
+            let mut request =
+                hyper::Request::post(url).header(hyper::header::CONTENT_TYPE, "application/json");
+            if let Some(value) = &authorization {
+                request = request.header(hyper::header::AUTHORIZATION, value);
+            }
+            let request = request.body(Full::new(body.clone()));
             let client = &client;
             async move {
                 let request = request.map_err(|e| e.to_string())?;

@@ -134,6 +134,13 @@ async fn serve(router: Arc<Router>) -> SocketAddr {
                         let router = Arc::clone(&router);
                         async move {
                             assert_eq!(req.uri().path(), PATH);
+                            // The peers share the admin key, and present it.
+                            assert_eq!(
+                                req.headers()
+                                    .get(hyper::header::AUTHORIZATION)
+                                    .and_then(|v| v.to_str().ok()),
+                                Some(concat!("Bearer ", "replicas-admin-key-0123456789"))
+                            );
                             let body = req.into_body().collect().await?.to_bytes();
                             let batch: Batch = serde_json::from_slice(&body).unwrap();
                             router.apply_replica_batch(batch);
@@ -169,7 +176,7 @@ async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
         heartbeat_ms: 20,
         forget_after_ms: 200,
     };
-    b.share_with_replicas(&config);
+    b.share_with_replicas(&config, None);
     let addr = serve(Arc::clone(&b)).await;
     // Replica A runs in a runtime of its own, so that dropping that runtime loses it at once, tasks
     // and all, as a killed process would: no end is ever sent for its requests.
@@ -181,11 +188,14 @@ async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
             .unwrap();
         rt.block_on(async move {
             let a = router();
-            a.share_with_replicas(&ReplicasConfig {
-                peers: vec![format!("http://{addr}")],
-                heartbeat_ms: 20,
-                forget_after_ms: 200,
-            });
+            a.share_with_replicas(
+                &ReplicasConfig {
+                    peers: vec![format!("http://{addr}")],
+                    heartbeat_ms: 20,
+                    forget_after_ms: 200,
+                },
+                Some("replicas-admin-key-0123456789".into()),
+            );
             let (tokens, _) = prompt(3);
             let done = a.pick_tokens("m", &tokens, false).unwrap();
             let mut open = a.pick_tokens("m", &tokens, false).unwrap();
