@@ -22,6 +22,7 @@ use crate::metrics::Metrics;
 use crate::routing::Prompt;
 use crate::routing::tokenize::PromptTokens;
 use crate::tenancy::Caller;
+use kinference_crds::TenantPriority;
 
 #[cfg(test)]
 mod tests;
@@ -92,7 +93,7 @@ impl Exchange {
             tokens: PromptTokens::default(),
             explain: None,
             settlement: Some(Settlement::new(metrics, protocol)),
-            asked_band: super::queue::asked_band(headers),
+            asked_band: asked_band(headers),
         }
     }
 
@@ -563,4 +564,15 @@ fn serialize<T: serde::Serialize>(request: &T) -> Result<Bytes, GatewayError> {
     serde_json::to_vec(request)
         .map(Bytes::from)
         .map_err(|e| GatewayError::MalformedJson(e.to_string()))
+}
+
+/// The header a request names its band with.
+pub const PRIORITY_HEADER: &str = "x-kinference-priority";
+
+/// The band `headers` ask for, if any (`high`, `medium`, `low`).
+pub fn asked_band(headers: &HeaderMap) -> Option<TenantPriority> {
+    headers
+        .get(PRIORITY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(TenantPriority::parse)
 }

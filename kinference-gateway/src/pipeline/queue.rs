@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 
-use http::HeaderMap;
 use kinference_crds::TenantPriority;
 use tracing::Instrument as _;
 
@@ -18,17 +17,6 @@ use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::overload::flow::{Probe, Ticket};
 use crate::policy::stage::{Plan, PlanTarget};
-
-/// The header a request names its band with.
-pub const PRIORITY_HEADER: &str = "x-kinference-priority";
-
-/// The band `headers` ask for, if any (`high`, `medium`, `low`).
-pub fn asked_band(headers: &HeaderMap) -> Option<TenantPriority> {
-    headers
-        .get(PRIORITY_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .and_then(TenantPriority::parse)
-}
 
 /// Stage "queue" for `request` under `plan`: at once when flow control is off, the endpoint has no
 /// worker, or the plan starts with a provider.
@@ -114,8 +102,10 @@ fn ticket(ex: &Exchange, request: &Request) -> Ticket {
 
 #[cfg(test)]
 mod tests {
+    use super::super::exchange::{PRIORITY_HEADER, asked_band};
     use super::*;
     use TenantPriority::{High, Low, Medium};
+    use http::HeaderMap;
 
     #[test]
     fn a_request_may_lower_its_band_and_raise_it_only_where_its_tenant_allows() {

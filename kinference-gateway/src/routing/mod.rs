@@ -860,7 +860,7 @@ impl Router {
                 uncached_tokens: uncached,
                 est_ttft_s: est.ttft_s,
             });
-            (Arc::clone(outbox), id)
+            (Arc::clone(outbox) as Arc<dyn ticket::Announce>, id)
         });
         // With a live agent, the credit ends soon after the first token (the events take over).
         let credit = keys.filter(|_| chosen.live);

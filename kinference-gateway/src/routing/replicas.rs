@@ -144,6 +144,16 @@ impl Outbox {
     }
 }
 
+impl super::ticket::Announce for Outbox {
+    fn first_token(&self, id: u64) {
+        self.send(Note::FirstToken { id });
+    }
+
+    fn ended(&self, id: u64) {
+        self.send(Note::End { id });
+    }
+}
+
 /// The other replicas' tickets, by sender instance.
 #[derive(Debug, Default)]
 pub struct PeerLedger {

@@ -36,8 +36,18 @@ pub struct InFlight {
     awaiting: bool,
     first_token: Option<Instant>,
     done: bool,
-    /// Where its first token and end are told to the other replicas, and its number there.
-    share: Option<(Arc<super::replicas::Outbox>, u64)>,
+    /// Where its first token and end are told to the other replicas, and its number there
+    /// (boxed: most gateways have no replicas to tell, and a ticket stays small).
+    share: Option<Box<(Arc<dyn Announce>, u64)>>,
+}
+
+/// Who else hears of a request's first token and end: the other gateway replicas
+/// (`replicas::Outbox`). A trait, so that a ticket needs to know nothing of how they are told.
+pub trait Announce: Send + Sync {
+    /// Request `id`'s first token arrived.
+    fn first_token(&self, id: u64);
+    /// Request `id` ended.
+    fn ended(&self, id: u64);
 }
 
 impl fmt::Debug for InFlight {
@@ -76,8 +86,8 @@ impl InFlight {
 
     /// Tells the other replicas of this request's first token and end through `share` (the outbox
     /// and the number its dispatch went out with).
-    pub(super) fn shared_as(mut self, share: Option<(Arc<super::replicas::Outbox>, u64)>) -> Self {
-        self.share = share;
+    pub(super) fn shared_as(mut self, share: Option<(Arc<dyn Announce>, u64)>) -> Self {
+        self.share = share.map(Box::new);
         self
     }
 
@@ -120,8 +130,8 @@ impl InFlight {
         }
         drop(st);
         self.end_credit(now);
-        if let Some((outbox, id)) = &self.share {
-            outbox.send(super::replicas::Note::FirstToken { id: *id });
+        if let Some(share) = &self.share {
+            share.0.first_token(share.1);
         }
     }
 
@@ -171,8 +181,8 @@ impl InFlight {
         }
         drop(st);
         self.end_credit(now);
-        if let Some((outbox, id)) = self.share.take() {
-            outbox.send(super::replicas::Note::End { id });
+        if let Some(share) = self.share.take() {
+            share.0.ended(share.1);
         }
     }
 }
