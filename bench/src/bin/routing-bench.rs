@@ -225,6 +225,24 @@ struct Args {
     seeds: Vec<u64>,
 }
 
+/// `--out-dir`, else `default` under the repository.
+fn out_dir_or(args: &Args, default: &str) -> PathBuf {
+    args.out_dir
+        .clone()
+        .unwrap_or_else(|| repo_root().join(default))
+}
+
+/// Runs one benchmark mode; Ctrl-C stops it (and its cluster, dropped with the future) with 130.
+async fn until_interrupted(run: impl std::future::Future<Output = ExitCode>) -> ExitCode {
+    tokio::select! {
+        code = run => code,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("interrupted: stopping the cluster");
+            ExitCode::from(130)
+        }
+    }
+}
+
 fn fmt_duration(d: Duration) -> String {
     let s = d.as_secs();
     format!("{}m{:02}s", s / 60, s % 60)
@@ -286,55 +304,22 @@ async fn main() -> ExitCode {
         args.requests_per_run.get_or_insert(16);
     }
     if args.noisy_neighbour {
-        let out_dir = args
-            .out_dir
-            .clone()
-            .unwrap_or_else(|| repo_root().join("bench/results/flow-control"));
-        return tokio::select! {
-            code = run_noisy(args, out_dir) => code,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("interrupted: stopping the cluster");
-                ExitCode::from(130)
-            }
-        };
+        let out_dir = out_dir_or(&args, "bench/results/flow-control");
+        return until_interrupted(run_noisy(args, out_dir)).await;
     }
     if args.pd {
-        let out_dir = args
-            .out_dir
-            .clone()
-            .unwrap_or_else(|| repo_root().join("bench/results/pd"));
-        return tokio::select! {
-            code = run_pd(args, out_dir) => code,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("interrupted: stopping the cluster");
-                ExitCode::from(130)
-            }
-        };
+        let out_dir = out_dir_or(&args, "bench/results/pd");
+        return until_interrupted(run_pd(args, out_dir)).await;
     }
     if !args.replicas.is_empty() {
-        let out_dir = args
-            .out_dir
-            .clone()
-            .unwrap_or_else(|| repo_root().join("bench/results/replicas"));
-        return tokio::select! {
-            code = run_replicas(args, out_dir) => code,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("interrupted: stopping the cluster");
-                ExitCode::from(130)
-            }
-        };
+        let out_dir = out_dir_or(&args, "bench/results/replicas");
+        return until_interrupted(run_replicas(args, out_dir)).await;
     }
     let out_dir = args.out_dir.clone().unwrap_or_else(|| {
         let dir = repo_root().join("bench/results");
         if args.quick { dir.join("quick") } else { dir }
     });
-    tokio::select! {
-        code = run(args, out_dir) => code,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("interrupted: stopping the cluster");
-            ExitCode::from(130)
-        }
-    }
+    until_interrupted(run(args, out_dir)).await
 }
 
 /// Installs and starts the peers, registering each with the cluster (a route, or why it cannot run).

@@ -132,30 +132,44 @@ fn client(dir: &Path, ca_name: &str, cert: &str, metrics: &TlsMetrics) -> Client
     ClientTls::load("test-client", &client_files(&sub), metrics).unwrap()
 }
 
+/// The agent's server (certificate `agent-{ca_name}`, admitting gateways of `ca_name`) on loopback.
+async fn agent_of(dir: &Path, ca_name: &str, metrics: &TlsMetrics) -> (ServerTls, u16) {
+    install(dir, &format!("agent-{ca_name}"), "server");
+    std::fs::copy(
+        dir.join(format!("{ca_name}.crt")),
+        dir.join("server-ca.crt"),
+    )
+    .unwrap();
+    let server = ServerTls::load("grpc", &server_files(dir), metrics).unwrap();
+    let port = serve(&server).await;
+    (server, port)
+}
+
+/// Handshakes the agent's server refused so far.
+fn refused(metrics: &TlsMetrics) -> u64 {
+    metrics
+        .refused
+        .get_or_create(&EndpointLabels {
+            endpoint: "grpc".into(),
+        })
+        .get()
+}
+
 #[tokio::test]
 async fn only_clients_of_the_ca_with_the_admitted_role_get_in() {
     let Some(dir) = certificates("role") else {
         return;
     };
     let dir = &dir.0;
-    install(dir, "agent-ca", "server");
-    std::fs::copy(dir.join("ca.crt"), dir.join("server-ca.crt")).unwrap();
     let metrics = TlsMetrics::default();
-    let server = ServerTls::load("grpc", &server_files(dir), &metrics).unwrap();
-    let port = serve(&server).await;
+    let (server, port) = agent_of(dir, "ca", &metrics).await;
 
     assert!(admitted(&client(dir, "ca", "gateway-ca", &metrics), port).await);
     // Same CA, but an agent's certificate: the wrong role.
     assert!(!admitted(&client(dir, "ca", "agent-ca", &metrics), port).await);
     // The right role from another CA.
     assert!(!admitted(&client(dir, "ca", "gateway-ca2", &metrics), port).await);
-    let refused = metrics
-        .refused
-        .get_or_create(&EndpointLabels {
-            endpoint: "grpc".into(),
-        })
-        .get();
-    assert_eq!(refused, 2, "each refused handshake is counted");
+    assert_eq!(refused(&metrics), 2, "each refused handshake is counted");
     // A TCP probe (connect, close) is not a refusal.
     drop(
         tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -163,12 +177,7 @@ async fn only_clients_of_the_ca_with_the_admitted_role_get_in() {
             .unwrap(),
     );
     assert!(admitted(&client(dir, "ca", "gateway-ca", &metrics), port).await);
-    let after_probe = metrics
-        .refused
-        .get_or_create(&EndpointLabels {
-            endpoint: "grpc".into(),
-        })
-        .get();
+    let after_probe = refused(&metrics);
     assert_eq!(
         after_probe, 2,
         "a connection closed before its handshake is not counted"
@@ -186,11 +195,8 @@ async fn renewed_certificates_replace_the_old_ones_without_a_restart() {
         return;
     };
     let dir = &dir.0;
-    install(dir, "agent-ca", "server");
-    std::fs::copy(dir.join("ca.crt"), dir.join("server-ca.crt")).unwrap();
     let metrics = TlsMetrics::default();
-    let server = ServerTls::load("grpc", &server_files(dir), &metrics).unwrap();
-    let port = serve(&server).await;
+    let (server, port) = agent_of(dir, "ca", &metrics).await;
     let old_world = client(dir, "ca", "gateway-ca", &metrics);
     let new_world = client(dir, "ca2", "gateway-ca2", &metrics);
     assert!(admitted(&old_world, port).await);
@@ -228,11 +234,8 @@ async fn a_client_renews_its_own_certificate_and_trust() {
     };
     let dir = &dir.0;
     // A server of the new world, and a client still in the old one.
-    install(dir, "agent-ca2", "server");
-    std::fs::copy(dir.join("ca2.crt"), dir.join("server-ca.crt")).unwrap();
     let metrics = TlsMetrics::default();
-    let server = ServerTls::load("grpc", &server_files(dir), &metrics).unwrap();
-    let port = serve(&server).await;
+    let (_server, port) = agent_of(dir, "ca2", &metrics).await;
     std::fs::copy(dir.join("ca.crt"), dir.join("client-ca.crt")).unwrap();
     install(dir, "gateway-ca", "client");
     let renewing = ClientTls::load("agent-client", &client_files(dir), &metrics).unwrap();
