@@ -1091,7 +1091,7 @@ def test_crds_take_effect_through_the_gateway_service(cluster: Kube):
         if all(w == target for w in landed):
             break
         if time.monotonic() > deadline:
-            states = kube.run("get", "inferencepolicies,inferencepools", "-n", NS, "-o", "yaml")
+            states = kube.run("get", "inferencepolicies,inferencepools.kinference.ai", "-n", NS, "-o", "yaml")
             raise AssertionError(f"routing did not follow the policy: {landed}, want {target}\n{states[-3000:]}")
     took = TIMINGS["policy applied -> both replicas route by it"] = time.monotonic() - applied
     log(f"policy pin-probe: {home} -> {target} on both replicas in {took:.2f} s")
@@ -1147,7 +1147,7 @@ def test_crds_take_effect_through_the_gateway_service(cluster: Kube):
 
     # Deleting the policy and the pool gives the pinned worker back to the router's own choice: it is still
     # a discovered worker pod, so it stays a candidate.
-    kube.run("delete", "-n", NS, "inferencepolicy/pin-probe", "inferencepool/pinned")
+    kube.run("delete", "-n", NS, "inferencepolicy/pin-probe", "inferencepools.kinference.ai/pinned")
     time.sleep(2)
     urls = pod_urls(kube)
     sets = gateway_worker_sets(kube)
@@ -1285,7 +1285,7 @@ def test_second_agent_endpoint_joins_and_leaves(cluster: Kube):
     assert agent_live(kube, worker) == [False, False]
     # The worker and its pool deleted too: both gateways stop listing it (no stale unhealthy entry).
     removed = time.monotonic()
-    kube.run("delete", "-n", NS, "deployment/vllm-sim-second", "inferencepool/second")
+    kube.run("delete", "-n", NS, "deployment/vllm-sim-second", "inferencepools.kinference.ai/second")
     while any(worker in listed for listed in gateway_listed(kube)):
         assert time.monotonic() < removed + 15, f"a gateway still lists {worker}: {gateway_listed(kube)}"
         time.sleep(0.2)
