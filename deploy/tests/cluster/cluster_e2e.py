@@ -63,6 +63,7 @@ LATE_SECRET, LATE_KEY = "e2e-late-key", "sk-e2e-late-1"
 ADMIN_KEY = "sk-e2e-admin-0123456789"
 ADMIN = {"x-kinference-admin-key": ADMIN_KEY}
 GATEWAY_API_CRDS = REPO / "deploy" / "gateway-api" / "crds"
+STANDARD_POOL_CRD = GATEWAY_API_CRDS / "inference.networking.k8s.io_inferencepools.yaml"
 # The gateway's usage journals: one hostPath PersistentVolume per replica (no provisioner in this cluster).
 USAGE_CLASS = "e2e-usage"
 GATEWAY = f"statefulset/{RELEASE}-gateway"
@@ -283,6 +284,8 @@ def chart_values(tokenizer_dir: Path) -> dict[str, Any]:
             ],
             "extraVolumeMounts": [{"name": "tokenizers", "mountPath": "/tokenizers/qwen2", "readOnly": True}],
             "readinessProbe": {"periodSeconds": 2, "initialDelaySeconds": 1},
+            # Picker mode: standard InferencePools naming the extproc Service are served too.
+            "extproc": {"servesStandardPools": True},
         },
         "agent": {
             "image": {"pullPolicy": "Never"},
@@ -427,6 +430,10 @@ def install(kube: Kube, tokenizer: Path, usage: Path) -> None:
     for c in crds:
         if c["kind"] == "CustomResourceDefinition":
             kube.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{c['metadata']['name']}")
+    # The standard InferencePool's CRD, as a Gateway with the Inference Extension has it installed.
+    standard = for_kubernetes_1_20(yaml.safe_load(STANDARD_POOL_CRD.read_text()))
+    kube.apply([standard])
+    kube.run("wait", "--for=condition=Established", "--timeout=60s", f"crd/{standard['metadata']['name']}")
     kube.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}])
     # ServiceAccount admission needs the namespace's default account's token before pods can be created.
     deadline = time.monotonic() + 60
@@ -792,6 +799,135 @@ def test_extproc_picker_port_is_served(cluster: Kube):
     for ip, port in addresses:
         with socket.create_connection((ip, port), timeout=5):
             pass
+
+
+def replay(picker: str, body: dict[str, Any], subset: list[str]) -> dict[str, Any]:
+    """One request as a Gateway's Envoy sends it through the picker at `picker` (ext_proc,
+    `FULL_DUPLEX_STREAMED`, the standard's mode): `bench/src/bin/extproc-replay`, the gateway tests'
+    proxy's-eye client, forwards it to the endpoint picked and replays the response phases."""
+    binary = Path(os.environ.get("KINFERENCE_BIN_DIR", REPO / "target" / "debug")) / "extproc-replay"
+    if not binary.exists():
+        pytest.fail(f"{binary} missing: cargo build -p kinference-bench --bin extproc-replay")
+    args = [str(binary), "--picker", picker, "--header", f"authorization: Bearer {API_KEY}", "--body", json.dumps(body)]
+    for endpoint in subset:
+        args += ["--subset", endpoint]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def billed(kube: Kube) -> dict[str, tuple[int, int]]:
+    """(requests, output tokens) each gateway pod has billed to the workload's tenant, by pod name."""
+    out = {}
+    for p in gateway_pods(kube):
+        report = json.loads(get(f"http://{p['status']['podIP']}:9090/admin/usage"))
+        rows = [r for r in report["usage"] if r["tenant"] == "workload"]
+        out[p["metadata"]["name"]] = (sum(r["requests"] for r in rows), sum(r["output_tokens"] for r in rows))
+    return out
+
+
+def gateway_logs(kube: Kube, needle: str) -> str:
+    """The gateway pods' log lines that contain `needle` (the last 20 of each)."""
+    out = []
+    for p in gateway_pods(kube):
+        lines = kube.run("logs", "-n", NS, p["metadata"]["name"], check=False).splitlines()
+        out += [f"{p['metadata']['name']}: {line}" for line in lines if needle in line][-20:]
+    return "\n".join(out)
+
+
+def standard_worker() -> dict[str, Any]:
+    """One vllm-sim pod only a standard InferencePool selects: not labelled for the chart's worker
+    discovery (`kinference.ai/worker=true`), so the gateways can know it from the pool alone."""
+    d = json.loads(json.dumps(worker_deployment()))
+    d["metadata"]["name"] = "vllm-sim-standard"
+    d["spec"]["replicas"] = 1
+    d["spec"]["selector"] = {"matchLabels": {"app": "vllm-sim-standard"}}
+    d["spec"]["template"]["metadata"]["labels"] = {"app": "vllm-sim-standard", "kinference.ai/model": MODEL}
+    return d
+
+
+def standard_pool(picker_service: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "standard", "namespace": NS},
+        "spec": {
+            "selector": {"matchLabels": {"app": "vllm-sim-standard"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"name": picker_service, "port": {"number": 9002}, "failureMode": "FailClose"},
+        },
+    }
+
+
+def test_standard_inference_pool_is_served_by_the_picker(cluster: Kube):
+    """Kinference as the endpoint picker of a standard `inference.networking.k8s.io/v1` InferencePool
+    (the chart's `gateway.extproc.servesStandardPools`): a pool whose `endpointPickerRef` names the
+    picker Service brings its pod's `podIP:port` into both replicas' routing within seconds; requests
+    replayed through each replica's ext_proc port as Envoy sends them (full duplex, a stream, the
+    subset hint naming the pool's endpoint) are routed there, served and billed to the tenant. Before
+    the pool, and once it names another picker, the same request is refused (503, no eligible
+    endpoint): the endpoint came from the standard pool alone (Kinference's pool of the same pods
+    gives it prices and locality, not membership)."""
+    kube = cluster
+    picker_service = f"{RELEASE}-gateway-extproc"
+    ep = kube.json("get", "endpoints", "-n", NS, picker_service)
+    pickers = [f"{a['ip']}:{s['ports'][0]['port']}" for s in ep.get("subsets", []) for a in s.get("addresses", [])]
+    assert len(pickers) == 2, ep
+    # Kinference's own pool of the same pods (prices, locality: what governance needs), as
+    # deploy/examples/standard-pool.yaml pairs them. It only selects among discovered workers: alone,
+    # it finds none.
+    members = pool("standard-members", selector={"matchLabels": {"app": "vllm-sim-standard"}, "targetPort": 8000})
+    kube.apply([standard_worker(), members])
+    kube.wait_ready("app=vllm-sim-standard", 1)
+    pod = kube.json("get", "pods", "-n", NS, "-l", "app=vllm-sim-standard")["items"][0]
+    endpoint = f"{pod['status']['podIP']}:8000"
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "standard pool: " + "route me " * 30}],
+        "max_tokens": 8,
+        "stream": True,
+    }
+
+    def answers() -> list[tuple[int, str | None]]:
+        return [(a["status"], a["destination"]) for a in (replay(p, body, [endpoint]) for p in pickers)]
+
+    try:
+        assert answers() == [(503, None)] * 2, "the pool's endpoint is unknown before the pool exists"
+        applied = time.monotonic()
+        kube.apply([standard_pool(picker_service)])
+        while (got := answers()) != [(200, endpoint)] * 2:
+            assert time.monotonic() < applied + 30, (
+                f"standard pool applied 30 s ago, replicas answer {got}; gateway logs:\n{gateway_logs(kube, 'tandard')}"
+            )
+            time.sleep(0.5)
+        TIMINGS["standard pool applied -> both pickers route to it"] = time.monotonic() - applied
+        # What the client gets: the stream as the worker sent it, through the response phases; each
+        # replica bills its own stream, output tokens included (read from the usage chunk the picker
+        # asked the worker for).
+        before = billed(kube)
+        routed = [replay(p, body, [endpoint]) for p in pickers]
+        for a in routed:
+            assert a["served"] == endpoint and "data: [DONE]" in a["body"], a
+            assert json.loads(a["sent_body"])["stream_options"]["include_usage"] is True, a["sent_body"]
+        deadline = time.monotonic() + 10
+        while not all(billed(kube)[pod][0] == before[pod][0] + 1 for pod in before):
+            assert time.monotonic() < deadline, f"routed streams not billed: {before} -> {billed(kube)}"
+            time.sleep(0.2)
+        after = billed(kube)
+        assert all(after[pod][1] > before[pod][1] for pod in before), (before, after)
+        log(f"standard pool: {endpoint} served through both pickers; (requests, output tokens) {before} -> {after}")
+        # The pool now names another picker: Kinference stops serving it.
+        changed = time.monotonic()
+        kube.apply([standard_pool("someone-else")])
+        while (got := answers()) != [(503, None)] * 2:
+            assert time.monotonic() < changed + 30, f"pool handed to another picker 30 s ago: {got}"
+            time.sleep(0.5)
+        TIMINGS["standard pool handed to another picker -> endpoint gone"] = time.monotonic() - changed
+    finally:
+        kube.run(
+            "delete", "-n", NS, "deployment/vllm-sim-standard", "inferencepools.inference.networking.k8s.io/standard",
+            "inferencepools.kinference.ai/standard-members", check=False,
+        )
 
 
 # ------------------------------------------------------------------------------------------ Gateway API
