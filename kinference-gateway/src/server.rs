@@ -98,11 +98,11 @@ async fn admin(gw: Arc<Gateway>, req: Request<Incoming>) -> Response<Body> {
 }
 
 /// `POST /internal/replicas`: another gateway replica's dispatches, first tokens and ends
-/// ([`crate::routing::replicas`]); at most 16 MiB.
+/// ([`crate::routing::replicas`]); at most [`crate::routing::replicas::MAX_BATCH_BYTES`].
 async fn replica_batch(gw: &Gateway, req: Request<Incoming>) -> Response<Body> {
     use http_body_util::BodyExt as _;
-    const MAX_BYTES: usize = 16 << 20;
-    let body = match http_body_util::Limited::new(req.into_body(), MAX_BYTES)
+    let limit = crate::routing::replicas::MAX_BATCH_BYTES;
+    let body = match http_body_util::Limited::new(req.into_body(), limit)
         .collect()
         .await
     {

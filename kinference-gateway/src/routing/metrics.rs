@@ -40,6 +40,14 @@ pub struct KernelMissingLabels {
     pub reason: String,
 }
 
+/// Labels of replica notes that never reached a peer.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaDropLabels {
+    /// `outbox_full` (more queued than the sender keeps) or `undelivered` (a peer did not take the
+    /// batch: unreachable, slow or refusing; counted once per peer).
+    pub reason: String,
+}
+
 /// Labels of a tokenization.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TokenizeLabels {
@@ -96,6 +104,8 @@ pub struct Metrics {
     pub replica_peers: Gauge,
     /// Requests of other gateway replicas held in this router's ledger.
     pub replica_tickets: Gauge,
+    /// Notes for other replicas dropped, by reason.
+    pub replica_notes_dropped: Family<ReplicaDropLabels, Counter>,
     /// Whether each agent's stream is up (1) or not (0).
     pub agent_connected: Family<AgentLabels, Gauge>,
     /// Stream (re)connections per agent.
@@ -128,6 +138,7 @@ impl Default for Metrics {
             speculative_keys: Gauge::default(),
             replica_peers: Gauge::default(),
             replica_tickets: Gauge::default(),
+            replica_notes_dropped: Family::default(),
             agent_connected: Family::default(),
             agent_connects: Family::default(),
             agent_messages: Family::default(),
@@ -216,6 +227,11 @@ impl Metrics {
             "replica_requests_in_flight",
             "Requests other gateway replicas told this one they have in flight",
             kinference_api::metrics::Described(self.replica_tickets.clone()),
+        );
+        r.register(
+            "replica_notes_dropped",
+            "Dispatch, first-token and end notes that did not reach another replica (outbox_full, undelivered)",
+            kinference_api::metrics::Described(self.replica_notes_dropped.clone()),
         );
         r.register(
             "agent_connected",

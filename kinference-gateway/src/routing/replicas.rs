@@ -30,9 +30,12 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use kinference_api::BlockKey;
 use parking_lot::Mutex;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+use super::metrics::ReplicaDropLabels;
 use super::{InFlight, Shared};
 
 #[cfg(test)]
@@ -50,6 +53,18 @@ pub const MAX_TICKET_AGE: Duration = Duration::from_secs(600);
 
 /// Most tickets kept per peer (a peer that never sends ends cannot grow the ledger without bound).
 const MAX_TICKETS_PER_PEER: usize = 65_536;
+
+/// Notes queued for the peers at most; past this (the peers slower than the dispatches) a note is
+/// dropped and counted (`kinference_routing_replica_notes_dropped_total{reason="outbox_full"}`):
+/// the peers then see less of this replica's load, which the agents' views still show.
+const OUTBOX_CAPACITY: usize = 16_384;
+
+/// The largest batch a replica's admin port takes.
+pub const MAX_BATCH_BYTES: usize = 16 << 20;
+
+/// Notes per posted batch at most: a dispatch note carries up to [`MAX_KEYS`] keys (about 20 KB of
+/// JSON), so a batch stays well under [`MAX_BATCH_BYTES`].
+const MAX_NOTES_PER_BATCH: usize = 256;
 
 /// `replicas:` of `gateway.yaml`.
 #[derive(Debug, Clone, Deserialize)]
@@ -127,8 +142,9 @@ pub struct Batch {
 /// This replica's side: numbers its dispatches and queues their notes for the sender task.
 #[derive(Debug)]
 pub struct Outbox {
-    tx: mpsc::UnboundedSender<Note>,
+    tx: mpsc::Sender<Note>,
     next_id: AtomicU64,
+    dropped: Family<ReplicaDropLabels, Counter>,
 }
 
 impl Outbox {
@@ -137,10 +153,15 @@ impl Outbox {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Queues `note` for every peer.
+    /// Queues `note` for every peer; a full outbox drops it, counted. Never waits: this runs on
+    /// the request path.
     pub fn send(&self, note: Note) {
-        // Closed only when the sender task ended with the router.
-        let _ = self.tx.send(note);
+        match self.tx.try_send(note) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => drop_notes(&self.dropped, "outbox_full", 1),
+            // Closed only when the sender task ended with the router.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
     }
 }
 
@@ -330,7 +351,8 @@ pub(super) fn start(
     if config.peers.is_empty() {
         return None;
     }
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::channel(OUTBOX_CAPACITY);
+    let dropped = shared.metrics.replica_notes_dropped.clone();
     let from = format!(
         "{}-{}",
         shared.gateway_id,
@@ -343,21 +365,39 @@ pub(super) fn start(
         .iter()
         .map(|p| format!("{}{PATH}", p.trim_end_matches('/')))
         .collect();
-    handle.spawn(send_loop(rx, from, peers, admin_key, period));
+    handle.spawn(send_loop(
+        rx,
+        from,
+        peers,
+        admin_key,
+        period,
+        dropped.clone(),
+    ));
     Some(Arc::new(Outbox {
         tx,
         next_id: AtomicU64::new(0),
+        dropped,
     }))
 }
 
-/// Posts every queued note to every peer as one batch per wake-up, and an empty batch when nothing
-/// was sent for `heartbeat`.
+fn drop_notes(dropped: &Family<ReplicaDropLabels, Counter>, reason: &str, notes: usize) {
+    dropped
+        .get_or_create(&ReplicaDropLabels {
+            reason: reason.to_string(),
+        })
+        .inc_by(notes as u64);
+}
+
+/// Posts the queued notes to every peer, up to [`MAX_NOTES_PER_BATCH`] per batch, and an empty
+/// batch when nothing was sent for `heartbeat`. A peer that does not take a batch loses its notes
+/// (counted, logged at most every 30 s): a late note would describe load that has moved on.
 async fn send_loop(
-    mut rx: mpsc::UnboundedReceiver<Note>,
+    mut rx: mpsc::Receiver<Note>,
     from: String,
     peers: Vec<String>,
     admin_key: Option<String>,
     heartbeat: Duration,
+    dropped: Family<ReplicaDropLabels, Counter>,
 ) {
     let authorization = admin_key.map(|key| format!("Bearer {key}"));
     let client: Client<HttpConnector, Full<Bytes>> =
@@ -370,9 +410,13 @@ async fn send_loop(
             Ok(None) => return,
             Err(_) => {}
         }
-        while let Ok(note) = rx.try_recv() {
-            notes.push(note);
+        while notes.len() < MAX_NOTES_PER_BATCH {
+            match rx.try_recv() {
+                Ok(note) => notes.push(note),
+                Err(_) => break,
+            }
         }
+        let sent = notes.len();
         let batch = Batch {
             from: from.clone(),
             notes,
@@ -406,6 +450,7 @@ async fn send_loop(
             .filter_map(Result::err)
             .collect();
         if let Some(first) = failures.first() {
+            drop_notes(&dropped, "undelivered", sent * failures.len());
             let now = Instant::now();
             if last_error_log.is_none_or(|t| now.duration_since(t) >= Duration::from_secs(30)) {
                 last_error_log = Some(now);

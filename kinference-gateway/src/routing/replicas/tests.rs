@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use kinference_api::KeyHasher;
 
-use super::{Batch, Note, PATH, ReplicasConfig};
+use super::{Batch, MAX_BATCH_BYTES, MAX_KEYS, Note, PATH, ReplicasConfig};
 use crate::routing::{ModelConfig, Router, RoutingConfig, RoutingMode, WorkerConfig};
 
 fn router() -> Router {
@@ -141,13 +141,20 @@ async fn serve(router: Arc<Router>) -> SocketAddr {
                                     .and_then(|v| v.to_str().ok()),
                                 Some(concat!("Bearer ", "replicas-admin-key-0123456789"))
                             );
-                            let body = req.into_body().collect().await?.to_bytes();
-                            let batch: Batch = serde_json::from_slice(&body).unwrap();
-                            router.apply_replica_batch(batch);
-                            Ok::<_, hyper::Error>(hyper::Response::new(http_body_util::Empty::<
-                                bytes::Bytes,
-                            >::new(
-                            )))
+                            // The admin port's limit: a larger batch is refused whole.
+                            let limited =
+                                http_body_util::Limited::new(req.into_body(), MAX_BATCH_BYTES);
+                            let mut answer =
+                                hyper::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
+                            match limited.collect().await {
+                                Ok(body) => {
+                                    let batch: Batch =
+                                        serde_json::from_slice(&body.to_bytes()).unwrap();
+                                    router.apply_replica_batch(batch);
+                                }
+                                Err(_) => *answer.status_mut() = hyper::StatusCode::BAD_REQUEST,
+                            }
+                            Ok::<_, hyper::Error>(answer)
                         }
                     },
                 );
@@ -231,4 +238,41 @@ async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
         lost.elapsed()
     );
     assert_eq!(b.workers().iter().map(|w| w.in_flight).sum::<usize>(), 0);
+}
+
+#[tokio::test]
+async fn a_burst_of_long_prompts_reaches_the_peer_in_batches_it_takes() {
+    // A thousand dispatches of 16k-token prompts queued before the sender runs: about 20 MB of
+    // notes, more than one batch may carry. Each arrives (batches stay under the admin port's
+    // limit), nothing is counted as dropped.
+    let b = Arc::new(router());
+    let addr = serve(Arc::clone(&b)).await;
+    let a = router();
+    a.share_with_replicas(
+        &ReplicasConfig {
+            peers: vec![format!("http://{addr}")],
+            heartbeat_ms: 50,
+            forget_after_ms: 10_000,
+        },
+        Some("replicas-admin-key-0123456789".into()),
+    );
+    let outbox = a.shared.outbox.get().expect("sharing started");
+    let keys: Vec<u64> = (0..MAX_KEYS as u64).map(|k| u64::MAX - k).collect();
+    for id in 0..1000 {
+        outbox.send(dispatch(id, "http://w1", keys.clone()));
+    }
+    let start = Instant::now();
+    while b.replica_requests_in_flight() < 1000 {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "the peer holds {} of 1000 dispatches",
+            b.replica_requests_in_flight()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut text = String::new();
+    let mut registry = prometheus_client::registry::Registry::default();
+    a.shared.metrics.register(&mut registry);
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(!text.contains("replica_notes_dropped_total{"), "{text}");
 }
