@@ -982,6 +982,18 @@ def test_gateway_api_example_applies_against_the_gateway_api_crds(cluster: Kube)
         timeout=60,
     )
     assert p.returncode != 0 and "Prefix" in p.stderr, (p.returncode, p.stderr)
+    # Picker mode's examples: each Gateway implementation's Gateway, and both pools with the HTTPRoute to
+    # the standard one, taken by the apiserver (server-side dry run: nothing is created).
+    for name in ("gateways/envoy-gateway.yaml", "gateways/istio.yaml", "standard-pool.yaml"):
+        docs = [d for d in yaml.safe_load_all((REPO / "deploy" / "examples" / name).read_text()) if d]
+        p = subprocess.run(
+            ["kubectl", f"--kubeconfig={kube.kubeconfig}", "apply", "-n", NS, "--dry-run=server", "-f", "-"],
+            input=yaml.safe_dump_all(docs),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, (name, p.stderr)
 
 
 # ------------------------------------------------------------------------------------------ scaling
