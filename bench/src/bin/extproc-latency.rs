@@ -19,6 +19,8 @@
 //! ```sh
 //! cargo build -p kinference-bench --bin vllm-sim --bin extproc-latency && cargo build -p kinference-gateway
 //! target/debug/extproc-latency --calls 3000
+//! # the picker's target setting: 64 streams, the gateway on a core of its own, 500 pairs/s offered
+//! target/release/extproc-latency --concurrency 64 --gateway-cpu 1 --rate 500
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -72,19 +74,35 @@ struct Args {
     /// Streams open at once (tasks sharing one HTTP/2 connection, as Envoy multiplexes them).
     #[arg(long, default_value_t = 1)]
     concurrency: usize,
+    /// Open loop: request pairs per second over all streams (each stream starts its next pair at
+    /// its scheduled time, or at once when behind). 0: closed loop, each stream sends its next pair
+    /// as soon as the last is answered, so the figures measure throughput as much as latency.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+    /// Pin the gateway to this CPU (`taskset -c`): the decision on a core of its own.
+    #[arg(long)]
+    gateway_cpu: Option<usize>,
 }
 
 /// How long a process may take to answer its readiness URL.
 const READY: Duration = Duration::from_secs(120);
 
-fn spawn(bin: &Path, args: &[String]) -> anyhow::Result<Process> {
+fn spawn(bin: &Path, args: &[String], cpu: Option<usize>) -> anyhow::Result<Process> {
     if !bin.exists() {
         bail!(
             "{} not found: build it (cargo build -p kinference-bench --bin vllm-sim; cargo build -p kinference-gateway)",
             bin.display()
         );
     }
-    let child = Command::new(bin)
+    let mut command = match cpu {
+        Some(cpu) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(cpu.to_string()).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
+    let child = command
         .args(args)
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
@@ -278,6 +296,7 @@ async fn main() -> anyhow::Result<()> {
                 "--tokenizer-dir".into(),
                 tokenizer.display().to_string(),
             ],
+            None,
         )?;
         let health = format!("http://127.0.0.1:{port}/health");
         wait_ready(&probe, &mut sim, &health, READY, |_| true).await?;
@@ -306,6 +325,7 @@ async fn main() -> anyhow::Result<()> {
             format!("--extproc-listen=127.0.0.1:{xp}"),
             format!("--config={}", config.display()),
         ],
+        args.gateway_cpu,
     )?;
     // The gateway binds its ext_proc port before its admin port answers.
     let readyz = format!("http://127.0.0.1:{admin}/readyz");
@@ -330,6 +350,11 @@ async fn main() -> anyhow::Result<()> {
             let mut pairs = Vec::new();
             let mut i = t;
             while i < args.calls {
+                if args.rate > 0.0 {
+                    // Pair i's scheduled start; a stream that is behind starts at once.
+                    let due = started + Duration::from_secs_f64(i as f64 / args.rate);
+                    tokio::time::sleep_until(due.into()).await;
+                }
                 let buffered = one(&mut client, body_for(args.warmup + 2 * i, &args)).await?;
                 let duplex =
                     one_duplex(&mut client, body_for(args.warmup + 2 * i + 1, &args)).await?;
@@ -349,11 +374,18 @@ async fn main() -> anyhow::Result<()> {
     }
     let wall = started.elapsed();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let pacing = if args.rate > 0.0 {
+        format!("open loop at {} pairs/s", args.rate)
+    } else {
+        "closed loop".to_string()
+    };
     println!(
-        "extproc-latency: {} calls per arm ({} warm-up) on {} streams at once, {} workers, {} prefix families of ~{} words, bin dir {}",
+        "extproc-latency: {} calls per arm ({} warm-up) on {} streams at once ({pacing}), gateway CPU {}, {} workers, {} prefix families of ~{} words, bin dir {}",
         args.calls,
         args.warmup,
         tasks,
+        args.gateway_cpu
+            .map_or("any".to_string(), |c| c.to_string()),
         args.workers,
         args.families,
         args.prompt_words,
