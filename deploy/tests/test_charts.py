@@ -552,6 +552,7 @@ def test_gateway_config_map_is_the_gateway_yaml() -> None:
         "agent_service": "kinference-agent",
         "agent_namespace": NAMESPACE,
         "agent_grpc_port": 7070,
+        "peer_service": "kinference-gateway",
     }
     # The pods roll when the file changes.
     deployment = one(render(ALL_FEATURES), GATEWAY, "kinference-gateway")
@@ -1280,7 +1281,8 @@ def test_network_policies_limit_who_reaches_each_port() -> None:
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert by_port["metrics"] == [monitoring]
     gw = {r["ports"][0]["port"]: r.get("from") for r in gateway["ingress"]}
-    assert gw == {"http": None, "admin": [monitoring]}
+    # Admin: monitoring, and the other gateway replicas (replicaSharing, on by default).
+    assert gw == {"http": None, "admin": [monitoring, {"podSelector": by_port["grpc"][0]["podSelector"]}]}
     assert [p["port"] for p in gateway["ingress"][0]["ports"]] == ["http", "extproc"]
     assert not find(render({"networkPolicy": {"enabled": False}}), "NetworkPolicy")
 
@@ -1307,3 +1309,30 @@ def test_agent_kv_port_admits_worker_pods_of_the_watched_and_listed_namespaces_o
     assert kv_events_peers({"clusterWide": True, **listed}) == [{"podSelector": workers}, in_ns("ml-a"), in_ns("ml-b")]
     for peers in (kv_events_peers(v) for v in VARIANTS.values() if v.get("agent", {}).get("enabled", True)):
         assert all(p.get("namespaceSelector") != {} for p in peers), "never every namespace"
+
+
+def test_replicas_share_dispatches_through_their_own_service() -> None:
+    """gateway.replicaSharing (default on): each replica finds the others from the gateway Service's
+    endpoints at its admin port (the Service names the port `admin`), leaves itself out by POD_IP, and the
+    NetworkPolicy lets gateway pods reach each other's admin port; off, none of the three is there."""
+    objects = render({"networkPolicy": {"enabled": True}})
+    config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    service = one(objects, "Service", "kinference-gateway")
+    assert config["kubernetes"]["peer_service"] == service["metadata"]["name"]
+    assert "admin" in {p["name"] for p in service["spec"]["ports"]}
+    env = {e["name"]: e for e in container(one(objects, GATEWAY, "kinference-gateway"))["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "KINFERENCE_ADMIN_KEY" in env, "peers post with the admin key"
+    policy = one(objects, "NetworkPolicy", "kinference-gateway")
+    [admin_rule] = [r for r in policy["spec"]["ingress"] if {"port": "admin", "protocol": "TCP"} in r["ports"]]
+    gateway_labels = one(objects, GATEWAY, "kinference-gateway")["spec"]["selector"]["matchLabels"]
+    assert {"podSelector": {"matchLabels": gateway_labels}} in admin_rule["from"], admin_rule
+
+    off = render({"networkPolicy": {"enabled": True}, "gateway": {"replicaSharing": {"enabled": False}}})
+    config = yaml.safe_load(one(off, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
+    assert "peer_service" not in config["kubernetes"]
+    [admin_rule] = [
+        r for r in one(off, "NetworkPolicy", "kinference-gateway")["spec"]["ingress"]
+        if {"port": "admin", "protocol": "TCP"} in r["ports"]
+    ]
+    assert all("podSelector" not in f for f in admin_rule["from"]), admin_rule

@@ -79,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
         .agent_tls
         .load(&tls_metrics)
         .context("loading the agents' mTLS files")?;
-    let (router, _discovery) = kinference_gateway::discovery::router_with_discovery(
+    let (router, mut discovery) = kinference_gateway::discovery::router_with_discovery(
         config.routing_config(),
         config.kubernetes.as_ref(),
         agent_tls,
@@ -87,12 +87,18 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("building the router")?;
     router.set_pd_min_uncached_tokens(config.disaggregation.min_uncached_tokens);
+    // In a cluster the other replicas come from the gateway Service's endpoints (`kubernetes.peer_service`).
+    let discovered_peers = match (&mut discovery, &config.kubernetes) {
+        (Some(found), Some(kubernetes)) => found.peer_urls(kubernetes),
+        _ => None,
+    };
     router.share_with_replicas(
         &config.replicas,
         args.access
             .admin_key
             .as_ref()
             .map(|k| k.expose().to_owned()),
+        discovered_peers,
     );
     let metrics = Metrics::new();
     // Served names stay `model` labels even for failed requests; other client-chosen names fold.
@@ -106,7 +112,7 @@ async fn main() -> anyhow::Result<()> {
         .as_ref()
         .map(|pools| pools.spawn_sync(Arc::clone(&router)));
     // Pools with a selector pick their workers among the discovered pods.
-    if let (Some(stage), Some(discovery)) = (&policy, &_discovery) {
+    if let (Some(stage), Some(discovery)) = (&policy, &discovery) {
         stage.follow_discovered(discovery.workers());
     }
     let tenancy = metrics

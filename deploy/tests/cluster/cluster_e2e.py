@@ -788,6 +788,20 @@ def test_agent_pod_replaced_gateways_follow(cluster: Kube):
     assert {p["metadata"]["name"] for p in gateway_pods(kube)} == set(gateways) and restarts == [0, 0], restarts
 
 
+def test_replicas_find_each_other_and_share_dispatches(cluster: Kube):
+    """gateway.replicaSharing (the chart's default): each replica finds the other from the gateway
+    Service's endpoints and hears from it (`replica_peers` counts peers whose batches arrived: found,
+    reachable at the admin port through the NetworkPolicy-free test network, admin key accepted)."""
+    admin = [f"http://{p['status']['podIP']}:9090" for p in gateway_pods(cluster)]
+    assert len(admin) == 2, admin
+    started = time.monotonic()
+    while (peers := [metric(get(f"{a}/metrics"), "kinference_routing_replica_peers") for a in admin]) != [1, 1]:
+        assert time.monotonic() < started + 30, f"replicas' peers after 30 s: {peers}"
+        time.sleep(0.5)
+    dropped = [metric(get(f"{a}/metrics"), "kinference_routing_replica_notes_dropped_total") for a in admin]
+    log(f"replica sharing: each replica hears from {peers} peer(s); notes dropped {dropped}")
+
+
 def test_extproc_picker_port_is_served(cluster: Kube):
     """The chart's ext_proc picker: its Service selects the gateway pods and each one listens on it (the
     gRPC protocol itself is tested by the gateway's own ext_proc tests; no Envoy binary can run here)."""

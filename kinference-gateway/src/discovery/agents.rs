@@ -1,5 +1,6 @@
 //! Node agents from the EndpointSlices of the chart's headless agent Service: every ready endpoint
-//! address is one agent, reached at `http://<address>:<grpc port>`.
+//! address is one agent, reached at `http://<address>:<grpc port>`. The other gateway replicas are
+//! found the same way, from the gateway Service's slices at its `admin` port.
 //!
 //! Slices are read as [`kube::core::DynamicObject`]s in the version the apiserver prefers
 //! (`discovery.k8s.io/v1`, or `v1beta1` before Kubernetes 1.21): the fields used here are the same in
@@ -60,14 +61,23 @@ pub struct SlicePort {
 
 /// Agent gRPC URLs in a slice: ready endpoints, at the slice's `grpc` port (else `default_port`).
 pub fn agents_of(slice: &Slice, default_port: u16) -> BTreeSet<String> {
+    endpoints_of(slice, GRPC_PORT_NAME, default_port)
+}
+
+/// `http://address:port` of each ready endpoint in a slice, at the slice's port named `port_name`
+/// (else `default_port`; none when that is 0).
+pub fn endpoints_of(slice: &Slice, port_name: &str, default_port: u16) -> BTreeSet<String> {
     let port = slice
         .ports
         .iter()
         .flatten()
-        .find(|p| p.name.as_deref() == Some(GRPC_PORT_NAME))
+        .find(|p| p.name.as_deref() == Some(port_name))
         .and_then(|p| p.port)
         .and_then(|p| u16::try_from(p).ok())
         .unwrap_or(default_port);
+    if port == 0 {
+        return BTreeSet::new();
+    }
     let v6 = slice.address_type.as_deref() == Some("IPv6");
     slice
         .endpoints

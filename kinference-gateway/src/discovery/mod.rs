@@ -65,7 +65,15 @@ pub struct KubernetesConfig {
     /// their members' `podIP:port`s workers ([`standard`]). None: standard pools are not read.
     #[serde(default)]
     pub picker_service: Option<String>,
+    /// The gateway's own Service (in the pod's namespace): its other ready replicas, at the slices'
+    /// `admin` port, are the peers it tells what it dispatches (`replicas:`, joined to any static
+    /// `replicas.peers`). None: no peers discovered.
+    #[serde(default)]
+    pub peer_service: Option<String>,
 }
+
+/// The gateway Service's port name the replicas' batches go to.
+pub const PEER_PORT_NAME: &str = "admin";
 
 fn default_worker_selector() -> BTreeMap<String, String> {
     BTreeMap::from([("kinference.ai/worker".to_string(), "true".to_string())])
@@ -128,14 +136,17 @@ impl WorkerSink for Router {
 /// The discovered workers by URL (with their model and pod labels).
 pub type WorkerSet = BTreeMap<String, PodWorker>;
 
-/// The discovered agents, and whether the first list has arrived.
+/// Endpoints of a Service (the agents, the gateway's peers), and whether the first list has arrived.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct AgentSet {
+pub struct EndpointSet {
     /// The first complete list was received.
     pub synced: bool,
-    /// gRPC URLs.
+    /// `http://address:port` URLs.
     pub urls: BTreeSet<String>,
 }
+
+/// The discovered agents (gRPC URLs).
+pub type AgentSet = EndpointSet;
 
 /// Running discovery; dropping it stops the watches.
 #[derive(Debug)]
@@ -144,6 +155,7 @@ pub struct Discovery {
     /// How many worker-pod scopes (namespaces, or all) have delivered their first list, of how many.
     workers_synced: (watch::Receiver<usize>, usize),
     agents: watch::Receiver<AgentSet>,
+    peers: watch::Receiver<EndpointSet>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -198,6 +210,18 @@ impl Discovery {
                 Arc::clone(&synced_tx),
             )));
         }
+        let (peers_tx, peers) = watch::channel(EndpointSet::default());
+        if let Some(service) = config.peer_service.clone() {
+            let ns = std::env::var("POD_NAMESPACE").unwrap_or_else(|_| "default".to_string());
+            tasks.push(tokio::spawn(follow_endpoints(
+                client.clone(),
+                ns,
+                service,
+                PEER_PORT_NAME,
+                0,
+                peers_tx,
+            )));
+        }
         let (agents_tx, agents) = watch::channel(AgentSet::default());
         if let Some(service) = config.agent_service.clone() {
             let ns = config
@@ -205,10 +229,11 @@ impl Discovery {
                 .clone()
                 .or_else(|| std::env::var("POD_NAMESPACE").ok())
                 .unwrap_or_else(|| "default".to_string());
-            tasks.push(tokio::spawn(follow_agents(
+            tasks.push(tokio::spawn(follow_endpoints(
                 client,
                 ns,
                 service,
+                agents::GRPC_PORT_NAME,
                 config.agent_grpc_port,
                 agents_tx,
             )));
@@ -222,6 +247,7 @@ impl Discovery {
             workers,
             workers_synced: (synced_rx, scope_count),
             agents,
+            peers,
             tasks,
         }
     }
@@ -234,6 +260,26 @@ impl Discovery {
     /// The discovered agents, updated as they change.
     pub fn agents(&self) -> watch::Receiver<AgentSet> {
         self.agents.clone()
+    }
+
+    /// The gateway's replicas (this one included: see [`crate::routing::replicas`]) at their admin
+    /// port, as admin base URLs, updated as they change; `None` without `kubernetes.peer_service`.
+    pub fn peer_urls(
+        &mut self,
+        config: &KubernetesConfig,
+    ) -> Option<watch::Receiver<BTreeSet<String>>> {
+        config.peer_service.as_ref()?;
+        let mut found = self.peers.clone();
+        let (tx, rx) = watch::channel(found.borrow().urls.clone());
+        self.tasks.push(tokio::spawn(async move {
+            while found.changed().await.is_ok() {
+                let urls = found.borrow_and_update().urls.clone();
+                if tx.send(urls).is_err() {
+                    return;
+                }
+            }
+        }));
+        Some(rx)
     }
 
     /// From now on keeps `router`'s agents equal to the discovered ones plus `fixed` (the file's): new
@@ -520,12 +566,15 @@ async fn follow_pods(
     }
 }
 
-async fn follow_agents(
+/// Follows the ready endpoints of `service` (its EndpointSlices) at the port named `port_name` (else
+/// `default_port`) into `published`.
+async fn follow_endpoints(
     client: Client,
     namespace: String,
     service: String,
+    port_name: &'static str,
     default_port: u16,
-    published: watch::Sender<AgentSet>,
+    published: watch::Sender<EndpointSet>,
 ) {
     // The EndpointSlice version the server serves (v1 from Kubernetes 1.21, v1beta1 before).
     let mut backoff = Duration::from_millis(200);
@@ -548,7 +597,7 @@ async fn follow_agents(
     let mut listing: Option<HashMap<String, BTreeSet<String>>> = None;
     let agents_in = |obj: &DynamicObject| -> BTreeSet<String> {
         match serde_json::from_value::<agents::Slice>(obj.data.clone()) {
-            Ok(slice) => agents::agents_of(&slice, default_port),
+            Ok(slice) => agents::endpoints_of(&slice, port_name, default_port),
             Err(error) => {
                 tracing::warn!(%error, "unreadable EndpointSlice ignored");
                 BTreeSet::new()
@@ -560,7 +609,7 @@ async fn follow_agents(
         published.send_if_modified(|cur| {
             let changed = !cur.synced || cur.urls != urls;
             if changed {
-                tracing::info!(agents = ?urls, "agent set changed");
+                tracing::info!(%service, endpoints = ?urls, "service endpoints changed");
                 cur.synced = true;
                 cur.urls = urls;
             }
@@ -596,7 +645,7 @@ async fn follow_agents(
                 publish(&by_slice);
             }
             Err(error) => {
-                tracing::warn!(%namespace, %service, %error, "watching agent EndpointSlices failed; retrying")
+                tracing::warn!(%namespace, %service, %error, "watching EndpointSlices failed; retrying")
             }
         }
     }

@@ -1,7 +1,7 @@
 use k8s_openapi::api::core::v1::Pod;
 use serde_json::json;
 
-use super::agents::{Slice, agents_of};
+use super::agents::{Slice, agents_of, endpoints_of};
 use super::pods::worker_of;
 use super::*;
 
@@ -72,6 +72,30 @@ fn slices_give_ready_agents_at_the_grpc_port() {
     .expect("slice");
     let got: Vec<String> = agents_of(&slice, 7070).into_iter().collect();
     assert_eq!(got, vec!["http://10.1.0.1:7071", "http://10.1.0.3:7071"]);
+}
+
+#[test]
+fn slices_give_gateway_peers_at_the_admin_port_and_none_without_it() {
+    let slice: Slice = serde_json::from_value(json!({
+        "addressType": "IPv4",
+        "endpoints": [
+            {"addresses": ["10.2.0.1"], "conditions": {"ready": true}},
+            {"addresses": ["10.2.0.2"], "conditions": {"ready": false}}
+        ],
+        "ports": [{"name": "http", "port": 8080}, {"name": "admin", "port": 9090}]
+    }))
+    .expect("slice");
+    let got: Vec<String> = endpoints_of(&slice, super::PEER_PORT_NAME, 0)
+        .into_iter()
+        .collect();
+    assert_eq!(got, vec!["http://10.2.0.1:9090"]);
+    // A Service without an `admin` port gives no peers (never a guessed port).
+    let unnamed: Slice = serde_json::from_value(json!({
+        "endpoints": [{"addresses": ["10.2.0.1"]}],
+        "ports": [{"name": "http", "port": 8080}]
+    }))
+    .expect("slice");
+    assert!(endpoints_of(&unnamed, super::PEER_PORT_NAME, 0).is_empty());
 }
 
 #[test]

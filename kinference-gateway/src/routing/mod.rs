@@ -392,6 +392,7 @@ impl Router {
         &self,
         config: &replicas::ReplicasConfig,
         admin_key: Option<String>,
+        discovered: Option<tokio::sync::watch::Receiver<std::collections::BTreeSet<String>>>,
     ) {
         if self.shared.outbox.get().is_some() {
             return;
@@ -399,18 +400,31 @@ impl Router {
         self.shared
             .replica_forget_after_ms
             .store(config.forget_after_ms.max(1), Ordering::Relaxed);
-        if let Some(outbox) = replicas::start(&self.shared, config, admin_key) {
+        let discovering = discovered.is_some();
+        if let Some(outbox) = replicas::start(&self.shared, config, admin_key, discovered) {
             let _ = self.shared.outbox.set(outbox);
         }
-        tracing::info!(
-            peers = config.peers.len(),
-            "sharing dispatches with gateway replicas"
-        );
+        if !config.peers.is_empty() || discovering {
+            tracing::info!(
+                peers = config.peers.len(),
+                discovering,
+                "sharing dispatches with gateway replicas"
+            );
+        }
     }
 
     /// Applies a batch another replica posted ([`replicas::PATH`]); peers silent longer than
     /// `replicas.forget_after_ms` are forgotten.
     pub fn apply_replica_batch(&self, batch: replicas::Batch) {
+        // A discovered peer list holds this replica too: its own batches are not a peer's.
+        if self
+            .shared
+            .outbox
+            .get()
+            .is_some_and(|outbox| outbox.is_mine(&batch))
+        {
+            return;
+        }
         let forget_after =
             Duration::from_millis(self.shared.replica_forget_after_ms.load(Ordering::Relaxed));
         replicas::apply(&self.shared, batch, Instant::now(), forget_after);

@@ -18,7 +18,7 @@
 //! and every heartbeat period), so its in-flight work is forgotten within that bound plus one period.
 //! A ticket whose end never came (a lost batch) goes after [`MAX_TICKET_AGE`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use super::metrics::ReplicaDropLabels;
 use super::{InFlight, Shared};
@@ -145,9 +145,16 @@ pub struct Outbox {
     tx: mpsc::Sender<Note>,
     next_id: AtomicU64,
     dropped: Family<ReplicaDropLabels, Counter>,
+    /// This instance's name in its batches.
+    from: String,
 }
 
 impl Outbox {
+    /// Whether `batch` is this replica's own (sent to itself through a discovered peer list).
+    pub fn is_mine(&self, batch: &Batch) -> bool {
+        batch.from == self.from
+    }
+
     /// A new request number.
     pub fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
@@ -334,6 +341,7 @@ pub(super) fn start(
     shared: &Arc<Shared>,
     config: &ReplicasConfig,
     admin_key: Option<String>,
+    discovered: Option<watch::Receiver<BTreeSet<String>>>,
 ) -> Option<Arc<Outbox>> {
     let handle = tokio::runtime::Handle::try_current().ok()?;
     let forget_after = Duration::from_millis(config.forget_after_ms.max(1));
@@ -348,7 +356,7 @@ pub(super) fn start(
             sweep(&shared, Instant::now(), forget_after);
         }
     });
-    if config.peers.is_empty() {
+    if config.peers.is_empty() && discovered.is_none() {
         return None;
     }
     let (tx, rx) = mpsc::channel(OUTBOX_CAPACITY);
@@ -360,14 +368,14 @@ pub(super) fn start(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     );
-    let peers: Vec<String> = config
-        .peers
-        .iter()
-        .map(|p| format!("{}{PATH}", p.trim_end_matches('/')))
-        .collect();
+    let peers = Peers {
+        fixed: config.peers.clone(),
+        discovered,
+        own_ip: std::env::var("POD_IP").ok().filter(|ip| !ip.is_empty()),
+    };
     handle.spawn(send_loop(
         rx,
-        from,
+        from.clone(),
         peers,
         admin_key,
         period,
@@ -377,7 +385,48 @@ pub(super) fn start(
         tx,
         next_id: AtomicU64::new(0),
         dropped,
+        from,
     }))
+}
+
+/// Where the batches go: the configured admin base URLs and, in a cluster, the gateway Service's
+/// replicas as discovered now, less this pod's own address (`POD_IP`; a batch that reaches its
+/// sender anyway is ignored there, see [`Outbox::is_mine`]).
+struct Peers {
+    fixed: Vec<String>,
+    discovered: Option<watch::Receiver<BTreeSet<String>>>,
+    own_ip: Option<String>,
+}
+
+impl Peers {
+    /// The batch URLs at this moment.
+    fn urls(&self) -> Vec<String> {
+        let mut bases: BTreeSet<String> = self
+            .fixed
+            .iter()
+            .map(|p| p.trim_end_matches('/').to_string())
+            .collect();
+        if let Some(found) = &self.discovered {
+            bases.extend(found.borrow().iter().cloned());
+        }
+        bases
+            .into_iter()
+            .filter(|base| !self.is_own(base))
+            .map(|base| format!("{base}{PATH}"))
+            .collect()
+    }
+
+    fn is_own(&self, base: &str) -> bool {
+        let Some(ip) = &self.own_ip else {
+            return false;
+        };
+        let host = base
+            .strip_prefix("http://")
+            .unwrap_or(base)
+            .rsplit_once(':')
+            .map_or(base, |(host, _)| host);
+        host.trim_start_matches('[').trim_end_matches(']') == ip
+    }
 }
 
 fn drop_notes(dropped: &Family<ReplicaDropLabels, Counter>, reason: &str, notes: usize) {
@@ -394,7 +443,7 @@ fn drop_notes(dropped: &Family<ReplicaDropLabels, Counter>, reason: &str, notes:
 async fn send_loop(
     mut rx: mpsc::Receiver<Note>,
     from: String,
-    peers: Vec<String>,
+    peers: Peers,
     admin_key: Option<String>,
     heartbeat: Duration,
     dropped: Family<ReplicaDropLabels, Counter>,
@@ -426,7 +475,8 @@ async fn send_loop(
             Err(_) => continue,
         };
         // Every peer at once, each bounded: a dead peer delays the next batch by at most that.
-        let posts = peers.iter().map(|url| {
+        let urls = peers.urls();
+        let posts = urls.iter().map(|url| {
             let mut request =
                 hyper::Request::post(url).header(hyper::header::CONTENT_TYPE, "application/json");
             if let Some(value) = &authorization {

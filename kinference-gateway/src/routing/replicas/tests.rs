@@ -183,7 +183,7 @@ async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
         heartbeat_ms: 20,
         forget_after_ms: 200,
     };
-    b.share_with_replicas(&config, None);
+    b.share_with_replicas(&config, None, None);
     let addr = serve(Arc::clone(&b)).await;
     // Replica A runs in a runtime of its own, so that dropping that runtime loses it at once, tasks
     // and all, as a killed process would: no end is ever sent for its requests.
@@ -202,6 +202,7 @@ async fn a_replica_lost_mid_run_is_forgotten_by_the_others_within_the_bound() {
                     forget_after_ms: 200,
                 },
                 Some("replicas-admin-key-0123456789".into()),
+                None,
             );
             let (tokens, _) = prompt(3);
             let done = a.pick_tokens("m", &tokens, false).unwrap();
@@ -255,6 +256,7 @@ async fn a_burst_of_long_prompts_reaches_the_peer_in_batches_it_takes() {
             forget_after_ms: 10_000,
         },
         Some("replicas-admin-key-0123456789".into()),
+        None,
     );
     let outbox = a.shared.outbox.get().expect("sharing started");
     let keys: Vec<u64> = (0..MAX_KEYS as u64).map(|k| u64::MAX - k).collect();
@@ -275,4 +277,50 @@ async fn a_burst_of_long_prompts_reaches_the_peer_in_batches_it_takes() {
     a.shared.metrics.register(&mut registry);
     prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
     assert!(!text.contains("replica_notes_dropped_total{"), "{text}");
+}
+
+#[test]
+fn discovered_peers_join_the_fixed_ones_less_this_pods_address() {
+    let (tx, rx) = tokio::sync::watch::channel(std::collections::BTreeSet::from([
+        "http://10.0.0.5:9090".to_string(),
+        "http://10.0.0.6:9090".to_string(),
+    ]));
+    let peers = super::Peers {
+        fixed: vec!["http://static:9090/".into()],
+        discovered: Some(rx),
+        own_ip: Some("10.0.0.5".into()),
+    };
+    assert_eq!(
+        peers.urls(),
+        vec![
+            format!("http://10.0.0.6:9090{PATH}"),
+            format!("http://static:9090{PATH}")
+        ]
+    );
+    // A replica that joins is posted to from the next batch on.
+    tx.send_modify(|set| {
+        set.insert("http://10.0.0.7:9090".into());
+    });
+    assert_eq!(peers.urls().len(), 3);
+}
+
+#[tokio::test]
+async fn a_replicas_own_batch_is_not_taken_as_a_peers() {
+    // With discovered peers the sender is in its own list (until POD_IP leaves it out): its batches
+    // must not enter its own ledger twice.
+    let a = router();
+    let (_tx, rx) = tokio::sync::watch::channel(std::collections::BTreeSet::new());
+    a.share_with_replicas(&ReplicasConfig::default(), None, Some(rx));
+    let own = a.shared.outbox.get().expect("sharing started").from.clone();
+    let (_, keys) = prompt(7);
+    a.apply_replica_batch(Batch {
+        from: own,
+        notes: vec![dispatch(1, "http://w1", keys.clone())],
+    });
+    assert_eq!(a.replica_requests_in_flight(), 0);
+    a.apply_replica_batch(Batch {
+        from: "another".into(),
+        notes: vec![dispatch(1, "http://w1", keys)],
+    });
+    assert_eq!(a.replica_requests_in_flight(), 1);
 }
