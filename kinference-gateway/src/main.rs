@@ -87,6 +87,9 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("building the router")?;
     router.set_pd_min_uncached_tokens(config.disaggregation.min_uncached_tokens);
+    router.set_default_priority_scheduling(
+        config.scheduling_policy == kinference_gateway::config::SchedulingPolicyConfig::Priority,
+    );
     router.share_with_replicas(
         &config.replicas,
         args.access
@@ -157,6 +160,10 @@ async fn main() -> anyhow::Result<()> {
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),
+        objectives: _discovery
+            .as_ref()
+            .map(|d| d.objectives())
+            .unwrap_or_default(),
     });
 
     // Pools with their own worker key or headers (InferencePool workerCredentials/workerHeaders).

@@ -4,6 +4,8 @@
 //!   Running and Ready with a pod IP. Pods coming, going, turning (un)ready and being relabelled are
 //!   followed with `kube::runtime::watcher` and fed to the router ([`WorkerSink`]) as they happen.
 //! - Agents ([`agents`]): the ready endpoints of the agent's headless Service (EndpointSlices).
+//! - The standard `InferenceObjective`s of the watched namespaces, where their CRD is served
+//!   ([`objectives`]): the bands requests naming them ask for.
 //!
 //! Configured by the `kubernetes:` block the Helm chart writes into `gateway.yaml`
 //! ([`KubernetesConfig`]); without that block the gateway runs on its static configuration only.
@@ -14,6 +16,7 @@
 //! dropped with its cache view, and an agent pod replaced on a node (a new IP) is both, with no restart.
 
 pub mod agents;
+pub mod objectives;
 pub mod pods;
 pub mod standard;
 
@@ -144,6 +147,7 @@ pub struct Discovery {
     /// How many worker-pod scopes (namespaces, or all) have delivered their first list, of how many.
     workers_synced: (watch::Receiver<usize>, usize),
     agents: watch::Receiver<AgentSet>,
+    objectives: objectives::Objectives,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -175,7 +179,13 @@ impl Discovery {
         let (synced_tx, synced_rx) = watch::channel(0usize);
         let synced_tx = Arc::new(synced_tx);
         let scope_count = scopes.len();
+        let objectives = objectives::Objectives::default();
         for ns in scopes {
+            tasks.push(tokio::spawn(objectives::follow(
+                client.clone(),
+                ns.clone(),
+                objectives.clone(),
+            )));
             let api: Api<Pod> = match &ns {
                 Some(ns) => Api::namespaced(client.clone(), ns),
                 None => Api::all(client.clone()),
@@ -222,8 +232,14 @@ impl Discovery {
             workers,
             workers_synced: (synced_rx, scope_count),
             agents,
+            objectives,
             tasks,
         }
+    }
+
+    /// The standard `InferenceObjective`s found, updated as they change.
+    pub fn objectives(&self) -> objectives::Objectives {
+        self.objectives.clone()
     }
 
     /// The discovered workers, updated as they change.
