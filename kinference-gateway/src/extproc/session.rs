@@ -47,11 +47,16 @@ use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
 
 /// The request headers the handler keeps: governance's (the API key, the policy tags, the admin
 /// key and debug flag) and telemetry's (the request id, the W3C trace context).
-const KEPT_HEADERS: [&str; 9] = [
+const KEPT_HEADERS: [&str; 13] = [
     "authorization",
     "x-api-key",
     "x-kinference-tags",
     "x-kinference-debug",
+    // The band and objectives a request claims (stage "queue" decides what they are worth).
+    crate::pipeline::exchange::PRIORITY_HEADER,
+    crate::pipeline::exchange::TTFT_OBJECTIVE_HEADER,
+    crate::pipeline::exchange::TPOT_OBJECTIVE_HEADER,
+    kinference_crds::standard::OBJECTIVE_HEADER,
     crate::access::ADMIN_KEY_HEADER,
     "content-length",
     REQUEST_ID_HEADER,
