@@ -150,7 +150,66 @@ fn meet_objective(
     let providers =
         request.provider_request().is_some() && !plan.local_only && ex.door == Door::Http;
     let mut notes = Vec::new();
-    for (i, target) in plan.targets.iter().enumerate() {
+    let pressure = |model: &str, workers: Option<&[String]>| gw.router.pressure(model, workers);
+    let choice = choose(
+        &plan.targets,
+        pressure,
+        objective_s,
+        rule.on_miss,
+        providers,
+        &mut notes,
+    );
+    explain(ex, objective_s, &notes);
+    let (from, target) = match choice {
+        Choice::Keep => return Ok(plan),
+        Choice::Target(from, target) => (from, target),
+        Choice::Refuse => {
+            let ticket = Ticket {
+                band,
+                tenant,
+                weight: 1,
+                cost: 0,
+                deadline: None,
+            };
+            tracing::debug!(
+                objective_ms = objective_s * 1000.0,
+                "no worker estimated to meet the request's TTFT objective; refused"
+            );
+            return Err(gw
+                .overload
+                .flow
+                .refuse(&ticket, ShedReason::ObjectiveUnmet)
+                .into());
+        }
+    };
+    let burst = matches!(target, PlanTarget::Provider { .. });
+    Ok(replan(&plan, from, target, burst))
+}
+
+/// Where a request with a TTFT objective of `objective_s` goes among a plan's `targets`.
+#[derive(Debug, PartialEq)]
+pub enum Choice {
+    /// The plan as it is (a provider first, or `onMiss: Serve`).
+    Keep,
+    /// From target `.0` on, that target replaced by `.1` (a pool narrowed to the workers that meet
+    /// the objective, or the provider it bursts to).
+    Target(usize, PlanTarget),
+    /// Refused: nothing it may go to is estimated to meet it.
+    Refuse,
+}
+
+/// The [`Choice`] for `targets`, each pool's workers read through `pressure`, on a miss of the first
+/// pool what `on_miss` says (`providers`: a later provider may take the request); `notes` say what
+/// each target offered.
+pub fn choose(
+    targets: &[PlanTarget],
+    pressure: impl Fn(&str, Option<&[String]>) -> Vec<WorkerPressure>,
+    objective_s: f64,
+    on_miss: ObjectiveMiss,
+    providers: bool,
+    notes: &mut Vec<String>,
+) -> Choice {
+    for (i, target) in targets.iter().enumerate() {
         let first = i == 0;
         match target {
             PlanTarget::Pool {
@@ -158,56 +217,35 @@ fn meet_objective(
                 model,
                 workers,
             } => {
-                let pressure = gw.router.pressure(model, workers.as_deref());
+                let pressure = pressure(model, workers.as_deref());
                 let meet = meeting(&pressure, objective_s);
                 notes.push(format!("{}/{} of pool {pool}", meet.len(), pressure.len()));
-                if !meet.is_empty() && (first || rule.on_miss == ObjectiveMiss::Fallback) {
+                if !meet.is_empty() && (first || on_miss == ObjectiveMiss::Fallback) {
                     let narrowed = PlanTarget::Pool {
                         pool: pool.clone(),
                         model: model.clone(),
                         workers: Some(meet),
                     };
-                    explain(ex, objective_s, &notes);
-                    return Ok(replan(&plan, i, narrowed, false));
+                    return Choice::Target(i, narrowed);
                 }
                 if first {
-                    match rule.on_miss {
-                        ObjectiveMiss::Serve => {
-                            explain(ex, objective_s, &notes);
-                            return Ok(plan);
-                        }
-                        ObjectiveMiss::Refuse => break,
+                    match on_miss {
+                        ObjectiveMiss::Serve => return Choice::Keep,
+                        ObjectiveMiss::Refuse => return Choice::Refuse,
                         ObjectiveMiss::Fallback => {}
                     }
                 }
             }
             // Nothing to estimate: a plan that starts with a provider keeps it.
-            PlanTarget::Provider { .. } if first => return Ok(plan),
+            PlanTarget::Provider { .. } if first => return Choice::Keep,
             PlanTarget::Provider { provider, .. } if providers => {
                 notes.push(format!("provider {provider}"));
-                explain(ex, objective_s, &notes);
-                return Ok(replan(&plan, i, target.clone(), true));
+                return Choice::Target(i, target.clone());
             }
             PlanTarget::Provider { .. } => {}
         }
     }
-    explain(ex, objective_s, &notes);
-    let ticket = Ticket {
-        band,
-        tenant,
-        weight: 1,
-        cost: 0,
-        deadline: None,
-    };
-    tracing::debug!(
-        objective_ms = objective_s * 1000.0,
-        "no worker estimated to meet the request's TTFT objective; refused"
-    );
-    Err(gw
-        .overload
-        .flow
-        .refuse(&ticket, ShedReason::ObjectiveUnmet)
-        .into())
+    Choice::Refuse
 }
 
 /// `plan` from target `from` on, that target replaced by `target`; `burst` when a provider takes
@@ -315,5 +353,83 @@ mod tests {
         assert_eq!(meeting(&pressure, 0.2), ["a"]);
         assert_eq!(meeting(&pressure, 1.5), ["a", "b"]);
         assert!(meeting(&pressure, 0.05).is_empty());
+    }
+
+    fn pool(name: &str) -> PlanTarget {
+        PlanTarget::Pool {
+            pool: name.into(),
+            model: format!("model-{name}"),
+            workers: None,
+        }
+    }
+
+    fn provider() -> PlanTarget {
+        PlanTarget::Provider {
+            provider: "cloud".into(),
+            model: "cloud-mini".into(),
+        }
+    }
+
+    /// Pool `a`'s workers are estimated at 2 s and 3 s, pool `b`'s at 0.1 s and 1 s.
+    fn pressure(model: &str, _: Option<&[String]>) -> Vec<WorkerPressure> {
+        match model {
+            "model-a" => vec![at("a1", 2.0), at("a2", 3.0)],
+            "model-b" => vec![at("b1", 0.1), at("b2", 1.0)],
+            _ => Vec::new(),
+        }
+    }
+
+    fn narrowed(name: &str, workers: &[&str]) -> PlanTarget {
+        PlanTarget::Pool {
+            pool: name.into(),
+            model: format!("model-{name}"),
+            workers: Some(workers.iter().map(|w| w.to_string()).collect()),
+        }
+    }
+
+    #[test]
+    fn a_missed_objective_falls_back_refuses_or_serves_as_the_tenant_says() {
+        use ObjectiveMiss::{Fallback, Refuse, Serve};
+        let choose = |targets: &[PlanTarget], objective_s, miss, providers| {
+            choose(
+                targets,
+                pressure,
+                objective_s,
+                miss,
+                providers,
+                &mut Vec::new(),
+            )
+        };
+        let plan = [pool("a"), pool("b"), provider()];
+        // Met by the first pool: narrowed to the workers that meet it, whatever onMiss says.
+        for miss in [Fallback, Refuse, Serve] {
+            assert_eq!(
+                choose(&plan, 2.5, miss, true),
+                Choice::Target(0, narrowed("a", &["a1"]))
+            );
+        }
+        // Missed by the first pool: the next pool that meets it, narrowed.
+        assert_eq!(
+            choose(&plan, 0.5, Fallback, true),
+            Choice::Target(1, narrowed("b", &["b1"]))
+        );
+        // Missed by every pool: the next provider (a burst), where one may take it.
+        assert_eq!(
+            choose(&plan, 0.05, Fallback, true),
+            Choice::Target(2, provider())
+        );
+        assert_eq!(choose(&plan, 0.05, Fallback, false), Choice::Refuse);
+        // Refuse and Serve look no further than the first pool.
+        assert_eq!(choose(&plan, 0.5, Refuse, true), Choice::Refuse);
+        assert_eq!(choose(&plan, 0.5, Serve, true), Choice::Keep);
+        // A plan that starts with a provider is kept; a pool with no healthy worker meets nothing.
+        assert_eq!(
+            choose(&[provider(), pool("a")], 0.05, Refuse, true),
+            Choice::Keep
+        );
+        assert_eq!(
+            choose(&[pool("ghost")], 60.0, Fallback, true),
+            Choice::Refuse
+        );
     }
 }
