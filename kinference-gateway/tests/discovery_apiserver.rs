@@ -721,8 +721,12 @@ async fn standard_objectives_are_followed_into_bands() {
         )
         .expect("router"),
     );
-    let config: KubernetesConfig =
-        serde_json::from_value(json!({"namespaces": [NS]})).expect("config");
+    // Objectives are read in picker mode.
+    let config: KubernetesConfig = serde_json::from_value(json!({
+        "namespaces": [NS],
+        "picker_service": "kinference-picker"
+    }))
+    .expect("config");
     let discovery = Discovery::start(
         client.clone(),
         &config,

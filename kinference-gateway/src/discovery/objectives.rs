@@ -14,7 +14,9 @@
 //! (the header names no namespace; the cautious reading wins). `poolRef` is kept and shown, not
 //! matched: Kinference applies the objective to whichever pool serves the request.
 //!
-//! Without the CRD nothing is watched; its presence is checked again every [`CRD_RECHECK`], so
+//! Read in picker mode only (`kubernetes.picker_service`, the chart's
+//! `gateway.extproc.servesStandardPools`, which grants list and watch on them). Without the CRD
+//! nothing is watched; its presence is checked again every [`CRD_RECHECK`], so
 //! installing it later needs no restart.
 
 use std::collections::BTreeMap;
