@@ -93,6 +93,28 @@ pub struct InferencePoolSpec {
     /// decode workers. Without it a pool that holds `prefill` workers splits with the defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disaggregation: Option<Disaggregation>,
+    /// How the pool's workers order their own waiting requests: `Priority` where every one runs
+    /// vLLM with `--scheduling-policy priority`; the gateway then sends each request's band as the
+    /// body's `priority` (high -1, medium 0, low 1: lower runs earlier).
+    #[serde(default, skip_serializing_if = "SchedulingPolicy::is_fcfs")]
+    pub scheduling_policy: SchedulingPolicy,
+}
+
+/// The order in which a worker serves its waiting requests (vLLM's `--scheduling-policy`).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, JsonSchema, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served (vLLM's default): no `priority` is sent.
+    #[default]
+    Fcfs,
+    /// By the request's `priority` (lower first), then arrival.
+    Priority,
+}
+
+impl SchedulingPolicy {
+    /// Whether it is the default (left out when serialized).
+    pub fn is_fcfs(&self) -> bool {
+        *self == SchedulingPolicy::Fcfs
+    }
 }
 
 /// A worker's part in prefill/decode disaggregation (vLLM started with a KV connector, e.g.

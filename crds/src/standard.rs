@@ -15,6 +15,10 @@ use serde::{Deserialize, Serialize};
 
 /// API group of the standard resources.
 pub const GROUP: &str = "inference.networking.k8s.io";
+/// API group of the standard's alpha resources ([`InferenceObjective`]).
+pub const X_GROUP: &str = "inference.networking.x-k8s.io";
+/// The request header naming a request's [`InferenceObjective`] (its `metadata.name`).
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
 /// The most ports a pool may expose (`targetPorts` `MaxItems`).
 pub const MAX_TARGET_PORTS: usize = 8;
 /// The endpoint picker port a Service reference implies when it names none.
@@ -117,6 +121,51 @@ impl InferencePoolSpec {
     }
 }
 
+/// The standard's `InferenceObjective` (`inference.networking.x-k8s.io/v1alpha2`): how important a
+/// workload's requests are against the others of its pool. A request names one by its
+/// `metadata.name` in [`OBJECTIVE_HEADER`]. The fields follow the alpha API types
+/// (`apix/v1alpha2/inferenceobjective_types.go`; `priority` was `criticality` in earlier revisions);
+/// the CRD YAML the tests install is
+/// `deploy/gateway-api/crds/inference.networking.x-k8s.io_inferenceobjectives.yaml`.
+#[derive(CustomResource, Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[kube(
+    group = "inference.networking.x-k8s.io",
+    version = "v1alpha2",
+    kind = "InferenceObjective",
+    namespaced,
+    schema = "disabled"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct InferenceObjectiveSpec {
+    /// Higher is served first when the pool is short of room; negative values are allowed; unset
+    /// is 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    /// The pool (in the objective's namespace) whose requests it describes.
+    pub pool_ref: PoolObjectReference,
+}
+
+/// A pool in the referrer's namespace.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolObjectReference {
+    /// API group of the pool (the standard's `inference.networking.k8s.io` when empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Kind of the pool (`InferencePool` when empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Name of the pool.
+    pub name: String,
+}
+
+impl InferenceObjectiveSpec {
+    /// The priority, 0 when unset.
+    pub fn priority(&self) -> i32 {
+        self.priority.unwrap_or(0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,6 +198,24 @@ spec:
         ]);
         assert!(p.spec.selects(&labels));
         assert!(!p.spec.selects(&BTreeMap::new()));
+    }
+
+    #[test]
+    fn an_objective_has_a_priority_zero_when_unset_and_names_its_pool() {
+        let o: InferenceObjective = serde_yaml::from_str(
+            "apiVersion: inference.networking.x-k8s.io/v1alpha2
+kind: InferenceObjective
+metadata: {name: chat-critical, namespace: inference}
+spec: {priority: 10, poolRef: {name: qwen}}
+",
+        )
+        .expect("objective");
+        assert_eq!(o.spec.priority(), 10);
+        assert_eq!(o.spec.pool_ref.name, "qwen");
+        let unset: InferenceObjectiveSpec =
+            serde_json::from_value(serde_json::json!({"poolRef": {"name": "qwen"}})).expect("spec");
+        assert_eq!(unset.priority(), 0);
+        assert!(serde_json::from_value::<InferenceObjectiveSpec>(serde_json::json!({})).is_err());
     }
 
     #[test]

@@ -165,10 +165,46 @@ pub struct TenantFlowControl {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1, max = 600000))]
     pub queue_deadline_ms: Option<u32>,
+    /// Its requests may name their own latency objectives (`x-kinference-ttft-objective-ms`,
+    /// `x-kinference-tpot-objective-ms`); absent: those headers are ignored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub objectives: Option<TenantObjectives>,
 }
 
 fn default_weight() -> u32 {
     1
+}
+
+/// The latency objectives a tenant's requests may name, and what happens when no worker is
+/// estimated to meet one.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantObjectives {
+    /// The tightest time-to-first-token objective its requests may name, in milliseconds; a
+    /// tighter one is taken as this (absent: 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 600000))]
+    pub min_ttft_ms: Option<u32>,
+    /// The tightest time-per-output-token objective its requests may name, in milliseconds; a
+    /// tighter one is taken as this (absent: 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 60000))]
+    pub min_tpot_ms: Option<u32>,
+    /// What happens when no worker of the plan's first pool is estimated to meet the objective.
+    #[serde(default)]
+    pub on_miss: ObjectiveMiss,
+}
+
+/// What the gateway does with a request whose objective no worker of its pool is estimated to meet.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash, JsonSchema, Default)]
+pub enum ObjectiveMiss {
+    /// The plan's next pool estimated to meet it, or its next provider (a burst); none: refused.
+    #[default]
+    Fallback,
+    /// Refused at once (503 `objective_unmet` with `Retry-After`), before it waits anywhere.
+    Refuse,
+    /// Served anyway, by the worker estimated fastest.
+    Serve,
 }
 
 impl Default for TenantFlowControl {
@@ -177,6 +213,7 @@ impl Default for TenantFlowControl {
             weight: default_weight(),
             request_priority: false,
             queue_deadline_ms: None,
+            objectives: None,
         }
     }
 }

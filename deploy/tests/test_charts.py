@@ -760,14 +760,16 @@ def test_rbac_gateway_reads_agent_endpointslices_outside_watched_namespaces() ->
 
 def test_picker_mode_serves_standard_pools_naming_the_extproc_service() -> None:
     """gateway.extproc.servesStandardPools: the gateway serves the standard InferencePools naming its
-    `-extproc` Service (kubernetes.picker_service) and may list and watch them; off by default."""
+    `-extproc` Service (kubernetes.picker_service) and may list and watch them and the standard
+    InferenceObjectives; off by default."""
     objects = render({"gateway": {"extproc": {"servesStandardPools": True}}})
     config = yaml.safe_load(one(objects, "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
     assert config["kubernetes"]["picker_service"] == "kinference-gateway-extproc"
     assert one(objects, "Service", "kinference-gateway-extproc")
     grants = rules_by_subject(objects)
     pools = {("inference.networking.k8s.io", "inferencepools", "", v) for v in WATCH}
-    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | pools
+    objectives = {("inference.networking.x-k8s.io", "inferenceobjectives", "", v) for v in WATCH}
+    assert normalise(grants[("kinference-gateway", NAMESPACE)]) == GATEWAY_RULES | pools | objectives
     default = yaml.safe_load(one(render({}), "ConfigMap", "kinference-gateway")["data"]["gateway.yaml"])
     assert "picker_service" not in default["kubernetes"]
 

@@ -222,6 +222,22 @@ pub struct GatewayConfig {
     /// their estimates count it (see [`crate::routing::replicas`]).
     #[serde(default)]
     pub replicas: crate::routing::replicas::ReplicasConfig,
+    /// How the workers listed here and the discovered pods no `InferencePool` speaks for order their
+    /// waiting requests: `priority` where they run vLLM with `--scheduling-policy priority`, so each
+    /// request is sent its band as `priority` (high -1, medium 0, low 1); default `fcfs`.
+    #[serde(default)]
+    pub scheduling_policy: SchedulingPolicyConfig,
+}
+
+/// `scheduling_policy:` of `gateway.yaml` (vLLM's `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SchedulingPolicyConfig {
+    /// First come, first served (vLLM's default): no `priority` is sent.
+    #[default]
+    Fcfs,
+    /// By the request's `priority`, lower first.
+    Priority,
 }
 
 /// `disaggregation:` of `gateway.yaml`.

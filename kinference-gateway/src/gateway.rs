@@ -44,6 +44,8 @@ pub struct Gateway {
     pub overload: crate::overload::Overload,
     /// Set on SIGTERM: `/readyz` answers 503 while the listeners still serve.
     pub draining: AtomicBool,
+    /// The standard `InferenceObjective`s discovery found (empty outside a cluster).
+    pub objectives: crate::discovery::objectives::Objectives,
 }
 
 /// What [`Gateway::assemble`] builds a gateway from besides its router; what is not given takes
@@ -113,6 +115,7 @@ impl Gateway {
             health: Arc::new(health),
             overload,
             draining: Default::default(),
+            objectives: Default::default(),
         }))
     }
 

@@ -92,6 +92,9 @@ async fn main() -> anyhow::Result<()> {
         (Some(found), Some(kubernetes)) => found.peer_urls(kubernetes),
         _ => None,
     };
+    router.set_default_priority_scheduling(
+        config.scheduling_policy == kinference_gateway::config::SchedulingPolicyConfig::Priority,
+    );
     router.share_with_replicas(
         &config.replicas,
         args.access
@@ -163,6 +166,10 @@ async fn main() -> anyhow::Result<()> {
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),
+        objectives: _discovery
+            .as_ref()
+            .map(|d| d.objectives())
+            .unwrap_or_default(),
     });
 
     // Pools with their own worker key or headers (InferencePool workerCredentials/workerHeaders).

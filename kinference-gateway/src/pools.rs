@@ -7,7 +7,9 @@
 //! - each pool's workers get the pool's own credentials and headers (`workerCredentials`,
 //!   `workerHeaders`) from the upstream client ([`Pools::spawn_worker_headers`]);
 //! - the providers' clients, made once per provider and reused ([`Pools::provider`]);
-//! - the pools' members for the fleet gauges ([`Pools::members`]).
+//! - the pools' members for the fleet gauges ([`Pools::members`]);
+//! - each pool's `schedulingPolicy` to its members in the router: a worker with priority
+//!   scheduling is sent each request's band as `priority` ([`crate::pipeline::forward`]).
 //!
 //! The decisions name pools and providers; only this module turns those names into workers'
 //! headers and provider clients.
@@ -303,9 +305,21 @@ pub fn role(role: kinference_crds::WorkerRole) -> WorkerRole {
     }
 }
 
-/// Gives the members of every pool with a `role` that role, where they have none of their own.
+/// Gives the members of every pool with a `role` that role, where they have none of their own,
+/// and every pool's members its `schedulingPolicy` (static endpoints and selector members alike).
 fn apply_member_roles(stage: &PolicyStage, router: &Router) {
     let set = stage.current();
+    for pool in set.pools.values() {
+        let priority = pool.spec.scheduling_policy == kinference_crds::SchedulingPolicy::Priority;
+        for endpoint in &pool.spec.endpoints {
+            router.set_priority_scheduling(endpoint.url.trim_end_matches('/'), priority);
+        }
+        if pool.spec.selector.is_some() {
+            for member in stage.members(&pool.spec).unwrap_or_default() {
+                router.set_priority_scheduling(&member, priority);
+            }
+        }
+    }
     for pool in set.pools.values() {
         if pool.spec.role.is_both() || pool.spec.selector.is_none() {
             continue;

@@ -4,7 +4,8 @@
 //! (Running, Ready, pod IP), relabels and deletes pods, and publishes agent EndpointSlices; the router's
 //! worker set and the discovered agents must follow within seconds. A second test runs the real
 //! gateway binary with the chart's `kubernetes:` block and a kubeconfig: requests reach a `vllm-sim`
-//! worker only while its pod is ready.
+//! worker only while its pod is ready. The standard `InferencePool` and `InferenceObjective` CRDs
+//! (written from the standard's API types, `deploy/gateway-api/crds/`) are installed and followed.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
@@ -629,4 +630,140 @@ async fn a_standard_pool_naming_the_picker_service_is_served_port_by_port() {
         "{:?}",
         pool.data
     );
+}
+
+/// The standard `InferenceObjective` CRD the tests install (written from the v1alpha2 API types).
+fn objective_crd()
+-> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    let path = testkit::repo_root()
+        .join("deploy/gateway-api/crds/inference.networking.x-k8s.io_inferenceobjectives.yaml");
+    serde_yaml::from_str(&std::fs::read_to_string(path).expect("CRD file")).expect("CRD")
+}
+
+fn objective(name: &str, priority: Option<i64>) -> DynamicObject {
+    let mut spec = json!({"poolRef": {"name": "qwen"}});
+    if let Some(p) = priority {
+        spec["priority"] = json!(p);
+    }
+    serde_json::from_value(json!({
+        "apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec
+    }))
+    .expect("objective")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_objectives_are_followed_into_bands() {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kinference_crds::TenantPriority::{High, Low, Medium};
+    let Some(server) = Apiserver::start("standard-objective") else {
+        return;
+    };
+    let client = client(&server).await;
+    let namespaces: Api<Namespace> = Api::all(client.clone());
+    namespaces
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": NS}}))
+            .expect("namespace"),
+        )
+        .await
+        .expect("create namespace");
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    crds.create(&PostParams::default(), &objective_crd())
+        .await
+        .expect("install the standard InferenceObjective CRD");
+    let resource = kube::api::ApiResource {
+        group: "inference.networking.x-k8s.io".into(),
+        version: "v1alpha2".into(),
+        api_version: "inference.networking.x-k8s.io/v1alpha2".into(),
+        kind: "InferenceObjective".into(),
+        plural: "inferenceobjectives".into(),
+    };
+    let objectives: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
+    let start = Instant::now();
+    while objectives.list(&Default::default()).await.is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "CRD never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The schema is the standard's: a poolRef is required; its kind and group take their defaults.
+    let mut orphan = objective("orphan", Some(1));
+    orphan.data["spec"] = json!({"priority": 1});
+    assert!(
+        objectives
+            .create(&PostParams::default(), &orphan)
+            .await
+            .is_err(),
+        "poolRef is required"
+    );
+    let created = objectives
+        .create(&PostParams::default(), &objective("chat", Some(10)))
+        .await
+        .expect("create chat");
+    assert_eq!(created.data["spec"]["poolRef"]["kind"], "InferencePool");
+    assert_eq!(
+        created.data["spec"]["poolRef"]["group"],
+        "inference.networking.k8s.io"
+    );
+
+    let router = Arc::new(
+        Router::with_tuning(
+            RoutingConfig::default(),
+            RoutingTuning {
+                connect_agents: false,
+                ..Default::default()
+            },
+        )
+        .expect("router"),
+    );
+    // Objectives are read in picker mode.
+    let config: KubernetesConfig = serde_json::from_value(json!({
+        "namespaces": [NS],
+        "picker_service": "kinference-picker"
+    }))
+    .expect("config");
+    let discovery = Discovery::start(
+        client.clone(),
+        &config,
+        Arc::clone(&router) as Arc<dyn WorkerSink>,
+    );
+    let table = discovery.objectives();
+    eventually("a listed objective's priority is its band", || {
+        table.band("chat") == Some(High)
+    })
+    .await;
+    objectives
+        .create(&PostParams::default(), &objective("batch", None))
+        .await
+        .expect("create batch");
+    eventually("an objective without priority is medium", || {
+        table.band("batch") == Some(Medium)
+    })
+    .await;
+    objectives
+        .patch(
+            "chat",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"priority": -5}})),
+        )
+        .await
+        .expect("patch chat");
+    eventually("a changed priority changes the band", || {
+        table.band("chat") == Some(Low)
+    })
+    .await;
+    objectives
+        .delete("chat", &DeleteParams::default())
+        .await
+        .expect("delete chat");
+    eventually("a deleted objective names no band", || {
+        table.band("chat").is_none()
+    })
+    .await;
+    assert_eq!(table.band("batch"), Some(Medium));
 }

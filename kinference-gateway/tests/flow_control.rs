@@ -4,6 +4,14 @@
 //! unsaturated pool serves at once; the shed and saturation metrics say why. The worker is a canned
 //! loopback server (nothing here needs a real engine: the saturation signal is forced through the
 //! TTFT target).
+//!
+//! Per-request objectives and the engine's priority: a TTFT objective no worker is estimated to
+//! meet is refused at once (503 `objective_unmet`, `Retry-After`) where the tenant's `onMiss` says
+//! `Refuse`, served where it says `Serve` or the objective is met, and ignored from a tenant
+//! without `objectives`; a gateway whose workers run `--scheduling-policy priority` sends each
+//! request's band as the body's `priority`, and one whose workers do not sends none.
+
+use std::sync::Arc;
 
 mod support;
 
@@ -38,6 +46,60 @@ async fn canned_worker() -> u16 {
     port
 }
 
+/// A worker that answers like [`canned_worker`] and keeps every request body it receives.
+async fn recording_worker() -> (u16, Arc<parking_lot::Mutex<Vec<String>>>) {
+    let bodies = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let kept = Arc::clone(&bodies);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let kept = Arc::clone(&kept);
+            tokio::spawn(async move {
+                // Head and body, by its content-length.
+                let mut got = Vec::new();
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    let Ok(n) = socket.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&got).to_string();
+                    let Some(end) = text.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length = text[..end]
+                        .lines()
+                        .find_map(|l| {
+                            let (k, v) = l.split_once(':')?;
+                            k.eq_ignore_ascii_case("content-length")
+                                .then(|| v.trim().parse::<usize>().ok())?
+                        })
+                        .unwrap_or(0);
+                    if got.len() >= end + 4 + length {
+                        if text.starts_with("POST") {
+                            kept.lock().push(text[end + 4..].to_string());
+                        }
+                        break;
+                    }
+                }
+                let body = format!(
+                    r#"{{"id":"c","object":"chat.completion","created":0,"model":"{MODEL}","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
+                );
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    (port, bodies)
+}
+
 /// A gateway with tenants `bulk` (low priority) and `gold` (high) in front of `worker`, with
 /// `flags`: (process, API port, admin port).
 async fn gateway(
@@ -45,21 +107,34 @@ async fn gateway(
     worker: u16,
     flags: &[&str],
 ) -> (testkit::ChildGuard, u16, u16) {
-    for (name, priority) in [("bulk", "Low"), ("gold", "High")] {
+    gateway_with(dir, worker, flags, "", &[]).await
+}
+
+/// [`gateway`] with `extra` lines in `gateway.yaml` and more tenants (name, priority, spec lines).
+async fn gateway_with(
+    dir: &std::path::Path,
+    worker: u16,
+    flags: &[&str],
+    extra: &str,
+    more: &[(&str, &str, &str)],
+) -> (testkit::ChildGuard, u16, u16) {
+    let mut specs: Vec<(&str, &str, &str)> = vec![("bulk", "Low", ""), ("gold", "High", "")];
+    specs.extend_from_slice(more);
+    for &(name, priority, spec) in &specs {
         let secret = dir.join("secrets").join(name);
         std::fs::create_dir_all(&secret).expect("secret dir");
         std::fs::write(secret.join("api-key"), format!("sk-{name}")).expect("key");
         std::fs::write(
             dir.join(format!("{name}.yaml")),
             format!(
-                "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec:\n  apiKeys: [{{secretRef: {{name: {name}, key: api-key}}}}]\n  priority: {priority}\n"
+                "apiVersion: kinference.ai/v1alpha1\nkind: InferenceTenant\nmetadata: {{name: {name}}}\nspec:\n  apiKeys: [{{secretRef: {{name: {name}, key: api-key}}}}]\n  priority: {priority}\n{spec}"
             ),
         )
         .expect("tenant");
     }
     let tenants = dir.join("tenants");
     std::fs::create_dir_all(&tenants).expect("tenants dir");
-    for name in ["bulk", "gold"] {
+    for &(name, _, _) in &specs {
         std::fs::rename(
             dir.join(format!("{name}.yaml")),
             tenants.join(format!("{name}.yaml")),
@@ -70,7 +145,7 @@ async fn gateway(
     std::fs::write(
         &config,
         format!(
-            "models:\n  - name: {MODEL}\nworkers:\n  - url: http://127.0.0.1:{worker}\n    model: {MODEL}\nrouting: least-outstanding\ntenancy:\n  tenants_dir: {}\n  secrets_dir: {}\n  usage_journal: {}\n",
+            "models:\n  - name: {MODEL}\nworkers:\n  - url: http://127.0.0.1:{worker}\n    model: {MODEL}\nrouting: least-outstanding\n{extra}tenancy:\n  tenants_dir: {}\n  secrets_dir: {}\n  usage_journal: {}\n",
             tenants.display(),
             dir.join("secrets").display(),
             dir.join("usage.jsonl").display()
@@ -192,4 +267,137 @@ async fn a_pool_with_room_serves_at_once() {
         !metrics.contains("kinference_gateway_flow_shed_total{"),
         "{metrics}"
     );
+}
+
+/// `post` with more headers.
+async fn post_with(api: u16, key: &str, headers: &[(&str, &str)]) -> (u16, String, String) {
+    let bearer = format!("Bearer {key}");
+    let mut all = vec![("authorization", bearer.as_str())];
+    all.extend_from_slice(headers);
+    support::call(
+        "127.0.0.1",
+        api,
+        "POST",
+        "/v1/chat/completions",
+        &all,
+        &chat_body(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_ttft_objective_no_worker_meets_is_refused_at_once_where_the_tenant_says_refuse() {
+    let worker = canned_worker().await;
+    let scratch = support::TempDir::new("flow-objective");
+    // Nothing is served before the tight objectives are asked for: the estimate is the prior's
+    // (20 ms and more), well above 1 ms and well below a minute.
+    let (_gw, api, admin) = gateway_with(
+        &scratch.0,
+        worker,
+        &["--flow-retry-after-seconds=7"],
+        "",
+        &[
+            (
+                "strict",
+                "Medium",
+                "  flowControl:\n    objectives: {onMiss: Refuse}\n",
+            ),
+            (
+                "lenient",
+                "Medium",
+                "  flowControl:\n    objectives: {onMiss: Serve}\n",
+            ),
+            (
+                "floored",
+                "Medium",
+                "  flowControl:\n    objectives: {minTtftMs: 60000, onMiss: Refuse}\n",
+            ),
+        ],
+    )
+    .await;
+    let tight = [("x-kinference-ttft-objective-ms", "1")];
+    let started = Instant::now();
+    let (status, head, answer) = post_with(api, "sk-strict", &tight).await;
+    assert_eq!(status, 503, "{answer}");
+    assert!(head.contains("retry-after: 7"), "{head}");
+    assert!(answer.contains(r#""code":"objective_unmet""#), "{answer}");
+    assert!(started.elapsed() < Duration::from_millis(500), "at once");
+    // In the Anthropic protocol too.
+    let bearer = "sk-strict";
+    let anthropic = format!(
+        r#"{{"model":"{MODEL}","max_tokens":2,"messages":[{{"role":"user","content":"hello"}}]}}"#
+    );
+    let (status, _, answer) = support::call(
+        "127.0.0.1",
+        api,
+        "POST",
+        "/v1/messages",
+        &[
+            ("x-api-key", bearer),
+            ("x-kinference-ttft-objective-ms", "1"),
+        ],
+        &anthropic,
+    )
+    .await;
+    assert_eq!(status, 503, "{answer}");
+    assert!(answer.contains(r#""type":"overloaded_error""#), "{answer}");
+    // The tenant's floor: an objective tighter than 60 s is held to 60 s, which the worker meets.
+    let (status, _, answer) = post_with(api, "sk-floored", &tight).await;
+    assert_eq!(status, 200, "{answer}");
+    // `Serve` serves anyway; a tenant without objectives ignores the header.
+    let (status, _, answer) = post_with(api, "sk-lenient", &tight).await;
+    assert_eq!(status, 200, "{answer}");
+    let (status, _, answer) = post_with(api, "sk-gold", &tight).await;
+    assert_eq!(status, 200, "{answer}");
+    // A generous objective is met.
+    let (status, _, answer) = post_with(
+        api,
+        "sk-strict",
+        &[("x-kinference-ttft-objective-ms", "60000")],
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let metrics = support::metrics_text(admin).await;
+    let line = r#"kinference_gateway_flow_shed_total{band="medium",tenant="strict",reason="objective_unmet"} 2"#;
+    assert!(metrics.contains(line), "{line} in\n{metrics}");
+}
+
+#[tokio::test]
+async fn workers_with_priority_scheduling_are_sent_the_band_as_priority_and_others_none() {
+    let (worker, bodies) = recording_worker().await;
+    let scratch = support::TempDir::new("flow-engine-priority");
+    let (_gw, api, _) = gateway_with(
+        &scratch.0,
+        worker,
+        &[],
+        "scheduling_policy: priority\n",
+        &[],
+    )
+    .await;
+    let recorded = &bodies;
+    let sent = |key: &'static str, headers: &'static [(&'static str, &'static str)]| async move {
+        let before = recorded.lock().len();
+        let (status, _, answer) = post_with(api, key, headers).await;
+        assert_eq!(status, 200, "{answer}");
+        let got = recorded.lock()[before..].to_vec();
+        assert_eq!(got.len(), 1, "{got:?}");
+        serde_json::from_str::<serde_json::Value>(&got[0]).expect("json body")["priority"].clone()
+    };
+    assert_eq!(sent("sk-gold", &[]).await, serde_json::json!(-1));
+    assert_eq!(sent("sk-bulk", &[]).await, serde_json::json!(1));
+    // Gold may lower itself; bulk may not raise itself.
+    let low = &[("x-kinference-priority", "low")];
+    assert_eq!(sent("sk-gold", low).await, serde_json::json!(1));
+    let high = &[("x-kinference-priority", "high")];
+    assert_eq!(sent("sk-bulk", high).await, serde_json::json!(1));
+
+    // Without priority scheduling: no `priority` at all (vLLM refuses one other than 0 then).
+    let (worker, bodies) = recording_worker().await;
+    let scratch = support::TempDir::new("flow-engine-fcfs");
+    let (_gw, api, _) = gateway(&scratch.0, worker, &[]).await;
+    let (status, _, answer) = post_with(api, "sk-gold", &[]).await;
+    assert_eq!(status, 200, "{answer}");
+    let got = bodies.lock().clone();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(!got[0].contains("priority"), "{}", got[0]);
 }

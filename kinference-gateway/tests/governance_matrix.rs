@@ -17,6 +17,14 @@
 //! - salted: on every endpoint whose worker keeps a prefix cache (`Endpoint::reaches_prefix_cache`),
 //!   the worker is sent the tenant's `cache_salt`, never the client's own, and another tenant's
 //!   differs (seen in the bodies the Remote stand-in receives);
+//! - flow control, on a third gateway whose pool is always saturated (`--flow-ttft-target-ms=1`,
+//!   nothing ever served there, so the estimate stays the prior's): a request waits and is shed at
+//!   its band's deadline, 503 `queue_deadline` with `Retry-After` in its protocol; a request naming
+//!   a TTFT objective no worker is estimated to meet, from a tenant whose `onMiss` is `Refuse`, is
+//!   refused at once, 503 `objective_unmet` with `Retry-After`;
+//! - prioritized: the Remote pool runs priority scheduling (`schedulingPolicy: Priority`), so every
+//!   body it receives on a prefix-cache endpoint carries the request's band as `priority` (a request
+//!   lowering itself to `low`: 1);
 //! - every answer echoes its `x-request-id`; every request has one access line and one root span.
 //!
 //! The local pool is a real `vllm-sim`; the Remote pool and the provider are in-test HTTP stand-ins
@@ -201,13 +209,14 @@ spec:
                 "sim",
                 &url(format!("127.0.0.1:{sim}")),
             ),
+            // Its workers run vLLM's `--scheduling-policy priority`: they are sent the band.
             policies::pool(
                 "remote",
                 MODEL,
                 "Remote",
                 "rented",
                 &url(remote.to_string()),
-            ),
+            ) + "  schedulingPolicy: Priority\n",
             policies::pool(
                 "ghost",
                 MODEL,
@@ -220,7 +229,12 @@ spec:
         ],
     );
     let mut tenants = vec![
-        tenant(dir, "acme", ACME, ""),
+        tenant(
+            dir,
+            "acme",
+            ACME,
+            "  flowControl:\n    objectives: {minTtftMs: 1, onMiss: Refuse}\n",
+        ),
         tenant(dir, "narrow", NARROW, "  allowedModels: [another-model]\n"),
         tenant(dir, "other", OTHER, ""),
     ];
@@ -303,6 +317,9 @@ struct Fleet {
     tight_api: u16,
     tight_envoy: Envoy,
     tight_xp: SocketAddr,
+    /// The gateway whose pool is always saturated (flow control).
+    saturated_api: u16,
+    saturated_envoy: Envoy,
     http: Client<HttpConnector, Full<Bytes>>,
     remote: Arc<Counter>,
     provider: Arc<Counter>,
@@ -337,9 +354,11 @@ impl Fleet {
         let Call {
             door,
             tight,
+            saturated,
             endpoint,
             key,
             tags,
+            extra,
             body,
             phase,
         } = call;
@@ -362,13 +381,18 @@ impl Fleet {
         if let Some(t) = tags {
             headers.push(("x-kinference-tags", t));
         }
-        if !tight {
+        headers.extend(extra.iter().copied());
+        if !tight && !saturated {
             self.sent.lock().push((id.clone(), trace));
         }
         let method = endpoint.method().to_string();
         let (status, got, text) = match door {
             Door::Http => {
-                let port = if tight { self.tight_api } else { self.api };
+                let port = match (tight, saturated) {
+                    (true, _) => self.tight_api,
+                    (_, true) => self.saturated_api,
+                    _ => self.api,
+                };
                 let mut req = hyper::Request::builder()
                     .method(method.as_str())
                     .uri(format!("http://127.0.0.1:{port}{}", endpoint.path()))
@@ -395,10 +419,10 @@ impl Fleet {
                 (status, got, String::from_utf8_lossy(&bytes).into_owned())
             }
             Door::ExtProcBuffered | Door::ExtProcStreamed => {
-                let mut envoy = if tight {
-                    self.tight_envoy.clone()
-                } else {
-                    self.envoy.clone()
+                let mut envoy = match (tight, saturated) {
+                    (true, _) => self.tight_envoy.clone(),
+                    (_, true) => self.saturated_envoy.clone(),
+                    _ => self.envoy.clone(),
                 };
                 envoy.body_mode = if door == Door::ExtProcStreamed {
                     BodyMode::Streamed
@@ -457,9 +481,13 @@ struct Call<'a> {
     door: Door,
     /// To the gateway held at its in-flight limit.
     tight: bool,
+    /// To the gateway whose pool is always saturated.
+    saturated: bool,
     endpoint: Endpoint,
     key: Option<&'a str>,
     tags: Option<&'a str>,
+    /// More headers.
+    extra: &'a [(&'a str, &'a str)],
     body: &'a [u8],
     phase: ResponsePhase,
 }
@@ -470,9 +498,11 @@ impl<'a> Call<'a> {
         Call {
             door,
             tight: false,
+            saturated: false,
             endpoint,
             key,
             tags: None,
+            extra: &[],
             body,
             phase: ResponsePhase::Streamed,
         }
@@ -665,6 +695,73 @@ async fn salted(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
     }
     if salts[0] == salts[1] {
         return Err("two tenants were sent the same cache_salt".into());
+    }
+    Ok(())
+}
+
+/// On the saturated gateway: the request waits, then is shed at its band's deadline (503
+/// `queue_deadline`, `Retry-After`, in its protocol).
+async fn flow_shed(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
+    let seen = f
+        .send(Call {
+            saturated: true,
+            ..Call::new(door, e, Some(ACME), &body(e, "hello", false, false))
+        })
+        .await?;
+    expect_status(&seen, 503, "a saturated pool past the queue deadline")?;
+    retry_after(&seen)?;
+    if !seen.body.contains("queue_deadline") {
+        return Err(format!("not shed for its deadline: {}", seen.body));
+    }
+    in_protocol(e, &seen)
+}
+
+/// On the saturated gateway: a TTFT objective no worker is estimated to meet, from a tenant whose
+/// `onMiss` is `Refuse`, is refused at once (503 `objective_unmet`, `Retry-After`, in its protocol).
+async fn objective(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
+    let started = Instant::now();
+    let seen = f
+        .send(Call {
+            saturated: true,
+            extra: &[("x-kinference-ttft-objective-ms", "1")],
+            ..Call::new(door, e, Some(ACME), &body(e, "hello", false, false))
+        })
+        .await?;
+    expect_status(&seen, 503, "an objective no worker meets")?;
+    retry_after(&seen)?;
+    if !seen.body.contains("objective_unmet") {
+        return Err(format!("not refused for its objective: {}", seen.body));
+    }
+    // Refused before it waits: the queue deadline there is 100 ms.
+    if started.elapsed() > Duration::from_millis(90) && door == Door::Http {
+        return Err(format!(
+            "refused after {:?}, not at once",
+            started.elapsed()
+        ));
+    }
+    in_protocol(e, &seen)
+}
+
+/// The Remote pool runs priority scheduling: a request lowered to the `low` band reaches it with
+/// `"priority": 1`.
+async fn prioritized(f: &Fleet, door: Door, e: Endpoint) -> Result<(), String> {
+    let before = f.remote.received.lock().len();
+    let seen = f
+        .send(Call {
+            extra: &[("x-kinference-priority", "low")],
+            ..Call::new(door, e, Some(ACME), &body(e, "hello there", false, false))
+                .tagged("to-remote")
+        })
+        .await?;
+    expect_status(&seen, 200, "to the Remote pool")?;
+    let received = f.remote.received.lock()[before..].to_vec();
+    let [one] = received.as_slice() else {
+        return Err(format!("{} bodies reached the worker", received.len()));
+    };
+    let (path, sent) = one.split_once(' ').unwrap_or_default();
+    let sent: Value = serde_json::from_str(sent).map_err(|e| format!("{path}: {e}"))?;
+    if sent["priority"] != json!(1) {
+        return Err(format!("{path} was sent priority {:?}", sent["priority"]));
     }
     Ok(())
 }
@@ -950,12 +1047,31 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
     );
     support::wait_until_ready(&mut tight, tight_admin).await;
     let tight_xp = SocketAddr::from(([127, 0, 0, 1], tight_xp));
+    // The same configuration, flow control on and every worker always full (a 1 ms TTFT target).
+    let saturated_dir = support::TempDir::new("matrix-saturated");
+    let saturated_config = write_config(&saturated_dir.0, sim_port, remote_addr, provider_addr, 0);
+    let (saturated_api, saturated_admin, saturated_xp) = (free_port(), free_port(), free_port());
+    let mut saturated = ChildGuard(
+        support::gateway_command(&saturated_config, saturated_api, saturated_admin)
+            .arg(format!("--extproc-listen=127.0.0.1:{saturated_xp}"))
+            .args([
+                "--flow-control",
+                "--flow-ttft-target-ms=1",
+                "--flow-deadline-ms=100",
+                "--flow-retry-after-seconds=4",
+            ])
+            .spawn()
+            .expect("starting the saturated gateway"),
+    );
+    support::wait_until_ready(&mut saturated, saturated_admin).await;
     let fleet = Fleet {
         api,
         envoy: Envoy::connect(SocketAddr::from(([127, 0, 0, 1], xp))).await,
         tight_api,
         tight_envoy: Envoy::connect(tight_xp).await,
         tight_xp,
+        saturated_api,
+        saturated_envoy: Envoy::connect(SocketAddr::from(([127, 0, 0, 1], saturated_xp))).await,
         http: Client::builder(TokioExecutor::new()).build_http(),
         remote,
         provider,
@@ -976,7 +1092,7 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
     })
     .await;
 
-    const CHECKS: [&str; 7] = [
+    const CHECKS: [&str; 10] = [
         "no key",
         "not allowed",
         "at limit",
@@ -984,6 +1100,9 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
         "billed",
         "overload",
         "salted",
+        "flow shed",
+        "objective",
+        "prioritized",
     ];
     let mut matrix: BTreeMap<(usize, Door), Vec<Cell>> = BTreeMap::new();
     // The OTLP exporter connects with the first span it sends: one request first, not counted.
@@ -1027,6 +1146,23 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
                     run(salted(&fleet, door, endpoint).await)
                 } else {
                     // No prefix cache behind it: tokenizing, or answered by the gateway.
+                    Cell::Na
+                },
+                if endpoint.reaches_backend() {
+                    run(flow_shed(&fleet, door, endpoint).await)
+                } else {
+                    // Answered by the gateway: no pool to wait for.
+                    Cell::Na
+                },
+                if endpoint.reaches_backend() {
+                    run(objective(&fleet, door, endpoint).await)
+                } else {
+                    Cell::Na
+                },
+                if endpoint.reaches_prefix_cache() {
+                    run(prioritized(&fleet, door, endpoint).await)
+                } else {
+                    // Tokenizing and the gateway's own answers have no engine queue.
                     Cell::Na
                 },
             ];

@@ -124,6 +124,13 @@ const BROKEN: &[(&str, &str, &str, usize, &str)] = &[
         "spec.rules[1].action.reject.status: 200 is below the minimum 400",
     ),
     (
+        "objective-range",
+        "schema",
+        "tenant.yaml",
+        9,
+        "spec.flowControl.objectives.minTtftMs: 0 is below the minimum 1",
+    ),
+    (
         "schema-unknown-field",
         "schema",
         "policy.yaml",
@@ -250,6 +257,30 @@ fn explain_an_object_offline_shows_its_state_and_conditions() {
             .is_some_and(|m| m.contains("pool-h100")),
         "{out}"
     );
+
+    // What the flow-control and objective fields do, in words.
+    let o = kinfctl(&["explain", "itenant/acme", "deploy/examples/policies"]);
+    let out = stdout(&o);
+    assert_eq!(o.status.code(), Some(0), "{out}");
+    for line in [
+        "flow control:",
+        "band medium",
+        "weight 2:",
+        "queue deadline: its band's (--flow-deadline-ms)",
+        "may only lower its band",
+        "TTFT no tighter than 100 ms",
+        "the plan's next pool estimated to meet it, or its next provider",
+    ] {
+        assert!(out.contains(line), "{line:?} in {out}");
+    }
+    let o = kinfctl(&["explain", "itenant/trial", "deploy/examples/policies"]);
+    assert!(
+        stdout(&o).contains("latency objectives: not allowed"),
+        "{}",
+        stdout(&o)
+    );
+    let o = kinfctl(&["explain", "ipool/l4-qwen3-8b", "deploy/examples/policies"]);
+    assert!(stdout(&o).contains("scheduling Fcfs"), "{}", stdout(&o));
 
     let o = kinfctl(&["explain", "pod/x", "deploy/examples/policies"]);
     assert_eq!(o.status.code(), Some(2));

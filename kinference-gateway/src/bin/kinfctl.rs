@@ -29,7 +29,7 @@ use kinference_gateway::policy::engine::{
     Backend, Outcome, PolicyDecision, PoolStates, RequestFacts, evaluate,
 };
 use kinference_gateway::policy::lint::{Severity, lint_dir};
-use kinference_gateway::policy::model::PolicySet;
+use kinference_gateway::policy::model::{PolicySet, Spec};
 use kinference_gateway::policy::source::load_dir;
 use serde::Deserialize;
 
@@ -357,7 +357,19 @@ fn explain_object_in_dir(target: &str, dir: &Path, format: Format) -> Result<boo
         .objects
         .values()
         .filter(|e| e.object.kind == kind && e.object.name == name)
-        .map(inspect::explain_entry)
+        .map(|e| {
+            let mut explained = inspect::explain_entry(e);
+            // What its flow-control fields do, as the set it serves holds it.
+            let spec = match snapshot.set.manifest(&e.object.key()).map(|m| m.spec) {
+                Some(Spec::Tenant(t)) => serde_json::to_value(t).ok(),
+                Some(Spec::Pool(p)) => serde_json::to_value(p).ok(),
+                _ => None,
+            };
+            if let Some(spec) = spec {
+                explained.flow = inspect::flow_notes(kind, &spec);
+            }
+            explained
+        })
         .collect();
     if found.is_empty() {
         for p in loaded.problems.iter().filter(|p| p.message.contains(name)) {

@@ -251,6 +251,83 @@ pub struct Explanation {
     pub state: &'static str,
     /// `status.conditions`.
     pub conditions: Vec<ConditionRow>,
+    /// What the object's flow-control and objective fields do, in words ([`flow_notes`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub flow: Vec<String>,
+}
+
+/// What the flow-control and objective fields of an object of `kind` with `spec` do, one line each:
+/// a tenant's band, weight, queue deadline, the bands its requests may claim and its latency
+/// objectives; a pool's scheduling policy. Empty for other kinds.
+pub fn flow_notes(kind: &str, spec: &Value) -> Vec<String> {
+    match kind {
+        "InferenceTenant" => {
+            let Ok(t) =
+                serde_json::from_value::<kinference_crds::InferenceTenantSpec>(spec.clone())
+            else {
+                return Vec::new();
+            };
+            let f = t.flow_control.clone().unwrap_or_default();
+            let mut out = vec![
+                format!(
+                    "band {}: waits in a saturated pool's queue behind higher bands, shed {} them",
+                    t.priority.as_str(),
+                    if t.priority == kinference_crds::TenantPriority::High {
+                        "after"
+                    } else {
+                        "before"
+                    }
+                ),
+                format!(
+                    "weight {}: its share of tokens let through among the tenants of its band",
+                    f.weight
+                ),
+                match f.queue_deadline_ms {
+                    Some(ms) => format!("queue deadline {ms} ms, then shed (503, Retry-After)"),
+                    None => "queue deadline: its band's (--flow-deadline-ms)".to_string(),
+                },
+                if f.request_priority {
+                    "x-kinference-priority and x-gateway-inference-objective may raise or lower its band".to_string()
+                } else {
+                    "x-kinference-priority and x-gateway-inference-objective may only lower its band".to_string()
+                },
+            ];
+            match &f.objectives {
+                None => out.push(
+                    "latency objectives: not allowed (x-kinference-ttft-objective-ms ignored)"
+                        .to_string(),
+                ),
+                Some(o) => {
+                    let miss = match o.on_miss {
+                        kinference_crds::ObjectiveMiss::Fallback => {
+                            "the plan's next pool estimated to meet it, or its next provider; else 503 objective_unmet"
+                        }
+                        kinference_crds::ObjectiveMiss::Refuse => {
+                            "503 objective_unmet at once, with Retry-After"
+                        }
+                        kinference_crds::ObjectiveMiss::Serve => {
+                            "served anyway by the fastest worker"
+                        }
+                    };
+                    out.push(format!(
+                        "latency objectives: TTFT no tighter than {} ms, TPOT no tighter than {} ms (not estimated yet); workers estimated to meet the TTFT are preferred; none: {miss}",
+                        o.min_ttft_ms.unwrap_or(1),
+                        o.min_tpot_ms.unwrap_or(1)
+                    ));
+                }
+            }
+            out
+        }
+        "InferencePool" => {
+            let priority = spec.get("schedulingPolicy").and_then(Value::as_str) == Some("Priority");
+            vec![if priority {
+                "scheduling Priority: its workers run --scheduling-policy priority and are sent each request's band as priority (high -1, medium 0, low 1)".to_string()
+            } else {
+                "scheduling Fcfs: its workers serve their own queue first come first served (no priority sent)".to_string()
+            }]
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// The apply state a status says, as [`super::ObjectState::name`] names it (None: no conditions).
@@ -298,6 +375,10 @@ pub fn explain_live(object: &ObjectRef, value: &Value) -> Explanation {
         serving_generation: i(&status, "/activeGeneration"),
         state: state_of(&status).unwrap_or("Pending"),
         conditions,
+        flow: value
+            .get("spec")
+            .map(|spec| flow_notes(object.kind, spec))
+            .unwrap_or_default(),
     }
 }
 
@@ -339,6 +420,12 @@ impl std::fmt::Display for Explanation {
                 "  {:<10} {:<5} {:<26} {}",
                 c.type_, c.status, c.reason, c.message
             )?;
+        }
+        if !self.flow.is_empty() {
+            writeln!(f, "  flow control:")?;
+        }
+        for line in &self.flow {
+            writeln!(f, "    {line}")?;
         }
         Ok(())
     }

@@ -4,6 +4,8 @@
 //!   Running and Ready with a pod IP. Pods coming, going, turning (un)ready and being relabelled are
 //!   followed with `kube::runtime::watcher` and fed to the router ([`WorkerSink`]) as they happen.
 //! - Agents ([`agents`]): the ready endpoints of the agent's headless Service (EndpointSlices).
+//! - In picker mode (`picker_service`), the standard `InferenceObjective`s of the watched namespaces,
+//!   where their CRD is served ([`objectives`]): the bands requests naming them ask for.
 //!
 //! Configured by the `kubernetes:` block the Helm chart writes into `gateway.yaml`
 //! ([`KubernetesConfig`]); without that block the gateway runs on its static configuration only.
@@ -14,6 +16,7 @@
 //! dropped with its cache view, and an agent pod replaced on a node (a new IP) is both, with no restart.
 
 pub mod agents;
+pub mod objectives;
 pub mod pods;
 pub mod standard;
 
@@ -62,7 +65,8 @@ pub struct KubernetesConfig {
     pub agent_grpc_port: u16,
     /// The name of Kinference's picker Service: standard (`inference.networking.k8s.io/v1`)
     /// `InferencePool`s in the watched namespaces whose `endpointPickerRef` names it are served,
-    /// their members' `podIP:port`s workers ([`standard`]). None: standard pools are not read.
+    /// their members' `podIP:port`s workers ([`standard`]), and the standard `InferenceObjective`s
+    /// are read ([`objectives`]). None: neither is read.
     #[serde(default)]
     pub picker_service: Option<String>,
     /// The gateway's own Service (in the pod's namespace): its other ready replicas, at the slices'
@@ -156,6 +160,7 @@ pub struct Discovery {
     workers_synced: (watch::Receiver<usize>, usize),
     agents: watch::Receiver<AgentSet>,
     peers: watch::Receiver<EndpointSet>,
+    objectives: objectives::Objectives,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -187,12 +192,19 @@ impl Discovery {
         let (synced_tx, synced_rx) = watch::channel(0usize);
         let synced_tx = Arc::new(synced_tx);
         let scope_count = scopes.len();
+        let objectives = objectives::Objectives::default();
         for ns in scopes {
             let api: Api<Pod> = match &ns {
                 Some(ns) => Api::namespaced(client.clone(), ns),
                 None => Api::all(client.clone()),
             };
             if let Some(service) = &config.picker_service {
+                // The standard's objectives belong with its pools: read in picker mode only.
+                tasks.push(tokio::spawn(objectives::follow(
+                    client.clone(),
+                    ns.clone(),
+                    objectives.clone(),
+                )));
                 tasks.push(tokio::spawn(standard::follow(
                     client.clone(),
                     ns.clone(),
@@ -248,8 +260,14 @@ impl Discovery {
             workers_synced: (synced_rx, scope_count),
             agents,
             peers,
+            objectives,
             tasks,
         }
+    }
+
+    /// The standard `InferenceObjective`s found, updated as they change.
+    pub fn objectives(&self) -> objectives::Objectives {
+        self.objectives.clone()
     }
 
     /// The discovered workers, updated as they change.

@@ -15,6 +15,8 @@
 //! answer's end, by a refusal, as abandoned when the stream breaks, or, when Envoy never showed the
 //! answer, as a success billed its reservation.
 
+use std::sync::Arc;
+
 use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::HeaderMap;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -45,11 +47,16 @@ use crate::telemetry::{self, REQUEST_ID_HEADER, RequestContext, propagation};
 
 /// The request headers the handler keeps: governance's (the API key, the policy tags, the admin
 /// key and debug flag) and telemetry's (the request id, the W3C trace context).
-const KEPT_HEADERS: [&str; 9] = [
+const KEPT_HEADERS: [&str; 13] = [
     "authorization",
     "x-api-key",
     "x-kinference-tags",
     "x-kinference-debug",
+    // The band and objectives a request claims (stage "queue" decides what they are worth).
+    crate::pipeline::exchange::PRIORITY_HEADER,
+    crate::pipeline::exchange::TTFT_OBJECTIVE_HEADER,
+    crate::pipeline::exchange::TPOT_OBJECTIVE_HEADER,
+    kinference_crds::standard::OBJECTIVE_HEADER,
     crate::access::ADMIN_KEY_HEADER,
     "content-length",
     REQUEST_ID_HEADER,
@@ -525,11 +532,12 @@ impl Session {
                     worker: worker.clone(),
                     endpoint: endpoint_addr,
                 });
+                let body = call.body_for(&self.handler.gw.router, &worker);
                 Verdict::Route(Destination {
                     endpoints: endpoints.join(","),
                     worker,
                     headers,
-                    body: call.body,
+                    body,
                 })
             }
             Err(error) => {
@@ -765,8 +773,7 @@ async fn stages(
     }
     let request = &prepared.request;
     handler.shed(request.model())?;
-    let plan = &prepared.plan;
-    queue::queue(gw, ex, request, plan).await?;
+    let plan = &queue::queue(gw, ex, request, Arc::clone(&prepared.plan)).await?;
     let mut last = None;
     for target in &plan.targets {
         // Envoy forwards to workers only.
@@ -777,6 +784,7 @@ async fn stages(
         let req = renamed.as_ref().unwrap_or(request);
         let mut call =
             forward::worker_call(gw, ex.endpoint, req, workers.as_deref(), Door::ExtProc)?;
+        call.priority = forward::priority_of(ex);
         if let Some(subset) = subset {
             // The proxy's subset hint: only its endpoints; none of them eligible is a 503.
             let allowed = subset.restrict(&gw.router.workers(), call.pool.as_deref());

@@ -163,6 +163,8 @@ pub enum ShedReason {
     Displaced,
     /// Its tenant has as many requests waiting as it may.
     TenantQueueFull,
+    /// No worker is estimated to meet its latency objective, and nothing else may serve it.
+    ObjectiveUnmet,
 }
 
 impl ShedReason {
@@ -173,6 +175,7 @@ impl ShedReason {
             ShedReason::QueueFull => "queue_full",
             ShedReason::Displaced => "displaced",
             ShedReason::TenantQueueFull => "tenant_queue_full",
+            ShedReason::ObjectiveUnmet => "objective_unmet",
         }
     }
 
@@ -464,6 +467,17 @@ impl FlowControl {
     /// The settings.
     pub fn settings(&self) -> &FlowSettings {
         &self.inner.settings
+    }
+
+    /// Refuses `ticket`'s request at once for `reason` (counted with the sheds), with the
+    /// configured `Retry-After`; flow control on or off.
+    pub fn refuse(&self, ticket: &Ticket, reason: ShedReason) -> Shed {
+        self.inner.metrics.shed(ticket.band, &ticket.tenant, reason);
+        Shed {
+            reason,
+            retry_after_s: self.inner.settings.retry_after_s,
+            waited: Duration::ZERO,
+        }
     }
 
     /// The saturation verdict on `probe`'s pool now (nothing let through counted).

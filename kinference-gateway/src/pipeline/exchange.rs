@@ -63,6 +63,44 @@ pub struct Exchange {
     pub settlement: Option<Settlement>,
     /// The band `x-kinference-priority` asks for (the queue stage decides whether it applies).
     pub asked_band: Option<kinference_crds::TenantPriority>,
+    /// The standard `InferenceObjective` named in `x-gateway-inference-objective`.
+    pub objective: Option<String>,
+    /// The latency objectives the request names ([`Objectives`]; the queue stage decides whether
+    /// its tenant may).
+    pub objectives: Objectives,
+    /// The band the queue stage gave the request (what a worker with priority scheduling is sent).
+    pub band: Option<kinference_crds::TenantPriority>,
+}
+
+/// The header naming a request's time-to-first-token objective, in milliseconds.
+pub const TTFT_OBJECTIVE_HEADER: &str = "x-kinference-ttft-objective-ms";
+/// The header naming a request's time-per-output-token objective, in milliseconds.
+pub const TPOT_OBJECTIVE_HEADER: &str = "x-kinference-tpot-objective-ms";
+
+/// A request's own latency objectives, in milliseconds (unparsable or 0: none).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Objectives {
+    /// Time to first token.
+    pub ttft_ms: Option<u32>,
+    /// Time per output token.
+    pub tpot_ms: Option<u32>,
+}
+
+impl Objectives {
+    /// The objectives `headers` name.
+    pub fn from_headers(headers: &HeaderMap) -> Self {
+        let ms = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u32>().ok())
+                .filter(|ms| *ms > 0)
+        };
+        Objectives {
+            ttft_ms: ms(TTFT_OBJECTIVE_HEADER),
+            tpot_ms: ms(TPOT_OBJECTIVE_HEADER),
+        }
+    }
 }
 
 impl Exchange {
@@ -94,6 +132,13 @@ impl Exchange {
             explain: None,
             settlement: Some(Settlement::new(metrics, protocol)),
             asked_band: asked_band(headers),
+            objective: headers
+                .get(kinference_crds::standard::OBJECTIVE_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty()),
+            objectives: Objectives::from_headers(headers),
+            band: None,
         }
     }
 

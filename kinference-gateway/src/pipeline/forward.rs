@@ -83,6 +83,42 @@ pub struct WorkerCall {
     pub pool: Option<Vec<String>>,
     /// How the worker is chosen.
     pub pick: Pick,
+    /// The request's band as vLLM's `priority` ([`engine_priority`]), for a worker with priority
+    /// scheduling.
+    pub priority: Option<i64>,
+}
+
+/// A band as vLLM's request `priority` (lower runs earlier; 0 is what a request without one gets, so
+/// the medium band is unchanged): high -1, medium 0, low 1.
+pub fn engine_priority(band: kinference_crds::TenantPriority) -> i64 {
+    match band {
+        kinference_crds::TenantPriority::High => -1,
+        kinference_crds::TenantPriority::Medium => 0,
+        kinference_crds::TenantPriority::Low => 1,
+    }
+}
+
+/// The `priority` a request of `ex` carries to a worker with priority scheduling: its band, on the
+/// endpoints an engine queues (those with a prefix cache; not tokenizing).
+pub fn priority_of(ex: &Exchange) -> Option<i64> {
+    if !ex.endpoint.reaches_prefix_cache() {
+        return None;
+    }
+    ex.band.map(engine_priority)
+}
+
+impl WorkerCall {
+    /// The body `worker` is sent: with the request's `priority` where the worker runs vLLM's
+    /// `--scheduling-policy priority` (a worker without it refuses a `priority` other than 0).
+    pub fn body_for(&self, router: &crate::routing::Router, worker: &str) -> Bytes {
+        match self.priority {
+            Some(priority) if router.priority_scheduling(worker) => {
+                with_members(&self.body, &[("priority", priority.to_string())])
+                    .unwrap_or_else(|_| self.body.clone())
+            }
+            _ => self.body.clone(),
+        }
+    }
 }
 
 /// How a worker is chosen for a call.
@@ -217,6 +253,7 @@ pub fn worker_call(
         model: request.model().to_string(),
         pool: pool.map(<[String]>::to_vec),
         pick,
+        priority: None,
     };
     if let Some(route) = endpoint.passthrough() {
         let pick = if route == crate::api::openai::passthrough::Route::Responses {
@@ -302,7 +339,8 @@ async fn to_worker(
     pool: Option<&[String]>,
     split: &pair::Disaggregation,
 ) -> Result<WorkerAnswer, GatewayError> {
-    let call = worker_call(gw, ex.endpoint, request, pool, ex.door)?;
+    let mut call = worker_call(gw, ex.endpoint, request, pool, ex.door)?;
+    call.priority = priority_of(ex);
     if pair::splits(&call, ex.door) && gw.router.has_prefill_workers(&call.model) {
         return pair::to_pair(gw, ex, request, call, split).await;
     }
@@ -375,8 +413,9 @@ async fn send_once(
         url: &decision.worker,
         path: call.path,
     };
+    let body = call.body_for(&gw.router, &decision.worker);
     let outgoing = Outgoing {
-        body: &call.body,
+        body: &body,
         ..outgoing(request)
     };
     let model = &call.model;

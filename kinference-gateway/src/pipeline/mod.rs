@@ -130,8 +130,8 @@ async fn run(
         let answer = local::answer(gw, ex, &prepared.request).await?;
         return Ok(json_response(StatusCode::OK, answer.to_string()));
     }
-    queue::queue(gw, ex, &prepared.request, &prepared.plan).await?;
-    let forwarded = forward::planned(gw, ex, &prepared.request, Arc::clone(&prepared.plan)).await?;
+    let plan = queue::queue(gw, ex, &prepared.request, Arc::clone(&prepared.plan)).await?;
+    let forwarded = forward::planned(gw, ex, &prepared.request, plan).await?;
     forward::relay(gw, ex, &prepared.request, forwarded).await
 }
 

@@ -129,7 +129,7 @@ impl From<GatewayError> for Refused {
 }
 
 /// One candidate of a plan.
-#[derive(Debug)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum PlanTarget {
     /// A pool: `model` is the served name to send; `workers` the pool's worker URLs (`None`: every
     /// worker serving `model`).

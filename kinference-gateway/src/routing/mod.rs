@@ -143,6 +143,11 @@ pub struct WorkerView {
 /// State shared by the router, its agent tasks and the in-flight tickets.
 struct Shared {
     mode: RoutingMode,
+    /// Workers known to run (true) or not to run (false) vLLM's `--scheduling-policy priority`,
+    /// from their pool; the others follow `default_priority`.
+    priority_scheduling: RwLock<std::collections::HashMap<String, bool>>,
+    /// Whether workers no pool speaks for run priority scheduling (`gateway.yaml`).
+    default_priority: std::sync::atomic::AtomicBool,
     tuning: RoutingTuning,
     prior_rates: Rates,
     /// Rates learned from every worker's observations; workers with few samples borrow them.
@@ -328,6 +333,8 @@ impl Router {
             metrics.stage_timers(config.mode.as_str(), config.mode == RoutingMode::Kinference);
         let shared = Arc::new(Shared {
             mode: config.mode,
+            priority_scheduling: RwLock::default(),
+            default_priority: Default::default(),
             fleet_rates: Mutex::new(prior_rates.clone()),
             prior_rates,
             workers: RwLock::new(table),
@@ -997,6 +1004,37 @@ impl Router {
         if let Some(w) = self.shared.workers.read().get(worker) {
             w.state.lock().pin_role(role);
         }
+    }
+
+    /// Whether workers no pool speaks for run vLLM's `--scheduling-policy priority` (`gateway.yaml`'s
+    /// `scheduling_policy`).
+    pub fn set_default_priority_scheduling(&self, on: bool) {
+        self.shared
+            .default_priority
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether `worker` runs priority scheduling, as its pool says (an `InferencePool`'s
+    /// `schedulingPolicy`).
+    pub fn set_priority_scheduling(&self, worker: &str, on: bool) {
+        self.shared
+            .priority_scheduling
+            .write()
+            .insert(worker.to_string(), on);
+    }
+
+    /// Whether `worker` orders its waiting requests by their `priority` (so it is sent one).
+    pub fn priority_scheduling(&self, worker: &str) -> bool {
+        self.shared
+            .priority_scheduling
+            .read()
+            .get(worker)
+            .copied()
+            .unwrap_or_else(|| {
+                self.shared
+                    .default_priority
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            })
     }
 
     /// Gives `worker` its pool's `role`, unless it has one of its own ([`Router::set_role`], an
