@@ -166,7 +166,7 @@ async fn main() -> anyhow::Result<()> {
         overload,
         access: kinference_gateway::access::Access::new(&args.access),
         draining: Default::default(),
-        objectives: _discovery
+        objectives: discovery
             .as_ref()
             .map(|d| d.objectives())
             .unwrap_or_default(),
