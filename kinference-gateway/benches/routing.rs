@@ -217,6 +217,7 @@ fn pool_pick(c: &mut Criterion) {
             debug: false,
             tokens: Some(&known),
             salt: None,
+            session: None,
         };
         let d = runtime
             .block_on(router.pick_except(req, within, &[]))

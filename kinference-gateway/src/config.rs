@@ -222,6 +222,10 @@ pub struct GatewayConfig {
     /// their estimates count it (see [`crate::routing::replicas`]).
     #[serde(default)]
     pub replicas: crate::routing::replicas::ReplicasConfig,
+    /// Conversations back to the worker of their previous turn (`x-session-id`, `user`,
+    /// `safety_identifier`, `metadata.user_id`); see [`crate::routing::sessions`].
+    #[serde(default)]
+    pub sessions: crate::routing::sessions::SessionsConfig,
 }
 
 /// `disaggregation:` of `gateway.yaml`.

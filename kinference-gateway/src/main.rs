@@ -87,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
     .await
     .context("building the router")?;
     router.set_pd_min_uncached_tokens(config.disaggregation.min_uncached_tokens);
+    router.configure_sessions(&config.sessions);
     router.share_with_replicas(
         &config.replicas,
         args.access

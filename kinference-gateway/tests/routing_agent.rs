@@ -181,6 +181,7 @@ async fn router_follows_a_real_agent_stream() {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     };
 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -280,6 +281,7 @@ async fn router_follows_a_real_agent_stream() {
             debug: false,
             tokens: None,
             salt: None,
+            session: None,
         })
         .await
         .unwrap();

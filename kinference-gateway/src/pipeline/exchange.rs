@@ -37,6 +37,9 @@ pub enum Door {
     ExtProc,
 }
 
+/// The header naming the conversation a request continues ([`crate::routing::sessions`]).
+pub const SESSION_HEADER: &str = "x-session-id";
+
 /// One request's state through the stages.
 #[derive(Debug)]
 pub struct Exchange {
@@ -63,6 +66,8 @@ pub struct Exchange {
     pub settlement: Option<Settlement>,
     /// The band `x-kinference-priority` asks for (the queue stage decides whether it applies).
     pub asked_band: Option<kinference_crds::TenantPriority>,
+    /// `x-session-id`: the conversation the request continues ([`Request::session_name`]).
+    pub session_header: Option<String>,
 }
 
 impl Exchange {
@@ -94,6 +99,10 @@ impl Exchange {
             explain: None,
             settlement: Some(Settlement::new(metrics, protocol)),
             asked_band: asked_band(headers),
+            session_header: headers
+                .get(SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
         }
     }
 
@@ -144,6 +153,8 @@ pub struct Request {
     /// The `cache_salt` its workers are sent ([`crate::tenancy::isolation`], set by stage "limit";
     /// `None`: unsalted): the router keys the prompt's blocks with it, as the worker will.
     pub cache_salt: Option<String>,
+    /// The conversation it continues, hashed with the caller's tenant (set by stage "limit").
+    pub session: Option<crate::routing::sessions::SessionKey>,
 }
 
 /// What each endpoint's request is.
@@ -333,6 +344,28 @@ impl Request {
             client_wants_usage: self.client_wants_usage,
             client_salt: self.client_salt.clone(),
             cache_salt: self.cache_salt.clone(),
+            session: self.session,
+        })
+    }
+
+    /// The name the client gave the conversation this request continues: `header` (`x-session-id`)
+    /// first, then the body's `safety_identifier`, then its `user` (Anthropic's `metadata.user_id`
+    /// arrives translated to it). Empty names count as none.
+    pub fn session_name(&self, header: Option<&str>) -> Option<String> {
+        let from_body = |get: &dyn Fn(&str) -> Option<Value>| {
+            ["safety_identifier", "user"].into_iter().find_map(|f| {
+                get(f)?
+                    .as_str()
+                    .map(str::to_string)
+                    .filter(|s| !s.is_empty())
+            })
+        };
+        let named = header.filter(|h| !h.is_empty()).map(str::to_string);
+        named.or_else(|| match &self.kind {
+            Kind::Chat(r) => from_body(&|f| r.extra.get(f)),
+            Kind::Completion(r) => from_body(&|f| r.extra.get(f)),
+            Kind::Passthrough { request, .. } => request.session_name(),
+            _ => None,
         })
     }
 
@@ -421,6 +454,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
         client_wants_usage: false,
         client_salt,
         cache_salt: None,
+        session: None,
     };
     match endpoint {
         Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body),
@@ -437,6 +471,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 client_wants_usage: false,
                 client_salt: r.cache_salt,
                 cache_salt: None,
+                session: None,
             })
         }
         Endpoint::CountTokens => {
@@ -527,6 +562,7 @@ fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
         client_wants_usage,
         client_salt,
         cache_salt: None,
+        session: None,
     })
 }
 

@@ -549,6 +549,8 @@ pub enum Why {
     TieSpread,
     /// The best estimate was on a worker over the load guard.
     LoadGuard,
+    /// The worker of the conversation's previous turn, within the session slack of the best.
+    Session,
 }
 
 impl Why {
@@ -559,6 +561,7 @@ impl Why {
             Why::LeastLoaded => "least_loaded",
             Why::TieSpread => "tie_spread",
             Why::LoadGuard => "load_guard",
+            Why::Session => "session",
         }
     }
 }
@@ -633,6 +636,34 @@ pub fn choose(
         Why::LeastLoaded
     };
     Some((pick, why))
+}
+
+/// Seconds the session's worker may exceed the best cost by, beside [`SessionsConfig::slack`]'s
+/// fraction: below this, estimates differ by less than their own error.
+///
+/// [`SessionsConfig::slack`]: super::sessions::SessionsConfig::slack
+pub const SESSION_SLACK_ABS_S: f64 = 0.05;
+
+/// Whether a conversation goes back to `session` (the index in `scored` of the worker its previous
+/// turn went to) instead of `pick`: when that worker passes the load guard and its cost is at most
+/// `slack` (a fraction) plus [`SESSION_SLACK_ABS_S`] above the pick's. A soft signal: a worker clearly
+/// faster (a queue ahead of the conversation's worker worth more than the slack) still wins.
+pub fn prefer_session(
+    scored: &[Scored],
+    pick: usize,
+    session: usize,
+    slack: f64,
+    cfg: &EstimatorConfig,
+) -> bool {
+    let (Some(best), Some(held)) = (scored.get(pick), scored.get(session)) else {
+        return false;
+    };
+    let Some(min_load) = scored.iter().map(|s| s.load).min() else {
+        return false;
+    };
+    session != pick
+        && within_guard(held.load, min_load, cfg)
+        && held.cost_s <= best.cost_s * (1.0 + slack.max(0.0)) + SESSION_SLACK_ABS_S
 }
 
 #[cfg(test)]

@@ -96,6 +96,8 @@ pub struct Metrics {
     pub replica_peers: Gauge,
     /// Requests of other gateway replicas held in this router's ledger.
     pub replica_tickets: Gauge,
+    /// Conversations whose previous turn's worker is remembered ([`super::sessions`]).
+    pub sessions: Gauge,
     /// Whether each agent's stream is up (1) or not (0).
     pub agent_connected: Family<AgentLabels, Gauge>,
     /// Stream (re)connections per agent.
@@ -128,6 +130,7 @@ impl Default for Metrics {
             speculative_keys: Gauge::default(),
             replica_peers: Gauge::default(),
             replica_tickets: Gauge::default(),
+            sessions: Gauge::default(),
             agent_connected: Family::default(),
             agent_connects: Family::default(),
             agent_messages: Family::default(),
@@ -216,6 +219,11 @@ impl Metrics {
             "replica_requests_in_flight",
             "Requests other gateway replicas told this one they have in flight",
             kinference_api::metrics::Described(self.replica_tickets.clone()),
+        );
+        r.register(
+            "sessions",
+            "Conversations whose previous turn's worker the router remembers (sessions.max_entries)",
+            kinference_api::metrics::Described(self.sessions.clone()),
         );
         r.register(
             "agent_connected",

@@ -33,6 +33,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     }
 }
 
@@ -84,6 +85,7 @@ async fn unknown_model_is_an_error() {
             debug: false,
             tokens: None,
             salt: None,
+            session: None,
         })
         .await
         .unwrap_err();
@@ -215,6 +217,7 @@ fn text(prompt: &str) -> RouteRequest<'_> {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     }
 }
 
@@ -727,4 +730,84 @@ async fn a_worker_with_no_room_for_the_prefix_loses_it_in_the_estimate() {
         )),
         "{explain}"
     );
+}
+
+/// Prompts that share no block: only the session can tie their decisions together.
+fn unrelated_prompt(i: usize) -> String {
+    let words = [
+        "granite", "harbour", "violet", "orbit", "lantern", "meadow", "cipher", "tundra",
+    ];
+    let w = words[i % words.len()];
+    format!("{i} {w} ").repeat(60 + i)
+}
+
+#[tokio::test]
+async fn a_session_returns_to_its_worker_until_another_is_clearly_faster() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let idle = |url: &str| worker_state(url, vec![], load(0, 0));
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![idle("http://w0"), idle("http://w1"), idle("http://w2")],
+        ),
+    );
+    let session = SessionKey::new("tenant-a", "conversation-1");
+    let turn = |i: usize| {
+        let prompt = unrelated_prompt(i);
+        let router = &router;
+        async move {
+            let mut r = text(&prompt);
+            r.session = session;
+            let d = router.pick(r).await.unwrap();
+            d.ticket.finish(true, 16, None);
+            (d.worker, d.reason)
+        }
+    };
+    let (first, _) = turn(0).await;
+    for i in 1..8 {
+        let (worker, reason) = turn(i).await;
+        assert_eq!(worker, first, "turn {i}: {reason}");
+    }
+    assert_eq!(router.sessions_remembered(), 1);
+
+    // Another tenant's same name is another session: its turns spread like any cold prompt.
+    let mut spread = std::collections::BTreeSet::new();
+    for i in 8..40 {
+        let prompt = unrelated_prompt(i);
+        let mut r = text(&prompt);
+        r.session = SessionKey::new("tenant-b", &format!("conversation-{i}"));
+        spread.insert(router.pick(r).await.unwrap().worker);
+    }
+    assert!(spread.len() > 1, "{spread:?}");
+
+    // The session's worker now has a long queue: a clearly faster worker takes the turn.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: first.clone(),
+            load: Some(load(24, 24)),
+            ..Default::default()
+        }]),
+    );
+    let (worker, reason) = turn(40).await;
+    assert_ne!(worker, first, "{reason}");
+}
+
+#[tokio::test]
+async fn sessions_turned_off_are_not_remembered() {
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    router.configure_sessions(&SessionsConfig {
+        enabled: false,
+        ..SessionsConfig::default()
+    });
+    let prompt = unrelated_prompt(1);
+    let mut r = text(&prompt);
+    r.session = SessionKey::new("tenant-a", "conversation-1");
+    router.pick(r).await.unwrap();
+    assert_eq!(router.sessions_remembered(), 0);
 }

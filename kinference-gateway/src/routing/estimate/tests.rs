@@ -875,3 +875,35 @@ fn a_prefix_the_queue_ahead_will_evict_stops_drawing_the_request() {
         (1, Why::LeastLoaded)
     );
 }
+
+fn at(cost_s: f64, load: usize) -> Scored {
+    Scored {
+        cost_s,
+        load,
+        cached_tokens: 0,
+        held_blocks: 0,
+    }
+}
+
+#[test]
+fn a_session_stays_on_its_worker_unless_another_is_clearly_faster() {
+    let cfg = EstimatorConfig::default();
+    // Worker 1 held the conversation; worker 0 is estimated 20% faster: within a 25% slack.
+    let scored = [at(1.0, 2), at(1.2, 3)];
+    assert!(prefer_session(&scored, 0, 1, 0.25, &cfg));
+    // Twice as slow: the faster worker keeps the request.
+    let scored = [at(1.0, 2), at(2.0, 3)];
+    assert!(!prefer_session(&scored, 0, 1, 0.25, &cfg));
+    // Small costs: within the absolute 50 ms.
+    let scored = [at(0.02, 0), at(0.06, 0)];
+    assert!(prefer_session(&scored, 0, 1, 0.0, &cfg));
+    // Already the pick: nothing to change.
+    assert!(!prefer_session(&scored, 1, 1, 0.25, &cfg));
+}
+
+#[test]
+fn a_session_worker_over_the_load_guard_is_left() {
+    let cfg = EstimatorConfig::default();
+    let scored = [at(1.0, 0), at(1.0, cfg.guard_abs + 1)];
+    assert!(!prefer_session(&scored, 0, 1, 0.25, &cfg));
+}

@@ -103,6 +103,7 @@ fn pair_request(prompt: &str, min_uncached_tokens: usize) -> PairRequest<'_> {
             debug: true,
             tokens: None,
             salt: None,
+            session: None,
         },
         prefill_within: None,
         decode_within: None,
