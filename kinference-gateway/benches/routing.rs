@@ -120,6 +120,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
                 block_size: BLOCK as u32,
                 keys: k,
                 role: String::new(),
+                offloaded_keys: Vec::new(),
                 load: Some(pb::WorkerLoad {
                     running: rng.random_range(0..8),
                     waiting: 0,

@@ -105,6 +105,7 @@ fn worker(url: &str, keys: Vec<u64>) -> pb::WorkerState {
         block_size: 16,
         keys,
         role: String::new(),
+        offloaded_keys: Vec::new(),
         load: Some(pb::WorkerLoad {
             metrics_ok: true,
             ..Default::default()

@@ -154,6 +154,8 @@ struct Shared {
     fleet_rates: Mutex<Rates>,
     workers: RwLock<WorkerTable>,
     index: RwLock<KvIndex>,
+    /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
+    offloaded: RwLock<KvIndex>,
     spec: Mutex<Speculative>,
     /// Agents by number; only ever grows (a removed agent is retired in place).
     agents: RwLock<Vec<Arc<Mutex<AgentState>>>>,
@@ -341,6 +343,7 @@ impl Router {
             prior_rates,
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
+            offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             spec: Mutex::new(Speculative::new(tuning.speculative_max_keys)),
             agents: RwLock::new(
                 config
@@ -863,7 +866,10 @@ impl Router {
             span.record("queue_s", est.queue_s);
             span.record("est_ttft_s", est.ttft_s);
         }
-        let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
+        // What the worker will do for this prompt, in prefill tokens: the computed ones and the loads.
+        let offloaded = inputs.offloaded_tokens as f64;
+        let uncached = (prompt_tokens - inputs.cached_tokens) as f64 - offloaded
+            + offloaded * est_cfg.offloaded_token_cost.clamp(0.0, 1.0);
         let keys = keys_by_size
             .iter()
             .find(|(bs, _)| *bs == chosen.block_size)
@@ -922,10 +928,11 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
+                    "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
+                    inp.offloaded_tokens,
                     inp.queue_tokens,
                     inp.running,
                     e.queue_s,

@@ -175,6 +175,7 @@ fn worker_state(url: &str, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerSt
         keys,
         load: Some(load),
         role: String::new(),
+        offloaded_keys: Vec::new(),
     }
 }
 
@@ -810,4 +811,105 @@ async fn sessions_turned_off_are_not_remembered() {
     r.session = SessionKey::new("tenant-a", "conversation-1");
     router.pick(r).await.unwrap();
     assert_eq!(router.sessions_remembered(), 0);
+}
+
+/// The estimate from a decision's explanation for `worker` (`est_s=`).
+fn estimated(explain: &str, worker: &str) -> f64 {
+    let part = explain
+        .split("; ")
+        .find(|p| p.trim_start_matches('*').starts_with(&format!("{worker} ")))
+        .unwrap_or_else(|| panic!("{worker} not in {explain}"));
+    let v = part
+        .split("est_s=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    v.parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_prefix_offloaded_to_cpu_counts_between_a_gpu_hit_and_a_miss() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let prompt = format!("{}Where is parcel 1234?", system_prompt());
+    let keys = keys_of(&prompt);
+    let mut offloaded = worker_state("http://w1", vec![], load(0, 0));
+    offloaded.offloaded_keys = keys.clone();
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", keys.clone(), load(0, 0)),
+                offloaded,
+                worker_state("http://w2", vec![], load(0, 0)),
+            ],
+        ),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    assert_eq!(d.worker, "http://w0", "{explain}");
+    let held = d.prompt_tokens.unwrap() - 1;
+    assert!(
+        explain.contains(&format!("http://w1 cached=0 offloaded={held} ")),
+        "{explain}"
+    );
+    let (gpu, cpu, miss) = (
+        estimated(&explain, "http://w0"),
+        estimated(&explain, "http://w1"),
+        estimated(&explain, "http://w2"),
+    );
+    assert!(gpu < cpu && cpu < miss, "{explain}");
+}
+
+#[tokio::test]
+async fn a_delta_moving_a_prefix_to_the_cpu_tier_turns_its_hit_into_a_load() {
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let prompt = format!("{}Where is parcel 1234?", system_prompt());
+    let keys = keys_of(&prompt);
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", keys.clone(), load(0, 0)),
+                worker_state("http://w1", vec![], load(0, 0)),
+            ],
+        ),
+    );
+    // vLLM evicted the GPU copy; its CPU offloading kept one.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            removed: keys.clone(),
+            offloaded_added: keys.clone(),
+            ..Default::default()
+        }]),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    let held = d.prompt_tokens.unwrap() - 1;
+    assert!(
+        explain.contains(&format!("*http://w0 cached=0 offloaded={held} ")),
+        "{explain}"
+    );
+    drop(d);
+    // And dropped from the CPU tier too: a miss like any other.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            offloaded_removed: keys.clone(),
+            ..Default::default()
+        }]),
+    );
+    assert_eq!(router.shared.offloaded.read().pairs(), 0);
 }

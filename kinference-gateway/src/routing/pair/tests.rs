@@ -77,6 +77,7 @@ fn worker(url: &str, keys: Vec<u64>, running: u32) -> pb::WorkerState {
             ..Default::default()
         }),
         role: String::new(),
+        offloaded_keys: Vec::new(),
     }
 }
 
