@@ -149,7 +149,7 @@ impl Broadcaster {
             let (mut change, block_size, keys) = {
                 let mut kv = slot.kv.lock();
                 let change = kv.take_delta();
-                let keys = snapshot.is_some().then(|| kv.keys());
+                let keys = snapshot.is_some().then(|| (kv.keys(), kv.offloaded_keys()));
                 (change, kv.block_size(), keys)
             };
             let load = slot.load.lock().clone();
@@ -164,7 +164,7 @@ impl Broadcaster {
                 kernel: load.kernel,
                 at: now,
             };
-            if let (Some(snap), Some(keys)) = (snapshot.as_mut(), keys) {
+            if let (Some(snap), Some((keys, offloaded_keys))) = (snapshot.as_mut(), keys) {
                 snap.workers.push(pb::WorkerState {
                     worker_id: url.clone(),
                     model: slot.spec.model.clone(),
@@ -172,6 +172,7 @@ impl Broadcaster {
                     keys,
                     load: Some(wire_load),
                     role: wire_role(&slot.spec),
+                    offloaded_keys,
                 });
             }
 
@@ -186,12 +187,14 @@ impl Broadcaster {
             match entry {
                 None => {
                     // New to the in-sync watchers (or replaced with fresh state): announce it in full.
-                    let keys = slot.kv.lock().keys();
+                    let kv = slot.kv.lock();
                     change = crate::worker_state::KeyDelta {
                         cleared: true,
-                        added: keys,
-                        removed: Vec::new(),
+                        added: kv.keys(),
+                        offloaded_added: kv.offloaded_keys(),
+                        ..Default::default()
                     };
+                    drop(kv);
                     wd.model = slot.spec.model.clone();
                     wd.role = wire_role(&slot.spec);
                     wd.block_size = block_size;
@@ -239,10 +242,15 @@ impl Broadcaster {
                 }
             }
             if !change.is_empty() {
-                key_changes += (change.added.len() + change.removed.len()) as u64;
+                key_changes += (change.added.len()
+                    + change.removed.len()
+                    + change.offloaded_added.len()
+                    + change.offloaded_removed.len()) as u64;
                 wd.cleared = change.cleared;
                 wd.added = change.added;
                 wd.removed = change.removed;
+                wd.offloaded_added = change.offloaded_added;
+                wd.offloaded_removed = change.offloaded_removed;
                 send = true;
             }
             if send {

@@ -5,6 +5,11 @@
 //! hash algorithm, seed and width never matter. Changes since the last [`WorkerState::take_delta`] are
 //! tracked as net differences, so a block added and removed inside one summary window is never sent.
 //!
+//! A key is held in the GPU tier when any GPU block maps to it, else in a lower tier (vLLM's CPU
+//! offloading reports `medium: "CPU"`; disk and LMCache other names) when a block there does: the
+//! summary sends the two sets apart ([`WorkerState::keys`], [`WorkerState::offloaded_keys`]), since a
+//! hit in a lower tier costs loading it back, not nothing.
+//!
 //! Blocks computed for a LoRA adapter are keyed under the adapter's name (the model name its requests
 //! carry), and a block whose vLLM hash covered other extra keys (an image, a cache salt) gets a key
 //! mixed with them: neither is ever taken for the base model's blocks of the same tokens.
@@ -75,18 +80,63 @@ impl ApplyStats {
     }
 }
 
-/// Net change of a worker's key set since the previous delta.
+/// Net change of a worker's key sets since the previous delta.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct KeyDelta {
     /// The worker dropped everything before `added` (the gateway clears its view of the worker first).
     pub cleared: bool,
+    /// Keys now held in the GPU tier.
     pub added: Vec<BlockKey>,
+    /// Keys no longer held in the GPU tier.
     pub removed: Vec<BlockKey>,
+    /// Keys now held only in a lower tier.
+    pub offloaded_added: Vec<BlockKey>,
+    /// Keys no longer held only in a lower tier.
+    pub offloaded_removed: Vec<BlockKey>,
 }
 
 impl KeyDelta {
     pub fn is_empty(&self) -> bool {
-        !self.cleared && self.added.is_empty() && self.removed.is_empty()
+        !self.cleared
+            && self.added.is_empty()
+            && self.removed.is_empty()
+            && self.offloaded_added.is_empty()
+            && self.offloaded_removed.is_empty()
+    }
+}
+
+/// Where a key is held: the GPU tier wins over a lower one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    /// At least one GPU block maps to it.
+    Gpu,
+    /// Only blocks of lower tiers (CPU offload, disk, LMCache) do.
+    Offloaded,
+}
+
+/// Engine blocks mapping to one key, per tier.
+#[derive(Clone, Copy, Debug, Default)]
+struct Holding {
+    gpu: u32,
+    lower: u32,
+}
+
+impl Holding {
+    fn tier(self) -> Option<Tier> {
+        if self.gpu > 0 {
+            Some(Tier::Gpu)
+        } else if self.lower > 0 {
+            Some(Tier::Offloaded)
+        } else {
+            None
+        }
+    }
+
+    fn count(&mut self, medium: Medium) -> &mut u32 {
+        match medium {
+            Medium::Gpu => &mut self.gpu,
+            Medium::Cpu | Medium::Other => &mut self.lower,
+        }
     }
 }
 
@@ -101,10 +151,10 @@ pub struct WorkerState {
     hasher: KeyHasher,
     block_size: Option<u32>,
     engine: FastMap<EngineBlock, BlockKey>,
-    /// Key -> number of engine blocks mapping to it (two tiers, or vLLM extra keys we do not model).
-    keys: FastMap<BlockKey, u32>,
-    /// Keys touched since the last delta -> whether they were present at that delta.
-    touched: FastMap<BlockKey, bool>,
+    /// Key -> number of engine blocks mapping to it per tier (or vLLM extra keys we do not model).
+    keys: FastMap<BlockKey, Holding>,
+    /// Keys touched since the last delta -> their tier at that delta.
+    touched: FastMap<BlockKey, Option<Tier>>,
     cleared: bool,
     /// When the state was last cleared, Unix seconds (a restart seen one way need not be acted on again
     /// when it is seen the other way: [`WorkerState::restarted`]).
@@ -135,7 +185,7 @@ impl WorkerState {
         self.block_size
     }
 
-    /// Distinct keys held.
+    /// Distinct keys held, in any tier.
     pub fn len(&self) -> usize {
         self.keys.len()
     }
@@ -144,14 +194,32 @@ impl WorkerState {
         self.keys.is_empty()
     }
 
-    /// Whether the worker holds `key`.
+    /// Whether the worker holds `key`, in any tier.
     pub fn contains(&self, key: BlockKey) -> bool {
         self.keys.contains_key(&key)
     }
 
-    /// Every key held, in no particular order.
+    /// Where the worker holds `key`.
+    pub fn tier(&self, key: BlockKey) -> Option<Tier> {
+        self.keys.get(&key).and_then(|h| h.tier())
+    }
+
+    /// Every key held in the GPU tier, in no particular order.
     pub fn keys(&self) -> Vec<BlockKey> {
-        self.keys.keys().copied().collect()
+        self.keys_in(Tier::Gpu)
+    }
+
+    /// Every key held only in a lower tier, in no particular order.
+    pub fn offloaded_keys(&self) -> Vec<BlockKey> {
+        self.keys_in(Tier::Offloaded)
+    }
+
+    fn keys_in(&self, tier: Tier) -> Vec<BlockKey> {
+        self.keys
+            .iter()
+            .filter(|(_, h)| h.tier() == Some(tier))
+            .map(|(k, _)| *k)
+            .collect()
     }
 
     /// Applies one event.
@@ -292,7 +360,7 @@ impl WorkerState {
             stats.block_events += 1;
             match self.engine.get(&(h, medium)) {
                 Some(&old) if old == key => continue,
-                Some(&old) => self.release(old),
+                Some(&old) => self.release(old, medium),
                 None if self.engine.len() >= self.max_blocks => {
                     stats.dropped_over_cap += 1;
                     continue;
@@ -300,10 +368,11 @@ impl WorkerState {
                 None => {}
             }
             self.engine.insert((h, medium), key);
-            let count = self.keys.entry(key).or_insert(0);
-            *count += 1;
-            if *count == 1 {
-                self.touch(key, false);
+            let holding = self.keys.entry(key).or_default();
+            let before = holding.tier();
+            *holding.count(medium) += 1;
+            if holding.tier() != before {
+                self.touch(key, before);
             }
         }
     }
@@ -311,27 +380,33 @@ impl WorkerState {
     fn remove(&mut self, block: EngineBlock, stats: &mut ApplyStats) {
         stats.block_events += 1;
         match self.engine.remove(&block) {
-            Some(key) => self.release(key),
+            Some(key) => self.release(key, block.1),
             None => stats.unknown_removals += 1,
         }
     }
 
-    /// One engine block no longer maps to `key`.
-    fn release(&mut self, key: BlockKey) {
-        if let Some(count) = self.keys.get_mut(&key) {
-            *count -= 1;
-            if *count == 0 {
-                self.keys.remove(&key);
-                self.touch(key, true);
-            }
+    /// One engine block of `medium` no longer maps to `key`.
+    fn release(&mut self, key: BlockKey, medium: Medium) {
+        let Some(holding) = self.keys.get_mut(&key) else {
+            return;
+        };
+        let before = holding.tier();
+        let count = holding.count(medium);
+        *count = count.saturating_sub(1);
+        let after = holding.tier();
+        if after.is_none() {
+            self.keys.remove(&key);
+        }
+        if after != before {
+            self.touch(key, before);
         }
     }
 
-    /// Records that `key` changed; `was_present` is its state before this change.
-    fn touch(&mut self, key: BlockKey, was_present: bool) {
+    /// Records that `key` changed; `before` is its tier before this change.
+    fn touch(&mut self, key: BlockKey, before: Option<Tier>) {
         if !self.cleared {
             // Only the first touch since the last delta knows the state the gateway has.
-            self.touched.entry(key).or_insert(was_present);
+            self.touched.entry(key).or_insert(before);
         }
     }
 
@@ -351,15 +426,25 @@ impl WorkerState {
             return KeyDelta {
                 cleared: true,
                 added: self.keys(),
-                removed: Vec::new(),
+                offloaded_added: self.offloaded_keys(),
+                ..KeyDelta::default()
             };
         }
         let mut delta = KeyDelta::default();
-        for (key, was_present) in self.touched.drain() {
-            match (was_present, self.keys.contains_key(&key)) {
-                (false, true) => delta.added.push(key),
-                (true, false) => delta.removed.push(key),
-                _ => {}
+        for (key, before) in self.touched.drain() {
+            let now = self.keys.get(&key).and_then(|h| h.tier());
+            if before == now {
+                continue;
+            }
+            match before {
+                Some(Tier::Gpu) => delta.removed.push(key),
+                Some(Tier::Offloaded) => delta.offloaded_removed.push(key),
+                None => {}
+            }
+            match now {
+                Some(Tier::Gpu) => delta.added.push(key),
+                Some(Tier::Offloaded) => delta.offloaded_added.push(key),
+                None => {}
             }
         }
         if self.touched.capacity() > 4096 {
@@ -372,8 +457,8 @@ impl WorkerState {
     pub fn approx_bytes(&self) -> usize {
         // hashbrown: one control byte plus the entry per bucket.
         self.engine.capacity() * (1 + std::mem::size_of::<(EngineBlock, BlockKey)>())
-            + self.keys.capacity() * (1 + std::mem::size_of::<(BlockKey, u32)>())
-            + self.touched.capacity() * (1 + std::mem::size_of::<(BlockKey, bool)>())
+            + self.keys.capacity() * (1 + std::mem::size_of::<(BlockKey, Holding)>())
+            + self.touched.capacity() * (1 + std::mem::size_of::<(BlockKey, Option<Tier>)>())
     }
 }
 

@@ -120,6 +120,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
                 block_size: BLOCK as u32,
                 keys: k,
                 role: String::new(),
+                offloaded_keys: Vec::new(),
                 load: Some(pb::WorkerLoad {
                     running: rng.random_range(0..8),
                     waiting: 0,
@@ -217,6 +218,7 @@ fn pool_pick(c: &mut Criterion) {
             debug: false,
             tokens: Some(&known),
             salt: None,
+            session: None,
         };
         let d = runtime
             .block_on(router.pick_except(req, within, &[]))

@@ -227,6 +227,10 @@ pub struct GatewayConfig {
     /// request is sent its band as `priority` (high -1, medium 0, low 1); default `fcfs`.
     #[serde(default)]
     pub scheduling_policy: SchedulingPolicyConfig,
+    /// Conversations back to the worker of their previous turn (`x-session-id`, `user`,
+    /// `safety_identifier`, `metadata.user_id`); see [`crate::routing::sessions`].
+    #[serde(default)]
+    pub sessions: crate::routing::sessions::SessionsConfig,
 }
 
 /// `scheduling_policy:` of `gateway.yaml` (vLLM's `--scheduling-policy`).

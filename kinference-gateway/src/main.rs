@@ -95,6 +95,7 @@ async fn main() -> anyhow::Result<()> {
     router.set_default_priority_scheduling(
         config.scheduling_policy == kinference_gateway::config::SchedulingPolicyConfig::Priority,
     );
+    router.configure_sessions(&config.sessions);
     router.share_with_replicas(
         &config.replicas,
         args.access

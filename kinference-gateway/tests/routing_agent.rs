@@ -105,6 +105,7 @@ fn worker(url: &str, keys: Vec<u64>) -> pb::WorkerState {
         block_size: 16,
         keys,
         role: String::new(),
+        offloaded_keys: Vec::new(),
         load: Some(pb::WorkerLoad {
             metrics_ok: true,
             ..Default::default()
@@ -181,6 +182,7 @@ async fn router_follows_a_real_agent_stream() {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     };
 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -280,6 +282,7 @@ async fn router_follows_a_real_agent_stream() {
             debug: false,
             tokens: None,
             salt: None,
+            session: None,
         })
         .await
         .unwrap();

@@ -110,6 +110,10 @@ struct Args {
     /// with its worker and decision, to this JSON-lines file.
     #[arg(long)]
     requests_log: Option<PathBuf>,
+    /// Name each conversation in `x-session-id` (the gateway's sessions: a conversation's turns go
+    /// back to the worker of its previous turn unless another is clearly faster).
+    #[arg(long)]
+    session_header: bool,
     /// Wall-clock limit of one request, in seconds.
     #[arg(long, default_value_t = 300)]
     request_timeout_s: u64,
@@ -484,6 +488,7 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
             ),
         },
         "seed": args.seed,
+        "session_header": args.session_header,
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
         "cpus": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         "git_commit": git_commit(),
@@ -535,7 +540,8 @@ async fn run(args: Args, out_dir: PathBuf) -> ExitCode {
         cluster::MODEL,
         args.requests_log.is_some(),
         Duration::from_secs(args.request_timeout_s),
-    );
+    )
+    .with_session_header(args.session_header);
     let mut log = match args
         .requests_log
         .as_ref()

@@ -95,7 +95,16 @@ pub struct LoadClient {
     model: String,
     debug: bool,
     timeout: Duration,
+    /// Name each conversation in `x-session-id` (unique per run), as a chat client that keeps
+    /// conversations would.
+    session_header: bool,
 }
+
+/// The header a client names its conversation in (the gateway's sessions).
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// Runs of this process so far: each run's conversations get names of their own.
+static RUNS: AtomicUsize = AtomicUsize::new(0);
 
 impl LoadClient {
     /// A client for `model`; `debug` asks the gateway for its decision header; `timeout` bounds one
@@ -106,7 +115,14 @@ impl LoadClient {
             model: model.to_string(),
             debug,
             timeout,
+            session_header: false,
         }
+    }
+
+    /// The same client, naming each conversation in `x-session-id` when `on`.
+    pub fn with_session_header(mut self, on: bool) -> Self {
+        self.session_header = on;
+        self
     }
 
     /// Runs `workload` with `concurrency` virtual users through `route`.
@@ -131,6 +147,7 @@ impl LoadClient {
         let fire = tokio::sync::Notify::new();
         let users_done = tokio::sync::Notify::new();
         let start = Instant::now();
+        let run = RUNS.fetch_add(1, Ordering::Relaxed);
         let users = (0..concurrency.max(1)).map(|_| async {
             let mut outcomes = Vec::new();
             loop {
@@ -151,7 +168,13 @@ impl LoadClient {
                 }
                 for (turn, request) in session.requests.iter().enumerate() {
                     let issued = arrival.filter(|_| turn == 0).unwrap_or_else(Instant::now);
-                    outcomes.push(self.send_issued(route, request, start, issued).await);
+                    let session = self.session_header.then(|| {
+                        format!("run{run}-{}-session{}", std::process::id(), request.session)
+                    });
+                    outcomes.push(
+                        self.send_issued(route, request, start, issued, session.as_deref())
+                            .await,
+                    );
                 }
             }
             outcomes
@@ -184,7 +207,7 @@ impl LoadClient {
         request: &ChatRequest,
         run_start: Instant,
     ) -> RequestOutcome {
-        self.send_issued(route, request, run_start, Instant::now())
+        self.send_issued(route, request, run_start, Instant::now(), None)
             .await
     }
 
@@ -196,6 +219,7 @@ impl LoadClient {
         request: &ChatRequest,
         run_start: Instant,
         issued: Instant,
+        session: Option<&str>,
     ) -> RequestOutcome {
         let mut outcome = RequestOutcome {
             session: request.session,
@@ -208,16 +232,16 @@ impl LoadClient {
             let response = match route {
                 Route::Endpoint(base) => {
                     let url = format!("{base}/v1/chat/completions");
-                    self.start_stream(&url, &body, None).await
+                    self.start_stream(&url, &body, None, session).await
                 }
                 Route::Front { bases, seed } => {
                     let r = front_pick(*seed, request.session, request.turn, bases.len());
                     let url = format!("{}/v1/chat/completions", bases[r]);
-                    self.start_stream(&url, &body, None).await
+                    self.start_stream(&url, &body, None, session).await
                 }
                 Route::Authorized { base, api_key } => {
                     let url = format!("{base}/v1/chat/completions");
-                    self.start_stream(&url, &body, Some(api_key)).await
+                    self.start_stream(&url, &body, Some(api_key), session).await
                 }
                 Route::Oracle(oracle) => {
                     // The decision and the admission by the worker happen under one lock, so the next
@@ -228,7 +252,7 @@ impl LoadClient {
                             outcome.worker = Some(choice.worker.clone());
                             outcome.decision = Some(choice.explain);
                             let url = format!("{}/v1/chat/completions", choice.worker);
-                            self.start_stream(&url, &body, None).await
+                            self.start_stream(&url, &body, None, None).await
                         }
                         Err(e) => Err(e.to_string()),
                     }
@@ -252,9 +276,13 @@ impl LoadClient {
         url: &str,
         body: &Value,
         api_key: Option<&str>,
+        session: Option<&str>,
     ) -> Result<http::Response<Incoming>, String> {
         let bearer = api_key.map(|k| format!("Bearer {k}"));
-        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(2);
+        let mut headers: Vec<(&str, &str)> = Vec::with_capacity(3);
+        if let Some(s) = session {
+            headers.push((SESSION_HEADER, s));
+        }
         if self.debug {
             headers.push((DEBUG_HEADER, "1"));
         }

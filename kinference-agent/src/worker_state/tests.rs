@@ -152,6 +152,51 @@ fn two_tiers_holding_one_block_keep_the_key_until_both_drop_it() {
     assert!(s.is_empty());
 }
 
+/// vLLM's native CPU offloading: a block copied to the CPU tier (`medium: "CPU"`), then evicted from
+/// the GPU, then loaded back.
+#[test]
+fn a_block_offloaded_to_cpu_moves_from_keys_to_offloaded_keys_and_back() {
+    let cpu_stored = KvEvent::BlockStored {
+        block_hashes: vec![5],
+        parent_block_hash: None,
+        token_ids: (0..16).collect(),
+        block_size: 16,
+        medium: Medium::Cpu,
+        lora: None,
+        extra_keys: Vec::new(),
+    };
+    let mut s = WorkerState::new(MODEL, 1000);
+    s.apply(&stored(&[5], None, 0..16, 16));
+    let key = s.keys()[0];
+    s.take_delta();
+
+    s.apply(&cpu_stored);
+    assert_eq!(s.tier(key), Some(Tier::Gpu), "the GPU copy still counts");
+    assert!(s.take_delta().is_empty());
+
+    s.apply(&removed(&[5]));
+    assert_eq!(s.tier(key), Some(Tier::Offloaded));
+    assert!(s.keys().is_empty());
+    assert_eq!(s.offloaded_keys(), [key]);
+    let d = s.take_delta();
+    assert_eq!((d.removed, d.offloaded_added), (vec![key], vec![key]));
+    assert!(d.added.is_empty() && d.offloaded_removed.is_empty());
+
+    // Loaded back onto the GPU: one list again.
+    s.apply(&stored(&[5], None, 0..16, 16));
+    let d = s.take_delta();
+    assert_eq!((d.added, d.offloaded_removed), (vec![key], vec![key]));
+    assert!(d.removed.is_empty() && d.offloaded_added.is_empty());
+
+    // A restart's full resend keeps the tiers apart.
+    s.apply(&removed(&[5]));
+    s.clear();
+    s.apply(&cpu_stored);
+    let d = s.take_delta();
+    assert!(d.cleared && d.added.is_empty());
+    assert_eq!(d.offloaded_added, [key]);
+}
+
 #[test]
 fn cap_bounds_memory_and_counts_drops() {
     let mut s = WorkerState::new(MODEL, 3);

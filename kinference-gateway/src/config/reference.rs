@@ -12,6 +12,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("KubernetesConfig", include_str!("../discovery/mod.rs")),
     ("DisaggregationConfig", include_str!("../config.rs")),
     ("ReplicasConfig", include_str!("../routing/replicas.rs")),
+    ("SessionsConfig", include_str!("../routing/sessions.rs")),
     ("TenancyConfig", include_str!("../tenancy/mod.rs")),
     ("JournalConfig", include_str!("../tenancy/store/journal.rs")),
     ("TenantSettings", include_str!("../tenancy/limits.rs")),

@@ -281,6 +281,7 @@ pub async fn snapshot(router: &Router, pools: &[PoolMembers]) -> Snapshot {
             debug: false,
             tokens: Some(&empty),
             salt: None,
+            session: None,
         };
         // No healthy worker: no estimates; the worker list still says why.
         let model_estimates = router

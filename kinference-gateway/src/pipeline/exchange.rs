@@ -37,6 +37,9 @@ pub enum Door {
     ExtProc,
 }
 
+/// The header naming the conversation a request continues ([`crate::routing::sessions`]).
+pub const SESSION_HEADER: &str = "x-session-id";
+
 /// One request's state through the stages.
 #[derive(Debug)]
 pub struct Exchange {
@@ -70,6 +73,8 @@ pub struct Exchange {
     pub objectives: Objectives,
     /// The band the queue stage gave the request (what a worker with priority scheduling is sent).
     pub band: Option<kinference_crds::TenantPriority>,
+    /// `x-session-id`: the conversation the request continues ([`Request::session_name`]).
+    pub session_header: Option<String>,
 }
 
 /// The header naming a request's time-to-first-token objective, in milliseconds.
@@ -139,6 +144,10 @@ impl Exchange {
                 .filter(|v| !v.is_empty()),
             objectives: Objectives::from_headers(headers),
             band: None,
+            session_header: headers
+                .get(SESSION_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
         }
     }
 
@@ -189,6 +198,8 @@ pub struct Request {
     /// The `cache_salt` its workers are sent ([`crate::tenancy::isolation`], set by stage "limit";
     /// `None`: unsalted): the router keys the prompt's blocks with it, as the worker will.
     pub cache_salt: Option<String>,
+    /// The conversation it continues, hashed with the caller's tenant (set by stage "limit").
+    pub session: Option<crate::routing::sessions::SessionKey>,
 }
 
 /// What each endpoint's request is.
@@ -378,6 +389,28 @@ impl Request {
             client_wants_usage: self.client_wants_usage,
             client_salt: self.client_salt.clone(),
             cache_salt: self.cache_salt.clone(),
+            session: self.session,
+        })
+    }
+
+    /// The name the client gave the conversation this request continues: `header` (`x-session-id`)
+    /// first, then the body's `safety_identifier`, then its `user` (Anthropic's `metadata.user_id`
+    /// arrives translated to it). Empty names count as none.
+    pub fn session_name(&self, header: Option<&str>) -> Option<String> {
+        let from_body = |get: &dyn Fn(&str) -> Option<Value>| {
+            ["safety_identifier", "user"].into_iter().find_map(|f| {
+                get(f)?
+                    .as_str()
+                    .map(str::to_string)
+                    .filter(|s| !s.is_empty())
+            })
+        };
+        let named = header.filter(|h| !h.is_empty()).map(str::to_string);
+        named.or_else(|| match &self.kind {
+            Kind::Chat(r) => from_body(&|f| r.extra.get(f)),
+            Kind::Completion(r) => from_body(&|f| r.extra.get(f)),
+            Kind::Passthrough { request, .. } => request.session_name(),
+            _ => None,
         })
     }
 
@@ -466,6 +499,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
         client_wants_usage: false,
         client_salt,
         cache_salt: None,
+        session: None,
     };
     match endpoint {
         Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body),
@@ -482,6 +516,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 client_wants_usage: false,
                 client_salt: r.cache_salt,
                 cache_salt: None,
+                session: None,
             })
         }
         Endpoint::CountTokens => {
@@ -572,6 +607,7 @@ fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
         client_wants_usage,
         client_salt,
         cache_salt: None,
+        session: None,
     })
 }
 

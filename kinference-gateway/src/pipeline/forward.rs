@@ -317,6 +317,7 @@ pub async fn pick(
                 debug,
                 tokens: Some(tokens),
                 salt: request.cache_salt.as_deref(),
+                session: request.session,
             };
             gw.router
                 .pick_except(route, call.pool.as_deref(), failed)

@@ -15,6 +15,7 @@ use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::policy::model::{PolicySet, Requested};
 use crate::policy::stage::{Plan, PlanTarget, StageRequest};
+use crate::routing::sessions::SessionKey;
 
 /// A request ready for its backend: parsed, admitted, planned.
 #[derive(Debug)]
@@ -48,6 +49,7 @@ pub async fn prepare(
         .instrument(tracing::debug_span!("limit"))
         .await?;
     isolate(gw, ex, &mut request);
+    request.session = session(ex, &request);
     let plan = plan(gw, ex, &request).await?;
     Ok(Prepared {
         request: Arc::new(request),
@@ -112,6 +114,14 @@ fn isolate(gw: &Gateway, ex: &Exchange, request: &mut Request) {
             .cache_salt(caller, request.client_salt.as_deref()),
         None => request.client_salt.clone(),
     };
+}
+
+/// The conversation `request` continues ([`crate::routing::sessions`]), its name hashed with the
+/// caller's tenant (`anonymous` when the gateway is open): another tenant's same name is another key.
+fn session(ex: &Exchange, request: &Request) -> Option<SessionKey> {
+    let name = request.session_name(ex.session_header.as_deref())?;
+    let tenant = ex.caller.as_ref().map_or("anonymous", |c| c.name());
+    SessionKey::new(tenant, &name)
 }
 
 /// A model's own output limit for a prompt of `prompt_tokens`: its context length (from its

@@ -504,6 +504,7 @@ impl PolicyStage {
                 debug: false,
                 tokens: Some(req.tokens),
                 salt: req.cache_salt,
+                session: None,
             };
             let estimates = router
                 .estimate_workers(route, tokenize_via)

@@ -215,6 +215,7 @@ pub(super) fn retire(shared: &Shared, a: usize) {
 /// Forgets the keys and load of `workers` (which agent `a` reported).
 fn detach(shared: &Shared, a: usize, workers: &[WorkerId]) {
     shared.index.write().clear_workers(workers);
+    shared.offloaded.write().clear_workers(workers);
     let table = shared.workers.read();
     for id in workers {
         if let Some(w) = table.by_id(*id) {
@@ -303,9 +304,14 @@ fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
         let mut all = old.clone();
         all.extend(ids.iter().copied());
         index.clear_workers(&all);
+        let mut offloaded = shared.offloaded.write();
+        offloaded.clear_workers(&all);
         for (ws, id) in snap.workers.iter().zip(ids.iter()) {
             for key in &ws.keys {
                 index.insert(*key, *id);
+            }
+            for key in &ws.offloaded_keys {
+                offloaded.insert(*key, *id);
             }
         }
     }
@@ -377,6 +383,7 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
         }
         if wd.gone {
             shared.index.write().clear_workers(&[id]);
+            shared.offloaded.write().clear_workers(&[id]);
             shared.spec.lock().forget_worker(id);
             let mut st = worker.state.lock();
             st.agent = None;
@@ -394,6 +401,16 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
             }
             for key in &wd.added {
                 index.insert(*key, id);
+            }
+            let mut offloaded = shared.offloaded.write();
+            if wd.cleared {
+                offloaded.clear_workers(&[id]);
+            }
+            for key in &wd.offloaded_removed {
+                offloaded.remove(*key, id);
+            }
+            for key in &wd.offloaded_added {
+                offloaded.insert(*key, id);
             }
         }
         if wd.cleared {

@@ -48,6 +48,9 @@ pub(super) struct Candidate<'w> {
     /// Of the run, the leading blocks shared with this gateway's requests in flight there (kept whatever
     /// the room); only counted where the room is short of the run.
     pub(super) pinned: usize,
+    /// Blocks after the run that the worker holds only in a lower tier (CPU offload, disk, LMCache):
+    /// loaded back, not computed.
+    pub(super) offloaded_run: usize,
     /// Blocks of any prompt the index believes the worker holds (how full its cache is).
     pub(super) held_blocks: usize,
     /// The worker's cache as this request will find it; `None`: capacity unknown (the run counts in full).
@@ -64,11 +67,19 @@ impl Candidate<'_> {
 
     /// The estimate's inputs for a prompt of `prompt_tokens` tokens.
     pub(super) fn inputs(&self, prompt_tokens: usize) -> Inputs {
+        // vLLM always computes at least the last prompt token, so a full hit still prefills one.
+        let reusable = prompt_tokens.saturating_sub(1);
+        let cached_tokens = (self.surviving_run() * self.block_size).min(reusable);
+        // A lower tier's blocks extend the GPU run only where that run was not cut short by the room.
+        let offloaded_tokens = if self.surviving_run() == self.run {
+            (self.offloaded_run * self.block_size).min(reusable - cached_tokens)
+        } else {
+            0
+        };
         Inputs {
             prompt_tokens,
-            // vLLM always computes at least the last prompt token, so a full hit still prefills one.
-            cached_tokens: (self.surviving_run() * self.block_size)
-                .min(prompt_tokens.saturating_sub(1)),
+            cached_tokens,
+            offloaded_tokens,
             queue_tokens: self.queue.queue_tokens,
             running: self.queue.running,
         }
@@ -163,6 +174,7 @@ impl Shared {
                     own_s_per_token: st.rates.s_per_token,
                     late,
                     run: 0,
+                    offloaded_run: 0,
                     pinned: 0,
                     held_blocks: 0,
                     kv_room,
@@ -227,6 +239,20 @@ impl Shared {
         }
         drop(spec);
         drop(index);
+        // Past the GPU run, the blocks a lower tier holds (most workers have none: an empty index
+        // answers at once).
+        let offloaded = self.offloaded.read();
+        if offloaded.pairs() > 0 {
+            for c in cands.iter_mut().filter(|c| c.live) {
+                if let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == c.block_size) {
+                    c.offloaded_run = keys[c.run.min(keys.len())..]
+                        .iter()
+                        .take_while(|k| offloaded.contains(**k, c.worker.id))
+                        .count();
+                }
+            }
+        }
+        drop(offloaded);
         // Only where the room would cut the run: the comparison walks this gateway's prompts in flight.
         for c in cands.iter_mut() {
             if c.kv_room.is_some_and(|room| room.free() < c.run)

@@ -67,6 +67,16 @@
 //! older agent, vLLM not profiled yet, no fresh scrape) the run counts in full, as before, and the
 //! decision's explanation says `kv=capacity_unknown`.
 //!
+//! ## Cache tiers
+//!
+//! A worker may hold a prefix outside GPU memory: vLLM's native CPU offloading (`medium: "CPU"` in its
+//! events), a disk tier or LMCache. The agent sends those keys apart (`offloaded_keys`), and a prompt's
+//! blocks found there right after its GPU run ([`Inputs::offloaded_tokens`]) are loaded back, not
+//! computed: each costs [`EstimatorConfig::offloaded_token_cost`] (0.1) of a prefill token. A PCIe
+//! copy of a block's KV runs about ten times faster than computing it on a mid-size model; the
+//! figure is a prior, not measured on real vLLM. So a GPU hit beats an equal CPU hit, and a CPU hit
+//! beats a miss; the prefill externality charges only the tokens computed.
+//!
 //! ## Running late ([`Rates::slowed`])
 //!
 //! The rates learn only from first tokens, and those come late exactly when a worker is far slower than
@@ -137,6 +147,9 @@ pub struct EstimatorConfig {
     /// Waiting fraction assumed for other clients' requests when neither this gateway's ledger nor the
     /// engine view shows one.
     pub default_waiting_fraction: f64,
+    /// Prefill tokens' worth of work per prompt token loaded back from a lower tier (see "Cache
+    /// tiers" in the module docs).
+    pub offloaded_token_cost: f64,
 }
 
 impl Default for EstimatorConfig {
@@ -155,6 +168,7 @@ impl Default for EstimatorConfig {
             kernel_max_age: std::time::Duration::from_millis(2500),
             kernel_delay: std::time::Duration::from_millis(50),
             default_waiting_fraction: 0.5,
+            offloaded_token_cost: 0.1,
         }
     }
 }
@@ -285,8 +299,11 @@ pub fn blended(own: &Rates, fleet: &Rates, now: Instant) -> Rates {
 pub struct Inputs {
     /// Prompt tokens of this request.
     pub prompt_tokens: usize,
-    /// Of which the worker holds (or will hold) in its prefix cache.
+    /// Of which the worker holds (or will hold) in its prefix cache, on the GPU.
     pub cached_tokens: usize,
+    /// Of the rest, the leading ones it holds in a lower tier (CPU offload, disk, LMCache): loaded
+    /// back at [`EstimatorConfig::offloaded_token_cost`], not computed.
+    pub offloaded_tokens: usize,
     /// Prefill tokens already admitted ahead of this request.
     pub queue_tokens: f64,
     /// Requests running (decoding or prefilling) on the worker.
@@ -352,9 +369,16 @@ pub struct Estimate {
 
 /// Estimates one candidate.
 pub fn estimate(rates: &Rates, inputs: &Inputs, cfg: &EstimatorConfig) -> Estimate {
-    let uncached = inputs.prompt_tokens.saturating_sub(inputs.cached_tokens) as f64;
+    let offloaded = inputs
+        .offloaded_tokens
+        .min(inputs.prompt_tokens.saturating_sub(inputs.cached_tokens));
+    let uncached = inputs
+        .prompt_tokens
+        .saturating_sub(inputs.cached_tokens)
+        .saturating_sub(offloaded) as f64;
+    let load = offloaded as f64 * cfg.offloaded_token_cost.clamp(0.0, 1.0);
     let ahead = inputs.queue_tokens.max(0.0) + cfg.running_token_equiv * inputs.running as f64;
-    let work = ahead + uncached;
+    let work = ahead + load + uncached;
     let ttft_s = rates.overhead_s + work * rates.s_per_token;
     Estimate {
         work,
@@ -549,6 +573,8 @@ pub enum Why {
     TieSpread,
     /// The best estimate was on a worker over the load guard.
     LoadGuard,
+    /// The worker of the conversation's previous turn, within the session slack of the best.
+    Session,
 }
 
 impl Why {
@@ -559,6 +585,7 @@ impl Why {
             Why::LeastLoaded => "least_loaded",
             Why::TieSpread => "tie_spread",
             Why::LoadGuard => "load_guard",
+            Why::Session => "session",
         }
     }
 }
@@ -633,6 +660,34 @@ pub fn choose(
         Why::LeastLoaded
     };
     Some((pick, why))
+}
+
+/// Seconds the session's worker may exceed the best cost by, beside [`SessionsConfig::slack`]'s
+/// fraction: below this, estimates differ by less than their own error.
+///
+/// [`SessionsConfig::slack`]: super::sessions::SessionsConfig::slack
+pub const SESSION_SLACK_ABS_S: f64 = 0.05;
+
+/// Whether a conversation goes back to `session` (the index in `scored` of the worker its previous
+/// turn went to) instead of `pick`: when that worker passes the load guard and its cost is at most
+/// `slack` (a fraction) plus [`SESSION_SLACK_ABS_S`] above the pick's. A soft signal: a worker clearly
+/// faster (a queue ahead of the conversation's worker worth more than the slack) still wins.
+pub fn prefer_session(
+    scored: &[Scored],
+    pick: usize,
+    session: usize,
+    slack: f64,
+    cfg: &EstimatorConfig,
+) -> bool {
+    let (Some(best), Some(held)) = (scored.get(pick), scored.get(session)) else {
+        return false;
+    };
+    let Some(min_load) = scored.iter().map(|s| s.load).min() else {
+        return false;
+    };
+    session != pick
+        && within_guard(held.load, min_load, cfg)
+        && held.cost_s <= best.cost_s * (1.0 + slack.max(0.0)) + SESSION_SLACK_ABS_S
 }
 
 #[cfg(test)]

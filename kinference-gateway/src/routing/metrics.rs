@@ -106,6 +106,8 @@ pub struct Metrics {
     pub replica_tickets: Gauge,
     /// Notes for other replicas dropped, by reason.
     pub replica_notes_dropped: Family<ReplicaDropLabels, Counter>,
+    /// Conversations whose previous turn's worker is remembered ([`super::sessions`]).
+    pub sessions: Gauge,
     /// Whether each agent's stream is up (1) or not (0).
     pub agent_connected: Family<AgentLabels, Gauge>,
     /// Stream (re)connections per agent.
@@ -139,6 +141,7 @@ impl Default for Metrics {
             replica_peers: Gauge::default(),
             replica_tickets: Gauge::default(),
             replica_notes_dropped: Family::default(),
+            sessions: Gauge::default(),
             agent_connected: Family::default(),
             agent_connects: Family::default(),
             agent_messages: Family::default(),
@@ -232,6 +235,11 @@ impl Metrics {
             "replica_notes_dropped",
             "Dispatch, first-token and end notes that did not reach another replica (outbox_full, undelivered)",
             kinference_api::metrics::Described(self.replica_notes_dropped.clone()),
+        );
+        r.register(
+            "sessions",
+            "Conversations whose previous turn's worker the router remembers (sessions.max_entries)",
+            kinference_api::metrics::Described(self.sessions.clone()),
         );
         r.register(
             "agent_connected",

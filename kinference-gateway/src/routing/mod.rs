@@ -16,7 +16,8 @@
 //!   request ([`Router::pick_pair`]);
 //! - [`baseline`]: the simple strategies the benchmark compares against;
 //! - [`workers`]: the worker table with the in-flight ledger; [`metrics`]: what the router exports;
-//! - [`replicas`]: what the other gateway replicas dispatch, held in the same ledger.
+//! - [`replicas`]: what the other gateway replicas dispatch, held in the same ledger;
+//! - [`sessions`]: the worker of each conversation's previous turn, a soft signal in the choice.
 //!
 //! This file holds the [`Router`] and its decision; beside it `config` (the configuration and the
 //! tuning), `candidates` (one decision's candidates and their cached runs) and `ticket` (the
@@ -36,6 +37,7 @@ pub mod metrics;
 mod pair;
 pub mod pools;
 pub mod replicas;
+pub mod sessions;
 pub mod speculative;
 mod ticket;
 pub mod tokenize;
@@ -61,6 +63,7 @@ use agents::AgentState;
 use estimate::{KernelMissing, Rates, Scored};
 use kv_index::KvIndex;
 use metrics::{KernelMissingLabels, RouteDecisionLabels};
+use sessions::{SessionKey, Sessions, SessionsConfig};
 use speculative::Speculative;
 use tokenize::{PromptTokens, Source, Tokenizers};
 use workers::{Worker, WorkerTable};
@@ -105,6 +108,8 @@ pub struct RouteRequest<'a> {
     /// block, so the prompt's keys carry it too ([`kinference_api::KeyHasher::salted_keys`]) and
     /// find only the blocks of requests salted alike.
     pub salt: Option<&'a str>,
+    /// The conversation the request continues, when the client named one ([`sessions`]).
+    pub session: Option<SessionKey>,
 }
 
 /// The router's choice for one request.
@@ -154,6 +159,8 @@ struct Shared {
     fleet_rates: Mutex<Rates>,
     workers: RwLock<WorkerTable>,
     index: RwLock<KvIndex>,
+    /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
+    offloaded: RwLock<KvIndex>,
     spec: Mutex<Speculative>,
     /// Agents by number; only ever grows (a removed agent is retired in place).
     agents: RwLock<Vec<Arc<Mutex<AgentState>>>>,
@@ -176,6 +183,10 @@ struct Shared {
     outbox: std::sync::OnceLock<Arc<replicas::Outbox>>,
     /// A replica silent this long is forgotten (`replicas.forget_after_ms`).
     replica_forget_after_ms: std::sync::atomic::AtomicU64,
+    /// `sessions:` of `gateway.yaml`.
+    session_config: RwLock<SessionsConfig>,
+    /// The worker of each conversation's previous turn.
+    sessions: Mutex<Sessions>,
 }
 
 impl Shared {
@@ -339,6 +350,7 @@ impl Router {
             prior_rates,
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
+            offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             spec: Mutex::new(Speculative::new(tuning.speculative_max_keys)),
             agents: RwLock::new(
                 config
@@ -362,6 +374,8 @@ impl Router {
             replica_forget_after_ms: std::sync::atomic::AtomicU64::new(
                 replicas::ReplicasConfig::default().forget_after_ms,
             ),
+            session_config: RwLock::new(SessionsConfig::default()),
+            sessions: Mutex::new(Sessions::new(&SessionsConfig::default())),
         });
         let mut tasks = Vec::new();
         let count = shared.agents.read().len();
@@ -418,6 +432,18 @@ impl Router {
                 "sharing dispatches with gateway replicas"
             );
         }
+    }
+
+    /// Applies `sessions:` of `gateway.yaml`; the sessions remembered so far are forgotten.
+    pub fn configure_sessions(&self, config: &SessionsConfig) {
+        *self.shared.sessions.lock() = Sessions::new(config);
+        *self.shared.session_config.write() = config.clone();
+        self.shared.metrics.sessions.set(0);
+    }
+
+    /// Sessions remembered now.
+    pub fn sessions_remembered(&self) -> usize {
+        self.shared.sessions.lock().len()
     }
 
     /// Applies a batch another replica posted ([`replicas::PATH`]); peers silent longer than
@@ -535,7 +561,14 @@ impl Router {
         match self.prompt_tokens(req, candidates).await {
             Some(tokens) => {
                 let started = Instant::now();
-                let decision = self.decide(req.model, req.salt, candidates, &tokens, req.debug);
+                let decision = self.decide(
+                    req.model,
+                    req.salt,
+                    req.session,
+                    candidates,
+                    &tokens,
+                    req.debug,
+                );
                 shared
                     .stages
                     .decide
@@ -573,6 +606,7 @@ impl Router {
             debug: false,
             tokens: Some(tokens),
             salt: None,
+            session: None,
         };
         self.prompt_tokens(req, &[]).await;
     }
@@ -636,7 +670,7 @@ impl Router {
         debug: bool,
     ) -> Result<Decision, RouteError> {
         let candidates = self.candidates(model)?;
-        Ok(self.decide(model, None, &candidates, tokens, debug))
+        Ok(self.decide(model, None, None, &candidates, tokens, debug))
     }
 
     /// Applies one summary as if agent number `agent` (its index in the configured `agents`) had
@@ -782,6 +816,7 @@ impl Router {
         &self,
         model: &str,
         salt: Option<&str>,
+        session: Option<SessionKey>,
         workers: &[Arc<Worker>],
         tokens: &[u32],
         debug: bool,
@@ -814,8 +849,19 @@ impl Router {
             });
             estimates.push((inputs, e));
         }
-        let (pick, why) = estimate::choose(&scored, est_cfg, &mut rand::rng())
+        let (mut pick, mut why) = estimate::choose(&scored, est_cfg, &mut rand::rng())
             .unwrap_or((0, estimate::Why::LeastLoaded));
+        let session = session.filter(|_| shared.session_config.read().enabled);
+        if let Some(key) = session {
+            let held = shared.sessions.lock().worker(key, now);
+            let slack = shared.session_config.read().slack;
+            if let Some(j) = held.and_then(|id| cands.iter().position(|c| c.worker.id == id))
+                && estimate::prefer_session(&scored, pick, j, slack, est_cfg)
+            {
+                pick = j;
+                why = estimate::Why::Session;
+            }
+        }
         let any_live = cands.iter().any(|c| c.live);
         let reason = if any_live {
             why.as_str()
@@ -829,6 +875,11 @@ impl Router {
         }
 
         let chosen = &cands[pick];
+        if let Some(key) = session {
+            let mut sessions = shared.sessions.lock();
+            sessions.record(key, chosen.worker.id, now);
+            shared.metrics.sessions.set(sessions.len() as i64);
+        }
         let (inputs, est) = estimates[pick];
         if crate::telemetry::tracing_enabled() {
             let span = tracing::Span::current();
@@ -836,7 +887,10 @@ impl Router {
             span.record("queue_s", est.queue_s);
             span.record("est_ttft_s", est.ttft_s);
         }
-        let uncached = (prompt_tokens - inputs.cached_tokens) as f64;
+        // What the worker will do for this prompt, in prefill tokens: the computed ones and the loads.
+        let offloaded = inputs.offloaded_tokens as f64;
+        let uncached = (prompt_tokens - inputs.cached_tokens) as f64 - offloaded
+            + offloaded * est_cfg.offloaded_token_cost.clamp(0.0, 1.0);
         let keys = keys_by_size
             .iter()
             .find(|(bs, _)| *bs == chosen.block_size)
@@ -895,10 +949,11 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
+                    "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
+                    inp.offloaded_tokens,
                     inp.queue_tokens,
                     inp.running,
                     e.queue_s,

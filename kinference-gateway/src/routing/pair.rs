@@ -203,7 +203,7 @@ impl Router {
         let uncached = prompt.saturating_sub(best_cached);
         if uncached < min_uncached_tokens {
             self.count_pd("whole");
-            let mut decision = self.decide(model, salt, decode, tokens, debug);
+            let mut decision = self.decide(model, salt, req.route.session, decode, tokens, debug);
             decision.explain = decision.explain.map(|e| {
                 format!(
                     "pd=whole: {uncached} prompt tokens left to compute on the decode worker caching most < min_uncached_tokens {min_uncached_tokens}; {e}"
@@ -214,7 +214,7 @@ impl Router {
                 outcome: "whole",
             };
         }
-        let prefill_decision = self.decide(model, salt, prefill, tokens, debug);
+        let prefill_decision = self.decide(model, salt, None, prefill, tokens, debug);
         let prefill_node = shared
             .workers
             .read()

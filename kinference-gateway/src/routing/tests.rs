@@ -33,6 +33,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     }
 }
 
@@ -84,6 +85,7 @@ async fn unknown_model_is_an_error() {
             debug: false,
             tokens: None,
             salt: None,
+            session: None,
         })
         .await
         .unwrap_err();
@@ -173,6 +175,7 @@ fn worker_state(url: &str, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerSt
         keys,
         load: Some(load),
         role: String::new(),
+        offloaded_keys: Vec::new(),
     }
 }
 
@@ -215,6 +218,7 @@ fn text(prompt: &str) -> RouteRequest<'_> {
         debug: true,
         tokens: None,
         salt: None,
+        session: None,
     }
 }
 
@@ -727,4 +731,185 @@ async fn a_worker_with_no_room_for_the_prefix_loses_it_in_the_estimate() {
         )),
         "{explain}"
     );
+}
+
+/// Prompts that share no block: only the session can tie their decisions together.
+fn unrelated_prompt(i: usize) -> String {
+    let words = [
+        "granite", "harbour", "violet", "orbit", "lantern", "meadow", "cipher", "tundra",
+    ];
+    let w = words[i % words.len()];
+    format!("{i} {w} ").repeat(60 + i)
+}
+
+#[tokio::test]
+async fn a_session_returns_to_its_worker_until_another_is_clearly_faster() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let idle = |url: &str| worker_state(url, vec![], load(0, 0));
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![idle("http://w0"), idle("http://w1"), idle("http://w2")],
+        ),
+    );
+    let session = SessionKey::new("tenant-a", "conversation-1");
+    let turn = |i: usize| {
+        let prompt = unrelated_prompt(i);
+        let router = &router;
+        async move {
+            let mut r = text(&prompt);
+            r.session = session;
+            let d = router.pick(r).await.unwrap();
+            d.ticket.finish(true, 16, None);
+            (d.worker, d.reason)
+        }
+    };
+    let (first, _) = turn(0).await;
+    for i in 1..8 {
+        let (worker, reason) = turn(i).await;
+        assert_eq!(worker, first, "turn {i}: {reason}");
+    }
+    assert_eq!(router.sessions_remembered(), 1);
+
+    // Another tenant's same name is another session: its turns spread like any cold prompt.
+    let mut spread = std::collections::BTreeSet::new();
+    for i in 8..40 {
+        let prompt = unrelated_prompt(i);
+        let mut r = text(&prompt);
+        r.session = SessionKey::new("tenant-b", &format!("conversation-{i}"));
+        spread.insert(router.pick(r).await.unwrap().worker);
+    }
+    assert!(spread.len() > 1, "{spread:?}");
+
+    // The session's worker now has a long queue: a clearly faster worker takes the turn.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: first.clone(),
+            load: Some(load(24, 24)),
+            ..Default::default()
+        }]),
+    );
+    let (worker, reason) = turn(40).await;
+    assert_ne!(worker, first, "{reason}");
+}
+
+#[tokio::test]
+async fn sessions_turned_off_are_not_remembered() {
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    router.configure_sessions(&SessionsConfig {
+        enabled: false,
+        ..SessionsConfig::default()
+    });
+    let prompt = unrelated_prompt(1);
+    let mut r = text(&prompt);
+    r.session = SessionKey::new("tenant-a", "conversation-1");
+    router.pick(r).await.unwrap();
+    assert_eq!(router.sessions_remembered(), 0);
+}
+
+/// The estimate from a decision's explanation for `worker` (`est_s=`).
+fn estimated(explain: &str, worker: &str) -> f64 {
+    let part = explain
+        .split("; ")
+        .find(|p| p.trim_start_matches('*').starts_with(&format!("{worker} ")))
+        .unwrap_or_else(|| panic!("{worker} not in {explain}"));
+    let v = part
+        .split("est_s=")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap();
+    v.parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_prefix_offloaded_to_cpu_counts_between_a_gpu_hit_and_a_miss() {
+    let router = Router::new(kconfig(3, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let prompt = format!("{}Where is parcel 1234?", system_prompt());
+    let keys = keys_of(&prompt);
+    let mut offloaded = worker_state("http://w1", vec![], load(0, 0));
+    offloaded.offloaded_keys = keys.clone();
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", keys.clone(), load(0, 0)),
+                offloaded,
+                worker_state("http://w2", vec![], load(0, 0)),
+            ],
+        ),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    assert_eq!(d.worker, "http://w0", "{explain}");
+    let held = d.prompt_tokens.unwrap() - 1;
+    assert!(
+        explain.contains(&format!("http://w1 cached=0 offloaded={held} ")),
+        "{explain}"
+    );
+    let (gpu, cpu, miss) = (
+        estimated(&explain, "http://w0"),
+        estimated(&explain, "http://w1"),
+        estimated(&explain, "http://w2"),
+    );
+    assert!(gpu < cpu && cpu < miss, "{explain}");
+}
+
+#[tokio::test]
+async fn a_delta_moving_a_prefix_to_the_cpu_tier_turns_its_hit_into_a_load() {
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let prompt = format!("{}Where is parcel 1234?", system_prompt());
+    let keys = keys_of(&prompt);
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                worker_state("http://w0", keys.clone(), load(0, 0)),
+                worker_state("http://w1", vec![], load(0, 0)),
+            ],
+        ),
+    );
+    // vLLM evicted the GPU copy; its CPU offloading kept one.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            removed: keys.clone(),
+            offloaded_added: keys.clone(),
+            ..Default::default()
+        }]),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    let held = d.prompt_tokens.unwrap() - 1;
+    assert!(
+        explain.contains(&format!("*http://w0 cached=0 offloaded={held} ")),
+        "{explain}"
+    );
+    drop(d);
+    // And dropped from the CPU tier too: a miss like any other.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w0".into(),
+            offloaded_removed: keys.clone(),
+            ..Default::default()
+        }]),
+    );
+    assert_eq!(router.shared.offloaded.read().pairs(), 0);
 }

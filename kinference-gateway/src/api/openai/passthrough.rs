@@ -78,9 +78,23 @@ pub struct PassthroughRequest {
     /// vLLM's prefix-cache salt (the gateway mixes the tenant's into it).
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// Responses: the end user (a session name, [`crate::routing::sessions`]).
+    #[serde(default)]
+    pub user: Option<Value>,
+    /// Responses: the end user's stable identifier (a session name).
+    #[serde(default)]
+    pub safety_identifier: Option<Value>,
 }
 
 impl PassthroughRequest {
+    /// `safety_identifier`, else `user`, when one is a non-empty string.
+    pub fn session_name(&self) -> Option<String> {
+        [&self.safety_identifier, &self.user]
+            .into_iter()
+            .find_map(|v| v.as_ref()?.as_str().filter(|s| !s.is_empty()))
+            .map(str::to_string)
+    }
+
     /// Reads and checks `body` for `route`; 400 on bad JSON, a missing model or a missing input.
     pub fn parse(route: Route, body: &[u8]) -> Result<Self, GatewayError> {
         let r: PassthroughRequest = super::parse_body(body)?;

@@ -164,6 +164,7 @@ fn summary_of(workers: &[(&str, u32, f32)]) -> Summary {
                     block_size: 16,
                     keys: vec![1, 2],
                     role: String::new(),
+                    offloaded_keys: Vec::new(),
                     load: Some(pb::WorkerLoad {
                         running: 1,
                         waiting: *waiting,

@@ -133,3 +133,52 @@ fn the_worker_is_sent_exactly_the_output_limit_reserved() {
     r.limit_output(Endpoint::Embeddings, 5, true).unwrap();
     assert_eq!(r.body, client);
 }
+
+#[test]
+fn a_session_is_named_by_the_header_then_safety_identifier_then_user() {
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        parse(Endpoint::ChatCompletions, body(b)).unwrap()
+    };
+    let both = chat(json!({"user": "u-1", "safety_identifier": "sid-1"}));
+    assert_eq!(both.session_name(Some("conv-9")).as_deref(), Some("conv-9"));
+    assert_eq!(both.session_name(None).as_deref(), Some("sid-1"));
+    assert_eq!(both.session_name(Some("")).as_deref(), Some("sid-1"));
+    let user = chat(json!({"user": "u-1"}));
+    assert_eq!(user.session_name(None).as_deref(), Some("u-1"));
+    assert_eq!(chat(json!({"user": ""})).session_name(None), None);
+    assert_eq!(chat(json!({"user": 7})).session_name(None), None);
+
+    let completion = parse(
+        Endpoint::Completions,
+        body(json!({"model": "m", "prompt": "hi", "user": "u-2"})),
+    )
+    .unwrap();
+    assert_eq!(completion.session_name(None).as_deref(), Some("u-2"));
+
+    // Anthropic's metadata.user_id arrives as the translated request's `user`.
+    let messages = parse(
+        Endpoint::Messages,
+        body(json!({
+            "model": "m",
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": "hi"}],
+            "metadata": {"user_id": "anthropic-user"}
+        })),
+    )
+    .unwrap();
+    assert_eq!(
+        messages.session_name(None).as_deref(),
+        Some("anthropic-user")
+    );
+
+    let responses = parse(
+        Endpoint::Responses,
+        body(json!({"model": "m", "input": "hi", "safety_identifier": "r-1"})),
+    )
+    .unwrap();
+    assert_eq!(responses.session_name(None).as_deref(), Some("r-1"));
+}

@@ -111,6 +111,7 @@ pub async fn to_pair(
         debug: ex.debug,
         tokens: Some(&ex.tokens),
         salt: request.cache_salt.as_deref(),
+        session: request.session,
     };
     let pair = gw
         .router

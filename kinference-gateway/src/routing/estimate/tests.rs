@@ -52,6 +52,7 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
         &Inputs {
             prompt_tokens: 1_000,
             cached_tokens: 0,
+            offloaded_tokens: 0,
             queue_tokens: 0.0,
             running: 0,
         },
@@ -62,6 +63,7 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
         &Inputs {
             prompt_tokens: 1_000,
             cached_tokens: 900,
+            offloaded_tokens: 0,
             queue_tokens: 0.0,
             running: 0,
         },
@@ -72,6 +74,7 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
         &Inputs {
             prompt_tokens: 1_000,
             cached_tokens: 900,
+            offloaded_tokens: 0,
             queue_tokens: 2_000.0,
             running: 2,
         },
@@ -474,6 +477,7 @@ mod replicas {
             keys: vec![],
             load: Some(load(k)),
             role: String::new(),
+            offloaded_keys: Vec::new(),
         };
         Summary {
             kind: Some(summary::Kind::Snapshot(pb::Snapshot {
@@ -706,12 +710,14 @@ fn leaving_a_cached_prefix_must_beat_the_holders_queue_by_the_prefill_it_duplica
     let holder = Inputs {
         prompt_tokens: 7_646,
         cached_tokens: 7_584,
+        offloaded_tokens: 0,
         queue_tokens: 9_000.0,
         running: 1,
     };
     let cold = Inputs {
         prompt_tokens: 7_646,
         cached_tokens: 0,
+        offloaded_tokens: 0,
         queue_tokens: 0.0,
         running: 1,
     };
@@ -780,6 +786,7 @@ fn a_prompt_cold_everywhere_is_chosen_as_by_ttft() {
             .map(|q| Inputs {
                 prompt_tokens: 3_000,
                 cached_tokens: 0,
+                offloaded_tokens: 0,
                 queue_tokens: *q,
                 running: 2,
             })
@@ -834,6 +841,7 @@ fn pressure_choice(holder_room: Option<KvRoom>) -> (usize, Why) {
         &Inputs {
             prompt_tokens: 6000,
             cached_tokens: cached,
+            offloaded_tokens: 0,
             queue_tokens: 2000.0,
             running: 10,
         },
@@ -844,6 +852,7 @@ fn pressure_choice(holder_room: Option<KvRoom>) -> (usize, Why) {
         &Inputs {
             prompt_tokens: 6000,
             cached_tokens: 0,
+            offloaded_tokens: 0,
             queue_tokens: 0.0,
             running: 10,
         },
@@ -874,4 +883,62 @@ fn a_prefix_the_queue_ahead_will_evict_stops_drawing_the_request() {
         pressure_choice(Some(KvRoom::new(2048, 0.95, 2000.0, 16))),
         (1, Why::LeastLoaded)
     );
+}
+
+fn at(cost_s: f64, load: usize) -> Scored {
+    Scored {
+        cost_s,
+        load,
+        cached_tokens: 0,
+        held_blocks: 0,
+    }
+}
+
+#[test]
+fn a_session_stays_on_its_worker_unless_another_is_clearly_faster() {
+    let cfg = EstimatorConfig::default();
+    // Worker 1 held the conversation; worker 0 is estimated 20% faster: within a 25% slack.
+    let scored = [at(1.0, 2), at(1.2, 3)];
+    assert!(prefer_session(&scored, 0, 1, 0.25, &cfg));
+    // Twice as slow: the faster worker keeps the request.
+    let scored = [at(1.0, 2), at(2.0, 3)];
+    assert!(!prefer_session(&scored, 0, 1, 0.25, &cfg));
+    // Small costs: within the absolute 50 ms.
+    let scored = [at(0.02, 0), at(0.06, 0)];
+    assert!(prefer_session(&scored, 0, 1, 0.0, &cfg));
+    // Already the pick: nothing to change.
+    assert!(!prefer_session(&scored, 1, 1, 0.25, &cfg));
+}
+
+#[test]
+fn a_session_worker_over_the_load_guard_is_left() {
+    let cfg = EstimatorConfig::default();
+    let scored = [at(1.0, 0), at(1.0, cfg.guard_abs + 1)];
+    assert!(!prefer_session(&scored, 0, 1, 0.25, &cfg));
+}
+
+#[test]
+fn a_gpu_hit_beats_an_equal_cpu_hit_and_a_cpu_hit_beats_a_miss() {
+    let cfg = EstimatorConfig::default();
+    let rates = Rates::prior(&cfg);
+    let on = |cached_tokens, offloaded_tokens| {
+        estimate(
+            &rates,
+            &Inputs {
+                prompt_tokens: 4096,
+                cached_tokens,
+                offloaded_tokens,
+                queue_tokens: 0.0,
+                running: 2,
+            },
+            &cfg,
+        )
+    };
+    let (gpu, cpu, miss) = (on(4000, 0), on(0, 4000), on(0, 0));
+    assert!(gpu.ttft_s < cpu.ttft_s, "{gpu:?} {cpu:?}");
+    assert!(cpu.ttft_s < miss.ttft_s, "{cpu:?} {miss:?}");
+    assert!(gpu.cost_s < cpu.cost_s && cpu.cost_s < miss.cost_s);
+    // Loading 4000 tokens back costs a tenth of computing them.
+    let load = cpu.work - gpu.work;
+    assert!((load - 400.0).abs() < 1e-6, "{load}");
 }

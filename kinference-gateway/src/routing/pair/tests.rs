@@ -77,6 +77,7 @@ fn worker(url: &str, keys: Vec<u64>, running: u32) -> pb::WorkerState {
             ..Default::default()
         }),
         role: String::new(),
+        offloaded_keys: Vec::new(),
     }
 }
 
@@ -103,6 +104,7 @@ fn pair_request(prompt: &str, min_uncached_tokens: usize) -> PairRequest<'_> {
             debug: true,
             tokens: None,
             salt: None,
+            session: None,
         },
         prefill_within: None,
         decode_within: None,

@@ -42,6 +42,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         debug: false,
         tokens: None,
         salt: None,
+        session: None,
     }
 }
 
