@@ -569,7 +569,8 @@ pub enum Why {
     CacheHit,
     /// The chosen worker is strictly best without a cache advantage.
     LeastLoaded,
-    /// Several workers were within the near-tie band; one was drawn at random.
+    /// Several workers were within the near-tie band; the prompt's leading tokens chose one
+    /// (rendezvous hashing, the same choice on every replica), or a random draw.
     TieSpread,
     /// The best estimate was on a worker over the load guard.
     LoadGuard,
@@ -596,11 +597,27 @@ pub fn within_guard(load: usize, min: usize, cfg: &EstimatorConfig) -> bool {
     load <= min.saturating_add(slack)
 }
 
-/// Picks among `scored` (non-empty). Returns the index and why.
+/// Picks among `scored` (non-empty), near-ties drawn at random. Returns the index and why.
 pub fn choose(
     scored: &[Scored],
     cfg: &EstimatorConfig,
     rng: &mut impl Rng,
+) -> Option<(usize, Why)> {
+    choose_spread(scored, cfg, rng, None)
+}
+
+/// Picks among `scored` (non-empty); near-ties go to the candidate `rank` puts highest (the router
+/// ranks them by the prompt's leading tokens and the worker's URL, rendezvous hashing), else to a
+/// random one. Returns the index and why.
+///
+/// With a rank, replicas that each see the same near-tie send the same new prefix to the same
+/// worker without having heard from each other (a burst of one prefix through N replicas stays on
+/// one worker), and different prefixes still spread evenly, like the random draw.
+pub fn choose_spread(
+    scored: &[Scored],
+    cfg: &EstimatorConfig,
+    rng: &mut impl Rng,
+    rank: Option<&dyn Fn(usize) -> u64>,
 ) -> Option<(usize, Why)> {
     let min_load = scored.iter().map(|s| s.load).min()?;
     let best_any = scored
@@ -645,10 +662,11 @@ pub fn choose(
         .into_iter()
         .filter(|i| scored[*i].held_blocks <= room)
         .collect();
-    let pick = match ties.len() {
-        0 => return None,
-        1 => ties[0],
-        n => ties[rng.random_range(0..n)],
+    let pick = match (ties.len(), rank) {
+        (0, _) => return None,
+        (1, _) => ties[0],
+        (_, Some(rank)) => *ties.iter().max_by_key(|i| rank(**i))?,
+        (n, None) => ties[rng.random_range(0..n)],
     };
     let why = if !eligible(&scored[best_any]) {
         Why::LoadGuard

@@ -849,8 +849,12 @@ impl Router {
             });
             estimates.push((inputs, e));
         }
-        let (mut pick, mut why) = estimate::choose(&scored, est_cfg, &mut rand::rng())
-            .unwrap_or((0, estimate::Why::LeastLoaded));
+        // Near-ties by the prompt's leading tokens: every replica breaks them alike.
+        let seed = spread_seed(tokens);
+        let rank = |i: usize| spread_rank(seed, &cands[i].worker.url);
+        let (mut pick, mut why) =
+            estimate::choose_spread(&scored, est_cfg, &mut rand::rng(), Some(&rank))
+                .unwrap_or((0, estimate::Why::LeastLoaded));
         let session = session.filter(|_| shared.session_config.read().enabled);
         if let Some(key) = session {
             let held = shared.sessions.lock().worker(key, now);
@@ -1129,3 +1133,25 @@ impl Router {
 
 #[cfg(test)]
 mod tests;
+
+/// Leading prompt tokens that name a prefix for breaking near-ties: about four blocks.
+const SPREAD_TOKENS: usize = 64;
+
+/// A seed from the prompt's first [`SPREAD_TOKENS`] tokens (the same on every replica: the same
+/// tokenizer, the same hasher in the same binary).
+fn spread_seed(tokens: &[u32]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    tokens[..tokens.len().min(SPREAD_TOKENS)].hash(&mut h);
+    h.finish()
+}
+
+/// Rendezvous weight of `worker` for a prompt with `seed`: the highest weight among near-tied
+/// workers takes the prompt.
+fn spread_rank(seed: u64, worker: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    seed.hash(&mut h);
+    worker.hash(&mut h);
+    h.finish()
+}

@@ -324,3 +324,20 @@ async fn a_replicas_own_batch_is_not_taken_as_a_peers() {
     });
     assert_eq!(a.replica_requests_in_flight(), 1);
 }
+
+#[test]
+fn replicas_that_have_not_heard_from_each_other_break_near_ties_alike() {
+    // Two replicas with the same idle workers and nothing shared: every new prompt is a near-tie, and
+    // each one goes to the same worker on both (a random draw would agree half the time), while the
+    // prompts still spread over both workers.
+    let (a, b) = (router(), router());
+    let mut used = std::collections::BTreeSet::new();
+    for seed in 0..32 {
+        let (tokens, _) = prompt(100 + seed);
+        let on_a = a.pick_tokens("m", &tokens, false).unwrap().worker;
+        let on_b = b.pick_tokens("m", &tokens, false).unwrap().worker;
+        assert_eq!(on_a, on_b, "prompt {seed}");
+        used.insert(on_a);
+    }
+    assert_eq!(used.len(), 2, "{used:?}");
+}
