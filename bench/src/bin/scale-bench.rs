@@ -105,6 +105,10 @@ struct Args {
     /// Tokenizer directory (default: KINFERENCE_TOKENIZER_DIR, or <repo>/.assets/qwen2).
     #[arg(long)]
     tokenizer_dir: Option<PathBuf>,
+    /// How long a fleet may take to start, in seconds (default: 120 plus one per worker). On a
+    /// contended core, 16 simulator processes took 18 minutes to bind 1,000 workers' sockets.
+    #[arg(long)]
+    ready_timeout_s: Option<u64>,
     /// Wall-clock limit of one request, in seconds.
     #[arg(long, default_value_t = 120)]
     request_timeout_s: u64,
@@ -572,7 +576,9 @@ async fn run(args: Args) -> ExitCode {
                 "kinference-scale-bench-{}-{workers}",
                 std::process::id()
             )),
-            ready_timeout: Duration::from_secs(120 + workers as u64),
+            ready_timeout: Duration::from_secs(
+                args.ready_timeout_s.unwrap_or(120 + workers as u64),
+            ),
             gateway_cpus: args.gateway_cpus.clone(),
         };
         eprintln!(
