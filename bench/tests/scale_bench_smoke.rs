@@ -1,6 +1,6 @@
 //! `scale-bench` end to end on the smallest fleet that still has several agents (3 workers, 2 per
-//! node): the real simulator, agents and gateways start, every policy runs, and the table and the plot
-//! are written. Keeps the harness from rotting; the figures themselves are the benchmark's business.
+//! node, both nodes' workers in one simulator process as the 1,000-worker fleet runs them): the real
+//! simulator, agents and gateways start, every policy runs, and the table and the plot are written. Keeps the harness from rotting; the figures themselves are the benchmark's business.
 
 use std::process::Command;
 
@@ -26,6 +26,7 @@ fn a_three_worker_two_agent_fleet_runs_and_writes_table_and_plot() {
     let out = tempfile_dir();
     let status = Command::new(env!("CARGO_BIN_EXE_scale-bench"))
         .args(["--fleets", "3", "--workers-per-node", "2", "--runs", "1"])
+        .args(["--nodes-per-sim", "2"])
         .args(["--prefixes-per-worker", "1", "--prefix-words", "120"])
         .args(["--requests-per-worker", "2", "--max-tokens", "2"])
         .args([
@@ -80,6 +81,10 @@ fn a_three_worker_two_agent_fleet_runs_and_writes_table_and_plot() {
             .as_f64()
             .is_some_and(|v| v > 0.0),
         "the agents streamed to the gateway: {kinference}"
+    );
+    assert!(
+        md.contains("3 workers: 2 agent processes, 1 vllm-sim processes"),
+        "both nodes' workers in one simulator:\n{md}"
     );
     let svg = std::fs::read_to_string(out.join("scale.svg")).expect("scale.svg");
     assert!(

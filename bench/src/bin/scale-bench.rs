@@ -38,9 +38,14 @@ struct Args {
     /// Fleet sizes (simulated workers), in order.
     #[arg(long, value_delimiter = ',', default_value = "3,24,96,104")]
     fleets: Vec<usize>,
-    /// Workers per simulated node: one `vllm-sim` process and one agent per node.
+    /// Workers per simulated node: one `kinference-agent` process per node.
     #[arg(long, default_value_t = 8)]
     workers_per_node: usize,
+    /// Simulated nodes whose workers run in one `vllm-sim` process. 1: a process per node. Each
+    /// process loads the tokenizer once (about 100 MiB), so 1,000 workers fit this machine only
+    /// with several nodes per process; every node keeps its own agent process.
+    #[arg(long, default_value_t = 1)]
+    nodes_per_sim: usize,
     /// Runs per fleet and policy; the table holds their medians.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -62,9 +67,12 @@ struct Args {
     /// Words (about tokens) per shared system prompt.
     #[arg(long, default_value_t = 1000)]
     prefix_words: usize,
-    /// Measured requests per worker per run (the warm-up adds two per prefix, not measured).
+    /// Measured requests per worker per run (the warm-up adds `--warmup-per-prefix`, not measured).
     #[arg(long, default_value_t = 16)]
     requests_per_worker: usize,
+    /// Unmeasured warm-up requests per shared prefix before each run.
+    #[arg(long, default_value_t = 2)]
+    warmup_per_prefix: usize,
     /// Completion tokens per request.
     #[arg(long, default_value_t = 16)]
     max_tokens: u32,
@@ -97,6 +105,10 @@ struct Args {
     /// Tokenizer directory (default: KINFERENCE_TOKENIZER_DIR, or <repo>/.assets/qwen2).
     #[arg(long)]
     tokenizer_dir: Option<PathBuf>,
+    /// How long a fleet may take to start, in seconds (default: 120 plus one per worker). On a
+    /// contended core, 16 simulator processes took 18 minutes to bind 1,000 workers' sockets.
+    #[arg(long)]
+    ready_timeout_s: Option<u64>,
     /// Wall-clock limit of one request, in seconds.
     #[arg(long, default_value_t = 120)]
     request_timeout_s: u64,
@@ -359,16 +371,27 @@ fn write_results(
 ) -> std::io::Result<()> {
     std::fs::create_dir_all(out_dir)?;
     let cpus = setup["cpus"].as_u64().unwrap_or(0);
+    let largest = rows
+        .iter()
+        .map(|r| (r.workers, r.agents))
+        .max()
+        .unwrap_or_default();
+    let per_sim = setup["nodes_per_sim"].as_u64().unwrap_or(1).max(1) as usize;
+    let fleet = format!(
+        "up to {} simulator processes serving {} workers, {} agents",
+        largest.1.div_ceil(per_sim),
+        largest.0,
+        largest.1
+    );
     let sharing = match setup["gateway_cpus"].as_str() {
         Some(gateway_cpus) => format!(
-            "Every process of a fleet but the gateways (up to 13 simulator processes serving 104 workers, \
-             13 agents and the load client) shares {cpus} core(s); the gateways run on CPU(s) \
+            "Every process of a fleet but the gateways ({fleet} and the load client) shares {cpus} \
+             core(s); the gateways run on CPU(s) \
              {gateway_cpus}, apart from them (`--gateway-cpus`), and the fleet runs slower than on the \
              whole machine"
         ),
         None => format!(
-            "Every process of a fleet (up to 13 simulator processes serving 104 workers, 13 agents, two \
-             gateways and the load client) shares {cpus} core(s)"
+            "Every process of a fleet ({fleet}, two gateways and the load client) shares {cpus} core(s)"
         ),
     };
     let mut md = format!(
@@ -377,8 +400,8 @@ fn write_results(
         serde_json::to_string(setup).unwrap_or_default()
     );
     md.push_str(&format!(
-        "Each fleet: {} simulated workers per simulated node, a node's workers in one `vllm-sim` process, one \
-         real `kinference-agent` per node, one `kinference` gateway watching every agent and one `random` \
+        "Each fleet: {} simulated workers per simulated node, the workers of {} node(s) in one `vllm-sim` \
+         process, one real `kinference-agent` process per node, one `kinference` gateway watching every agent and one `random` \
          gateway (no agents); the oracle is client-side. The same shared-prefix workload per worker at every \
          size, each run from cold caches after an unmeasured warm-up; figures are medians over the runs. \
          Decision p50/p99 are estimated from the gateway's own `kinference_routing_stage_seconds{{stage=\"decide\"}}` \
@@ -387,7 +410,8 @@ fn write_results(
          agent->gateway bytes are every agent's `kinference_agent_summary_bytes_total` over the run; RSS per \
          cached block is the growth from the idle gateway to the end of the run over the (block, worker) pairs \
          in its index; TTFT is in simulated seconds.\n\n",
-        setup["workers_per_node"]
+        setup["workers_per_node"],
+        setup["nodes_per_sim"].as_u64().unwrap_or(1)
     ));
     md.push_str(&report::table(rows));
     md.push_str(&format!(
@@ -499,7 +523,8 @@ async fn run(args: Args) -> ExitCode {
         "prefixes_per_worker": args.prefixes_per_worker,
         "prefix_words": args.prefix_words,
         "requests_per_worker": args.requests_per_worker,
-        "warmup": "2 per prefix",
+        "warmup": format!("{} per prefix", args.warmup_per_prefix),
+        "nodes_per_sim": args.nodes_per_sim.max(1),
         "users_per_worker": args.users_per_worker,
         "max_users": args.max_users,
         "num_blocks": args.num_blocks,
@@ -542,6 +567,7 @@ async fn run(args: Args) -> ExitCode {
                 .unwrap_or_else(cluster::default_tokenizer_dir),
             workers,
             workers_per_node: args.workers_per_node.max(1),
+            nodes_per_sim: args.nodes_per_sim.max(1),
             preset: args.preset.clone(),
             time_scale: args.time_scale,
             worker_args: vec!["--num-blocks".into(), args.num_blocks.to_string()],
@@ -550,14 +576,17 @@ async fn run(args: Args) -> ExitCode {
                 "kinference-scale-bench-{}-{workers}",
                 std::process::id()
             )),
-            ready_timeout: Duration::from_secs(120 + workers as u64),
+            ready_timeout: Duration::from_secs(
+                args.ready_timeout_s.unwrap_or(120 + workers as u64),
+            ),
             gateway_cpus: args.gateway_cpus.clone(),
         };
         eprintln!(
-            "scale-bench: fleet {}/{}: starting {workers} workers on {} nodes (logs in {}), elapsed {:.0}s",
+            "scale-bench: fleet {}/{}: starting {workers} workers on {} nodes, {} vllm-sim processes (logs in {}), elapsed {:.0}s",
             f + 1,
             args.fleets.len(),
             config.nodes(),
+            config.sim_processes(),
             config.work_dir.display(),
             started.elapsed().as_secs_f64()
         );
@@ -581,7 +610,7 @@ async fn run(args: Args) -> ExitCode {
                 }
             });
         let shape = args.shape(workers);
-        let warmup_n = 2 * shape.shared_prefixes;
+        let warmup_n = args.warmup_per_prefix * shape.shared_prefixes;
         let measured_n = args.requests_per_worker.max(1) * workers;
         let (warmup, workload) = Workload::generate(
             WorkloadKind::SharedPrefix,
@@ -660,7 +689,9 @@ async fn run(args: Args) -> ExitCode {
             ));
         }
         notes.push(format!(
-            "{workers} workers: load average at the end of the fleet {}",
+            "{workers} workers: {} agent processes, {} vllm-sim processes; load average at the end of the fleet {}",
+            config.nodes(),
+            config.sim_processes(),
             load_average()
         ));
         drop(fleet);

@@ -1,6 +1,9 @@
-//! A fleet of simulated GPU nodes on loopback: `workers_per_node` simulated vLLM workers per node, all
-//! of a node's workers in one `vllm-sim` process (one tokenizer load per node, not per worker), one
-//! real `kinference-agent` per node, and one gateway per routing mode. The `kinference` gateway watches
+//! A fleet of simulated GPU nodes on loopback: `workers_per_node` simulated vLLM workers per node, one
+//! real `kinference-agent` process per node watching only its node's workers, and one gateway per
+//! routing mode. The workers of `nodes_per_sim` nodes run in one `vllm-sim` process (one tokenizer
+//! load per process, not per worker): the simulator stands in for the GPUs, so grouping several
+//! nodes' workers in one process changes what the machine pays for the simulation, not what an agent
+//! or the gateway sees (each worker keeps its own ports, KV-event socket and topic). The `kinference` gateway watches
 //! every agent; the baselines route without them, so the agents' summary bytes are the one cache-aware
 //! gateway's stream.
 //!
@@ -30,8 +33,10 @@ pub struct FleetConfig {
     pub tokenizer_dir: PathBuf,
     /// Simulated workers in all.
     pub workers: usize,
-    /// Workers per simulated node (one agent and one `vllm-sim` process each).
+    /// Workers per simulated node (one agent process each).
     pub workers_per_node: usize,
+    /// Simulated nodes whose workers share one `vllm-sim` process.
+    pub nodes_per_sim: usize,
     /// Simulator latency preset.
     pub preset: String,
     /// Simulator time scale (wall time = simulated time x scale).
@@ -53,6 +58,11 @@ impl FleetConfig {
     pub fn nodes(&self) -> usize {
         self.workers.div_ceil(self.workers_per_node.max(1))
     }
+
+    /// Number of `vllm-sim` processes.
+    pub fn sim_processes(&self) -> usize {
+        self.nodes().div_ceil(self.nodes_per_sim.max(1))
+    }
 }
 
 /// One simulated node: its agent and its workers.
@@ -64,7 +74,7 @@ pub struct Node {
     pub agent_metrics_url: String,
     /// The agent's process id.
     pub agent_pid: u32,
-    /// The `vllm-sim` process id serving the node's workers.
+    /// The `vllm-sim` process id serving the node's workers (and maybe other nodes').
     pub sim_pid: u32,
     /// The node's worker base URLs.
     pub workers: Vec<String>,
@@ -77,8 +87,9 @@ pub struct Fleet {
     workers: Vec<String>,
     gateways: BTreeMap<String, GatewayEndpoint>,
     work_dir: PathBuf,
-    // Dropped last, after the fields above: each node's agent and `vllm-sim`, then the gateways.
-    node_processes: Vec<(Process, Process)>,
+    // Dropped last, after the fields above: the agents, the `vllm-sim` processes, then the gateways.
+    agent_processes: Vec<Process>,
+    sim_processes: Vec<Process>,
     gateway_processes: BTreeMap<String, Process>,
 }
 
@@ -100,7 +111,8 @@ impl Fleet {
             workers: Vec::new(),
             gateways: BTreeMap::new(),
             work_dir: config.work_dir.clone(),
-            node_processes: Vec::new(),
+            agent_processes: Vec::new(),
+            sim_processes: Vec::new(),
             gateway_processes: BTreeMap::new(),
         };
         // Every port of the fleet is reserved at once: ports reserved node by node could repeat one
@@ -112,18 +124,30 @@ impl Fleet {
         let node_ports: usize = counts.iter().map(|c| 3 * c + 2).sum();
         let ports = free_ports(node_ports + 2 * config.gateway_modes.len());
         let (mut node_ports, mut gateway_ports) = ports.split_at(node_ports);
-        for (node, &count) in counts.iter().enumerate() {
-            let (mine, rest) = node_ports.split_at(3 * count + 2);
-            node_ports = rest;
-            fleet.start_node(config, node, mine, &sim_bin, &agent_bin, &tokenizer_dir)?;
+        let mut nodes = counts.iter().enumerate().peekable();
+        while nodes.peek().is_some() {
+            // One `vllm-sim` process for the next `nodes_per_sim` nodes, started after their agents
+            // (which bind the SUB sockets its workers connect to).
+            let mut group = Vec::new();
+            for (node, &count) in nodes.by_ref().take(config.nodes_per_sim.max(1)) {
+                let (mine, rest) = node_ports.split_at(3 * count + 2);
+                node_ports = rest;
+                group.push(fleet.start_agent(config, node, mine, &agent_bin)?);
+            }
+            fleet.start_sim(config, &group, &sim_bin, &tokenizer_dir)?;
         }
 
         // Gateways start once every worker answers: one started beside its workers would eject them
         // on its first failed probe and route around them until they came back.
         let deadline = Instant::now() + config.ready_timeout;
         let http = fleet.http.clone();
-        for (node, (agent, sim)) in fleet.nodes.iter().zip(&mut fleet.node_processes) {
+        for (node, agent) in fleet.nodes.iter().zip(&mut fleet.agent_processes) {
             wait(&http, agent, &node.agent_metrics_url, deadline, |_| true).await?;
+            let sim = fleet
+                .sim_processes
+                .iter_mut()
+                .find(|s| s.pid() == node.sim_pid)
+                .expect("every node's simulator was started");
             for w in &node.workers {
                 wait(&http, sim, &format!("{w}/health"), deadline, |_| true).await?;
             }
@@ -187,18 +211,16 @@ impl Fleet {
         Ok(fleet)
     }
 
-    /// Starts node `node`'s agent (which binds the SUB sockets its workers connect to) and then the
-    /// one `vllm-sim` process that serves its workers, on `ports`: three per worker, then the agent's
-    /// two.
-    fn start_node(
+    /// Starts node `node`'s agent, which binds the SUB sockets its workers connect to, on `ports`:
+    /// three per worker, then the agent's two. Its workers start with the rest of their `vllm-sim`
+    /// process's nodes ([`Fleet::start_sim`]).
+    fn start_agent(
         &mut self,
         config: &FleetConfig,
         node: usize,
         ports: &[u16],
-        sim_bin: &Path,
         agent_bin: &Path,
-        tokenizer_dir: &Path,
-    ) -> Result<(), ClusterError> {
+    ) -> Result<AgentStarted, ClusterError> {
         let count = (ports.len() - 2) / 3;
         let (worker_ports, agent_ports) = ports.split_at(3 * count);
         let first = node * config.workers_per_node.max(1);
@@ -211,10 +233,6 @@ impl Fleet {
                 kv_events: c[1],
                 kv_replay: c[2],
             })
-            .collect();
-        let urls: Vec<String> = workers
-            .iter()
-            .map(|w| format!("http://127.0.0.1:{}", w.http))
             .collect();
         let agent_grpc = format!("127.0.0.1:{}", agent_ports[0]);
         let agent_metrics = format!("127.0.0.1:{}", agent_ports[1]);
@@ -249,9 +267,30 @@ impl Fleet {
             config.work_dir.join(format!("agent-node{node}.log")),
         )?;
         let agent_pid = agent.pid();
+        self.agent_processes.push(agent);
+        Ok(AgentStarted {
+            agent_grpc,
+            agent_metrics_url: format!("http://{agent_metrics}/metrics"),
+            agent_pid,
+            workers,
+        })
+    }
 
+    /// Starts one `vllm-sim` process serving the workers of `group` (nodes whose agents are up), and
+    /// records the nodes.
+    fn start_sim(
+        &mut self,
+        config: &FleetConfig,
+        group: &[AgentStarted],
+        sim_bin: &Path,
+        tokenizer_dir: &Path,
+    ) -> Result<(), ClusterError> {
+        let workers: Vec<&WorkerPorts> = group.iter().flat_map(|n| &n.workers).collect();
+        let Some(first) = workers.first().map(|w| w.number - 1) else {
+            return Ok(());
+        };
         let list = |f: &dyn Fn(&WorkerPorts) -> String| {
-            workers.iter().map(f).collect::<Vec<_>>().join(",")
+            workers.iter().map(|w| f(w)).collect::<Vec<_>>().join(",")
         };
         let mut args: Vec<String> = vec![
             "--host".into(),
@@ -276,23 +315,35 @@ impl Fleet {
             list(&|w| format!("kv@w{}@{MODEL}", w.number)),
         ];
         args.extend(config.worker_args.iter().cloned());
-        let sim = Process::spawn_group(
-            &format!("vllm-sim (node {node}, {count} workers)"),
+        let sim = self.sim_processes.len();
+        let child = Process::spawn_group(
+            &format!(
+                "vllm-sim {sim} ({} nodes, {} workers)",
+                group.len(),
+                workers.len()
+            ),
             sim_bin,
             &args,
             &[],
-            config.work_dir.join(format!("sim-node{node}.log")),
+            config.work_dir.join(format!("sim{sim}.log")),
         )?;
-        let sim_pid = sim.pid();
-        self.node_processes.push((agent, sim));
-        self.workers.extend(urls.iter().cloned());
-        self.nodes.push(Node {
-            agent_grpc,
-            agent_metrics_url: format!("http://{agent_metrics}/metrics"),
-            agent_pid,
-            sim_pid,
-            workers: urls,
-        });
+        let sim_pid = child.pid();
+        self.sim_processes.push(child);
+        for node in group {
+            let urls: Vec<String> = node
+                .workers
+                .iter()
+                .map(|w| format!("http://127.0.0.1:{}", w.http))
+                .collect();
+            self.workers.extend(urls.iter().cloned());
+            self.nodes.push(Node {
+                agent_grpc: node.agent_grpc.clone(),
+                agent_metrics_url: node.agent_metrics_url.clone(),
+                agent_pid: node.agent_pid,
+                sim_pid,
+                workers: urls,
+            });
+        }
         Ok(())
     }
 
@@ -318,7 +369,10 @@ impl Fleet {
 
     /// Whether every child is still running (the name and log of the first one that is not).
     pub fn check_alive(&mut self) -> Result<(), ClusterError> {
-        let nodes = self.node_processes.iter_mut().flat_map(|(a, s)| [a, s]);
+        let nodes = self
+            .agent_processes
+            .iter_mut()
+            .chain(&mut self.sim_processes);
         for child in nodes.chain(self.gateway_processes.values_mut()) {
             if let Some(exited) = child.exited() {
                 return Err(exited.into());
@@ -366,6 +420,14 @@ impl Fleet {
         }
         Ok(total)
     }
+}
+
+/// A node whose agent is up and whose workers are still to start.
+struct AgentStarted {
+    agent_grpc: String,
+    agent_metrics_url: String,
+    agent_pid: u32,
+    workers: Vec<WorkerPorts>,
 }
 
 /// One worker's ports on its node.
