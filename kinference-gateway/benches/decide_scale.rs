@@ -86,6 +86,7 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
                     model: "m".into(),
                     block_size: BLOCK as u32,
                     keys,
+                    offloaded_keys: Vec::new(),
                     role: String::new(),
                     load: Some(pb::WorkerLoad {
                         running: rng.random_range(0..4),
