@@ -441,8 +441,23 @@ impl CompletionRequest {
         }
     }
 
-    /// The text the router tokenizes: the prompt string, or the first string of a list. Token-id
-    /// prompts route without text.
+    /// The prompt as the router reads it: the prompt string, or the first of a list; token ids
+    /// (`[1, 2, 3]`, or the first list of `[[1, 2], [3]]`) as they are.
+    pub fn routing_prompt(&self) -> crate::routing::Prompt<'_> {
+        match &self.prompt {
+            Value::Array(items) if items.first().is_some_and(Value::is_number) => {
+                crate::routing::Prompt::Ids(items)
+            }
+            Value::Array(items) => match items.first() {
+                Some(Value::Array(first)) => crate::routing::Prompt::Ids(first),
+                _ => crate::routing::Prompt::Text(self.prompt_text()),
+            },
+            _ => crate::routing::Prompt::Text(self.prompt_text()),
+        }
+    }
+
+    /// The text of the prompt: the prompt string, or the first string of a list ("" for token
+    /// ids).
     pub fn prompt_text(&self) -> &str {
         match &self.prompt {
             Value::String(s) => s,

@@ -255,7 +255,7 @@ impl Request {
     pub fn prompt(&self) -> Prompt<'_> {
         match &self.kind {
             Kind::Chat(r) => Prompt::Chat(&r.messages),
-            Kind::Completion(r) => Prompt::Text(r.prompt_text()),
+            Kind::Completion(r) => r.routing_prompt(),
             Kind::Passthrough { text, .. } => Prompt::Text(text),
             Kind::CountTokens { messages, .. } => Prompt::Chat(messages),
             Kind::Models => Prompt::Text(""),

@@ -58,6 +58,18 @@ pub fn pick(
 pub fn prompt_head(prompt: Prompt<'_>, chars: usize) -> String {
     match prompt {
         Prompt::Text(t) => t.chars().take(chars).collect(),
+        // The ids as text, about as many characters as the same prompt's words.
+        Prompt::Ids(ids) => {
+            let mut out = String::new();
+            for id in ids.iter() {
+                if out.len() >= chars {
+                    break;
+                }
+                out.push_str(&id.to_string());
+                out.push(' ');
+            }
+            out.chars().take(chars).collect()
+        }
         Prompt::Chat(messages) => {
             let mut out = String::new();
             let mut left = chars;

@@ -90,6 +90,9 @@ pub enum Prompt<'a> {
     Text(&'a str),
     /// `/v1/chat/completions` (and translated Anthropic requests): the OpenAI `messages` array.
     Chat(&'a serde_json::Value),
+    /// `/v1/completions` with token ids for a prompt (the JSON array as sent): the worker computes
+    /// exactly these, so they are the tokens routing hashes, no tokenizer involved.
+    Ids(&'a [serde_json::Value]),
 }
 
 /// One request to route.
@@ -642,6 +645,7 @@ impl Router {
         let (source, tokens) = match result {
             Ok((tokens, Source::Local)) => ("local", Some(Arc::from(tokens))),
             Ok((tokens, Source::Remote)) => ("worker", Some(Arc::from(tokens))),
+            Ok((tokens, Source::Given)) => ("given", Some(Arc::from(tokens))),
             Err(e) => {
                 tracing::debug!(model = req.model, error = %e, "prompt not tokenized");
                 ("failed", None)

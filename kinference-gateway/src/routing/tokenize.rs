@@ -91,6 +91,8 @@ pub enum Source {
     Local,
     /// A worker's `/tokenize`.
     Remote,
+    /// The request's own token ids ([`Prompt::Ids`]).
+    Given,
 }
 
 /// One request's prompt tokens, per served model (each model has its own tokenizer): every model
@@ -140,6 +142,8 @@ impl Prompt<'_> {
         match self {
             Prompt::Text(t) => t.len(),
             Prompt::Chat(messages) => text_bytes(messages),
+            // About four bytes a token, as `estimated_tokens` assumes.
+            Prompt::Ids(ids) => ids.len() * 4,
         }
     }
 
@@ -224,6 +228,9 @@ impl Tokenizers {
         prompt: Prompt<'_>,
         fallback_worker: Option<&str>,
     ) -> Result<(Vec<u32>, Source), TokensError> {
+        if let Prompt::Ids(ids) = prompt {
+            return Ok((given_ids(ids), Source::Given));
+        }
         if let Some(tok) = self.local.get(model) {
             let len = prompt.text_bytes();
             let owned = match prompt {
@@ -237,6 +244,7 @@ impl Tokenizers {
                     ChatTokens::Ids(ids) => return Ok((ids, Source::Local)),
                     ChatTokens::Rendered(text) => OwnedPrompt::Rendered(text),
                 },
+                Prompt::Ids(ids) => return Ok((given_ids(ids), Source::Given)),
             };
             let tok = Arc::clone(tok);
             let ids = off_reactor(move || match &owned {
@@ -275,6 +283,7 @@ impl Tokenizers {
         let body = match prompt {
             Prompt::Text(t) => serde_json::json!({ "model": model, "prompt": t }),
             Prompt::Chat(m) => serde_json::json!({ "model": model, "messages": m }),
+            Prompt::Ids(ids) => return Ok(given_ids(ids)),
         };
         let body = serde_json::to_vec(&body).map_err(|e| fail(e.to_string()))?;
         let most = body
@@ -319,7 +328,17 @@ fn encode(tok: &ModelTokenizer, prompt: Prompt<'_>) -> Result<Vec<u32>, Tokenize
         // vLLM adds special tokens to completion prompts.
         Prompt::Text(t) => tok.encode_text(t, true),
         Prompt::Chat(m) => tok.encode_chat(m),
+        Prompt::Ids(ids) => Ok(given_ids(ids)),
     }
+}
+
+/// A token-id prompt's ids as the worker reads them (vLLM adds no special token to them), up to the
+/// first value that is not one: a malformed prompt is the worker's to refuse, and routing keys only
+/// the part before it.
+fn given_ids(ids: &[serde_json::Value]) -> Vec<u32> {
+    ids.iter()
+        .map_while(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect()
 }
 
 fn text_bytes(v: &serde_json::Value) -> usize {

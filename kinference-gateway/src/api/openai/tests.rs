@@ -50,6 +50,23 @@ fn completion_prompt_text_for_routing() {
 }
 
 #[test]
+fn token_id_prompts_route_on_their_ids() {
+    use crate::routing::Prompt;
+    let ids = |body: &[u8]| -> Vec<u64> {
+        let req: CompletionRequest = parse_body(body).expect("parses");
+        match req.routing_prompt() {
+            Prompt::Ids(ids) => ids.iter().filter_map(serde_json::Value::as_u64).collect(),
+            other => panic!("not ids: {other:?}"),
+        }
+    };
+    assert_eq!(ids(br#"{"model":"m","prompt":[1,2,3]}"#), vec![1, 2, 3]);
+    // A batch of token-id prompts routes on the first, as a list of strings does.
+    assert_eq!(ids(br#"{"model":"m","prompt":[[4,5],[6]]}"#), vec![4, 5]);
+    let req: CompletionRequest = parse_body(br#"{"model":"m","prompt":"text"}"#).expect("parses");
+    assert!(matches!(req.routing_prompt(), Prompt::Text("text")));
+}
+
+#[test]
 fn stream_chunks_chat_completion_and_usage() {
     let chat: StreamChunk = serde_json::from_str(
         r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":null}]}"#,

@@ -48,3 +48,24 @@ async fn a_workers_tokenize_answer_is_read_up_to_a_multiple_of_the_question() {
     assert!(message.contains("at most"), "{message}");
     assert!(took < Duration::from_secs(1), "{took:?}: {message}");
 }
+
+#[tokio::test]
+async fn token_id_prompts_are_their_own_tokens_with_no_tokenizer_or_worker() {
+    // No local tokenizer, no worker to ask: the ids are the tokens (before: an empty prompt, so a
+    // token-id request never found its cached prefix).
+    let tokenizers = Tokenizers::load(std::iter::empty()).expect("no tokenizer to load");
+    let ids: Vec<serde_json::Value> = [151_644u64, 872, 198, 9707].map(Into::into).to_vec();
+    let (tokens, source) = tokenizers
+        .tokens("m", Prompt::Ids(&ids), None)
+        .await
+        .expect("given ids");
+    assert_eq!(tokens, vec![151_644, 872, 198, 9707]);
+    assert!(matches!(source, Source::Given));
+    // Routing keys only what precedes a value that is not a token id.
+    let bad: Vec<serde_json::Value> = vec![5.into(), "x".into(), 6.into()];
+    let (tokens, _) = tokenizers
+        .tokens("m", Prompt::Ids(&bad), None)
+        .await
+        .unwrap();
+    assert_eq!(tokens, vec![5]);
+}
