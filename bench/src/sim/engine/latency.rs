@@ -50,6 +50,18 @@
 //! ~6.9 s; with the parameters kept inside the physically plausible ranges above, prompts of 3,000-4,000
 //! tokens give 1.4-2.6 s.
 //!
+//! ## `cpu-qwen2-small`: fitted on real vLLM 0.32 on CPU
+//! Not derived from published figures but measured: one vLLM 0.32 CPU worker serving the random
+//! `make_model.py --size small` Qwen2 (4 layers, hidden 256, float32) on two AVX2 cores, fitted by
+//! `bench/real-vllm/calibrate.py` (`bench/real-vllm/run.sh calibrate`), whose report
+//! (`bench/results/real-vllm/calibration-cpu-qwen2-small.md`) lists every measured point against the
+//! fit (MdAPE 4.5%, worst 24.8%): a 2,048-token prefill 335 ms, 512 of them cached 275 ms, 1,920
+//! cached 57 ms; a decode step 13 ms at batch 1, 21-27 ms at batch 8. Two prefills sent together run
+//! one after the other (the second's TTFT doubles), which the step model gives by packing both into
+//! the token budget. Not modelled: the ~3 ms each request costs outside the engine's steps (HTTP,
+//! detokenizing). A GPU profile takes the same five numbers from published figures, as
+//! `l40s-27b-fp8` does (memory bandwidth for the decode step, dense TFLOPS for prefill).
+//!
 //! ## `fast`: for tests
 //! Tiny costs (0.5 ms per step, 2 us per prefill token) so tests run quickly while cached prompts
 //! still prefill measurably faster than uncached ones.
@@ -98,6 +110,9 @@ pub enum Preset {
     /// One L40S serving a ~27B FP8 model (see the module docs for the derivation).
     #[value(name = "l40s-27b-fp8")]
     L40s27bFp8,
+    /// Real vLLM 0.32 on two CPU cores with a small random Qwen2, fitted (see the module docs).
+    #[value(name = "cpu-qwen2-small")]
+    CpuQwen2Small,
 }
 
 impl Preset {
@@ -108,6 +123,8 @@ impl Preset {
         match self {
             Self::Fast => 0.000_01,
             Self::L40s27bFp8 => 0.000_16,
+            // 32 tokens x 8 KB of float32 KV (4 layers, 2 KV heads of 64) over loopback: negligible.
+            Self::CpuQwen2Small => 0.000_01,
         }
     }
 
@@ -128,6 +145,14 @@ impl Preset {
                 prefill_s_per_attention_pair: 0.000_000_013,
                 decode_s_per_seq: 0.0004,
                 decode_s_per_ctx_token: 0.000_000_3,
+                max_num_batched_tokens: 2048,
+            },
+            Self::CpuQwen2Small => LatencyModel {
+                step_base_s: 0.0105,
+                prefill_s_per_token: 0.000_072_7,
+                prefill_s_per_attention_pair: 0.000_000_080,
+                decode_s_per_seq: 0.0012,
+                decode_s_per_ctx_token: 0.000_000_80,
                 max_num_batched_tokens: 2048,
             },
         }

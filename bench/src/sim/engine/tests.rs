@@ -345,3 +345,40 @@ fn a_salted_prompt_hits_only_its_own_salt_and_names_it_once() {
     assert_eq!(run(Some("a")).0, 96, "the same salt hits");
     assert_eq!(run(None).0, 96);
 }
+
+#[test]
+fn the_cpu_preset_reproduces_the_real_vllm_measurements_it_was_fitted_on() {
+    // Every TTFT and time-per-token point calibrate.py measured on real vLLM 0.32 (committed beside
+    // the benchmark results), against one engine step of the preset: a preset edited away from the
+    // measurement, or a re-measurement the preset was not refitted to, fails here.
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/results/real-vllm/calibration-cpu-qwen2-small.json"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("calibration report")).unwrap();
+    let points = &report["engine"]["points"];
+    let overhead = report["engine"]["fit"]["request_overhead_s"].as_f64().unwrap();
+    let model = Preset::CpuQwen2Small.latency();
+    let mut errors = Vec::new();
+    for p in points["prefill"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(points["cached"].as_array().unwrap())
+    {
+        let (u, n) = (p["uncached"].as_f64().unwrap(), p["cached"].as_f64().unwrap());
+        let pairs = u * n + u * (u + 1.0) / 2.0;
+        let ttft = overhead + model.step_time(u as usize, pairs, 0, 0);
+        errors.push((ttft - p["ttft_s"].as_f64().unwrap()).abs() / p["ttft_s"].as_f64().unwrap());
+    }
+    for p in points["decode"].as_array().unwrap() {
+        let (b, c) = (p["batch"].as_u64().unwrap() as usize, p["context"].as_u64().unwrap() as usize);
+        let step = model.step_time(0, 0.0, b, b * c);
+        errors.push((step - p["tpot_s"].as_f64().unwrap()).abs() / p["tpot_s"].as_f64().unwrap());
+    }
+    errors.sort_by(f64::total_cmp);
+    let median = errors[errors.len() / 2];
+    assert!(errors.len() >= 20, "{} points", errors.len());
+    assert!(median < 0.15, "median error {median:.3} over {} points", errors.len());
+}
