@@ -358,7 +358,9 @@ fn the_cpu_preset_reproduces_the_real_vllm_measurements_it_was_fitted_on() {
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).expect("calibration report")).unwrap();
     let points = &report["engine"]["points"];
-    let overhead = report["engine"]["fit"]["request_overhead_s"].as_f64().unwrap();
+    let overhead = report["engine"]["fit"]["request_overhead_s"]
+        .as_f64()
+        .unwrap();
     let model = Preset::CpuQwen2Small.latency();
     let mut errors = Vec::new();
     for p in points["prefill"]
@@ -367,18 +369,28 @@ fn the_cpu_preset_reproduces_the_real_vllm_measurements_it_was_fitted_on() {
         .iter()
         .chain(points["cached"].as_array().unwrap())
     {
-        let (u, n) = (p["uncached"].as_f64().unwrap(), p["cached"].as_f64().unwrap());
+        let (u, n) = (
+            p["uncached"].as_f64().unwrap(),
+            p["cached"].as_f64().unwrap(),
+        );
         let pairs = u * n + u * (u + 1.0) / 2.0;
         let ttft = overhead + model.step_time(u as usize, pairs, 0, 0);
         errors.push((ttft - p["ttft_s"].as_f64().unwrap()).abs() / p["ttft_s"].as_f64().unwrap());
     }
     for p in points["decode"].as_array().unwrap() {
-        let (b, c) = (p["batch"].as_u64().unwrap() as usize, p["context"].as_u64().unwrap() as usize);
+        let (b, c) = (
+            p["batch"].as_u64().unwrap() as usize,
+            p["context"].as_u64().unwrap() as usize,
+        );
         let step = model.step_time(0, 0.0, b, b * c);
         errors.push((step - p["tpot_s"].as_f64().unwrap()).abs() / p["tpot_s"].as_f64().unwrap());
     }
     errors.sort_by(f64::total_cmp);
     let median = errors[errors.len() / 2];
     assert!(errors.len() >= 20, "{} points", errors.len());
-    assert!(median < 0.15, "median error {median:.3} over {} points", errors.len());
+    assert!(
+        median < 0.15,
+        "median error {median:.3} over {} points",
+        errors.len()
+    );
 }
