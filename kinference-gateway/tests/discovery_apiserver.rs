@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kinference_gateway::discovery::{Discovery, KubernetesConfig, WorkerSink};
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, RoutingTuning};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
@@ -31,6 +32,50 @@ async fn client(server: &Apiserver) -> Client {
         .await
         .expect("client config");
     Client::try_from(config).expect("client")
+}
+
+/// Creates the tests' namespace [`NS`].
+async fn create_namespace(client: &Client) {
+    Api::<Namespace>::all(client.clone())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": NS}}))
+            .expect("namespace"),
+        )
+        .await
+        .expect("create namespace");
+}
+
+/// Installs a standard (Gateway API Inference Extension) CRD and waits until its kind `(group,
+/// version, kind, plural)` is served; the objects of that kind in [`NS`].
+async fn install_standard_crd(
+    client: &Client,
+    crd: CustomResourceDefinition,
+    (group, version, kind, plural): (&str, &str, &str, &str),
+) -> Api<DynamicObject> {
+    Api::<CustomResourceDefinition>::all(client.clone())
+        .create(&PostParams::default(), &crd)
+        .await
+        .unwrap_or_else(|e| panic!("install the standard {kind} CRD: {e}"));
+    let resource = kube::api::ApiResource {
+        group: group.into(),
+        version: version.into(),
+        api_version: format!("{group}/{version}"),
+        kind: kind.into(),
+        plural: plural.into(),
+    };
+    let objects: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
+    // The CRD is served once established.
+    let start = Instant::now();
+    while objects.list(&Default::default()).await.is_err() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "CRD never served"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    objects
 }
 
 async fn create_node(client: &Client, name: &str) {
@@ -101,16 +146,7 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
         return;
     };
     let client = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": NS}}))
-            .expect("namespace"),
-        )
-        .await
-        .expect("create namespace");
+    create_namespace(&client).await;
     create_node(&client, "gpu-a").await;
     create_node(&client, "gpu-b").await;
 
@@ -373,15 +409,7 @@ async fn gateway_binary_routes_to_discovered_pods() {
     }
     let tokenizer = testkit::tokenizer_dir();
     let client = client(&server).await;
-    Api::<Namespace>::all(client.clone())
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": NS}}))
-            .expect("namespace"),
-        )
-        .await
-        .expect("create namespace");
+    create_namespace(&client).await;
     create_node(&client, "gpu-a").await;
 
     let port = free_port();
@@ -453,8 +481,7 @@ async fn gateway_binary_routes_to_discovered_pods() {
 }
 
 /// The standard `InferencePool` CRD the tests install (written from the v1 API types).
-fn standard_pool_crd()
--> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+fn standard_pool_crd() -> CustomResourceDefinition {
     let path = testkit::repo_root()
         .join("deploy/gateway-api/crds/inference.networking.k8s.io_inferencepools.yaml");
     serde_yaml::from_str(&std::fs::read_to_string(path).expect("CRD file")).expect("CRD")
@@ -477,42 +504,22 @@ fn standard_pool(name: &str, picker: &str, ports: &[u16]) -> DynamicObject {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standard_pool_naming_the_picker_service_is_served_port_by_port() {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     let Some(server) = Apiserver::start("standard-pool") else {
         return;
     };
     let client = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": NS}}))
-            .expect("namespace"),
-        )
-        .await
-        .expect("create namespace");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.create(&PostParams::default(), &standard_pool_crd())
-        .await
-        .expect("install the standard InferencePool CRD");
-    let resource = kube::api::ApiResource {
-        group: "inference.networking.k8s.io".into(),
-        version: "v1".into(),
-        api_version: "inference.networking.k8s.io/v1".into(),
-        kind: "InferencePool".into(),
-        plural: "inferencepools".into(),
-    };
-    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
-    // The CRD is served once established.
-    let start = Instant::now();
-    while pools.list(&Default::default()).await.is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "CRD never served"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    create_namespace(&client).await;
+    let pools = install_standard_crd(
+        &client,
+        standard_pool_crd(),
+        (
+            "inference.networking.k8s.io",
+            "v1",
+            "InferencePool",
+            "inferencepools",
+        ),
+    )
+    .await;
 
     // The schema is the standard's: more than 8 ports, or an unknown failure mode, is refused.
     let nine: Vec<u16> = (8000..8009).collect();
@@ -633,8 +640,7 @@ async fn a_standard_pool_naming_the_picker_service_is_served_port_by_port() {
 }
 
 /// The standard `InferenceObjective` CRD the tests install (written from the v1alpha2 API types).
-fn objective_crd()
--> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+fn objective_crd() -> CustomResourceDefinition {
     let path = testkit::repo_root()
         .join("deploy/gateway-api/crds/inference.networking.x-k8s.io_inferenceobjectives.yaml");
     serde_yaml::from_str(&std::fs::read_to_string(path).expect("CRD file")).expect("CRD")
@@ -655,42 +661,23 @@ fn objective(name: &str, priority: Option<i64>) -> DynamicObject {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standard_objectives_are_followed_into_bands() {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
     use kinference_crds::TenantPriority::{High, Low, Medium};
     let Some(server) = Apiserver::start("standard-objective") else {
         return;
     };
     let client = client(&server).await;
-    let namespaces: Api<Namespace> = Api::all(client.clone());
-    namespaces
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "Namespace",
-                "metadata": {"name": NS}}))
-            .expect("namespace"),
-        )
-        .await
-        .expect("create namespace");
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    crds.create(&PostParams::default(), &objective_crd())
-        .await
-        .expect("install the standard InferenceObjective CRD");
-    let resource = kube::api::ApiResource {
-        group: "inference.networking.x-k8s.io".into(),
-        version: "v1alpha2".into(),
-        api_version: "inference.networking.x-k8s.io/v1alpha2".into(),
-        kind: "InferenceObjective".into(),
-        plural: "inferenceobjectives".into(),
-    };
-    let objectives: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &resource);
-    let start = Instant::now();
-    while objectives.list(&Default::default()).await.is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(10),
-            "CRD never served"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    create_namespace(&client).await;
+    let objectives = install_standard_crd(
+        &client,
+        objective_crd(),
+        (
+            "inference.networking.x-k8s.io",
+            "v1alpha2",
+            "InferenceObjective",
+            "inferenceobjectives",
+        ),
+    )
+    .await;
     // The schema is the standard's: a poolRef is required; its kind and group take their defaults.
     let mut orphan = objective("orphan", Some(1));
     orphan.data["spec"] = json!({"priority": 1});
