@@ -685,11 +685,7 @@ def stream_once(base: str, i: int) -> None:
 
 def accounted(kube: Kube) -> dict[str, int]:
     """Requests each gateway pod has accounted for the workload's tenant (`/admin/usage`), by pod name."""
-    out = {}
-    for p in gateway_pods(kube):
-        report = json.loads(get(f"http://{p['status']['podIP']}:9090/admin/usage"))
-        out[p["metadata"]["name"]] = sum(r["requests"] for r in report["usage"] if r["tenant"] == "workload")
-    return out
+    return {pod: requests for pod, (requests, _) in billed(kube).items()}
 
 
 def test_rollout_restart_under_streaming_load_fails_no_request(cluster: Kube):
