@@ -76,6 +76,8 @@ pub fn openai_request(data: &[u8]) {
     if let Ok(completion) = openai::parse_body::<CompletionRequest>(data) {
         let _ = completion.validate();
         let _ = completion.prompt_text();
+        // Token-id prompts route on their ids (`Prompt::Ids`).
+        let _ = completion.routing_prompt().estimated_tokens();
     }
     if let Ok(value) = serde_json::from_slice::<serde_json::Value>(data)
         && value.is_object()
