@@ -57,6 +57,7 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
             name: "m".into(),
             tokenizer_dir: None,
             serves_messages: false,
+            profile: None,
         }],
         agents: (0..agents)
             .map(|a| format!("http://agent-{a}.invalid:7070"))

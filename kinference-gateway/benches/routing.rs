@@ -93,6 +93,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
             name: "m".into(),
             tokenizer_dir: None,
             serves_messages: false,
+            profile: None,
         }],
         agents: vec!["http://agent.invalid:7070".into()],
         mode: RoutingMode::Kinference,

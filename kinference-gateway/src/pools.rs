@@ -370,6 +370,7 @@ pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
                 .and_then(|t| t.dir.as_ref())
                 .map(PathBuf::from),
             serves_messages: m.spec.serves_messages,
+            profile: None,
         })
         .collect()
 }

@@ -920,6 +920,7 @@ async fn pool_selectors_and_gpu_class_pick_discovered_pods() {
                     name: "small-served".into(),
                     tokenizer_dir: Some(tokenizer.into()),
                     serves_messages: false,
+                    profile: None,
                 }],
                 ..Default::default()
             },

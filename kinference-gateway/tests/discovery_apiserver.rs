@@ -159,6 +159,7 @@ async fn gateway_follows_worker_pods_and_agent_slices() {
                     name: MODEL.into(),
                     tokenizer_dir: None,
                     serves_messages: false,
+                    profile: None,
                 }],
                 ..Default::default()
             },
@@ -544,6 +545,7 @@ async fn a_standard_pool_naming_the_picker_service_is_served_port_by_port() {
                     name: MODEL.into(),
                     tokenizer_dir: None,
                     serves_messages: false,
+                    profile: None,
                 }],
                 ..Default::default()
             },

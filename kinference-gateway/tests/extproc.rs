@@ -446,6 +446,7 @@ async fn in_process_with(
                 name: MODEL.into(),
                 tokenizer_dir: Some(tokenizer_dir()),
                 serves_messages: false,
+                profile: None,
             }],
             ..Default::default()
         })

@@ -234,6 +234,7 @@ spec:
             name: MODEL.into(),
             tokenizer_dir: Some(tokenizer_dir()),
             serves_messages: false,
+            profile: None,
         }],
         mode,
         ..Default::default()

@@ -146,6 +146,7 @@ fn router(agent: SocketAddr, tuning: RoutingTuning) -> Router {
             name: "m".into(),
             tokenizer_dir: Some(testkit::tokenizer_dir()),
             serves_messages: false,
+            profile: None,
         }],
         agents: vec![format!("http://{agent}")],
         mode: RoutingMode::Kinference,

@@ -39,6 +39,7 @@ pub async fn with_flag_workers(
                 name: model.clone(),
                 tokenizer_dir: tokenizer_dir.cloned(),
                 serves_messages: false,
+                profile: None,
             });
         }
         if !config.workers.iter().any(|w| w.url == url) {

@@ -87,6 +87,42 @@ impl Candidate<'_> {
 }
 
 impl Shared {
+    /// The fleet's rates for each of `workers`, by its model: one lock, released before any worker's
+    /// (a first token takes a worker's lock, then this one).
+    fn fleet_of(&self, workers: &[Arc<Worker>]) -> Vec<Rates> {
+        let fleet = self.fleet_rates.lock();
+        let mut last: Option<(&str, Rates)> = None;
+        workers
+            .iter()
+            .map(|w| match &last {
+                // A decision's candidates almost always serve one model: look it up once.
+                Some((model, rates)) if *model == w.model => rates.clone(),
+                _ => {
+                    let rates = fleet
+                        .get(&w.model)
+                        .unwrap_or_else(|| self.priors.of(&w.model))
+                        .clone();
+                    last = Some((w.model.as_str(), rates.clone()));
+                    rates
+                }
+            })
+            .collect()
+    }
+
+    /// Teaches the fleet's rates of `model` one first token.
+    pub(super) fn observe_fleet(&self, model: &str, ttft_s: f64, work: f64) {
+        let cfg = &self.tuning.estimator;
+        let mut fleet = self.fleet_rates.lock();
+        match fleet.get_mut(model) {
+            Some(rates) => rates.observe(ttft_s, work, cfg),
+            None => {
+                let mut rates = self.priors.of(model).clone();
+                rates.observe(ttft_s, work, cfg);
+                fleet.insert(model.to_string(), rates);
+            }
+        }
+    }
+
     /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
     /// decision and the policy stage's estimates, so both see the same queue.
     pub(super) fn candidates_at<'w>(
@@ -96,10 +132,11 @@ impl Shared {
     ) -> Vec<Candidate<'w>> {
         let tuning = &self.tuning;
         let fresh = self.fresh_agents(now);
-        let fleet = self.fleet_rates.lock().clone();
+        let fleet = self.fleet_of(workers);
         workers
             .iter()
-            .map(|w| {
+            .enumerate()
+            .map(|(i, w)| {
                 let st = w.state.lock();
                 let live = st
                     .agent
@@ -170,7 +207,7 @@ impl Shared {
                     queue,
                     signal,
                     kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet, now).slowed(late),
+                    rates: estimate::blended(&st.rates, &fleet[i], now).slowed(late),
                     own_s_per_token: st.rates.s_per_token,
                     late,
                     run: 0,

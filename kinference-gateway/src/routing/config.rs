@@ -55,6 +55,11 @@ pub struct ModelConfig {
     /// Anthropic requests pass through to them unchanged instead of being translated to the chat API.
     #[serde(default)]
     pub serves_messages: bool,
+    /// The engine profile the TTFT estimate starts from, which also prices a prefill's attention:
+    /// `cpu-qwen2-small` or `l40s-27b-fp8` (`src/routing/estimate/profiles.rs`); without one, the
+    /// default priors and no attention term.
+    #[serde(default)]
+    pub profile: Option<String>,
 }
 
 /// The routing strategy. Everything but `kinference` is a baseline for the benchmark.
@@ -128,6 +133,16 @@ pub enum BuildError {
         model: String,
         /// What failed.
         error: kinference_api::tokenize::TokenizeError,
+    },
+    /// A model names an engine profile that does not exist.
+    #[error("model {model}: unknown engine profile {name:?} (known: {known})")]
+    UnknownProfile {
+        /// The model.
+        model: String,
+        /// The name given.
+        name: String,
+        /// The profiles there are.
+        known: String,
     },
     /// Agents are configured but the router was built outside a tokio runtime.
     #[error("the router must be built inside a tokio runtime to watch agents")]

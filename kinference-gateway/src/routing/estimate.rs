@@ -1,7 +1,10 @@
 //! The time-to-first-token estimate per candidate worker, the rates it learns, and the final choice.
 //!
 //! Model: `ttft = overhead + seconds_per_token * work`, where
-//! `work = queued prefill tokens ahead + this request's uncached tokens + K * running requests`.
+//! `work = queued prefill tokens ahead + this request's prefill + K * running requests`, and the
+//! prefill is its uncached tokens plus, where the model's profile says so, its attention pairs at a
+//! fixed token-equivalent each ([`profiles`]: a prefill's attention grows with the square of its
+//! length, which dominates on small models).
 //! The last term stands for decode interference: every running sequence takes part of each engine
 //! step, roughly like `K` prefill tokens over the request's wait (K = 16 by default). Expressing it in
 //! tokens keeps the whole estimate in one learned unit, so it is right at any hardware speed (and any
@@ -115,6 +118,8 @@ use std::time::Instant;
 
 use rand::Rng;
 
+pub mod profiles;
+
 /// Knobs of the estimate and the choice.
 #[derive(Clone, Debug)]
 pub struct EstimatorConfig {
@@ -190,6 +195,9 @@ pub struct Rates {
     pub rate_samples: u64,
     /// When the latest sample came.
     pub last_observed: Option<Instant>,
+    /// Prefill-token equivalents per attention pair, from the model's profile (not learned; 0 without
+    /// one).
+    pub attention_pair_tokens: f64,
 }
 
 impl Rates {
@@ -199,6 +207,20 @@ impl Rates {
             s_per_token: (1.0 / cfg.prior_tokens_per_s.max(1.0))
                 .clamp(MIN_S_PER_TOKEN, MAX_S_PER_TOKEN),
             overhead_s: cfg.prior_overhead_s.clamp(0.0, MAX_OVERHEAD_S),
+            samples: 0,
+            rate_samples: 0,
+            last_observed: None,
+            attention_pair_tokens: 0.0,
+        }
+    }
+
+    /// The priors of a model with a [`profiles::Profile`].
+    pub fn from_profile(profile: &profiles::Profile) -> Self {
+        Self {
+            s_per_token: (1.0 / profile.prefill_tokens_per_s.max(1.0))
+                .clamp(MIN_S_PER_TOKEN, MAX_S_PER_TOKEN),
+            overhead_s: profile.overhead_s.clamp(0.0, MAX_OVERHEAD_S),
+            attention_pair_tokens: profile.attention_pair_tokens.max(0.0),
             samples: 0,
             rate_samples: 0,
             last_observed: None,
@@ -291,6 +313,7 @@ pub fn blended(own: &Rates, fleet: &Rates, now: Instant) -> Rates {
         samples: own.samples,
         rate_samples: own.rate_samples,
         last_observed: own.last_observed,
+        attention_pair_tokens: own.attention_pair_tokens,
     }
 }
 
@@ -357,8 +380,11 @@ impl KvRoom {
 /// One candidate's estimate.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Estimate {
-    /// Work in tokens (queue + uncached + decode interference).
+    /// Work in tokens (queue + this request's prefill + decode interference).
     pub work: f64,
+    /// This request's own prefill in tokens: the uncached ones with their attention, and the loads from
+    /// a lower tier (what it adds to the worker's queue).
+    pub prefill: f64,
     /// Seconds of the estimate spent waiting for work ahead.
     pub queue_s: f64,
     /// Estimated time to first token, seconds.
@@ -377,14 +403,19 @@ pub fn estimate(rates: &Rates, inputs: &Inputs, cfg: &EstimatorConfig) -> Estima
         .saturating_sub(inputs.cached_tokens)
         .saturating_sub(offloaded) as f64;
     let load = offloaded as f64 * cfg.offloaded_token_cost.clamp(0.0, 1.0);
+    // The uncached tokens attend to the whole prefix before them, the loaded tiers' included.
+    let context = (inputs.cached_tokens + offloaded) as f64;
+    let computed =
+        uncached + rates.attention_pair_tokens * profiles::attention_pairs(uncached, context);
     let ahead = inputs.queue_tokens.max(0.0) + cfg.running_token_equiv * inputs.running as f64;
-    let work = ahead + load + uncached;
+    let work = ahead + load + computed;
     let ttft_s = rates.overhead_s + work * rates.s_per_token;
     Estimate {
         work,
+        prefill: load + computed,
         queue_s: ahead * rates.s_per_token,
         ttft_s,
-        cost_s: ttft_s + cfg.prefill_externality.max(0.0) * uncached * rates.s_per_token,
+        cost_s: ttft_s + cfg.prefill_externality.max(0.0) * computed * rates.s_per_token,
     }
 }
 

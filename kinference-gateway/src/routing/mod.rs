@@ -148,6 +148,38 @@ pub struct WorkerView {
     pub cached_blocks: usize,
 }
 
+/// The rates a worker starts from: its model's engine profile where the configuration names one
+/// ([`estimate::profiles`]), else the tuning's priors.
+struct Priors {
+    default: Rates,
+    by_model: std::collections::HashMap<String, Rates>,
+}
+
+impl Priors {
+    fn new(models: &[ModelConfig], cfg: &estimate::EstimatorConfig) -> Result<Self, BuildError> {
+        let mut by_model = std::collections::HashMap::new();
+        for m in models {
+            let Some(name) = &m.profile else { continue };
+            let profile =
+                estimate::profiles::profile(name).ok_or_else(|| BuildError::UnknownProfile {
+                    model: m.name.clone(),
+                    name: name.clone(),
+                    known: estimate::profiles::names().join(", "),
+                })?;
+            by_model.insert(m.name.clone(), Rates::from_profile(profile));
+        }
+        Ok(Self {
+            default: Rates::prior(cfg),
+            by_model,
+        })
+    }
+
+    /// The priors of `model`'s workers.
+    fn of(&self, model: &str) -> &Rates {
+        self.by_model.get(model).unwrap_or(&self.default)
+    }
+}
+
 /// State shared by the router, its agent tasks and the in-flight tickets.
 struct Shared {
     mode: RoutingMode,
@@ -157,9 +189,10 @@ struct Shared {
     /// Whether workers no pool speaks for run priority scheduling (`gateway.yaml`).
     default_priority: std::sync::atomic::AtomicBool,
     tuning: RoutingTuning,
-    prior_rates: Rates,
-    /// Rates learned from every worker's observations; workers with few samples borrow them.
-    fleet_rates: Mutex<Rates>,
+    priors: Priors,
+    /// Rates learned from every worker's observations, per model; workers with few samples borrow
+    /// their model's.
+    fleet_rates: Mutex<std::collections::HashMap<String, Rates>>,
     workers: RwLock<WorkerTable>,
     index: RwLock<KvIndex>,
     /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
@@ -323,13 +356,13 @@ impl Router {
         if config.workers.len() > kv_index::MAX_WORKERS {
             return Err(BuildError::TooManyWorkers(config.workers.len()));
         }
-        let prior_rates = Rates::prior(&tuning.estimator);
+        let priors = Priors::new(&config.models, &tuning.estimator)?;
         let mut table = WorkerTable::default();
         for w in &config.workers {
             if table.get(&w.url).is_some() {
                 return Err(BuildError::DuplicateWorker(w.url.clone()));
             }
-            if let Some(worker) = table.get_or_add(&w.url, &w.model, true, &prior_rates)
+            if let Some(worker) = table.get_or_add(&w.url, &w.model, true, priors.of(&w.model))
                 && w.role != kinference_api::WorkerRole::Both
             {
                 worker.state.lock().pin_role(w.role);
@@ -349,8 +382,8 @@ impl Router {
             mode: config.mode,
             priority_scheduling: RwLock::default(),
             default_priority: Default::default(),
-            fleet_rates: Mutex::new(prior_rates.clone()),
-            prior_rates,
+            fleet_rates: Mutex::default(),
+            priors,
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
@@ -895,10 +928,9 @@ impl Router {
             span.record("queue_s", est.queue_s);
             span.record("est_ttft_s", est.ttft_s);
         }
-        // What the worker will do for this prompt, in prefill tokens: the computed ones and the loads.
-        let offloaded = inputs.offloaded_tokens as f64;
-        let uncached = (prompt_tokens - inputs.cached_tokens) as f64 - offloaded
-            + offloaded * est_cfg.offloaded_token_cost.clamp(0.0, 1.0);
+        // What the worker will do for this prompt, in prefill tokens: the computed ones (with their
+        // attention) and the loads.
+        let uncached = est.prefill;
         let keys = keys_by_size
             .iter()
             .find(|(bs, _)| *bs == chosen.block_size)
@@ -957,7 +989,7 @@ impl Router {
                 }
                 let _ = write!(
                     s,
-                    "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
+                    "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} prefill={:.0} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
                     c.worker.url,
                     inp.cached_tokens,
@@ -965,6 +997,7 @@ impl Router {
                     inp.queue_tokens,
                     inp.running,
                     e.queue_s,
+                    e.prefill,
                     e.ttft_s,
                     e.cost_s,
                     c.rates.s_per_token * 1e6,
@@ -1052,7 +1085,7 @@ impl Router {
             self.shared
                 .workers
                 .write()
-                .get_or_add(url, model, false, &self.shared.prior_rates);
+                .get_or_add(url, model, false, self.shared.priors.of(model));
         match added {
             Some(w) => {
                 w.state.lock().gone = false;

@@ -110,10 +110,7 @@ impl InFlight {
         }
         if let Some(work) = self.work {
             st.rates.observe(ttft, work, &self.shared.tuning.estimator);
-            self.shared
-                .fleet_rates
-                .lock()
-                .observe(ttft, work, &self.shared.tuning.estimator);
+            self.shared.observe_fleet(&self.worker.model, ttft, work);
             let labels = WorkerUrlLabels {
                 worker: self.worker.url.clone(),
             };

@@ -15,6 +15,7 @@ fn router() -> Router {
             name: "base".into(),
             tokenizer_dir: None,
             serves_messages: false,
+            profile: None,
         }],
         workers: vec![worker("http://a"), worker("http://b")],
         agents: vec![],

@@ -46,6 +46,7 @@ fn estimate_counts_only_uncached_tokens_and_queue() {
         samples: 0,
         rate_samples: 0,
         last_observed: None,
+        attention_pair_tokens: 0.0,
     };
     let cold = estimate(
         &r,
@@ -441,6 +442,7 @@ mod replicas {
                 name: "m".into(),
                 tokenizer_dir: None,
                 serves_messages: false,
+                profile: None,
             }],
             agents: vec!["http://127.0.0.1:1".into()],
             mode: RoutingMode::Kinference,
@@ -706,6 +708,7 @@ fn leaving_a_cached_prefix_must_beat_the_holders_queue_by_the_prefill_it_duplica
         samples: 100,
         rate_samples: 100,
         last_observed: None,
+        attention_pair_tokens: 0.0,
     };
     let holder = Inputs {
         prompt_tokens: 7_646,
@@ -941,4 +944,201 @@ fn a_gpu_hit_beats_an_equal_cpu_hit_and_a_cpu_hit_beats_a_miss() {
     // Loading 4000 tokens back costs a tenth of computing them.
     let load = cpu.work - gpu.work;
     assert!((load - 400.0).abs() < 1e-6, "{load}");
+}
+
+/// The measured prefills of the calibration that made the `cpu-qwen2-small` profile (vLLM 0.32 on CPU):
+/// `(uncached, cached, median TTFT in seconds)` per setting.
+fn calibrated_prefills() -> Vec<(f64, f64, f64)> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../bench/results/real-vllm/calibration-cpu-qwen2-small.json"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect(path))
+            .expect("calibration json");
+    let mut settings: std::collections::BTreeMap<(u64, u64), Vec<f64>> = Default::default();
+    let points = &report["engine"]["points"];
+    for kind in ["prefill", "cached"] {
+        for p in points[kind].as_array().expect(kind) {
+            let key = (
+                p["uncached"].as_u64().unwrap(),
+                p["cached"].as_u64().unwrap(),
+            );
+            settings
+                .entry(key)
+                .or_default()
+                .push(p["ttft_s"].as_f64().unwrap());
+        }
+    }
+    settings
+        .into_iter()
+        .map(|((u, c), mut ttfts)| {
+            ttfts.sort_by(f64::total_cmp);
+            (u as f64, c as f64, ttfts[ttfts.len() / 2])
+        })
+        .collect()
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+#[test]
+fn the_cpu_profile_reproduces_the_engines_measured_prefills() {
+    let cfg = cfg();
+    let points = calibrated_prefills();
+    assert!(points.len() >= 8, "{points:?}");
+    let ape = |rates: &Rates| -> Vec<f64> {
+        points
+            .iter()
+            .map(|&(u, c, measured)| {
+                let inputs = Inputs {
+                    prompt_tokens: (u + c) as usize,
+                    cached_tokens: c as usize,
+                    ..Default::default()
+                };
+                (estimate(rates, &inputs, &cfg).ttft_s - measured).abs() / measured
+            })
+            .collect()
+    };
+    let profile = Rates::from_profile(profiles::profile("cpu-qwen2-small").expect("profile"));
+    let with_attention = ape(&profile);
+
+    // The best a cost linear in uncached tokens can do on the same points: least squares.
+    let n = points.len() as f64;
+    let (mx, my) = (
+        points.iter().map(|p| p.0).sum::<f64>() / n,
+        points.iter().map(|p| p.2).sum::<f64>() / n,
+    );
+    let slope = points.iter().map(|p| (p.0 - mx) * (p.2 - my)).sum::<f64>()
+        / points.iter().map(|p| (p.0 - mx).powi(2)).sum::<f64>();
+    let linear = ape(&Rates {
+        s_per_token: slope,
+        overhead_s: my - slope * mx,
+        attention_pair_tokens: 0.0,
+        ..Rates::prior(&cfg)
+    });
+
+    let (ours, best_linear) = (median(with_attention.clone()), median(linear.clone()));
+    assert!(ours <= 0.10, "profile MdAPE {ours:.3}: {with_attention:?}");
+    let worst = with_attention.iter().copied().fold(0.0, f64::max);
+    assert!(
+        worst <= 0.30,
+        "profile worst {worst:.3}: {with_attention:?}"
+    );
+    assert!(
+        best_linear > 2.0 * ours,
+        "linear {best_linear:.3} against the profile's {ours:.3}"
+    );
+}
+
+#[test]
+fn attention_makes_a_long_context_costlier_only_under_a_profile() {
+    let cfg = cfg();
+    // The same 256 new tokens after a short and after a long cached prefix.
+    let after = |cached: usize| Inputs {
+        prompt_tokens: cached + 256,
+        cached_tokens: cached,
+        ..Default::default()
+    };
+    let plain = Rates::prior(&cfg);
+    let short = estimate(&plain, &after(128), &cfg);
+    let long = estimate(&plain, &after(8_000), &cfg);
+    assert_eq!(short.work, long.work);
+    assert_eq!(short.prefill, 256.0);
+
+    let profiled = Rates::from_profile(profiles::profile("cpu-qwen2-small").expect("profile"));
+    let short = estimate(&profiled, &after(128), &cfg);
+    let long = estimate(&profiled, &after(8_000), &cfg);
+    // 256 x 8,000 more pairs at 1.1e-3 tokens each: about 2,250 tokens more.
+    let extra = long.prefill - short.prefill;
+    assert!(
+        (extra - 256.0 * 7_872.0 * profiled.attention_pair_tokens).abs() < 1e-6,
+        "{extra}"
+    );
+    assert!(long.ttft_s > 2.0 * short.ttft_s, "{long:?} {short:?}");
+    // The prefill it adds to the worker's queue is the same figure the estimate charged.
+    assert!(long.work >= long.prefill);
+}
+
+#[test]
+fn every_profile_is_sane_and_named_once() {
+    let names = profiles::names();
+    let unique: std::collections::HashSet<_> = names.iter().collect();
+    assert_eq!(unique.len(), names.len(), "{names:?}");
+    for p in profiles::PROFILES {
+        let r = Rates::from_profile(p);
+        assert!(r.s_per_token > 0.0 && r.s_per_token.is_finite(), "{p:?}");
+        assert!(r.overhead_s > 0.0 && r.overhead_s < 1.0, "{p:?}");
+        assert!(
+            (0.0..0.01).contains(&r.attention_pair_tokens),
+            "{p:?}: a pair costs far less than a token"
+        );
+    }
+}
+
+mod profiled_models {
+    use crate::routing::{
+        BuildError, ModelConfig, Router, RoutingConfig, RoutingMode, RoutingTuning, WorkerConfig,
+    };
+
+    fn config(profile: Option<&str>) -> RoutingConfig {
+        RoutingConfig {
+            workers: vec![WorkerConfig {
+                url: "http://w0".into(),
+                model: "m".into(),
+                role: Default::default(),
+            }],
+            models: vec![ModelConfig {
+                name: "m".into(),
+                tokenizer_dir: None,
+                serves_messages: false,
+                profile: profile.map(str::to_string),
+            }],
+            agents: vec![],
+            mode: RoutingMode::Kinference,
+        }
+    }
+
+    fn estimated_s(router: &Router, prompt_tokens: u32) -> f64 {
+        let tokens: Vec<u32> = (0..prompt_tokens).collect();
+        let d = router.pick_tokens("m", &tokens, true).expect("decision");
+        let explain = d.explain.expect("explain");
+        explain
+            .split(' ')
+            .find_map(|kv| kv.strip_prefix("est_s="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("est_s in {explain}"))
+    }
+
+    #[test]
+    fn a_models_profile_gives_its_workers_priors_and_an_unknown_one_is_refused() {
+        let tuning = || RoutingTuning {
+            connect_agents: false,
+            ..Default::default()
+        };
+        let plain = Router::with_tuning(config(None), tuning()).expect("router");
+        let cpu = Router::with_tuning(config(Some("cpu-qwen2-small")), tuning()).expect("router");
+        // A cold 2,048-token prompt on an idle worker: vLLM 0.32 on CPU measured 335 ms.
+        let measured = 0.335;
+        let est = estimated_s(&cpu, 2_048);
+        assert!((est - measured).abs() / measured < 0.1, "{est}");
+        // Without a profile, the default priors (5,000 tokens/s, no attention term) say about 0.43 s.
+        let default = estimated_s(&plain, 2_048);
+        assert!((default - est).abs() > 0.05, "{default} vs {est}");
+
+        let refused = Router::with_tuning(config(Some("cpu-qwen3-huge")), tuning());
+        match refused {
+            Err(e @ BuildError::UnknownProfile { .. }) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("cpu-qwen3-huge") && text.contains("cpu-qwen2-small"),
+                    "{text}"
+                );
+            }
+            Err(e) => panic!("wrong error: {e}"),
+            Ok(_) => panic!("an unknown profile must be refused"),
+        }
+    }
 }

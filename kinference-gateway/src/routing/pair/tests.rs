@@ -37,6 +37,7 @@ fn router(agents: &[&str]) -> Router {
             name: "m".into(),
             tokenizer_dir: Some(tokenizer_dir()),
             serves_messages: false,
+            profile: None,
         }],
         agents: agents.iter().map(|a| a.to_string()).collect(),
         mode: RoutingMode::Kinference,

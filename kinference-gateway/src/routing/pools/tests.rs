@@ -28,6 +28,7 @@ fn router() -> Router {
             name: "m".into(),
             tokenizer_dir: Some(tokenizer_dir()),
             serves_messages: false,
+            profile: None,
         }],
         agents: vec![],
         mode: RoutingMode::Kinference,

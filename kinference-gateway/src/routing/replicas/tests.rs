@@ -21,6 +21,7 @@ fn router() -> Router {
             name: "m".into(),
             tokenizer_dir: None,
             serves_messages: false,
+            profile: None,
         }],
         agents: vec![],
         mode: RoutingMode::Kinference,
