@@ -230,6 +230,7 @@ class Stack:
     gateway_url: str = ""
     gateway_admin: str = ""
     agent_metrics: str = ""
+    agent_url: str = ""
 
     def spawn(self, name: str, argv: list, env: dict | None = None) -> Proc:
         log_path = self.work_dir / f"{name}.log"
@@ -281,9 +282,69 @@ class Stack:
         self.procs.clear()
 
 
+def worker_env(args: argparse.Namespace) -> dict:
+    """The workers' environment: `WORKER_ENV` plus the run's own (`args.worker_env`, e.g. the dev mode
+    that serves `/reset_prefix_cache`)."""
+    return {**WORKER_ENV, **getattr(args, "worker_env", {})}
+
+
+def pinned(args: argparse.Namespace, index: int, argv: list) -> list:
+    """`argv` on a core of its own (`args.pin_workers`): worker `index` on CPU `index` modulo the CPUs,
+    at a raised priority (`nice -n -5`, root only), as each engine has a GPU of its own in a real fleet.
+    Without it the two engines' processes and the machine's other work share both cores, and one
+    engine's step can stall the other's for hundreds of milliseconds."""
+    if not getattr(args, "pin_workers", False):
+        return argv
+    cpu = index % (os.cpu_count() or 1)
+    prefix = ["taskset", "-c", str(cpu)]
+    if os.geteuid() == 0:
+        prefix += ["nice", "-n", "-5"]
+    return prefix + argv
+
+
 def write_yaml(path: Path, value: dict) -> None:
     # JSON is YAML; the Rust side reads it with serde_yaml.
     path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def start_gateway(stack: Stack, args: argparse.Namespace, name: str, extra: dict) -> str:
+    """Another gateway over the running stack's workers (`extra`: its gateway.yaml keys beyond the
+    workers and the model, e.g. `routing`, `agents`); returns its URL once every worker is healthy."""
+    listen, admin = free_ports(2)
+    config = stack.work_dir / f"{name}.yaml"
+    model = {"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}
+    model.update(extra.pop("model", {}))
+    write_yaml(config, {"models": [model], "workers": [{"url": u, "model": MODEL} for u in stack.workers], **extra})
+    proc = stack.spawn(
+        name,
+        [
+            str(args.bin_dir / "kinference-gateway"),
+            "--listen", f"127.0.0.1:{listen}",
+            "--admin-listen", f"127.0.0.1:{admin}",
+            "--config", str(config),
+        ],
+        env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+    )
+    stack.wait_ready(
+        proc,
+        f"http://127.0.0.1:{admin}/metrics",
+        60,
+        check=lambda text: metric_sum(text, "kinference_gateway_worker_healthy") >= len(stack.workers),
+    )
+    return f"http://127.0.0.1:{listen}"
+
+
+def reset_caches(workers: list) -> None:
+    """Every worker's prefix cache emptied (vLLM's dev mode endpoint); waits for the engines to idle."""
+    for url in workers:
+        for _ in range(20):
+            r = requests.post(f"{url}/reset_prefix_cache", timeout=30)
+            # vLLM refuses while requests still hold blocks; they finish within a second or two.
+            if r.status_code == 200:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{url}/reset_prefix_cache kept failing: {r.status_code} {r.text[:200]}")
 
 
 def start_stack(
@@ -373,13 +434,17 @@ def launch(
             argv += ["--num-gpu-blocks-override", str(cache_blocks)]
         if getattr(args, "max_num_batched_tokens", None):
             argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        worker_procs.append(stack.spawn(f"worker-{i + 1}", argv, env=WORKER_ENV))
+        worker_procs.append(stack.spawn(f"worker-{i + 1}", pinned(args, i, argv), env=worker_env(args)))
 
     gateway_yaml = work_dir / "gateway.yaml"
+    model = {"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}
+    if getattr(args, "model_profile", None):
+        model["profile"] = args.model_profile
+    stack.agent_url = f"http://127.0.0.1:{agent_grpc}"
     write_yaml(
         gateway_yaml,
         {
-            "models": [{"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}],
+            "models": [model],
             "workers": [{"url": url, "model": MODEL} for url in stack.workers],
             "agents": [f"http://127.0.0.1:{agent_grpc}"],
             "routing": mode,

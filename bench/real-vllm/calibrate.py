@@ -227,54 +227,105 @@ def spearman(x: list, y: list) -> float:
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def measure_estimate(args: argparse.Namespace) -> dict:
+def estimate_plan(args: argparse.Namespace) -> list:
+    """A mixed workload, so the estimate has something to rank: a few shared prefixes of different
+    lengths with questions of different lengths, and fresh prompts of different lengths (misses)."""
     rng = random.Random(args.seed + 1)
-    prefixes = [tokens(rng, args.estimate_prefix) for _ in range(args.estimate_prefixes)]
-    plan = [(i % len(prefixes), tokens(rng, args.estimate_suffix)) for i in range(args.estimate_requests)]
-    rng.shuffle(plan)
-    work_dir = args.work_dir / "estimate"
-    stack_args = argparse.Namespace(
-        python=args.python, model_dir=args.model_dir, tokenizer_dir=args.tokenizer_dir, bin_dir=args.bin_dir,
-        workers=2, block_size=args.block_size, max_model_len=args.max_model_len, ready_timeout=args.ready_timeout,
-        dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    stack = bench.start_stack(stack_args, "kinference", 0, work_dir)
+    prefixes = [tokens(rng, n) for n in args.estimate_prefix_lens]
+    plan = []
+    for _ in range(args.estimate_requests):
+        if rng.random() < args.estimate_fresh:
+            plan.append(("fresh", tokens(rng, rng.randrange(128, 1537))))
+        else:
+            i = rng.randrange(len(prefixes))
+            plan.append((f"p{i}", prefixes[i] + tokens(rng, rng.randrange(32, 257))))
+    return plan
+
+
+def run_estimate_pass(url: str, plan: list, args: argparse.Namespace) -> list:
+    def one(item):
+        label, prompt = item
+        m = complete(url, prompt, args.estimate_output, headers={"x-kinference-debug": "1"})
+        decision = m["headers"].get("x-kinference-decision", "")
+        chosen = [c for c in CANDIDATE.findall(decision) if c[0] == "*"]
+        fields = {}
+        for c in decision.split("; "):
+            if c.startswith("*"):
+                fields = dict(kv.split("=", 1) for kv in c.split() if "=" in kv)
+        return {"prompt": label, "ttft_s": m["ttft_s"], "cached_tokens": m["cached_tokens"],
+                "prompt_tokens": m["prompt_tokens"],
+                "worker": chosen[0][1] if chosen else None,
+                "est_s": float(chosen[0][3]) if chosen else None,
+                "est_cached": int(chosen[0][2]) if chosen else None,
+                "est_queue_tokens": float(fields.get("queue_tokens", "nan")),
+                "est_running": int(fields.get("running", "0")),
+                "est_prefill": float(fields.get("prefill", "nan"))}
     rows = []
-    try:
-        # Warm-up requests are not scored: the gateway learns each worker's speed from its answers.
-        def one(item):
-            prefix, suffix = item
-            m = complete(stack.gateway_url, prefixes[prefix] + suffix, args.estimate_output,
-                         headers={"x-kinference-debug": "1"})
-            decision = m["headers"].get("x-kinference-decision", "")
-            chosen = [c for c in CANDIDATE.findall(decision) if c[0] == "*"]
-            return {"prefix": prefix, "ttft_s": m["ttft_s"], "cached_tokens": m["cached_tokens"],
-                    "prompt_tokens": m["prompt_tokens"],
-                    "est_s": float(chosen[0][3]) if chosen else None,
-                    "est_cached": int(chosen[0][2]) if chosen else None}
-        with concurrent.futures.ThreadPoolExecutor(args.estimate_concurrency) as pool:
-            for i, row in enumerate(pool.map(one, plan)):
-                row["warmup"] = i < args.estimate_warmup
-                rows.append(row)
-    finally:
-        stack.stop()
+    with concurrent.futures.ThreadPoolExecutor(args.estimate_concurrency) as pool:
+        for i, row in enumerate(pool.map(one, plan)):
+            row["warmup"] = i < args.estimate_warmup
+            rows.append(row)
+    return rows
+
+
+def score(rows: list) -> dict:
     scored = [r for r in rows if not r["warmup"] and r["est_s"] is not None and r["ttft_s"] > 0]
     ape = [abs(r["est_s"] - r["ttft_s"]) / r["ttft_s"] for r in scored]
-    hits = [r for r in scored if r["cached_tokens"] > 0]
-    misses = [r for r in scored if r["cached_tokens"] == 0]
 
     def mdape(rs):
         return statistics.median(abs(r["est_s"] - r["ttft_s"]) / r["ttft_s"] for r in rs) if rs else None
+    hits = [r for r in scored if r["cached_tokens"] > 0]
+    misses = [r for r in scored if r["cached_tokens"] == 0]
+    queued = [r for r in scored if r["est_running"] > 0]
     return {
         "requests": len(rows),
         "scored": len(scored),
         "mdape": statistics.median(ape) if ape else None,
         "mdape_hits": mdape(hits),
         "mdape_misses": mdape(misses),
+        "mdape_alone": mdape([r for r in scored if r["est_running"] == 0]),
+        "mdape_behind_others": mdape(queued),
         "spearman": spearman([r["est_s"] for r in scored], [r["ttft_s"] for r in scored]) if len(scored) > 2 else None,
         "median_bias": statistics.median(r["est_s"] - r["ttft_s"] for r in scored) if scored else None,
-        "rows": rows,
     }
+
+
+def measure_estimate(args: argparse.Namespace) -> dict:
+    """The gateway's estimate on the real engine, with the calibrated profile and without (the default
+    priors, no attention term): one stack, two gateways over the same workers and agent, the same plan
+    through each in the order A B B A, every worker's prefix cache reset before each pass."""
+    plan = estimate_plan(args)
+    work_dir = args.work_dir / "estimate"
+    stack_args = argparse.Namespace(
+        python=args.python, model_dir=args.model_dir, tokenizer_dir=args.tokenizer_dir, bin_dir=args.bin_dir,
+        workers=2, block_size=args.block_size, max_model_len=args.max_model_len, ready_timeout=args.ready_timeout,
+        dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens, pin_workers=True,
+        worker_env={"VLLM_SERVER_DEV_MODE": "1"}, model_profile=args.profile,
+    )
+    stack = bench.start_stack(stack_args, "kinference", 0, work_dir)
+    arms = {}
+    try:
+        urls = {
+            args.profile: stack.gateway_url,
+            "none": bench.start_gateway(stack, stack_args, "gateway-no-profile",
+                                        {"agents": [stack.agent_url], "routing": "kinference"}),
+        }
+        order = [args.profile, "none", "none", args.profile]
+        for n, arm in enumerate(order, 1):
+            bench.reset_caches(stack.workers)
+            log(f"estimate pass {n}/{len(order)}: profile {arm}")
+            rows = run_estimate_pass(urls[arm], plan, args)
+            arms.setdefault(arm, []).append({"pass": n, "rows": rows, **score(rows)})
+    finally:
+        stack.stop()
+    summary = {}
+    for arm, passes in arms.items():
+        rows = [r for p in passes for r in p["rows"]]
+        summary[arm] = score(rows)
+    return {"plan": {"prefix_lens": args.estimate_prefix_lens, "fresh": args.estimate_fresh,
+                     "requests": args.estimate_requests, "warmup": args.estimate_warmup,
+                     "concurrency": args.estimate_concurrency, "output": args.estimate_output},
+            "arms": arms, "summary": summary}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,14 +371,23 @@ def markdown(report: dict) -> str:
 
         def pct(v):
             return "-" if v is None else f"{v * 100:.1f}%"
-        lines += ["## The gateway's estimate against the engine", ""]
-        if s["scored"]:
-            lines.append(
-                f"{s['scored']} scored requests of {s['requests']} (warm-up excluded): MdAPE {pct(s['mdape'])} "
-                f"(cache hits {pct(s['mdape_hits'])}, misses {pct(s['mdape_misses'])}), Spearman "
-                f"{s['spearman']:.2f}, median bias (estimate - measured) {s['median_bias'] * 1e3:.0f} ms.")
-        else:
-            lines.append("No request carried an estimate.")
+        p = s["plan"]
+        lines += ["## The gateway's estimate against the engine", "",
+                  f"Plan: {p['requests']} requests, {p['concurrency']} at a time, {p['output']} tokens out; prefixes of "
+                  f"{', '.join(map(str, p['prefix_lens']))} tokens with 32-256-token questions, and "
+                  f"{p['fresh'] * 100:.0f}% fresh prompts of 128-1,536 tokens; the first {p['warmup']} of each pass not "
+                  "scored. Two gateways over the same workers and agent, with the profile and without; "
+                  "passes in the order A B B A, prefix caches reset before each.", "",
+                  "| profile | scored | MdAPE | hits | misses | alone on the worker | behind others | Spearman | median bias |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for arm, m in s["summary"].items():
+            lines.append(f"| {arm} | {m['scored']} | {pct(m['mdape'])} | {pct(m['mdape_hits'])} | "
+                         f"{pct(m['mdape_misses'])} | {pct(m['mdape_alone'])} | {pct(m['mdape_behind_others'])} | "
+                         f"{m['spearman']:.2f} | {m['median_bias'] * 1e3:+.0f} ms |")
+        lines += ["", "Per pass:", "", "| pass | profile | MdAPE | Spearman |", "|---|---|---|---|"]
+        for arm, passes in s["arms"].items():
+            for ps in passes:
+                lines.append(f"| {ps['pass']} | {arm} | {pct(ps['mdape'])} | {ps['spearman']:.2f} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -357,10 +417,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--estimate", action="store_true", help="also part 2: the gateway's estimate error")
-    parser.add_argument("--estimate-prefixes", type=int, default=4)
-    parser.add_argument("--estimate-prefix", type=int, default=1536)
-    parser.add_argument("--estimate-suffix", type=int, default=64)
-    parser.add_argument("--estimate-requests", type=int, default=48)
+    parser.add_argument("--estimate-prefix-lens", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[384, 1024, 1792])
+    parser.add_argument("--estimate-fresh", type=float, default=0.2, help="share of fresh prompts")
+    parser.add_argument("--estimate-requests", type=int, default=72)
     parser.add_argument("--estimate-warmup", type=int, default=8)
     parser.add_argument("--estimate-concurrency", type=int, default=2)
     parser.add_argument("--estimate-output", type=int, default=8)
@@ -410,7 +470,8 @@ def main() -> None:
             stack.stop()
     if args.estimate:
         report["estimate"] = measure_estimate(args)
-        log(f"estimate: MdAPE {report['estimate']['mdape']}, Spearman {report['estimate']['spearman']}")
+        for arm, m in report["estimate"]["summary"].items():
+            log(f"estimate, profile {arm}: MdAPE {m['mdape']}, Spearman {m['spearman']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
