@@ -85,6 +85,34 @@ pub struct InferenceModelSpec {
     /// requests pass through to them unchanged instead of being translated to the chat API.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub serves_messages: bool,
+    /// The engine profile the gateway's TTFT estimate starts from, which also prices a prefill's
+    /// attention; without one, the default priors and no attention term.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_profile: Option<EngineProfile>,
+}
+
+/// An engine profile: the estimate's priors and attention cost for one model on one kind of hardware
+/// (the gateway's `src/routing/estimate/profiles.rs` holds the figures).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum EngineProfile {
+    /// The small random Qwen2 on vLLM 0.32 on CPU, measured (`bench/real-vllm/run.sh calibrate`).
+    CpuQwen2Small,
+    /// A 27B model in FP8 on an NVIDIA L40S, from published figures.
+    L40s27bFp8,
+}
+
+impl EngineProfile {
+    /// Every profile, for checks that cover them all.
+    pub const ALL: [EngineProfile; 2] = [EngineProfile::CpuQwen2Small, EngineProfile::L40s27bFp8];
+
+    /// The name the gateway's configuration uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineProfile::CpuQwen2Small => "cpu-qwen2-small",
+            EngineProfile::L40s27bFp8 => "l40s-27b-fp8",
+        }
+    }
 }
 
 /// Where the tokenizer comes from.

@@ -270,7 +270,18 @@ impl Pools {
                     changed = rx.changed() => if changed.is_err() { return },
                     _ = tokio::time::sleep(ROLE_INTERVAL) => continue,
                 }
-                let workers = pool_workers(&rx.borrow_and_update());
+                let (workers, models) = {
+                    let set = rx.borrow_and_update();
+                    (pool_workers(&set), pool_models(&set))
+                };
+                // A profile set or changed applies now; one removed, at the next start (so a model's
+                // profile from gateway.yaml is not undone by a pool that does not name one).
+                for m in models.iter().filter(|m| m.profile.is_some()) {
+                    // The CRD's schema names only profiles the gateway has.
+                    if let Err(e) = router.set_model_profile(&m.name, m.profile.as_deref()) {
+                        tracing::warn!(model = %m.name, error = %e, "engine profile not applied");
+                    }
+                }
                 let now: BTreeSet<String> = workers.iter().map(|w| w.url.clone()).collect();
                 for w in &workers {
                     if !router.upsert_worker(&w.url, &w.model) {
@@ -356,8 +367,9 @@ fn pool_workers(set: &PolicySet) -> Vec<WorkerConfig> {
     out
 }
 
-/// Served models with their tokenizer directory (`spec.tokenizer.dir`) and whether their workers
-/// serve Anthropic's `/v1/messages` (`spec.servesMessages`).
+/// Served models with their tokenizer directory (`spec.tokenizer.dir`), whether their workers
+/// serve Anthropic's `/v1/messages` (`spec.servesMessages`) and their engine profile
+/// (`spec.engineProfile`; also applied on every reload by [`Pools::spawn_sync`]).
 pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
     set.models
         .values()
@@ -370,7 +382,7 @@ pub(crate) fn pool_models(set: &PolicySet) -> Vec<ModelConfig> {
                 .and_then(|t| t.dir.as_ref())
                 .map(PathBuf::from),
             serves_messages: m.spec.serves_messages,
-            profile: None,
+            profile: m.spec.engine_profile.map(|p| p.as_str().to_string()),
         })
         .collect()
 }

@@ -289,7 +289,7 @@ fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
     {
         let mut table = shared.workers.write();
         for ws in &snap.workers {
-            match table.get_or_add(&ws.worker_id, &ws.model, false, shared.priors.of(&ws.model)) {
+            match table.get_or_add(&ws.worker_id, &ws.model, false, &shared.prior_of(&ws.model)) {
                 Some(w) => ids.push(w.id),
                 None => {
                     tracing::warn!(worker = %ws.worker_id, "worker table full: ignoring worker")
@@ -359,7 +359,7 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
                         &wd.worker_id,
                         &wd.model,
                         false,
-                        shared.priors.of(&wd.model),
+                        &shared.prior_of(&wd.model),
                     ) {
                         Some(w) => w,
                         None => continue,

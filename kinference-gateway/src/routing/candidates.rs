@@ -100,8 +100,8 @@ impl Shared {
                 _ => {
                     let rates = fleet
                         .get(&w.model)
-                        .unwrap_or_else(|| self.priors.of(&w.model))
-                        .clone();
+                        .cloned()
+                        .unwrap_or_else(|| self.prior_of(&w.model));
                     last = Some((w.model.as_str(), rates.clone()));
                     rates
                 }
@@ -116,7 +116,7 @@ impl Shared {
         match fleet.get_mut(model) {
             Some(rates) => rates.observe(ttft_s, work, cfg),
             None => {
-                let mut rates = self.priors.of(model).clone();
+                let mut rates = self.prior_of(model);
                 rates.observe(ttft_s, work, cfg);
                 fleet.insert(model.to_string(), rates);
             }

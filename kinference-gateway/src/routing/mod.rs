@@ -180,6 +180,13 @@ impl Priors {
     }
 }
 
+impl Shared {
+    /// The rates a new worker of `model` starts from.
+    fn prior_of(&self, model: &str) -> Rates {
+        self.priors.read().of(model).clone()
+    }
+}
+
 /// State shared by the router, its agent tasks and the in-flight tickets.
 struct Shared {
     mode: RoutingMode,
@@ -189,7 +196,7 @@ struct Shared {
     /// Whether workers no pool speaks for run priority scheduling (`gateway.yaml`).
     default_priority: std::sync::atomic::AtomicBool,
     tuning: RoutingTuning,
-    priors: Priors,
+    priors: RwLock<Priors>,
     /// Rates learned from every worker's observations, per model; workers with few samples borrow
     /// their model's.
     fleet_rates: Mutex<std::collections::HashMap<String, Rates>>,
@@ -383,7 +390,7 @@ impl Router {
             priority_scheduling: RwLock::default(),
             default_priority: Default::default(),
             fleet_rates: Mutex::default(),
-            priors,
+            priors: RwLock::new(priors),
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
@@ -1070,6 +1077,50 @@ impl Router {
             .collect()
     }
 
+    /// Sets the engine profile of `model` (an `InferenceModel`'s `engineProfile`, on every reload): its
+    /// new workers start from the profile's priors, and its workers already there price attention by
+    /// it at once (what they have learned stays; one that has learned nothing takes the new priors).
+    /// `None` goes back to the defaults. An unknown name is refused and changes nothing.
+    pub fn set_model_profile(&self, model: &str, profile: Option<&str>) -> Result<(), BuildError> {
+        let rates = profile
+            .map(|name| {
+                estimate::profiles::profile(name)
+                    .map(Rates::from_profile)
+                    .ok_or_else(|| BuildError::UnknownProfile {
+                        model: model.to_string(),
+                        name: name.to_string(),
+                        known: estimate::profiles::names().join(", "),
+                    })
+            })
+            .transpose()?;
+        {
+            let mut priors = self.shared.priors.write();
+            if priors.by_model.get(model) == rates.as_ref() {
+                return Ok(());
+            }
+            match &rates {
+                Some(r) => priors.by_model.insert(model.to_string(), r.clone()),
+                None => priors.by_model.remove(model),
+            };
+        }
+        let prior = self.shared.prior_of(model);
+        for w in self.shared.workers.read().all() {
+            if w.model != model {
+                continue;
+            }
+            let mut st = w.state.lock();
+            if st.rates.samples == 0 {
+                st.rates = prior.clone();
+            } else {
+                st.rates.attention_pair_tokens = prior.attention_pair_tokens;
+            }
+        }
+        if let Some(fleet) = self.shared.fleet_rates.lock().get_mut(model) {
+            fleet.attention_pair_tokens = prior.attention_pair_tokens;
+        }
+        Ok(())
+    }
+
     /// Marks a worker healthy or not (gateway-http's health prober and refused connections call it).
     /// Unhealthy workers are not candidates.
     pub fn set_healthy(&self, worker: &str, healthy: bool) {
@@ -1085,7 +1136,7 @@ impl Router {
             self.shared
                 .workers
                 .write()
-                .get_or_add(url, model, false, self.shared.priors.of(model));
+                .get_or_add(url, model, false, &self.shared.prior_of(model));
         match added {
             Some(w) => {
                 w.state.lock().gone = false;

@@ -1064,7 +1064,16 @@ fn attention_makes_a_long_context_costlier_only_under_a_profile() {
 
 #[test]
 fn every_profile_is_sane_and_named_once() {
+    // The InferenceModel CRD offers exactly the profiles the gateway has: its schema names them.
+    let offered: Vec<&str> = kinference_crds::EngineProfile::ALL
+        .iter()
+        .map(|p| p.as_str())
+        .collect();
     let names = profiles::names();
+    assert_eq!(
+        offered, names,
+        "InferenceModel's engineProfile against the gateway's table"
+    );
     let unique: std::collections::HashSet<_> = names.iter().collect();
     assert_eq!(unique.len(), names.len(), "{names:?}");
     for p in profiles::PROFILES {
@@ -1101,8 +1110,12 @@ mod profiled_models {
         }
     }
 
+    /// The estimate for a cold prompt of `prompt_tokens` tokens: a new one on every call (the router
+    /// credits a routed prompt to its worker).
     fn estimated_s(router: &Router, prompt_tokens: u32) -> f64 {
-        let tokens: Vec<u32> = (0..prompt_tokens).collect();
+        static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let start = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) * 100_000;
+        let tokens: Vec<u32> = (start..start + prompt_tokens).collect();
         let d = router.pick_tokens("m", &tokens, true).expect("decision");
         let explain = d.explain.expect("explain");
         explain
@@ -1140,5 +1153,26 @@ mod profiled_models {
             Err(e) => panic!("wrong error: {e}"),
             Ok(_) => panic!("an unknown profile must be refused"),
         }
+    }
+
+    #[test]
+    fn a_profile_set_on_reload_applies_to_the_workers_already_there() {
+        let tuning = RoutingTuning {
+            connect_agents: false,
+            ..Default::default()
+        };
+        let router = Router::with_tuning(config(None), tuning).expect("router");
+        let default = estimated_s(&router, 2_048);
+        router
+            .set_model_profile("m", Some("cpu-qwen2-small"))
+            .expect("known profile");
+        let profiled = estimated_s(&router, 2_048);
+        assert!((profiled - 0.335).abs() / 0.335 < 0.1, "{profiled}");
+        // An unknown name changes nothing.
+        assert!(router.set_model_profile("m", Some("tpu-v9")).is_err());
+        assert_eq!(estimated_s(&router, 2_048), profiled);
+        // Back to the defaults.
+        router.set_model_profile("m", None).expect("none");
+        assert_eq!(estimated_s(&router, 2_048), default);
     }
 }
