@@ -119,6 +119,10 @@ struct Args {
     /// `taskset -c 0` to give the gateway a core of its own, apart from the fleet and the client.
     #[arg(long)]
     gateway_cpus: Option<String>,
+    /// How often the agents scrape their workers, in milliseconds (default: the agent's, 250). At
+    /// 1,000 workers on a 2-core machine, 1000 keeps the scrapes from taking a core of their own.
+    #[arg(long)]
+    scrape_interval_ms: Option<u64>,
 }
 
 impl Args {
@@ -580,6 +584,7 @@ async fn run(args: Args) -> ExitCode {
                 args.ready_timeout_s.unwrap_or(120 + workers as u64),
             ),
             gateway_cpus: args.gateway_cpus.clone(),
+            scrape_interval: args.scrape_interval_ms.map(Duration::from_millis),
         };
         eprintln!(
             "scale-bench: fleet {}/{}: starting {workers} workers on {} nodes, {} vllm-sim processes (logs in {}), elapsed {:.0}s",

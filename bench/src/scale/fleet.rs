@@ -51,6 +51,10 @@ pub struct FleetConfig {
     pub ready_timeout: Duration,
     /// CPUs the gateways run on (a `taskset -c` list); `None`: wherever the scheduler puts them.
     pub gateway_cpus: Option<String>,
+    /// How often each agent scrapes its workers' `/metrics`; `None`: the agent's default (250 ms).
+    /// At 1,000 workers the default is 4,000 scrapes a second, each on a new connection, on the
+    /// same cores as the workers.
+    pub scrape_interval: Option<Duration>,
 }
 
 impl FleetConfig {
@@ -250,19 +254,24 @@ impl Fleet {
                 })).collect::<Vec<_>>()
             }),
         )?;
+        let mut args = vec![
+            "--grpc-listen".into(),
+            agent_grpc.clone(),
+            "--metrics-listen".into(),
+            agent_metrics.clone(),
+            "--workers".into(),
+            agent_yaml.display().to_string(),
+            "--node".into(),
+            format!("sim-node-{node}"),
+        ];
+        if let Some(interval) = config.scrape_interval {
+            args.push("--scrape-interval-ms".into());
+            args.push(interval.as_millis().to_string());
+        }
         let agent = Process::spawn_group(
             &format!("kinference-agent (node {node})"),
             agent_bin,
-            &[
-                "--grpc-listen".into(),
-                agent_grpc.clone(),
-                "--metrics-listen".into(),
-                agent_metrics.clone(),
-                "--workers".into(),
-                agent_yaml.display().to_string(),
-                "--node".into(),
-                format!("sim-node-{node}"),
-            ],
+            &args,
             &[],
             config.work_dir.join(format!("agent-node{node}.log")),
         )?;

@@ -19,6 +19,7 @@ pub mod kv_events;
 pub mod kv_transfer;
 pub mod metrics;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -101,7 +102,28 @@ pub struct Running {
 /// `shutdown` is cancelled.
 pub async fn start(cfg: SimConfig, shutdown: CancellationToken) -> Result<Running, SimError> {
     let tokenizer = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
-    start_with_tokenizer(cfg, tokenizer, shutdown).await
+    let vocab = Vocabulary::of(&tokenizer);
+    start_with_tokenizer(cfg, tokenizer, vocab, shutdown).await
+}
+
+/// The tokens a worker generates and their text ([`api::output_vocabulary`]), computed once per
+/// tokenizer. It walks the whole vocabulary (150k entries for Qwen2) and decodes every candidate
+/// word: done per worker, it was most of a worker's start, and 64 workers in one process on a
+/// loaded core bound their sockets at about 9 a minute.
+#[derive(Clone)]
+struct Vocabulary {
+    ids: Arc<[u32]>,
+    text: Arc<HashMap<u32, String>>,
+}
+
+impl Vocabulary {
+    fn of(tokenizer: &ModelTokenizer) -> Self {
+        let words = api::output_vocabulary(tokenizer);
+        Self {
+            ids: words.iter().map(|(id, _)| *id).collect(),
+            text: Arc::new(words.into_iter().collect()),
+        }
+    }
 }
 
 /// Starts several workers in this process, one per configuration, sharing one loaded tokenizer per
@@ -112,18 +134,22 @@ pub async fn start_many(
     cfgs: Vec<SimConfig>,
     shutdown: CancellationToken,
 ) -> Result<Vec<Running>, SimError> {
-    let mut tokenizers: Vec<(PathBuf, Arc<ModelTokenizer>)> = Vec::new();
+    let mut tokenizers: Vec<(PathBuf, Arc<ModelTokenizer>, Vocabulary)> = Vec::new();
     let mut running = Vec::with_capacity(cfgs.len());
     for cfg in cfgs {
-        let tokenizer = match tokenizers.iter().find(|(dir, _)| *dir == cfg.tokenizer_dir) {
-            Some((_, t)) => Arc::clone(t),
+        let (tokenizer, vocab) = match tokenizers
+            .iter()
+            .find(|(dir, ..)| *dir == cfg.tokenizer_dir)
+        {
+            Some((_, t, v)) => (Arc::clone(t), v.clone()),
             None => {
                 let t = Arc::new(ModelTokenizer::from_dir(&cfg.tokenizer_dir)?);
-                tokenizers.push((cfg.tokenizer_dir.clone(), Arc::clone(&t)));
-                t
+                let v = Vocabulary::of(&t);
+                tokenizers.push((cfg.tokenizer_dir.clone(), Arc::clone(&t), v.clone()));
+                (t, v)
             }
         };
-        running.push(start_with_tokenizer(cfg, tokenizer, shutdown.clone()).await?);
+        running.push(start_with_tokenizer(cfg, tokenizer, vocab, shutdown.clone()).await?);
     }
     Ok(running)
 }
@@ -132,6 +158,7 @@ pub async fn start_many(
 async fn start_with_tokenizer(
     cfg: SimConfig,
     tokenizer: Arc<ModelTokenizer>,
+    vocab: Vocabulary,
     shutdown: CancellationToken,
 ) -> Result<Running, SimError> {
     if cfg.block_size == 0 || cfg.num_blocks < 2 || cfg.max_num_seqs == 0 {
@@ -142,7 +169,6 @@ async fn start_with_tokenizer(
     if !(cfg.time_scale.is_finite() && cfg.time_scale >= 0.0) {
         return Err(SimError::Config("time scale must be >= 0".into()));
     }
-    let vocab = api::output_vocabulary(&tokenizer);
     let metrics = Arc::new(Metrics::new(cfg.model.clone()));
     let publisher = match cfg.kv_events.clone() {
         Some(kc) => Some(KvPublisher::start(kc, shutdown.clone()).await?),
@@ -159,7 +185,7 @@ async fn start_with_tokenizer(
             num_blocks: cfg.num_blocks,
             max_num_seqs: cfg.max_num_seqs,
             latency,
-            output_vocab: vocab.iter().map(|(id, _)| *id).collect(),
+            output_vocab: vocab.ids,
             seed: cfg.seed,
         },
         cfg.time_scale,
@@ -209,7 +235,7 @@ async fn start_with_tokenizer(
         api_key: cfg.api_key.clone(),
         responses_api: cfg.responses_api,
         messages_api: cfg.messages_api,
-        token_text: vocab.into_iter().collect(),
+        token_text: vocab.text,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())

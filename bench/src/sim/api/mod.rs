@@ -76,7 +76,7 @@ pub struct AppState {
     /// Whether `POST /v1/messages` (Anthropic's Messages API) is served.
     pub messages_api: bool,
     /// Text of each token the engine can generate.
-    pub token_text: HashMap<u32, String>,
+    pub token_text: Arc<HashMap<u32, String>>,
     pub started: u64,
     /// Extra facts echoed by `/sim/state` (preset, time scale ...).
     pub info: Value,
