@@ -754,10 +754,7 @@ async fn dispatch(control: FlowControl, flow: Arc<PoolFlow>) {
         );
         let mut st = flow.state.lock();
         let mut room = verdict.room;
-        loop {
-            let Some(band) = st.queue.next_band() else {
-                break;
-            };
+        while let Some(band) = st.queue.next_band() {
             if room <= inner.settings.reserve(band, &mut st.rates, now) {
                 break;
             }
