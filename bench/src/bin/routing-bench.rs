@@ -209,6 +209,26 @@ struct Args {
     /// Noisy neighbour: extra flags of the flow-control gateway (after `--flow-control`).
     #[arg(long = "nn-flow-arg", allow_hyphen_values = true)]
     nn_flow_args: Vec<String>,
+    /// Noisy neighbour: flow-control gateway replicas; the flow-control arm's requests alternate
+    /// between them, so each one's own ledger sees only its share of the workers' load and the
+    /// rest reaches it through the agent (the kernel view, the engine scrape).
+    #[arg(long, default_value_t = 1)]
+    nn_replicas: usize,
+    /// Noisy neighbour: extra flags of the node agent (e.g. `--scrape-interval-ms=10000`).
+    #[arg(long = "nn-agent-arg", allow_hyphen_values = true)]
+    nn_agent_args: Vec<String>,
+    /// Noisy neighbour: environment of the node agent, `NAME=VALUE` (e.g.
+    /// `KINFERENCE_DISABLE_EBPF=1`, `KINFERENCE_EBPF_OBJECT=target/ebpf/kinference.bpf.o`).
+    #[arg(long = "nn-agent-env")]
+    nn_agent_env: Vec<String>,
+    /// Noisy neighbour: the arms to run, of `b-alone`, `c-alone`, `no-flow-control`,
+    /// `flow-control`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "b-alone,c-alone,no-flow-control,flow-control"
+    )]
+    nn_arms: Vec<String>,
     /// Gateway replicas instead of the routing matrix: for each workload and concurrency, the
     /// `kinference` gateway run as each of these numbers of replicas (e.g. `1,2,4`) on the same
     /// workers and the same request sequence, behind a random front (each request to a replica drawn
@@ -689,11 +709,24 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
         work_dir: work_dir.clone(),
         ready_timeout: Duration::from_secs(60),
     };
+    // `kinference` without flow control, `kinference#2`.. with it.
+    let replicas = args.nn_replicas.max(1);
+    let flow_names: Vec<String> = (2..replicas + 2)
+        .map(|r| format!("kinference#{r}"))
+        .collect();
     let options = ClusterOptions {
-        gateway_replicas: 2,
+        agent_args: args.nn_agent_args.clone(),
+        agent_env: args
+            .nn_agent_env
+            .iter()
+            .filter_map(|kv| kv.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        gateway_replicas: replicas + 1,
         gateway_yaml: [("tenancy".to_string(), tenancy)].into_iter().collect(),
-        gateway_args: [("kinference#2".to_string(), flow_args.clone())]
-            .into_iter()
+        gateway_args: flow_names
+            .iter()
+            .map(|name| (name.clone(), flow_args.clone()))
             .collect(),
         ..ClusterOptions::default()
     };
@@ -705,14 +738,16 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (Some(off), Some(on)) = (
-        cluster.gateway("kinference"),
-        cluster.gateway("kinference#2"),
-    ) else {
-        eprintln!("routing-bench: the two gateways did not start");
+    let off = cluster.gateway("kinference").map(|g| g.url.clone());
+    let on: Option<Vec<String>> = flow_names
+        .iter()
+        .map(|name| cluster.gateway(name).map(|g| g.url.clone()))
+        .collect();
+    let (Some(off), Some(on)) = (off, on) else {
+        eprintln!("routing-bench: the gateways did not start");
         return ExitCode::FAILURE;
     };
-    let (off, on) = (off.url.clone(), on.url.clone());
+    let off = vec![off];
     let (words, max_tokens) = (
         args.nn_shape.first().copied().unwrap_or(200),
         args.nn_shape.get(1).copied().unwrap_or(48) as u32,
@@ -734,7 +769,7 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
             let users = 64 * args.workers;
             let c = noisy::capacity(
                 &http,
-                &off,
+                &off[0],
                 model,
                 &load("a", 0.0),
                 users,
@@ -755,7 +790,7 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
     );
     let duration = Duration::from_secs_f64(args.nn_seconds);
     let drain = Duration::from_secs_f64(args.nn_drain_seconds);
-    let arms: [(&'static str, &str, Vec<TenantLoad>); 4] = [
+    let arms: [(&'static str, &[String], Vec<TenantLoad>); 4] = [
         ("b-alone", &off, vec![load("b", b_rps)]),
         ("c-alone", &off, vec![load("c", c_rps)]),
         (
@@ -771,9 +806,12 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
     ];
     let mut results = Vec::new();
     for &seed in &args.nn_seeds {
-        for (arm, base, loads) in &arms {
+        for (arm, bases, loads) in &arms {
+            if !args.nn_arms.iter().any(|a| a == arm) {
+                continue;
+            }
             let started = std::time::Instant::now();
-            let outcomes = noisy::run_arm(&http, base, model, loads, duration, drain, seed).await;
+            let outcomes = noisy::run_arm(&http, bases, model, loads, duration, drain, seed).await;
             let rows = noisy::figures(&outcomes, args.nn_slo_s, duration);
             for t in &rows {
                 eprintln!(

@@ -110,11 +110,11 @@ pub fn schedule(loads: &[TenantLoad], duration: Duration, seed: u64) -> Vec<(Dur
     all
 }
 
-/// Runs one arm: `loads` against the gateway at `base` for `duration`, then waits up to `drain`
-/// for the answers.
+/// Runs one arm: `loads` against the gateways at `bases` for `duration` (request `n` to
+/// `bases[n % len]`: replicas behind a round-robin front), then waits up to `drain` for the answers.
 pub async fn run_arm(
     http: &HttpClient,
-    base: &str,
+    bases: &[String],
     model: &str,
     loads: &[TenantLoad],
     duration: Duration,
@@ -143,6 +143,7 @@ pub async fn run_arm(
             "max_tokens": load.max_tokens,
             "stream": true,
         });
+        let base = &bases[n % bases.len()];
         let (http, url) = (http.clone(), format!("{base}/v1/chat/completions"));
         let (tenant, sent_s) = (load.tenant, at.as_secs_f64());
         tasks.push((

@@ -10,7 +10,9 @@
 //!
 //! - [`saturation`] judges a pool from the router's view of its workers ([`WorkerPressure`]): the
 //!   agents' engine and kernel (eBPF) figures, the ledger, the estimate;
-//! - a request to a pool that is not saturated and has nobody waiting goes on at once (one judgement);
+//! - a request with nobody of its band or above waiting is judged at once and goes on when the pool's
+//!   room exceeds its band's reserve ([`reserve`]: the room the bands above need, sized from their
+//!   recent arrivals against the pool's recent request ends, at least `--flow-band-reserve` per band);
 //! - otherwise it joins the pool's [`FairQueue`], and the pool's dispatcher re-judges the pool every
 //!   `--flow-interval-ms` and whenever one of its requests ends, letting through at most the verdict's
 //!   `room` (a request let through counts against the room for [`LANDING`], until the router's ledger
@@ -24,6 +26,7 @@
 //! Off by default (`--flow-control`).
 
 pub mod fair_queue;
+pub mod reserve;
 pub mod saturation;
 
 use std::collections::{HashMap, VecDeque};
@@ -43,6 +46,7 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::routing::pools::WorkerPressure;
 use fair_queue::{Entry, FairQueue, ORDER, rank};
+use reserve::Rates;
 use saturation::{Thresholds, Verdict};
 
 /// How long a request let through counts against its pool's room: time for the router to record it.
@@ -103,16 +107,34 @@ pub struct FlowSettings {
         default_value_t = 10
     )]
     pub interval_ms: u64,
-    /// Room kept for the bands above: a medium-band request is let through only while the pool
-    /// has more room than this, a low-band one more than twice this (room: requests the pool takes
-    /// before it is saturated), so that a flood of low-priority requests leaves headroom for the
-    /// latency-critical ones.
+    /// Least room kept for the bands above: a medium-band request is let through only while the
+    /// pool has more room than this, a low-band one more than twice this (room: requests the pool
+    /// takes before it is saturated), so that a flood of low-priority requests leaves headroom for
+    /// the latency-critical ones. The reserve sized from the traffic (`--flow-reserve-miss`) may
+    /// keep more.
     #[arg(
         long = "flow-band-reserve",
         env = "KINFERENCE_FLOW_BAND_RESERVE",
         default_value_t = 0
     )]
     pub band_reserve: usize,
+    /// The chance a request of a higher band may have of finding no room because a lower band took
+    /// it: each band leaves free the room the higher bands' recent arrivals need against the pool's
+    /// recent request ends (`overload::flow::reserve`); 0 turns this off (only
+    /// `--flow-band-reserve` then).
+    #[arg(
+        long = "flow-reserve-miss",
+        env = "KINFERENCE_FLOW_RESERVE_MISS",
+        default_value_t = 0.05
+    )]
+    pub reserve_miss: f64,
+    /// Most room one band's reserve sized from the traffic keeps for the bands above it.
+    #[arg(
+        long = "flow-reserve-max",
+        env = "KINFERENCE_FLOW_RESERVE_MAX",
+        default_value_t = 4
+    )]
+    pub reserve_max: usize,
     /// `Retry-After` of a request the flow control sheds, in seconds.
     #[arg(
         long = "flow-retry-after-seconds",
@@ -134,10 +156,21 @@ impl Default for FlowSettings {
 }
 
 impl FlowSettings {
-    /// The queue deadline of `band`.
-    /// The room a request of `band` leaves to the bands above it.
-    pub fn reserve(&self, band: TenantPriority) -> usize {
+    /// The least room a request of `band` leaves to the bands above it (`--flow-band-reserve`).
+    pub fn reserve_floor(&self, band: TenantPriority) -> usize {
         self.band_reserve * rank(band)
+    }
+
+    /// The room a request of `band` leaves to the bands above it now: the floor, or more where the
+    /// higher bands' recent arrivals need it ([`reserve::sized`]).
+    fn reserve(&self, band: TenantPriority, rates: &mut Rates, now: Instant) -> usize {
+        let sized = reserve::sized(
+            rates.above(band, now),
+            rates.ends(now),
+            self.reserve_miss,
+            self.reserve_max,
+        );
+        self.reserve_floor(band).max(sized)
     }
 
     /// The queue deadline of `band`.
@@ -228,6 +261,7 @@ pub struct Passed {
 impl Drop for Passed {
     fn drop(&mut self) {
         if let Some(pool) = &self.pool {
+            pool.state.lock().rates.ended(Instant::now());
             pool.wake.notify_one();
         }
     }
@@ -246,6 +280,8 @@ struct PoolState {
     next_id: u64,
     /// When requests were let through within [`LANDING`].
     recent: VecDeque<Instant>,
+    /// Recent arrivals by band and request ends (the band reserves).
+    rates: Rates,
     dispatching: bool,
 }
 
@@ -503,11 +539,15 @@ impl FlowControl {
             // Read the workers outside the queue's lock; a judgement a moment old is as good.
             let workers = probe();
             let mut st = flow.state.lock();
-            if st.queue.is_empty() {
+            st.rates.arrived(ticket.band, since);
+            // Nobody of its band or above waits: it need not queue behind lower bands' requests
+            // (they wait for room it may take) nor wait for the dispatcher's next turn.
+            if !st.queue.waiting_at_or_above(ticket.band) {
                 let pending = st.pending(since);
                 let verdict = saturation::judge(&workers, pending, &inner.settings.thresholds);
                 inner.metrics.verdict(&flow.name, &verdict);
-                if verdict.room > inner.settings.reserve(ticket.band) {
+                let reserve = inner.settings.reserve(ticket.band, &mut st.rates, since);
+                if verdict.room > reserve {
                     st.recent.push_back(since);
                     return Ok(Passed {
                         pool: Some(Arc::clone(&flow)),
@@ -633,6 +673,7 @@ impl FlowControl {
                     queue: FairQueue::new(self.inner.settings.quantum_tokens),
                     next_id: 0,
                     recent: VecDeque::new(),
+                    rates: Rates::default(),
                     dispatching: false,
                 }),
                 probe: Mutex::new(Arc::clone(&probe)),
@@ -713,11 +754,10 @@ async fn dispatch(control: FlowControl, flow: Arc<PoolFlow>) {
         );
         let mut st = flow.state.lock();
         let mut room = verdict.room;
-        while st
-            .queue
-            .next_band()
-            .is_some_and(|band| room > inner.settings.reserve(band))
-        {
+        while let Some(band) = st.queue.next_band() {
+            if room <= inner.settings.reserve(band, &mut st.rates, now) {
+                break;
+            }
             let Some(entry) = st.queue.pop() else { break };
             inner.metrics.tenant_gauge(entry.band, &entry.tenant).dec();
             // A waiter that is gone takes no room.

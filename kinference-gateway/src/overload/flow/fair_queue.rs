@@ -113,6 +113,13 @@ impl<T> FairQueue<T> {
             .find(|&band| !self.bands[rank(band)].flows.is_empty())
     }
 
+    /// Whether a request of `band` or of a band above it waits.
+    pub fn waiting_at_or_above(&self, band: TenantPriority) -> bool {
+        self.bands[..=rank(band)]
+            .iter()
+            .any(|b| !b.flows.is_empty())
+    }
+
     /// Requests waiting in `band`.
     pub fn band_len(&self, band: TenantPriority) -> usize {
         self.bands[rank(band)]

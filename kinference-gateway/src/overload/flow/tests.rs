@@ -416,3 +416,132 @@ async fn off_it_lets_everything_through() {
     let (_load, probe) = pool(1_000);
     assert!(flow.wait("p", probe, ticket(Low, "a")).await.is_ok());
 }
+
+#[test]
+fn the_sized_reserve_leaves_the_room_the_higher_bands_arrivals_need() {
+    // The benchmark's figures: B and C 1.5 req/s above the low band, 0.6 above the medium one,
+    // the pool ending 6 req/s, a 5% chance of no room: ceil(ln 0.05 / ln 0.25) = 3 and
+    // ceil(ln 0.05 / ln 0.1) = 2.
+    assert_eq!(reserve::sized(1.5, 6.0, 0.05, 8), 3);
+    assert_eq!(reserve::sized(0.6, 6.0, 0.05, 8), 2);
+    // A stricter chance keeps more; any traffic above keeps at least one slot.
+    assert_eq!(reserve::sized(1.5, 6.0, 0.01, 8), 4);
+    assert_eq!(reserve::sized(0.001, 6.0, 0.05, 8), 1);
+    // Capped; the higher bands alone filling the pool take the cap.
+    assert_eq!(reserve::sized(1.5, 6.0, 0.000_001, 4), 4);
+    assert_eq!(reserve::sized(7.0, 6.0, 0.05, 4), 4);
+    // Nothing above, no end seen yet, or turned off: nothing kept.
+    assert_eq!(reserve::sized(0.0, 6.0, 0.05, 8), 0);
+    assert_eq!(reserve::sized(1.5, 0.0, 0.05, 8), 0);
+    assert_eq!(reserve::sized(1.5, 6.0, 0.0, 8), 0);
+}
+
+#[test]
+fn a_bands_reserve_follows_the_arrivals_above_it_over_the_last_window() {
+    let settings = FlowSettings {
+        band_reserve: 1,
+        ..on()
+    };
+    let mut rates = reserve::Rates::default();
+    let start = Instant::now();
+    // Quiet: the floor (`--flow-band-reserve` x the band's rank).
+    assert_eq!(settings.reserve(Low, &mut rates, start), 2);
+    assert_eq!(settings.reserve(High, &mut rates, start), 0);
+    // 60 ends and 15 high-band arrivals in the window: rho 0.25, 3 slots above the low band and
+    // the medium band; the high band keeps none.
+    for i in 0..60 {
+        rates.ended(start + Duration::from_millis(100 * i));
+    }
+    for i in 0..15 {
+        rates.arrived(High, start + Duration::from_millis(400 * i));
+    }
+    let now = start + Duration::from_secs(6);
+    assert_eq!(settings.reserve(Low, &mut rates, now), 3);
+    assert_eq!(settings.reserve(Medium, &mut rates, now), 3);
+    assert_eq!(settings.reserve(High, &mut rates, now), 0);
+    // Medium arrivals count above the low band only.
+    for i in 0..30 {
+        rates.arrived(Medium, start + Duration::from_millis(200 * i));
+    }
+    assert_eq!(settings.reserve(Low, &mut rates, now), 4, "capped at 4");
+    assert_eq!(settings.reserve(Medium, &mut rates, now), 3);
+    // Past the window everything is forgotten: the floor again.
+    let later = now + reserve::WINDOW + Duration::from_secs(1);
+    assert_eq!(settings.reserve(Low, &mut rates, later), 2);
+    // Turned off: the floor only.
+    let off = FlowSettings {
+        reserve_miss: 0.0,
+        ..settings
+    };
+    rates.ended(later);
+    rates.arrived(High, later);
+    assert_eq!(off.reserve(Low, &mut rates, later), 2);
+}
+
+#[tokio::test]
+async fn a_higher_bands_arrival_goes_on_at_once_past_lower_bands_waiting() {
+    let flow = control(FlowSettings {
+        band_reserve: 1,
+        reserve_miss: 0.0,
+        ..on()
+    });
+    // Room for two: the low band (room above 2) waits, the medium band (above 1) may go.
+    let (_load, probe) = pool(6);
+    let low = tokio::spawn({
+        let (flow, probe) = (flow.clone(), Arc::clone(&probe));
+        async move { flow.wait("p", probe, ticket(Low, "a")).await.map(|_| ()) }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(flow.queued("p"), 1);
+    let passed = flow
+        .wait("p", Arc::clone(&probe), ticket(Medium, "b"))
+        .await
+        .expect("let through");
+    assert_eq!(
+        passed.waited,
+        Duration::ZERO,
+        "not queued behind the low band nor held for the dispatcher's turn"
+    );
+    assert_eq!(flow.queued("p"), 1, "the low band's request still waits");
+    low.abort();
+}
+
+#[tokio::test]
+async fn the_low_band_leaves_the_sized_reserve_to_a_steady_high_band() {
+    // No fixed reserve: only the one sized from the traffic.
+    let settings = FlowSettings {
+        deadline_ms: vec![1_000, 1_000, 50],
+        ..on()
+    };
+    let (load, probe) = pool(0);
+    let sized = control(settings.clone());
+    let fixed = control(FlowSettings {
+        reserve_miss: 0.0,
+        ..settings
+    });
+    for flow in [&sized, &fixed] {
+        // Recent traffic: 13 low-band and 3 high-band requests, all ended (rho = 3 / 16:
+        // ceil(ln 0.05 / ln 0.1875) = 2 slots kept above the low band).
+        for band in [[Low; 4], [Low; 4], [Low; 4], [High, High, High, Low]].concat() {
+            drop(flow.wait("p", Arc::clone(&probe), ticket(band, "t")).await);
+            tokio::time::sleep(LANDING).await;
+        }
+    }
+    // Room for two.
+    *load.lock() = 6;
+    let shed = sized
+        .wait("p", Arc::clone(&probe), ticket(Low, "a"))
+        .await
+        .expect_err("the low band may not take the reserve");
+    assert_eq!(shed.reason, ShedReason::QueueDeadline);
+    let passed = sized
+        .wait("p", Arc::clone(&probe), ticket(High, "c"))
+        .await
+        .unwrap();
+    assert_eq!(passed.waited, Duration::ZERO);
+    let passed = fixed
+        .wait("p", probe, ticket(Low, "a"))
+        .await
+        .expect("without the sized reserve the low band takes the room");
+    assert_eq!(passed.waited, Duration::ZERO);
+}
