@@ -120,6 +120,9 @@ pub struct RouteRequest<'a> {
 pub struct Decision {
     /// Worker base URL.
     pub worker: String,
+    /// The worker's data-parallel rank to send the request to (`X-data-parallel-rank`); `None` for
+    /// a rank-less worker, which gets no header.
+    pub dp_rank: Option<u32>,
     /// Why this worker: `cache_hit`, `least_loaded`, `tie_spread`, `load_guard`, `degraded_*`, or the
     /// baseline mode's name.
     pub reason: &'static str,
@@ -522,6 +525,7 @@ impl Router {
             mode = self.shared.mode.as_str(),
             candidates = candidates.len(),
             worker = Empty,
+            dp_rank = Empty,
             reason = Empty,
             prompt_tokens = Empty,
             cached_tokens = Empty,
@@ -532,6 +536,9 @@ impl Router {
             tracing::Instrument::instrument(self.pick_from_in_span(req, candidates), span.clone())
                 .await;
         span.record("worker", decision.worker.as_str());
+        if let Some(rank) = decision.dp_rank {
+            span.record("dp_rank", rank);
+        }
         span.record("reason", decision.reason);
         if let Some(tokens) = decision.prompt_tokens {
             span.record("prompt_tokens", tokens);
@@ -782,7 +789,7 @@ impl Router {
         let explain = debug.then(|| {
             candidates
                 .iter()
-                .map(|w| format!("{} in_flight={}", w.url, w.state.lock().in_flight))
+                .map(|w| format!("{} in_flight={}", w.label(), w.state.lock().in_flight))
                 .collect::<Vec<_>>()
                 .join("; ")
         });
@@ -796,6 +803,7 @@ impl Router {
         self.count(reason, 0);
         Decision {
             worker: worker.url.clone(),
+            dp_rank: worker.dp_rank,
             reason,
             explain,
             prompt_tokens: None,
@@ -959,7 +967,7 @@ impl Router {
                     s,
                     "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
-                    c.worker.url,
+                    c.worker.label(),
                     inp.cached_tokens,
                     inp.offloaded_tokens,
                     inp.queue_tokens,
@@ -996,6 +1004,7 @@ impl Router {
         });
         Decision {
             worker: chosen.worker.url.clone(),
+            dp_rank: chosen.worker.dp_rank,
             reason,
             explain,
             prompt_tokens: Some(prompt_tokens),
@@ -1040,7 +1049,7 @@ impl Router {
     /// Marks a worker healthy or not (gateway-http's health prober and refused connections call it).
     /// Unhealthy workers are not candidates.
     pub fn set_healthy(&self, worker: &str, healthy: bool) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().healthy = healthy;
         }
     }
@@ -1064,7 +1073,7 @@ impl Router {
 
     /// Gives `worker` its own `role` (its pod's `kinference.ai/role` label): over its pool's.
     pub fn set_role(&self, worker: &str, role: kinference_api::WorkerRole) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().pin_role(role);
         }
     }
@@ -1103,7 +1112,7 @@ impl Router {
     /// Gives `worker` its pool's `role`, unless it has one of its own ([`Router::set_role`], an
     /// agent's report, `workers[].role`).
     pub fn set_pool_role(&self, worker: &str, role: kinference_api::WorkerRole) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().set_pool_role(role);
         }
     }
@@ -1122,10 +1131,10 @@ impl Router {
     /// A discovered worker left (pod deleted, not ready, relabelled): no longer a candidate.
     /// Configured workers stay.
     pub fn remove_worker(&self, url: &str) {
-        if let Some(w) = self.shared.workers.read().get(url)
-            && !w.configured
-        {
-            w.state.lock().gone = true;
+        for w in self.shared.workers.read().at_url(url) {
+            if !w.configured {
+                w.state.lock().gone = true;
+            }
         }
     }
 
