@@ -1021,8 +1021,26 @@ impl Router {
     }
 
     /// Every worker the router may route to: configured, or discovered and not removed since (a
-    /// removed worker is listed again when discovery or an agent brings it back).
+    /// removed worker is listed again when discovery or an agent brings it back). A worker of
+    /// several data-parallel ranks is one entry: its ranks' requests and blocks added up.
     pub fn workers(&self) -> Vec<WorkerView> {
+        let mut views: Vec<WorkerView> = Vec::new();
+        for view in self.caches() {
+            match views.iter_mut().find(|v| v.url == view.url) {
+                Some(v) => {
+                    v.healthy |= view.healthy;
+                    v.in_flight += view.in_flight;
+                    v.agent_live |= view.agent_live;
+                    v.cached_blocks += view.cached_blocks;
+                }
+                None => views.push(view),
+            }
+        }
+        views
+    }
+
+    /// [`Router::workers`], each data-parallel rank apart.
+    fn caches(&self) -> Vec<WorkerView> {
         let now = Instant::now();
         let fresh = self.shared.fresh_agents(now);
         let table = self.shared.workers.read();
