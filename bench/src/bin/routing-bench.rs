@@ -1294,6 +1294,9 @@ target/release/routing-bench {}",
     ExitCode::SUCCESS
 }
 
+/// One `--dp-ranks` run: hit share, median TTFT, p90 TTFT.
+type DpRun = (f64, f64, f64);
+
 /// `--dp-ranks`: rank-aware against rank-blind routing on workers of `ranks` data-parallel ranks, the
 /// two clusters side by side on the same request sequences.
 async fn run_dp_ranks(args: Args, ranks: usize) -> ExitCode {
@@ -1355,8 +1358,8 @@ async fn run_dp_ranks(args: Args, ranks: usize) -> ExitCode {
         false,
         Duration::from_secs(args.request_timeout_s),
     );
-    // (arm, workload, concurrency) -> per-seed (hit share, median TTFT, p90 TTFT).
-    let mut results: std::collections::BTreeMap<(&str, String, usize), Vec<(f64, f64, f64)>> =
+    // (arm, workload, concurrency) -> per-seed runs.
+    let mut results: std::collections::BTreeMap<(&str, String, usize), Vec<DpRun>> =
         Default::default();
     for &seed in &seeds {
         let config = ExperimentConfig {
