@@ -239,10 +239,46 @@ pub struct WorkerSpec {
     /// (unset: the gateways keep the role their own configuration gives it).
     #[serde(default)]
     pub role: Option<kinference_api::WorkerRole>,
+    /// vLLM's `--data-parallel-size`: the worker runs this many engines (ranks) behind its one HTTP
+    /// endpoint, each with its own KV cache and its own event publisher on the endpoints shifted by the
+    /// rank, as vLLM shifts them (see [`WorkerSpec::rank_endpoint`]). Unset or 1: one rank-less cache.
+    #[serde(default)]
+    pub data_parallel_size: Option<u32>,
 }
 
 fn default_true() -> bool {
     true
+}
+
+impl WorkerSpec {
+    /// How many caches the worker has: its data-parallel ranks, at least one.
+    pub fn ranks(&self) -> usize {
+        self.data_parallel_size.unwrap_or(1).max(1) as usize
+    }
+
+    /// Whether the worker reports its caches per data-parallel rank (more than one rank).
+    pub fn ranked(&self) -> bool {
+        self.ranks() > 1
+    }
+
+    /// `endpoint` as rank `rank`'s publisher binds or connects it: vLLM adds the rank to a TCP port
+    /// (port 0 is left alone) and appends `_dp<rank>` to an `ipc://` or `inproc://` path. Rank 0 and
+    /// rank-less workers keep `endpoint` as it is.
+    pub fn rank_endpoint(endpoint: &str, rank: usize) -> String {
+        if rank == 0 {
+            return endpoint.to_string();
+        }
+        if let Some(rest) = endpoint.strip_prefix("tcp://")
+            && let Some((host, port)) = rest.rsplit_once(':')
+            && let Ok(port) = port.parse::<u32>()
+        {
+            return match port {
+                0 => endpoint.to_string(),
+                p => format!("tcp://{host}:{}", p + rank as u32),
+            };
+        }
+        format!("{endpoint}_dp{rank}")
+    }
 }
 
 /// The local workers file.

@@ -103,6 +103,7 @@ mod tests {
             kv_replay_endpoint: None,
             kv_topic: None,
             role: None,
+            data_parallel_size: None,
         }
     }
 

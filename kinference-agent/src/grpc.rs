@@ -51,6 +51,22 @@ pub struct Broadcaster {
     node_version: AtomicU64,
 }
 
+/// One cache the summary names: a worker, or one data-parallel rank of a ranked worker.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct CacheId {
+    url: String,
+    rank: Option<u32>,
+}
+
+/// What [`Broadcaster::tick_cache`] reads of one cache.
+struct RankView<'a> {
+    slot: &'a crate::registry::WorkerSlot,
+    kv: &'a Mutex<crate::worker_state::WorkerState>,
+    cache: CacheId,
+    load: &'a Load,
+    wire_load: pb::WorkerLoad,
+}
+
 /// What the broadcaster last told gateways about a worker.
 struct Announced {
     generation: u64,
@@ -107,7 +123,7 @@ impl Broadcaster {
 
     /// Runs the broadcast loop until cancelled.
     pub async fn run(self: Arc<Self>, coalesce: Duration, cancel: CancellationToken) {
-        let mut announced: HashMap<String, Announced> = HashMap::new();
+        let mut announced: HashMap<CacheId, Announced> = HashMap::new();
         loop {
             tokio::select! {
                 _ = cancel.cancelled() => return,
@@ -122,7 +138,7 @@ impl Broadcaster {
     }
 
     /// One pass: drains every worker's changes into a delta, and builds a snapshot if a watcher needs one.
-    fn tick(&self, announced: &mut HashMap<String, Announced>) {
+    fn tick(&self, announced: &mut HashMap<CacheId, Announced>) {
         let watchers: Vec<Arc<Watcher>> = self.watchers.lock().clone();
         // A watcher behind with a still-full queue cannot take a snapshot yet: do not build one for it.
         let need_snapshot = watchers
@@ -145,16 +161,120 @@ impl Broadcaster {
 
         for slot in &slots {
             let url = &slot.spec.url;
+            let load = slot.load.lock().clone();
+            // The worker's /metrics and kernel view cover the whole endpoint: a ranked worker's load
+            // is split evenly over its ranks (the gateway's own ledger tells the ranks apart).
+            let wire_load = share_of_load(to_wire_load(&load, now), slot.ranks().len());
+            for (rank, kv) in slot.ranks().iter().enumerate() {
+                let cache = CacheId {
+                    url: url.clone(),
+                    rank: slot.wire_rank(rank),
+                };
+                let entry = RankView {
+                    slot,
+                    kv,
+                    cache,
+                    load: &load,
+                    wire_load,
+                };
+                key_changes +=
+                    self.tick_cache(entry, now, announced, &mut delta, snapshot.as_mut());
+            }
+        }
+        // Workers (or ranks) that left since the last pass.
+        let gone: Vec<CacheId> = announced
+            .keys()
+            .filter(|c| {
+                !slots.iter().any(|s| {
+                    s.spec.url == c.url
+                        && c.rank.is_none_or(|r| (r as usize) < s.ranks().len())
+                        && c.rank.is_some() == s.spec.ranked()
+                })
+            })
+            .cloned()
+            .collect();
+        for cache in gone {
+            announced.remove(&cache);
+            delta.workers.push(pb::WorkerDelta {
+                worker_id: cache.url,
+                data_parallel_rank: cache.rank,
+                gone: true,
+                ..Default::default()
+            });
+        }
+
+        let delta =
+            (!delta.workers.is_empty() || delta.node_state.is_some()).then_some(pb::Summary {
+                kind: Some(Kind::Delta(delta)),
+            });
+        let snapshot = snapshot.map(|s| pb::Summary {
+            kind: Some(Kind::Snapshot(s)),
+        });
+        let mut closed = false;
+        for w in &watchers {
+            let msg = if w.needs_snapshot.load(Ordering::Relaxed) {
+                snapshot.as_ref()
+            } else {
+                delta.as_ref()
+            };
+            let Some(msg) = msg else { continue };
+            match w.tx.try_send(Ok(msg.clone())) {
+                Ok(()) => {
+                    self.metrics.summary_messages.inc();
+                    self.metrics.summary_bytes.inc_by(msg.encoded_len() as u64);
+                    if matches!(msg.kind, Some(Kind::Delta(_))) {
+                        self.metrics.summary_key_changes.inc_by(key_changes);
+                    }
+                    w.needs_snapshot.store(false, Ordering::Relaxed);
+                }
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    if !w.needs_snapshot.swap(true, Ordering::Relaxed) {
+                        self.metrics.watcher_resyncs.inc();
+                        tracing::warn!(gateway = %w.id, "gateway fell behind; it will get a fresh snapshot");
+                    }
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => closed = true,
+            }
+        }
+        if closed {
+            self.watchers.lock().retain(|w| {
+                let open = !w.tx.is_closed();
+                if !open {
+                    tracing::info!(gateway = %w.id, "gateway stopped watching");
+                    self.metrics.watchers.dec();
+                }
+                open
+            });
+        }
+    }
+
+    /// One cache (a worker, or one rank of a ranked worker): its changes into `delta`, its full state
+    /// into `snapshot` when one is built. Returns how many keys changed.
+    fn tick_cache(
+        &self,
+        view: RankView<'_>,
+        now: Instant,
+        announced: &mut HashMap<CacheId, Announced>,
+        delta: &mut pb::Delta,
+        mut snapshot: Option<&mut pb::Snapshot>,
+    ) -> u64 {
+        let RankView {
+            slot,
+            kv,
+            cache,
+            load,
+            wire_load,
+        } = view;
+        let mut key_changes = 0u64;
+        {
             // Drain and (if needed) copy the keys under one lock, so snapshot and delta agree.
             let (mut change, block_size, keys) = {
-                let mut kv = slot.kv.lock();
+                let mut kv = kv.lock();
                 let change = kv.take_delta();
                 let keys = snapshot.is_some().then(|| (kv.keys(), kv.offloaded_keys()));
                 (change, kv.block_size(), keys)
             };
-            let load = slot.load.lock().clone();
             let block_size = block_size.or(load.block_size).unwrap_or(0);
-            let wire_load = to_wire_load(&load, now);
             let sent = LoadSent {
                 running: wire_load.running,
                 waiting: wire_load.waiting,
@@ -166,28 +286,30 @@ impl Broadcaster {
             };
             if let (Some(snap), Some((keys, offloaded_keys))) = (snapshot.as_mut(), keys) {
                 snap.workers.push(pb::WorkerState {
-                    worker_id: url.clone(),
+                    worker_id: cache.url.clone(),
                     model: slot.spec.model.clone(),
                     block_size,
                     keys,
                     load: Some(wire_load),
                     role: wire_role(&slot.spec),
                     offloaded_keys,
+                    data_parallel_rank: cache.rank,
                 });
             }
 
             let entry = announced
-                .get_mut(url)
+                .get_mut(&cache)
                 .filter(|a| a.generation == slot.generation);
             let mut wd = pb::WorkerDelta {
-                worker_id: url.clone(),
+                worker_id: cache.url.clone(),
+                data_parallel_rank: cache.rank,
                 ..Default::default()
             };
             let mut send = false;
             match entry {
                 None => {
                     // New to the in-sync watchers (or replaced with fresh state): announce it in full.
-                    let kv = slot.kv.lock();
+                    let kv = kv.lock();
                     change = crate::worker_state::KeyDelta {
                         cleared: true,
                         added: kv.keys(),
@@ -201,7 +323,7 @@ impl Broadcaster {
                     wd.load = Some(wire_load);
                     send = true;
                     announced.insert(
-                        url.clone(),
+                        cache.clone(),
                         Announced {
                             generation: slot.generation,
                             block_size,
@@ -257,64 +379,7 @@ impl Broadcaster {
                 delta.workers.push(wd);
             }
         }
-        // Workers that left since the last pass.
-        let gone: Vec<String> = announced
-            .keys()
-            .filter(|url| !slots.iter().any(|s| &s.spec.url == *url))
-            .cloned()
-            .collect();
-        for url in gone {
-            announced.remove(&url);
-            delta.workers.push(pb::WorkerDelta {
-                worker_id: url,
-                gone: true,
-                ..Default::default()
-            });
-        }
-
-        let delta =
-            (!delta.workers.is_empty() || delta.node_state.is_some()).then_some(pb::Summary {
-                kind: Some(Kind::Delta(delta)),
-            });
-        let snapshot = snapshot.map(|s| pb::Summary {
-            kind: Some(Kind::Snapshot(s)),
-        });
-        let mut closed = false;
-        for w in &watchers {
-            let msg = if w.needs_snapshot.load(Ordering::Relaxed) {
-                snapshot.as_ref()
-            } else {
-                delta.as_ref()
-            };
-            let Some(msg) = msg else { continue };
-            match w.tx.try_send(Ok(msg.clone())) {
-                Ok(()) => {
-                    self.metrics.summary_messages.inc();
-                    self.metrics.summary_bytes.inc_by(msg.encoded_len() as u64);
-                    if matches!(msg.kind, Some(Kind::Delta(_))) {
-                        self.metrics.summary_key_changes.inc_by(key_changes);
-                    }
-                    w.needs_snapshot.store(false, Ordering::Relaxed);
-                }
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    if !w.needs_snapshot.swap(true, Ordering::Relaxed) {
-                        self.metrics.watcher_resyncs.inc();
-                        tracing::warn!(gateway = %w.id, "gateway fell behind; it will get a fresh snapshot");
-                    }
-                }
-                Err(mpsc::error::TrySendError::Closed(_)) => closed = true,
-            }
-        }
-        if closed {
-            self.watchers.lock().retain(|w| {
-                let open = !w.tx.is_closed();
-                if !open {
-                    tracing::info!(gateway = %w.id, "gateway stopped watching");
-                    self.metrics.watchers.dec();
-                }
-                open
-            });
-        }
+        key_changes
     }
 }
 
@@ -323,6 +388,22 @@ fn wire_role(spec: &crate::config::WorkerSpec) -> String {
     spec.role
         .map(|r| r.as_str().to_string())
         .unwrap_or_default()
+}
+
+/// One rank's share of its worker's load: the counts divided over `ranks` (rounded up, so a busy
+/// worker never looks idle), the per-engine figures (KV usage, capacity, latency) as they are.
+fn share_of_load(load: pb::WorkerLoad, ranks: usize) -> pb::WorkerLoad {
+    if ranks <= 1 {
+        return load;
+    }
+    let share = |n: u32| n.div_ceil(ranks as u32);
+    pb::WorkerLoad {
+        running: share(load.running),
+        waiting: share(load.waiting),
+        kernel_in_flight: share(load.kernel_in_flight),
+        kernel_waiting: share(load.kernel_waiting),
+        ..load
+    }
 }
 
 fn to_wire_load(load: &Load, now: Instant) -> pb::WorkerLoad {

@@ -63,18 +63,40 @@ pub struct WorkerSlot {
     pub spec: WorkerSpec,
     /// Unique per slot: a worker replaced under the same url gets a new one.
     pub generation: u64,
-    pub kv: Mutex<WorkerState>,
+    /// One cache view per data-parallel rank (a single one for a rank-less worker): each rank's engine
+    /// has its own KV cache, and a block held by rank 0 is no hit for a request sent to rank 1.
+    ranks: Box<[Mutex<WorkerState>]>,
     pub load: Mutex<Load>,
 }
 
 impl WorkerSlot {
+    /// The cache view of a rank-less worker (rank 0's of a ranked one).
+    pub fn kv(&self) -> &Mutex<WorkerState> {
+        &self.ranks[0]
+    }
+
+    /// Every rank's cache view, in rank order.
+    pub fn ranks(&self) -> &[Mutex<WorkerState>] {
+        &self.ranks
+    }
+
+    /// The rank a summary entry names: `None` for a rank-less worker.
+    pub fn wire_rank(&self, rank: usize) -> Option<u32> {
+        self.spec.ranked().then_some(rank as u32)
+    }
+
     /// Tokens per block: from the events, else from the worker's metrics, else unknown (0).
     pub fn block_size(&self) -> u32 {
-        self.kv
-            .lock()
-            .block_size()
+        self.ranks
+            .iter()
+            .find_map(|kv| kv.lock().block_size())
             .or(self.load.lock().block_size)
             .unwrap_or(0)
+    }
+
+    /// Blocks held over all ranks.
+    pub fn blocks(&self) -> usize {
+        self.ranks.iter().map(|kv| kv.lock().len()).sum()
     }
 }
 
@@ -92,7 +114,9 @@ impl Registry {
     /// Adds (or replaces, with fresh state) a worker; returns its slot.
     pub fn upsert(&self, spec: WorkerSpec, max_blocks: usize) -> Arc<WorkerSlot> {
         let slot = Arc::new(WorkerSlot {
-            kv: Mutex::new(WorkerState::new(&spec.model, max_blocks)),
+            ranks: (0..spec.ranks())
+                .map(|_| Mutex::new(WorkerState::new(&spec.model, max_blocks)))
+                .collect(),
             load: Mutex::new(Load::default()),
             generation: self.generations.fetch_add(1, Ordering::Relaxed),
             spec,

@@ -164,8 +164,12 @@ pub async fn run(
                     load.num_gpu_blocks,
                 )
         };
+        // Every rank's engine restarts with the worker's process.
         if let Some(started) = restarted
-            && slot.kv.lock().restarted(started)
+            && slot
+                .ranks()
+                .iter()
+                .fold(false, |any, kv| kv.lock().restarted(started) | any)
         {
             metrics.kv_engine_restarts.get_or_create(&label).inc();
             metrics.kv_blocks.get_or_create(&label).set(0);

@@ -17,6 +17,7 @@ use std::sync::atomic::AtomicU64;
 use tokio_util::sync::CancellationToken;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
+use crate::config::WorkerSpec;
 use crate::kv_events::decode_batch;
 use crate::metrics::{self, AgentMetrics};
 use crate::registry::{Registry, WorkerSlot};
@@ -186,9 +187,12 @@ impl WorkerMetrics {
     }
 }
 
-/// The ingestion side of one worker: decodes batches and applies them to its slot.
+/// The ingestion side of one worker's publisher (one per data-parallel rank): decodes batches and
+/// applies them to its slot.
 struct Ingest {
     slot: Arc<WorkerSlot>,
+    /// The rank whose publisher this follows (0 for a rank-less worker).
+    rank: usize,
     registry: Arc<Registry>,
     m: WorkerMetrics,
     cap_warned: bool,
@@ -208,13 +212,20 @@ impl Ingest {
                 return;
             }
         };
+        // vLLM's publisher stamps its own rank in every batch: a ranked worker's blocks go to the cache
+        // of that rank (the socket's rank when the batch names none, or one the worker does not have).
+        let rank = batch
+            .data_parallel_rank
+            .and_then(|r| usize::try_from(r).ok())
+            .filter(|r| self.slot.spec.ranked() && *r < self.slot.ranks().len())
+            .unwrap_or(self.rank);
         let stats = {
-            let mut kv = self.slot.kv.lock();
+            let mut kv = self.slot.ranks()[rank].lock();
             let stats = kv.apply_all(&batch.events);
-            self.m.blocks.set(kv.len() as i64);
             self.m.state_bytes.set(kv.approx_bytes() as i64);
             stats
         };
+        self.m.blocks.set(self.slot.blocks() as i64);
         self.m.batches.inc();
         self.m.block_events.inc_by(stats.block_events);
         if stats.unresolved_parents > 0 {
@@ -242,8 +253,8 @@ impl Ingest {
     }
 
     fn clear(&mut self) {
-        self.slot.kv.lock().clear();
-        self.m.blocks.set(0);
+        self.slot.ranks()[self.rank].lock().clear();
+        self.m.blocks.set(self.slot.blocks() as i64);
         self.registry.notify();
     }
 
@@ -330,7 +341,7 @@ impl Ingest {
             Verdict::Restart => {
                 // The worker's metrics may have shown this restart first (its process start time):
                 // counted and cleared then, and nothing of the new engine applied since.
-                if self.slot.kv.lock().take_restart_note() {
+                if self.slot.ranks()[self.rank].lock().take_restart_note() {
                     tracing::debug!(worker = %self.url(), got = seq, "KV event sequence went back: the restart seen in the worker's metrics");
                 } else {
                     self.m.restarts.inc();
@@ -354,8 +365,9 @@ impl Ingest {
     }
 }
 
-/// Follows one worker until cancelled. Without a `kv_events_endpoint` there is nothing to follow. Both of
-/// its ZeroMQ sockets sit behind a [`Guard`] with the limits of `guard`.
+/// Follows one worker until cancelled: one publisher, or one per data-parallel rank on the endpoints
+/// shifted by the rank ([`WorkerSpec::rank_endpoint`]). Without a `kv_events_endpoint` there is nothing
+/// to follow. Every ZeroMQ socket sits behind a [`Guard`] with the limits of `guard`.
 pub async fn run(
     slot: Arc<WorkerSlot>,
     registry: Arc<Registry>,
@@ -363,13 +375,40 @@ pub async fn run(
     guard: GuardConfig,
     cancel: CancellationToken,
 ) {
-    let Some(endpoint) = slot.spec.kv_events_endpoint.clone() else {
+    if slot.spec.kv_events_endpoint.is_none() {
         tracing::info!(worker = %slot.spec.url, "no kv_events_endpoint: only load is tracked for this worker");
         return;
+    }
+    let ranks = (0..slot.ranks().len()).map(|rank| {
+        follow_rank(
+            slot.clone(),
+            rank,
+            registry.clone(),
+            metrics.clone(),
+            guard,
+            cancel.clone(),
+        )
+    });
+    futures::future::join_all(ranks).await;
+}
+
+/// Follows the publisher of one rank (the only one of a rank-less worker) until cancelled.
+async fn follow_rank(
+    slot: Arc<WorkerSlot>,
+    rank: usize,
+    registry: Arc<Registry>,
+    metrics: AgentMetrics,
+    guard: GuardConfig,
+    cancel: CancellationToken,
+) {
+    let Some(endpoint) = slot.spec.kv_events_endpoint.as_deref() else {
+        return;
     };
+    let endpoint = WorkerSpec::rank_endpoint(endpoint, rank);
     let m = WorkerMetrics::new(&metrics, &slot.spec.url);
     let mut ingest = Ingest {
         slot,
+        rank,
         registry,
         m,
         cap_warned: false,
@@ -426,11 +465,12 @@ async fn session(
     let replay_guard = spec
         .kv_replay_endpoint
         .as_deref()
-        .map(|ep| Guard::connect(ep, "replay", guard, metrics.clone()))
+        .map(|ep| WorkerSpec::rank_endpoint(ep, ingest.rank))
+        .map(|ep| Guard::connect(&ep, "replay", guard, metrics.clone()))
         .transpose()?;
     // vLLM topics are exact names; a ZMQ prefix subscription would also match longer topics.
     sub.subscribe("").await?;
-    tracing::info!(worker = %spec.url, endpoint, bind = spec.kv_events_bind, "following KV events");
+    tracing::info!(worker = %spec.url, endpoint, rank = ingest.rank, bind = spec.kv_events_bind, "following KV events");
     let replay = replay_guard.as_ref().map(Guard::endpoint);
     if let Some(ep) = replay {
         // Learn what the worker already holds (agent start, or resubscription after an error).

@@ -61,6 +61,7 @@ fn expected(name: &str, ip: &str, port: u16) -> WorkerSpec {
         kv_replay_endpoint: Some(format!("tcp://{ip}:5558")),
         kv_topic: Some(format!("kv@{name}@{MODEL}")),
         role: None,
+        data_parallel_size: None,
     }
 }
 

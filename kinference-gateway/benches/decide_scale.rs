@@ -88,6 +88,7 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
                     block_size: BLOCK as u32,
                     keys,
                     offloaded_keys: Vec::new(),
+                    data_parallel_rank: None,
                     role: String::new(),
                     load: Some(pb::WorkerLoad {
                         running: rng.random_range(0..4),

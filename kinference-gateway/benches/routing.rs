@@ -122,6 +122,7 @@ fn loaded_router(rng: &mut StdRng) -> (Router, Vec<u32>) {
                 keys: k,
                 role: String::new(),
                 offloaded_keys: Vec::new(),
+                data_parallel_rank: None,
                 load: Some(pb::WorkerLoad {
                     running: rng.random_range(0..8),
                     waiting: 0,

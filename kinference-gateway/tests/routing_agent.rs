@@ -106,6 +106,7 @@ fn worker(url: &str, keys: Vec<u64>) -> pb::WorkerState {
         keys,
         role: String::new(),
         offloaded_keys: Vec::new(),
+        data_parallel_rank: None,
         load: Some(pb::WorkerLoad {
             metrics_ok: true,
             ..Default::default()

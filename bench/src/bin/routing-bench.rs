@@ -247,6 +247,15 @@ struct Args {
     /// Replicas: seeds of the request sequences and of the front's draws (default: --seed).
     #[arg(long, value_delimiter = ',')]
     seeds: Vec<u64>,
+    /// Data-parallel ranks instead of the routing matrix: every worker runs this many ranks
+    /// (`vllm-sim --data-parallel-size`), and two clusters side by side take the same request
+    /// sequences: one whose agent reports each rank and whose gateway names the rank in
+    /// `X-data-parallel-rank` (rank-aware), one whose agent is not told the ranks (rank-blind: one
+    /// cache per worker, no header, the worker's own balancer picks the rank). Prints one line per run
+    /// and the medians. Takes --workloads, --concurrency, the request-count flags, --seeds and the
+    /// cluster flags.
+    #[arg(long)]
+    dp_ranks: Option<usize>,
 }
 
 /// `--out-dir`, else `default` under the repository.
@@ -338,6 +347,9 @@ async fn main() -> ExitCode {
     if !args.replicas.is_empty() {
         let out_dir = out_dir_or(&args, "bench/results/replicas");
         return until_interrupted(run_replicas(args, out_dir)).await;
+    }
+    if let Some(ranks) = args.dp_ranks {
+        return until_interrupted(run_dp_ranks(args, ranks)).await;
     }
     let out_dir = args.out_dir.clone().unwrap_or_else(|| {
         let dir = repo_root().join("bench/results");
@@ -1317,6 +1329,159 @@ target/release/routing-bench {}",
         }
     }
     eprintln!("Results in {}", out_dir.display());
+    ExitCode::SUCCESS
+}
+
+/// One `--dp-ranks` run: hit share, median TTFT, p90 TTFT.
+type DpRun = (f64, f64, f64);
+
+/// `--dp-ranks`: rank-aware against rank-blind routing on workers of `ranks` data-parallel ranks, the
+/// two clusters side by side on the same request sequences.
+async fn run_dp_ranks(args: Args, ranks: usize) -> ExitCode {
+    let seeds = if args.seeds.is_empty() {
+        vec![args.seed]
+    } else {
+        args.seeds.clone()
+    };
+    let requests = match args.requests_per_run {
+        Some(n) => RequestCount::Fixed(n),
+        None => RequestCount::Scaled {
+            min: args.min_requests,
+            per_user: args.requests_per_user,
+        },
+    };
+    let http = HttpClient::new();
+    let mut arms = Vec::new();
+    for (name, blind) in [("rank-aware", false), ("rank-blind", true)] {
+        let cluster_config = ClusterConfig {
+            bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
+            tokenizer_dir: args
+                .tokenizer_dir
+                .clone()
+                .unwrap_or_else(cluster::default_tokenizer_dir),
+            workers: args.workers,
+            preset: args.preset.clone(),
+            time_scale: args.time_scale,
+            worker_args: args.worker_args.clone(),
+            gateway_modes: vec![Policy::Kinference.as_str().to_string()],
+            work_dir: std::env::temp_dir()
+                .join(format!("kinference-dp-bench-{}-{name}", std::process::id())),
+            ready_timeout: Duration::from_secs(60),
+        };
+        let options = ClusterOptions {
+            data_parallel_size: ranks,
+            agent_rank_blind: blind,
+            ..ClusterOptions::default()
+        };
+        match Cluster::start_with(&cluster_config, http.clone(), &options).await {
+            Ok(c) => arms.push((name, c)),
+            Err(e) => {
+                eprintln!("routing-bench: cannot start the {name} cluster: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    eprintln!(
+        "routing-bench --dp-ranks {ranks}: {} workers x {ranks} ranks, rank-aware and rank-blind side by side ({} build)",
+        args.workers,
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+    );
+    let client = LoadClient::new(
+        http,
+        cluster::MODEL,
+        false,
+        Duration::from_secs(args.request_timeout_s),
+    );
+    // (arm, workload, concurrency) -> per-seed runs.
+    let mut results: std::collections::BTreeMap<(&str, String, usize), Vec<DpRun>> =
+        Default::default();
+    for &seed in &seeds {
+        let config = ExperimentConfig {
+            workloads: args.workloads.clone(),
+            concurrency: args.concurrency.clone(),
+            policies: vec![Policy::Kinference],
+            requests,
+            warmup: args.warmup,
+            seed,
+            time_scale: args.time_scale,
+            shape: WorkloadShape::default(),
+            settle: Duration::from_millis(300),
+        };
+        for &kind in &args.workloads {
+            for &concurrency in &args.concurrency {
+                let (warmup, workload) = config.sequences(kind, concurrency);
+                for (name, cluster) in arms.iter_mut() {
+                    if let Err(e) = cluster.check_alive() {
+                        eprintln!("routing-bench: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                    let Some(gateway) = cluster.gateway(Policy::Kinference.as_str()) else {
+                        eprintln!("routing-bench: the {name} cluster has no gateway");
+                        return ExitCode::FAILURE;
+                    };
+                    let route = Route::Endpoint(gateway.url.clone());
+                    let r = match experiment::run_on(
+                        cluster,
+                        &client,
+                        &route,
+                        &warmup,
+                        &workload,
+                        Policy::Kinference,
+                        concurrency,
+                        &config,
+                    )
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(e) => {
+                            eprintln!(
+                                "routing-bench: {e} (logs in {})",
+                                cluster.work_dir().display()
+                            );
+                            return ExitCode::FAILURE;
+                        }
+                    };
+                    let s = &r.summary;
+                    let hit = r.cache_hit_share.unwrap_or(f64::NAN);
+                    println!(
+                        "{name:<10} {:<13} c={concurrency:<2} seed {seed} hit {:>5.1}%  TTFT p50 {:>6.2}s p90 {:>6.2}s  n={} err={} ({:.0}s wall)",
+                        kind.as_str(),
+                        100.0 * hit,
+                        s.median_ttft_s,
+                        s.p90_ttft_s,
+                        s.n,
+                        s.errors,
+                        r.wall_s,
+                    );
+                    results
+                        .entry((*name, kind.as_str().to_string(), concurrency))
+                        .or_default()
+                        .push((hit, s.median_ttft_s, s.p90_ttft_s));
+                }
+            }
+        }
+    }
+    let median = |mut v: Vec<f64>| -> f64 {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    println!(
+        "\n| arm | workload | c | seeds | hit rate (median) | TTFT p50 (median, s) | TTFT p90 (median, s) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for ((name, workload, c), runs) in &results {
+        println!(
+            "| {name} | {workload} | {c} | {} | {:.1}% | {:.2} | {:.2} |",
+            runs.len(),
+            100.0 * median(runs.iter().map(|r| r.0).collect()),
+            median(runs.iter().map(|r| r.1).collect()),
+            median(runs.iter().map(|r| r.2).collect()),
+        );
+    }
     ExitCode::SUCCESS
 }
 

@@ -111,6 +111,12 @@ struct Args {
     /// `l40s-27b-fp8`, 4 MB per block over a ~25 GB/s link).
     #[arg(long)]
     kv_transfer_s_per_block: Option<f64>,
+    /// vLLM's `--data-parallel-size`: engines (ranks) behind each HTTP port, each with its own prefix
+    /// cache and KV event publisher on the endpoints shifted by its rank (TCP port + rank). A request
+    /// with `X-data-parallel-rank: <rank>` goes to that rank; without it, to the least loaded rank
+    /// (running + waiting, ties round-robin), as vLLM's internal balancer does.
+    #[arg(long, default_value_t = 1)]
+    data_parallel_size: usize,
 }
 
 impl Args {
@@ -185,6 +191,7 @@ impl Args {
                     }),
                 kv_role: self.kv_role.get(i).or(self.kv_role.first()).copied(),
                 kv_transfer_s_per_block: self.kv_transfer_s_per_block,
+                data_parallel_size: self.data_parallel_size,
             })
             .collect())
     }

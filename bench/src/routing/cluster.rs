@@ -124,6 +124,12 @@ pub struct ClusterOptions {
     /// Extra flags of one gateway, by its name ([`Cluster::gateway`]; e.g. `--flow-control` on
     /// replica `kinference#2` only).
     pub gateway_args: BTreeMap<String, Vec<String>>,
+    /// Data-parallel ranks of every worker (`vllm-sim --data-parallel-size`; 0 or 1: none).
+    pub data_parallel_size: usize,
+    /// The agent is not told the workers' ranks: it follows rank 0's publisher and reports each
+    /// worker rank-less, so the gateways send no rank header (the workers balance themselves) — what
+    /// Kinference did before it knew ranks.
+    pub agent_rank_blind: bool,
 }
 
 /// A gateway mode `M-shared` is routing mode `M` whose replicas tell each other what they dispatch
@@ -309,15 +315,18 @@ impl Cluster {
                 })
             })
             .collect();
-        let ports = free_ports(3 * n + 2 + 2 * gateway_names.len());
-        let (worker_ports, rest) = ports.split_at(3 * n);
+        // A worker of several ranks publishes rank r on its endpoints' ports + r: one port each.
+        let ranks = options.data_parallel_size.max(1);
+        let per_worker = 1 + 2 * ranks;
+        let ports = free_ports(per_worker * n + 2 + 2 * gateway_names.len());
+        let (worker_ports, rest) = ports.split_at(per_worker * n);
         let (agent_ports, gateway_ports) = rest.split_at(2);
         let workers: Vec<WorkerPorts> = worker_ports
-            .chunks(3)
+            .chunks(per_worker)
             .map(|c| WorkerPorts {
                 http: c[0],
                 kv_events: c[1],
-                kv_replay: c[2],
+                kv_replay: c[1 + ranks],
             })
             .collect();
         let worker_urls: Vec<String> = workers
@@ -351,7 +360,11 @@ impl Cluster {
         let agent_yaml = config.work_dir.join("agent-workers.yaml");
         write_yaml(
             &agent_yaml,
-            &agent_workers_yaml(&workers, !options.workers_bind_kv_events),
+            &agent_workers_yaml(
+                &workers,
+                !options.workers_bind_kv_events,
+                (!options.agent_rank_blind).then_some(ranks),
+            ),
         )?;
         let mut agent_args: Vec<String> = vec![
             "--grpc-listen".into(),
@@ -405,6 +418,9 @@ impl Cluster {
             // messages whose topic equals theirs exactly, and they have no flag to set it.
             if !options.workers_bind_kv_events {
                 args.extend(["--kv-topic".into(), format!("kv@w{}@{MODEL}", i + 1)]);
+            }
+            if ranks > 1 {
+                args.extend(["--data-parallel-size".into(), ranks.to_string()]);
             }
             args.extend(config.worker_args.iter().cloned());
             args.extend(
@@ -673,15 +689,26 @@ struct WorkerPorts {
     kv_replay: u16,
 }
 
-fn agent_workers_yaml(workers: &[WorkerPorts], agent_binds: bool) -> serde_json::Value {
+/// The agent's workers file; `ranks`: each worker's data-parallel ranks, when the agent is told them.
+fn agent_workers_yaml(
+    workers: &[WorkerPorts],
+    agent_binds: bool,
+    ranks: Option<usize>,
+) -> serde_json::Value {
     json!({
-        "workers": workers.iter().map(|w| json!({
-            "url": format!("http://127.0.0.1:{}", w.http),
-            "model": MODEL,
-            "kv_events_endpoint": format!("tcp://127.0.0.1:{}", w.kv_events),
-            "kv_events_bind": agent_binds,
-            "kv_replay_endpoint": format!("tcp://127.0.0.1:{}", w.kv_replay),
-        })).collect::<Vec<_>>()
+        "workers": workers.iter().map(|w| {
+            let mut spec = json!({
+                "url": format!("http://127.0.0.1:{}", w.http),
+                "model": MODEL,
+                "kv_events_endpoint": format!("tcp://127.0.0.1:{}", w.kv_events),
+                "kv_events_bind": agent_binds,
+                "kv_replay_endpoint": format!("tcp://127.0.0.1:{}", w.kv_replay),
+            });
+            if let Some(n) = ranks.filter(|n| *n > 1) {
+                spec["data_parallel_size"] = json!(n);
+            }
+            spec
+        }).collect::<Vec<_>>()
     })
 }
 

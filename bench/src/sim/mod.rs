@@ -11,6 +11,8 @@
 //! - [`kv_transfer`]: the KV connector of prefill/decode disaggregation (vLLM's `kv_transfer_params`
 //!   and SGLang's bootstrap rooms), with a transfer time per block.
 //! - [`metrics`]: vLLM's Prometheus exposition.
+//! - [`ranks`]: data parallelism (`--data-parallel-size N`): N engines behind the one HTTP server,
+//!   chosen by the `X-data-parallel-rank` header or balanced as vLLM balances them.
 
 pub mod api;
 pub mod cache;
@@ -18,6 +20,7 @@ pub mod engine;
 pub mod kv_events;
 pub mod kv_transfer;
 pub mod metrics;
+pub mod ranks;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -68,6 +71,9 @@ pub struct SimConfig {
     pub kv_role: Option<KvRole>,
     /// Model seconds to pull one KV block from a prefill worker (`None`: the preset's).
     pub kv_transfer_s_per_block: Option<f64>,
+    /// vLLM's `--data-parallel-size`: engines behind the HTTP server, each with its own cache and its
+    /// own publisher on the endpoints shifted by its rank (1: no data parallelism).
+    pub data_parallel_size: usize,
 }
 
 /// Why the simulator could not start.
@@ -170,32 +176,37 @@ async fn start_with_tokenizer(
         return Err(SimError::Config("time scale must be >= 0".into()));
     }
     let metrics = Arc::new(Metrics::new(cfg.model.clone()));
-    let publisher = match cfg.kv_events.clone() {
-        Some(kc) => Some(KvPublisher::start(kc, shutdown.clone()).await?),
-        None => None,
-    };
-    let zmq_bound = publisher
-        .as_ref()
-        .map(|p| p.bound.clone())
-        .unwrap_or_default();
     let latency = cfg.preset.latency();
-    let engine = Engine::new(
-        CoreConfig {
-            block_size: cfg.block_size,
-            num_blocks: cfg.num_blocks,
-            max_num_seqs: cfg.max_num_seqs,
-            latency,
-            output_vocab: vocab.ids,
-            seed: cfg.seed,
-        },
-        cfg.time_scale,
-        metrics.clone(),
-        publisher,
-    );
-    engine
-        .set_slowdown(cfg.slowdown)
-        .map_err(|e| SimError::Config(e.to_string()))?;
-    tokio::spawn(engine.clone().run(shutdown.clone()));
+    let mut engines = Vec::with_capacity(cfg.data_parallel_size.max(1));
+    let mut zmq_bound = Vec::new();
+    for rank in 0..cfg.data_parallel_size.max(1) {
+        // One publisher per rank, on the endpoints shifted by the rank, as vLLM's publishers bind.
+        let publisher = match cfg.kv_events.clone() {
+            Some(kc) => Some(KvPublisher::start(kc.for_rank(rank), shutdown.clone()).await?),
+            None => None,
+        };
+        zmq_bound.extend(publisher.iter().flat_map(|p| p.bound.clone()));
+        let engine = Engine::new(
+            CoreConfig {
+                block_size: cfg.block_size,
+                num_blocks: cfg.num_blocks,
+                max_num_seqs: cfg.max_num_seqs,
+                latency,
+                output_vocab: Arc::clone(&vocab.ids),
+                seed: cfg.seed + rank as u64,
+            },
+            cfg.time_scale,
+            metrics.clone(),
+            publisher,
+        );
+        engine
+            .set_slowdown(cfg.slowdown)
+            .map_err(|e| SimError::Config(e.to_string()))?;
+        tokio::spawn(engine.clone().run(shutdown.clone()));
+        engines.push(engine);
+    }
+    let ranks = ranks::Ranks::new(engines);
+    let engine = Arc::clone(ranks.first());
 
     let listener = TcpListener::bind(cfg.listen)
         .await
@@ -220,6 +231,7 @@ async fn start_with_tokenizer(
     let state = Arc::new(api::AppState {
         kv,
         engine,
+        ranks,
         tokenizer,
         metrics,
         model: cfg.model.clone(),

@@ -134,6 +134,8 @@ impl KubeSource {
             role: lookup(meta.labels.as_ref(), ROLE_KEY)
                 .or_else(|| lookup(meta.annotations.as_ref(), ROLE_KEY))
                 .and_then(|r| r.parse().ok()),
+            // Not read from the pod yet: a data-parallel worker found this way is followed as rank-less.
+            data_parallel_size: None,
         })
     }
 }

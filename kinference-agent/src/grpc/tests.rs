@@ -13,6 +13,7 @@ fn spec(url: &str) -> WorkerSpec {
         kv_replay_endpoint: None,
         kv_topic: None,
         role: None,
+        data_parallel_size: None,
     }
 }
 
@@ -77,7 +78,7 @@ fn apply(view: &mut HashMap<String, HashSet<u64>>, kind: &Kind) {
 fn snapshot_first_then_deltas_keep_a_gateway_exact() {
     let (registry, b) = setup(16);
     let w1 = registry.upsert(spec("http://w1"), 1000);
-    w1.kv.lock().apply(&store(1, None, 4, 16));
+    w1.kv().lock().apply(&store(1, None, 4, 16));
     let mut announced = HashMap::new();
     let mut rx = b.add_watcher("g1".into());
     b.tick(&mut announced);
@@ -88,24 +89,24 @@ fn snapshot_first_then_deltas_keep_a_gateway_exact() {
     );
     apply(&mut view, &first);
 
-    w1.kv.lock().apply(&store(5, Some(4), 2, 16));
-    w1.kv.lock().apply(&KvEvent::BlockRemoved {
+    w1.kv().lock().apply(&store(5, Some(4), 2, 16));
+    w1.kv().lock().apply(&KvEvent::BlockRemoved {
         block_hashes: vec![1],
         medium: Medium::Gpu,
     });
     let w2 = registry.upsert(spec("http://w2"), 1000);
-    w2.kv.lock().apply(&store(100, None, 3, 16));
+    w2.kv().lock().apply(&store(100, None, 3, 16));
     b.tick(&mut announced);
     let d = recv_now(&mut rx).expect("delta");
     assert!(matches!(d, Kind::Delta(_)));
     apply(&mut view, &d);
     assert_eq!(
         view["http://w1"],
-        w1.kv.lock().keys().into_iter().collect::<HashSet<_>>()
+        w1.kv().lock().keys().into_iter().collect::<HashSet<_>>()
     );
     assert_eq!(
         view["http://w2"],
-        w2.kv.lock().keys().into_iter().collect::<HashSet<_>>()
+        w2.kv().lock().keys().into_iter().collect::<HashSet<_>>()
     );
 
     registry.remove("http://w2");
@@ -123,7 +124,7 @@ fn a_gateway_that_falls_behind_gets_a_fresh_snapshot() {
     let mut fast = b.add_watcher("fast".into());
     let mut fast_view = HashMap::new();
     for i in 0..10 {
-        w1.kv.lock().apply(&store(
+        w1.kv().lock().apply(&store(
             1 + 10 * i,
             if i == 0 { None } else { Some(10 * i) },
             10,
@@ -146,7 +147,7 @@ fn a_gateway_that_falls_behind_gets_a_fresh_snapshot() {
         "a lagging gateway is resent a snapshot"
     );
     apply(&mut slow_view, &k);
-    let truth: HashSet<u64> = w1.kv.lock().keys().into_iter().collect();
+    let truth: HashSet<u64> = w1.kv().lock().keys().into_iter().collect();
     assert_eq!(truth.len(), 100);
     assert_eq!(slow_view["http://w1"], truth);
     assert_eq!(fast_view["http://w1"], truth);
@@ -169,7 +170,7 @@ fn summary_bandwidth_per_block_event_is_under_ten_bytes() {
         for _ in 0..8 {
             let e = store(next_hash, None, 4, 16);
             block_events += e.block_events() as u64;
-            w.kv.lock().apply(&e);
+            w.kv().lock().apply(&e);
             next_hash += 4;
         }
         if window > 2 {
@@ -179,7 +180,7 @@ fn summary_bandwidth_per_block_event_is_under_ten_bytes() {
                 medium: Medium::Gpu,
             };
             block_events += e.block_events() as u64;
-            w.kv.lock().apply(&e);
+            w.kv().lock().apply(&e);
         }
         b.tick(&mut announced);
         while let Ok(Ok(m)) = rx.try_recv() {
@@ -312,4 +313,67 @@ fn a_worker_role_travels_in_the_snapshot_and_in_its_first_delta() {
     };
     assert_eq!(role("http://d1"), Some(("m".into(), "decode".into())));
     assert_eq!(role("http://w1"), Some(("m".into(), String::new())));
+}
+
+#[test]
+fn a_ranked_worker_is_summarised_rank_by_rank() {
+    let (registry, b) = setup(16);
+    let dp = registry.upsert(
+        WorkerSpec {
+            data_parallel_size: Some(2),
+            ..spec("http://dp")
+        },
+        1000,
+    );
+    let plain = registry.upsert(spec("http://plain"), 1000);
+    dp.ranks()[0].lock().apply(&store(1, None, 4, 16));
+    dp.ranks()[1].lock().apply(&store(100, None, 2, 16));
+    plain.kv().lock().apply(&store(200, None, 1, 16));
+    let mut announced = HashMap::new();
+    let mut rx = b.add_watcher("g1".into());
+    b.tick(&mut announced);
+    let Some(Kind::Snapshot(snap)) = recv_now(&mut rx) else {
+        panic!("a snapshot first")
+    };
+    let entry = |url: &str, rank: Option<u32>| {
+        snap.workers
+            .iter()
+            .find(|w| w.worker_id == url && w.data_parallel_rank == rank)
+            .unwrap_or_else(|| panic!("{url} rank {rank:?} in {snap:?}"))
+    };
+    // Each rank is its own cache: its own keys only, none of the other rank's.
+    let rank0: HashSet<u64> = entry("http://dp", Some(0)).keys.iter().copied().collect();
+    let rank1: HashSet<u64> = entry("http://dp", Some(1)).keys.iter().copied().collect();
+    assert_eq!((rank0.len(), rank1.len()), (4, 2));
+    assert!(rank0.is_disjoint(&rank1));
+    // A rank-less worker stays rank-less: one entry, no rank.
+    assert_eq!(entry("http://plain", None).keys.len(), 1);
+    assert_eq!(snap.workers.len(), 3);
+
+    // A change on rank 1 is a delta for rank 1 alone.
+    dp.ranks()[1].lock().apply(&store(102, Some(101), 1, 16));
+    b.tick(&mut announced);
+    let Some(Kind::Delta(delta)) = recv_now(&mut rx) else {
+        panic!("a delta")
+    };
+    let keyed: Vec<_> = delta
+        .workers
+        .iter()
+        .filter(|w| !w.added.is_empty())
+        .map(|w| (w.worker_id.as_str(), w.data_parallel_rank, w.added.len()))
+        .collect();
+    assert_eq!(keyed, vec![("http://dp", Some(1), 1)]);
+}
+
+#[test]
+fn a_ranked_workers_load_is_split_over_its_ranks() {
+    let load = pb::WorkerLoad {
+        running: 5,
+        waiting: 2,
+        kv_usage: 0.5,
+        ..Default::default()
+    };
+    let share = share_of_load(load, 2);
+    assert_eq!((share.running, share.waiting, share.kv_usage), (3, 1, 0.5));
+    assert_eq!(share_of_load(load, 1), load);
 }

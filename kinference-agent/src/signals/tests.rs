@@ -13,6 +13,7 @@ fn spec(url: &str) -> WorkerSpec {
         kv_replay_endpoint: None,
         kv_topic: None,
         role: None,
+        data_parallel_size: None,
     }
 }
 

@@ -85,3 +85,95 @@ fn tracker_tells_gaps_duplicates_and_restarts_apart() {
         "once live is past the replay, going back is a restart"
     );
 }
+
+/// A batch of one stored block of `tokens`, stamped with `rank` as vLLM's publisher stamps its own.
+fn stored_batch(hash: u64, tokens: u32, rank: Option<i64>) -> Vec<u8> {
+    use crate::kv_events::encode::{EncodeOptions, encode_batch};
+    use crate::kv_events::{EventBatch, KvEvent, Medium};
+    let batch = EventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::BlockStored {
+            block_hashes: vec![hash],
+            parent_block_hash: None,
+            token_ids: (tokens..tokens + 16).collect(),
+            block_size: 16,
+            medium: Medium::Gpu,
+            lora: None,
+            extra_keys: Vec::new(),
+        }],
+        data_parallel_rank: rank,
+    };
+    encode_batch(&batch, EncodeOptions::default())
+}
+
+fn ingest(data_parallel_size: Option<u32>) -> Ingest {
+    let registry = Arc::new(Registry::default());
+    let metrics = AgentMetrics::default();
+    let spec = WorkerSpec {
+        url: "http://w".into(),
+        model: "m".into(),
+        kv_events_endpoint: None,
+        kv_events_bind: true,
+        kv_replay_endpoint: None,
+        kv_topic: None,
+        role: None,
+        data_parallel_size,
+    };
+    Ingest {
+        slot: registry.upsert(spec, 1000),
+        rank: 0,
+        m: WorkerMetrics::new(&metrics, "http://w"),
+        registry,
+        cap_warned: false,
+    }
+}
+
+#[test]
+fn blocks_of_two_ranks_stay_apart() {
+    let mut ingest = ingest(Some(2));
+    // The same tokens on both ranks, and one block of rank 1 alone; all through one socket.
+    ingest.apply_payload(0, &stored_batch(1, 0, Some(0)));
+    ingest.apply_payload(1, &stored_batch(2, 0, Some(1)));
+    ingest.apply_payload(2, &stored_batch(3, 100, Some(1)));
+    let rank0 = ingest.slot.ranks()[0].lock().keys();
+    let rank1 = ingest.slot.ranks()[1].lock().keys();
+    assert_eq!(rank0.len(), 1, "rank 0 holds its block only");
+    assert_eq!(rank1.len(), 2, "rank 1 holds its two blocks");
+    assert!(
+        rank1.contains(&rank0[0]),
+        "the shared prefix is on both ranks"
+    );
+    // A batch naming a rank the worker does not have stays with the socket's rank.
+    ingest.apply_payload(3, &stored_batch(4, 200, Some(7)));
+    assert_eq!(ingest.slot.ranks()[0].lock().len(), 2);
+}
+
+#[test]
+fn a_rank_less_worker_keeps_one_cache_whatever_the_batches_say() {
+    let mut ingest = ingest(None);
+    ingest.apply_payload(0, &stored_batch(1, 0, Some(0)));
+    ingest.apply_payload(1, &stored_batch(2, 100, Some(1)));
+    assert_eq!(ingest.slot.ranks().len(), 1);
+    assert_eq!(ingest.slot.kv().lock().len(), 2);
+}
+
+#[test]
+fn rank_endpoints_shift_as_vllm_shifts_them() {
+    assert_eq!(
+        WorkerSpec::rank_endpoint("tcp://127.0.0.1:5557", 0),
+        "tcp://127.0.0.1:5557"
+    );
+    assert_eq!(
+        WorkerSpec::rank_endpoint("tcp://127.0.0.1:5557", 2),
+        "tcp://127.0.0.1:5559"
+    );
+    assert_eq!(
+        WorkerSpec::rank_endpoint("tcp://*:0", 1),
+        "tcp://*:0",
+        "an ephemeral port is left alone"
+    );
+    assert_eq!(
+        WorkerSpec::rank_endpoint("ipc:///tmp/kv", 1),
+        "ipc:///tmp/kv_dp1"
+    );
+}

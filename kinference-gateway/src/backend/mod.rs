@@ -28,6 +28,9 @@ pub enum Target<'a> {
     Worker {
         /// Worker base URL.
         url: &'a str,
+        /// The worker's data-parallel rank to serve it, sent as `X-data-parallel-rank` (`None`: no
+        /// header; the worker balances over its ranks itself).
+        dp_rank: Option<u32>,
         /// Endpoint path on the worker.
         path: &'static str,
     },
@@ -52,6 +55,11 @@ impl Target<'_> {
     /// The label of metrics and errors: the worker URL, or `provider/<name>`.
     pub fn label(&self) -> String {
         match self {
+            Target::Worker {
+                url,
+                dp_rank: Some(rank),
+                ..
+            } => format!("{url}#dp{rank}"),
             Target::Worker { url, .. } => (*url).to_string(),
             Target::Provider { client, .. } => client.label(),
         }
@@ -108,8 +116,8 @@ async fn send_now(
     request: Outgoing<'_>,
 ) -> Result<Response<Incoming>, SendError> {
     match target {
-        Target::Worker { url, path } => upstream
-            .post_json(url, path, request.body.clone())
+        Target::Worker { url, dp_rank, path } => upstream
+            .post_json_to_rank(url, dp_rank, path, request.body.clone())
             .await
             .map_err(SendError::Failed),
         Target::Provider { client, model } => client

@@ -34,6 +34,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::backend::sse::SseLimits;
 use crate::errors::GatewayError;
 
+/// The request header vLLM's OpenAI server reads to pick a data-parallel rank
+/// (`OpenAIServing._get_data_parallel_rank`: `X-data-parallel-rank`, an int; anything else is
+/// ignored). Header names are case-insensitive.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
 pub mod credentials;
 
 /// Where a worker's failed outcomes are counted (the health record,
@@ -194,6 +199,18 @@ impl Upstream {
         path: &str,
         body: Bytes,
     ) -> Result<Response<Incoming>, GatewayError> {
+        self.post_json_to_rank(worker, None, path, body).await
+    }
+
+    /// [`Upstream::post_json`] to one data-parallel rank of `worker`: vLLM's API server hands a
+    /// request with [`DP_RANK_HEADER`] to that rank's engine instead of balancing it itself.
+    pub async fn post_json_to_rank(
+        &self,
+        worker: &str,
+        dp_rank: Option<u32>,
+        path: &str,
+        body: Bytes,
+    ) -> Result<Response<Incoming>, GatewayError> {
         let uri = format!("{worker}{path}");
         let mut request = Request::builder()
             .method(Method::POST)
@@ -211,6 +228,11 @@ impl Upstream {
             .headers_mut()
             .extend(crate::telemetry::current_headers());
         request.headers_mut().extend(self.headers_for(worker));
+        if let Some(rank) = dp_rank {
+            request
+                .headers_mut()
+                .insert(DP_RANK_HEADER, HeaderValue::from(rank));
+        }
         match tokio::time::timeout(self.first_byte_timeout, self.client.request(request)).await {
             Err(_) => Err(GatewayError::UpstreamTimeout {
                 worker: worker.to_string(),

@@ -500,6 +500,14 @@ impl Session {
                 let worker = decision.worker.clone();
                 let mut headers = self.handler.gw.upstream.headers_for(&worker);
                 headers.extend(telemetry);
+                // A rank of a data-parallel worker: the proxy's request carries the rank as the
+                // gateway's own doors send it.
+                if let Some(rank) = decision.dp_rank {
+                    headers.insert(
+                        crate::backend::worker::DP_RANK_HEADER,
+                        http::HeaderValue::from(rank),
+                    );
+                }
                 let mut settlement = ex
                     .settlement
                     .take()

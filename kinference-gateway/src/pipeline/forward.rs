@@ -412,6 +412,7 @@ async fn send_once(
 ) -> Result<Response<Incoming>, Unsent> {
     let target = Target::Worker {
         url: &decision.worker,
+        dp_rank: decision.dp_rank,
         path: call.path,
     };
     let body = call.body_for(&gw.router, &decision.worker);

@@ -289,7 +289,13 @@ fn apply_snapshot(shared: &Shared, a: usize, snap: Snapshot) {
     {
         let mut table = shared.workers.write();
         for ws in &snap.workers {
-            match table.get_or_add(&ws.worker_id, &ws.model, false, &shared.prior_of(&ws.model)) {
+            match table.get_or_add_cache(
+                &ws.worker_id,
+                ws.data_parallel_rank,
+                &ws.model,
+                false,
+                &shared.prior_of(&ws.model),
+            ) {
                 Some(w) => ids.push(w.id),
                 None => {
                     tracing::warn!(worker = %ws.worker_id, "worker table full: ignoring worker")
@@ -351,12 +357,17 @@ fn apply_delta(shared: &Shared, a: usize, delta: Delta) {
     let now = Instant::now();
     for wd in delta.workers {
         let worker = {
-            let found = shared.workers.read().get(&wd.worker_id).cloned();
+            let found = shared
+                .workers
+                .read()
+                .get_cache(&wd.worker_id, wd.data_parallel_rank)
+                .cloned();
             match found {
                 Some(w) => w,
                 None if !wd.model.is_empty() => {
-                    match shared.workers.write().get_or_add(
+                    match shared.workers.write().get_or_add_cache(
                         &wd.worker_id,
+                        wd.data_parallel_rank,
                         &wd.model,
                         false,
                         &shared.prior_of(&wd.model),

@@ -120,6 +120,9 @@ pub struct RouteRequest<'a> {
 pub struct Decision {
     /// Worker base URL.
     pub worker: String,
+    /// The worker's data-parallel rank to send the request to (`X-data-parallel-rank`); `None` for
+    /// a rank-less worker, which gets no header.
+    pub dp_rank: Option<u32>,
     /// Why this worker: `cache_hit`, `least_loaded`, `tie_spread`, `load_guard`, `degraded_*`, or the
     /// baseline mode's name.
     pub reason: &'static str,
@@ -562,6 +565,7 @@ impl Router {
             mode = self.shared.mode.as_str(),
             candidates = candidates.len(),
             worker = Empty,
+            dp_rank = Empty,
             reason = Empty,
             prompt_tokens = Empty,
             cached_tokens = Empty,
@@ -572,6 +576,9 @@ impl Router {
             tracing::Instrument::instrument(self.pick_from_in_span(req, candidates), span.clone())
                 .await;
         span.record("worker", decision.worker.as_str());
+        if let Some(rank) = decision.dp_rank {
+            span.record("dp_rank", rank);
+        }
         span.record("reason", decision.reason);
         if let Some(tokens) = decision.prompt_tokens {
             span.record("prompt_tokens", tokens);
@@ -822,7 +829,7 @@ impl Router {
         let explain = debug.then(|| {
             candidates
                 .iter()
-                .map(|w| format!("{} in_flight={}", w.url, w.state.lock().in_flight))
+                .map(|w| format!("{} in_flight={}", w.label(), w.state.lock().in_flight))
                 .collect::<Vec<_>>()
                 .join("; ")
         });
@@ -836,6 +843,7 @@ impl Router {
         self.count(reason, 0);
         Decision {
             worker: worker.url.clone(),
+            dp_rank: worker.dp_rank,
             reason,
             explain,
             prompt_tokens: None,
@@ -998,7 +1006,7 @@ impl Router {
                     s,
                     "{}{} cached={} offloaded={} queue_tokens={:.0} running={} queue_s={:.4} prefill={:.0} est_s={:.4} cost_s={:.4} us_per_token={:.2}(own:{:.2} n:{} late:{:.1}) agent={} kernel={} signal={} others={} others_waiting={} held_blocks={} kv={}",
                     if i == pick { "*" } else { "" },
-                    c.worker.url,
+                    c.worker.label(),
                     inp.cached_tokens,
                     inp.offloaded_tokens,
                     inp.queue_tokens,
@@ -1036,6 +1044,7 @@ impl Router {
         });
         Decision {
             worker: chosen.worker.url.clone(),
+            dp_rank: chosen.worker.dp_rank,
             reason,
             explain,
             prompt_tokens: Some(prompt_tokens),
@@ -1052,8 +1061,26 @@ impl Router {
     }
 
     /// Every worker the router may route to: configured, or discovered and not removed since (a
-    /// removed worker is listed again when discovery or an agent brings it back).
+    /// removed worker is listed again when discovery or an agent brings it back). A worker of
+    /// several data-parallel ranks is one entry: its ranks' requests and blocks added up.
     pub fn workers(&self) -> Vec<WorkerView> {
+        let mut views: Vec<WorkerView> = Vec::new();
+        for view in self.caches() {
+            match views.iter_mut().find(|v| v.url == view.url) {
+                Some(v) => {
+                    v.healthy |= view.healthy;
+                    v.in_flight += view.in_flight;
+                    v.agent_live |= view.agent_live;
+                    v.cached_blocks += view.cached_blocks;
+                }
+                None => views.push(view),
+            }
+        }
+        views
+    }
+
+    /// [`Router::workers`], each data-parallel rank apart.
+    fn caches(&self) -> Vec<WorkerView> {
         let now = Instant::now();
         let fresh = self.shared.fresh_agents(now);
         let table = self.shared.workers.read();
@@ -1124,7 +1151,7 @@ impl Router {
     /// Marks a worker healthy or not (gateway-http's health prober and refused connections call it).
     /// Unhealthy workers are not candidates.
     pub fn set_healthy(&self, worker: &str, healthy: bool) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().healthy = healthy;
         }
     }
@@ -1148,7 +1175,7 @@ impl Router {
 
     /// Gives `worker` its own `role` (its pod's `kinference.ai/role` label): over its pool's.
     pub fn set_role(&self, worker: &str, role: kinference_api::WorkerRole) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().pin_role(role);
         }
     }
@@ -1187,7 +1214,7 @@ impl Router {
     /// Gives `worker` its pool's `role`, unless it has one of its own ([`Router::set_role`], an
     /// agent's report, `workers[].role`).
     pub fn set_pool_role(&self, worker: &str, role: kinference_api::WorkerRole) {
-        if let Some(w) = self.shared.workers.read().get(worker) {
+        for w in self.shared.workers.read().at_url(worker) {
             w.state.lock().set_pool_role(role);
         }
     }
@@ -1206,10 +1233,10 @@ impl Router {
     /// A discovered worker left (pod deleted, not ready, relabelled): no longer a candidate.
     /// Configured workers stay.
     pub fn remove_worker(&self, url: &str) {
-        if let Some(w) = self.shared.workers.read().get(url)
-            && !w.configured
-        {
-            w.state.lock().gone = true;
+        for w in self.shared.workers.read().at_url(url) {
+            if !w.configured {
+                w.state.lock().gone = true;
+            }
         }
     }
 

@@ -334,6 +334,7 @@ impl Router {
         });
         let decode_decision = Decision {
             worker: chosen.worker.url.clone(),
+            dp_rank: chosen.worker.dp_rank,
             reason: "pd_decode",
             explain,
             prompt_tokens: Some(prompt),

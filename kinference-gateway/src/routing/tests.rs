@@ -178,6 +178,7 @@ fn worker_state(url: &str, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerSt
         load: Some(load),
         role: String::new(),
         offloaded_keys: Vec::new(),
+        data_parallel_rank: None,
     }
 }
 
@@ -914,4 +915,94 @@ async fn a_delta_moving_a_prefix_to_the_cpu_tier_turns_its_hit_into_a_load() {
         }]),
     );
     assert_eq!(router.shared.offloaded.read().pairs(), 0);
+}
+
+/// One data-parallel rank of `url`, as an agent reports it.
+fn rank_state(url: &str, rank: u32, keys: Vec<u64>, load: pb::WorkerLoad) -> pb::WorkerState {
+    pb::WorkerState {
+        data_parallel_rank: Some(rank),
+        ..worker_state(url, keys, load)
+    }
+}
+
+#[tokio::test]
+async fn each_rank_of_a_worker_is_its_own_cache_and_is_picked_by_rank() {
+    // w0 from the configuration, reported by its agent rank by rank; w1 rank-less.
+    let router = Router::new(kconfig(2, &[DEAD_AGENT])).unwrap();
+    attach_agent(&router);
+    let system = system_prompt();
+    let keys = keys_of(&system);
+    agents::apply(
+        &router.shared,
+        0,
+        snapshot(
+            1,
+            vec![
+                rank_state("http://w0", 0, vec![], load(0, 0)),
+                rank_state("http://w0", 1, keys.clone(), load(0, 0)),
+                worker_state("http://w1", keys[..2].to_vec(), load(0, 0)),
+            ],
+        ),
+    );
+    let prompt = format!("{system}Where is parcel 1234?");
+    let d = router.pick(text(&prompt)).await.unwrap();
+    let explain = d.explain.clone().unwrap();
+    assert_eq!(
+        (d.worker.as_str(), d.dp_rank),
+        ("http://w0", Some(1)),
+        "{explain}"
+    );
+    assert!(explain.contains("*http://w0#dp1 cached="), "{explain}");
+    assert!(explain.contains("http://w0#dp0 cached=0 "), "{explain}");
+    // The configured, rank-less entry of w0 holds no cache: its ranks stand in for it.
+    assert!(!explain.contains("http://w0 cached="), "{explain}");
+
+    // A prompt only w1 holds goes there, rank-less: no rank to send.
+    let w1_keys = keys_of("A rank-less worker's own prompt. ".repeat(20).as_str());
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![pb::WorkerDelta {
+            worker_id: "http://w1".into(),
+            added: w1_keys,
+            ..Default::default()
+        }]),
+    );
+    let d = router
+        .pick(text(&"A rank-less worker's own prompt. ".repeat(20)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.worker.as_str(), d.dp_rank),
+        ("http://w1", None),
+        "{:?}",
+        d.explain
+    );
+
+    // A delta names its rank: rank 0 gets the prompt, and rank 1 loses it.
+    agents::apply(
+        &router.shared,
+        0,
+        delta(vec![
+            pb::WorkerDelta {
+                worker_id: "http://w0".into(),
+                data_parallel_rank: Some(1),
+                cleared: true,
+                ..Default::default()
+            },
+            pb::WorkerDelta {
+                worker_id: "http://w0".into(),
+                data_parallel_rank: Some(0),
+                added: keys.clone(),
+                ..Default::default()
+            },
+        ]),
+    );
+    let d = router.pick(text(&prompt)).await.unwrap();
+    assert_eq!(
+        (d.worker.as_str(), d.dp_rank),
+        ("http://w0", Some(0)),
+        "{:?}",
+        d.explain
+    );
 }

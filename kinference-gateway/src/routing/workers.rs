@@ -399,6 +399,10 @@ pub struct Worker {
     pub id: WorkerId,
     /// Base URL (no trailing slash).
     pub url: String,
+    /// The data-parallel rank this entry is, for a worker whose agent reports its caches per rank
+    /// (vLLM `--data-parallel-size N`): every rank is a cache and a queue of its own, sent its
+    /// requests with `X-data-parallel-rank`. `None`: the worker as a whole (rank-less).
+    pub dp_rank: Option<u32>,
     /// Served model.
     pub model: String,
     /// From the gateway configuration (as opposed to discovered through an agent).
@@ -407,11 +411,26 @@ pub struct Worker {
     pub state: Mutex<WorkerState>,
 }
 
+impl Worker {
+    /// The worker's URL, with its rank when it is one (`http://10.0.0.7:8000#dp1`): for logs and
+    /// `x-kinference-decision`.
+    pub fn label(&self) -> String {
+        match self.dp_rank {
+            Some(rank) => format!("{}#dp{rank}", self.url),
+            None => self.url.clone(),
+        }
+    }
+}
+
 /// Every worker the router knows; ids are never reused.
 #[derive(Debug, Default)]
 pub struct WorkerTable {
     list: Vec<Arc<Worker>>,
+    /// Rank-less workers by URL.
     by_url: HashMap<String, WorkerId>,
+    /// Data-parallel ranks by (URL, rank), and each URL's ranks.
+    by_rank: HashMap<(String, u32), WorkerId>,
+    ranks_of: HashMap<String, Vec<WorkerId>>,
     /// LoRA adapter name -> the workers that have it loaded (see `routing::adapters`).
     pub(super) adapters: HashMap<String, Vec<WorkerId>>,
 }
@@ -427,6 +446,30 @@ impl WorkerTable {
         self.by_url
             .get(normalize_url(url))
             .map(|id| &self.list[usize::from(*id)])
+    }
+
+    /// The cache a summary names: the rank-less worker at `url`, or one of its data-parallel ranks.
+    pub fn get_cache(&self, url: &str, rank: Option<u32>) -> Option<&Arc<Worker>> {
+        match rank {
+            None => self.get(url),
+            Some(rank) => self
+                .by_rank
+                .get(&(normalize_url(url).to_string(), rank))
+                .map(|id| &self.list[usize::from(*id)]),
+        }
+    }
+
+    /// Every entry at `url`: the rank-less worker and its data-parallel ranks (health, roles and
+    /// discovery speak of the endpoint, so of all of them).
+    pub fn at_url(&self, url: &str) -> Vec<&Arc<Worker>> {
+        let url = normalize_url(url);
+        let ranks = self.ranks_of.get(url).map_or(&[][..], Vec::as_slice);
+        self.by_url
+            .get(url)
+            .into_iter()
+            .chain(ranks)
+            .map(|id| &self.list[usize::from(*id)])
+            .collect()
     }
 
     /// The worker with this id.
@@ -447,7 +490,20 @@ impl WorkerTable {
         configured: bool,
         rates: &Rates,
     ) -> Option<Arc<Worker>> {
-        if let Some(w) = self.get(url) {
+        self.get_or_add_cache(url, None, model, configured, rates)
+    }
+
+    /// [`WorkerTable::get_or_add`] for one data-parallel rank of the worker at `url` (`None`: the
+    /// rank-less worker).
+    pub fn get_or_add_cache(
+        &mut self,
+        url: &str,
+        dp_rank: Option<u32>,
+        model: &str,
+        configured: bool,
+        rates: &Rates,
+    ) -> Option<Arc<Worker>> {
+        if let Some(w) = self.get_cache(url, dp_rank) {
             return Some(Arc::clone(w));
         }
         if self.list.len() >= MAX_WORKERS {
@@ -457,6 +513,7 @@ impl WorkerTable {
         let worker = Arc::new(Worker {
             id,
             url: normalize_url(url).to_string(),
+            dp_rank,
             model: model.to_string(),
             configured,
             state: Mutex::new(WorkerState {
@@ -477,7 +534,18 @@ impl WorkerTable {
                 tpot_s: None,
             }),
         });
-        self.by_url.insert(worker.url.clone(), id);
+        match dp_rank {
+            None => {
+                self.by_url.insert(worker.url.clone(), id);
+            }
+            Some(rank) => {
+                self.by_rank.insert((worker.url.clone(), rank), id);
+                self.ranks_of
+                    .entry(worker.url.clone())
+                    .or_default()
+                    .push(id);
+            }
+        }
         self.list.push(Arc::clone(&worker));
         Some(worker)
     }
@@ -487,8 +555,8 @@ impl WorkerTable {
     pub fn named(&self, urls: &[String]) -> Vec<bool> {
         let mut named = vec![false; self.list.len()];
         for url in urls {
-            if let Some(id) = self.by_url.get(normalize_url(url)) {
-                named[usize::from(*id)] = true;
+            for w in self.at_url(url) {
+                named[usize::from(w.id)] = true;
             }
         }
         named
@@ -505,7 +573,7 @@ impl WorkerTable {
             .filter(|w| w.model == model || self.has_adapter(w.id, model))
         {
             let st = w.state.lock();
-            if st.gone || !st.healthy {
+            if st.gone || !st.healthy || self.split_into_ranks(w) {
                 continue;
             }
             if st.role.serves_whole() {
@@ -527,8 +595,20 @@ impl WorkerTable {
                 let st = w.state.lock();
                 !st.gone && st.healthy
             })
+            .filter(|w| !self.split_into_ranks(w))
             .cloned()
             .collect()
+    }
+
+    /// Whether `w` is a rank-less worker whose agent reports it rank by rank now: its ranks are the
+    /// candidates (the entry from the gateway's configuration or discovery holds no cache).
+    fn split_into_ranks(&self, w: &Worker) -> bool {
+        w.dp_rank.is_none()
+            && self.ranks_of.get(&w.url).is_some_and(|ranks| {
+                ranks
+                    .iter()
+                    .any(|id| !self.list[usize::from(*id)].state.lock().gone)
+            })
     }
 
     /// Whether any worker ever served `model`, or has an adapter of that name loaded.

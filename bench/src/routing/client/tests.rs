@@ -118,6 +118,7 @@ async fn sim_worker(shutdown: tokio_util::sync::CancellationToken) -> String {
         kv_events: None,
         kv_role: None,
         kv_transfer_s_per_block: None,
+        data_parallel_size: 1,
     };
     let running = crate::sim::start(config, shutdown)
         .await

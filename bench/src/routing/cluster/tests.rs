@@ -36,8 +36,11 @@ fn config_files_follow_the_process_contract() {
         kv_events: 25557,
         kv_replay: 25558,
     }];
-    let agent = agent_workers_yaml(&workers, true);
+    let agent = agent_workers_yaml(&workers, true, None);
     assert_eq!(agent["workers"][0]["url"], "http://127.0.0.1:8001");
+    assert!(agent["workers"][0].get("data_parallel_size").is_none());
+    let ranked = agent_workers_yaml(&workers, true, Some(2));
+    assert_eq!(ranked["workers"][0]["data_parallel_size"], 2);
     assert_eq!(
         agent["workers"][0]["kv_events_endpoint"],
         "tcp://127.0.0.1:25557"

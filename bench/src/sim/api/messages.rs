@@ -14,10 +14,14 @@ use super::error::ApiError;
 use super::{AppState, Body, full, generate, json_response, openai};
 
 /// Serves one Messages request.
-pub async fn messages(state: &Arc<AppState>, body: &Value) -> Result<Response<Body>, ApiError> {
+pub async fn messages(
+    state: &Arc<AppState>,
+    engine: &Arc<crate::sim::engine::Engine>,
+    body: &Value,
+) -> Result<Response<Body>, ApiError> {
     let chat = chat_request(body)?;
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let answer = generate(state, openai::parse_chat(&chat)?, true, None).await?;
+    let answer = generate(state, engine, openai::parse_chat(&chat)?, true, None).await?;
     let bytes = answer
         .into_body()
         .collect()

@@ -55,7 +55,11 @@ const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 pub struct AppState {
     /// The KV connector (prefill/decode disaggregation), when the worker has a `kv_role`.
     pub kv: Option<KvConnector>,
+    /// Rank 0's engine: the one of a worker without data parallelism, and the one `/sim/estimate`,
+    /// `/sim/state` and the Responses API use.
     pub engine: Arc<Engine>,
+    /// Every rank's engine; completions, chat and messages pick theirs here.
+    pub ranks: crate::sim::ranks::Ranks,
     pub tokenizer: Arc<ModelTokenizer>,
     pub metrics: Arc<Metrics>,
     /// Served model name.
@@ -218,7 +222,7 @@ async fn route(
         "/v1/models" if get => Ok(json_response(StatusCode::OK, &lora::models_body(state))),
         "/metrics" if get => {
             let mut text = state.metrics.render(
-                state.engine.gauges(),
+                state.ranks.gauges(),
                 &CacheInfo {
                     block_size: state.engine.block_size(),
                     num_gpu_blocks: state.num_blocks,
@@ -234,19 +238,21 @@ async fn route(
             ))
         }
         "/v1/completions" if post => {
+            let engine = pick_rank(state, &req)?;
             let body = read_json(req).await?;
             let r = openai::parse_completion(&body)?;
             let transfer = state.kv.as_ref().and_then(|kv| kv.transfer_of(&body));
-            generate(state, r, false, transfer).await
+            generate(state, &engine, r, false, transfer).await
         }
         "/v1/chat/completions" if post => {
+            let engine = pick_rank(state, &req)?;
             let body = read_json(req).await?;
             if !state.auto_tool_choice && tools::wants_auto(&body) {
                 return Err(ApiError::bad(tools::AUTO_REFUSED));
             }
             let r = openai::parse_chat(&body)?;
             let transfer = state.kv.as_ref().and_then(|kv| kv.transfer_of(&body));
-            generate(state, r, true, transfer).await
+            generate(state, &engine, r, true, transfer).await
         }
         "/sim/kv/pull" if post => {
             let body = read_json(req).await?;
@@ -282,13 +288,16 @@ async fn route(
             surface::responses(state, &read_json(req).await?).await
         }
         "/v1/messages" if post && state.messages_api => {
-            messages::messages(state, &read_json(req).await?).await
+            let engine = pick_rank(state, &req)?;
+            messages::messages(state, &engine, &read_json(req).await?).await
         }
         "/tokenize" if post => tokenize(state, &read_json(req).await?),
         "/detokenize" if post => detokenize(state, &read_json(req).await?),
         "/reset_prefix_cache" if post => {
-            if !state.engine.reset_prefix_cache() {
-                tracing::warn!("reset_prefix_cache refused: requests are running");
+            for engine in state.ranks.all() {
+                if !engine.reset_prefix_cache() {
+                    tracing::warn!("reset_prefix_cache refused: requests are running");
+                }
             }
             Ok(full(StatusCode::OK, "application/json", ""))
         }
@@ -312,6 +321,7 @@ async fn route(
             v["info"] = state.info.clone();
             v["slowdown"] = json!(state.engine.slowdown());
             v["kv_connector"] = state.kv.as_ref().map_or(Value::Null, KvConnector::info);
+            v["data_parallel"] = state.ranks.info();
             Ok(json_response(StatusCode::OK, &v))
         }
         "/sim/slowdown" if post => {
@@ -319,10 +329,11 @@ async fn route(
             let factor = body["factor"]
                 .as_f64()
                 .ok_or_else(|| ApiError::bad("expected {\"factor\": <number above 0>}"))?;
-            state
-                .engine
-                .set_slowdown(factor)
-                .map_err(|e| ApiError::bad(e.to_string()))?;
+            for engine in state.ranks.all() {
+                engine
+                    .set_slowdown(factor)
+                    .map_err(|e| ApiError::bad(e.to_string()))?;
+            }
             tracing::info!(factor, "slowdown changed");
             Ok(json_response(StatusCode::OK, &json!({"slowdown": factor})))
         }
@@ -406,8 +417,19 @@ fn request_id(chat: bool) -> String {
     }
 }
 
+/// The rank's engine that serves a generation request ([`crate::sim::ranks`]).
+fn pick_rank(state: &AppState, req: &Request<Incoming>) -> Result<Arc<Engine>, ApiError> {
+    let (rank, engine) = state
+        .ranks
+        .pick(req.headers())
+        .map_err(|e| ApiError::bad(e.to_string()))?;
+    tracing::debug!(rank, "data-parallel rank picked");
+    Ok(engine)
+}
+
 async fn generate(
     state: &Arc<AppState>,
+    engine: &Arc<Engine>,
     r: GenRequest,
     chat: bool,
     transfer: Option<Transfer>,
@@ -431,7 +453,7 @@ async fn generate(
         )));
     }
     // A request that can never fit in the KV cache would wait forever.
-    let capacity = (state.num_blocks.saturating_sub(1)) * state.engine.block_size();
+    let capacity = (state.num_blocks.saturating_sub(1)) * engine.block_size();
     if total > capacity {
         return Err(ApiError::bad(format!(
             "the request needs {total} tokens of KV cache but the simulator has {capacity}"
@@ -452,23 +474,20 @@ async fn generate(
     let generated = tool_call.as_ref().map_or(max_tokens, |(_, n)| *n);
     let lora = r.model.as_deref().and_then(|m| state.lora(m));
     let salt = r.cache_salt.clone();
-    let block_size = state.engine.block_size();
+    let block_size = engine.block_size();
     let generation = match (&transfer, &state.kv) {
         (Some(t), Some(kv)) if t.produces() => {
             kv.started(t);
-            state.engine.submit_with(ids, generated, lora, salt)
+            engine.submit_with(ids, generated, lora, salt)
         }
         (Some(t), Some(kv)) => {
-            let local = state
-                .engine
-                .cached_tokens(&ids, lora.as_deref(), salt.as_deref())
-                / block_size;
+            let local = engine.cached_tokens(&ids, lora.as_deref(), salt.as_deref()) / block_size;
             match kv.pull(t, n_prompt / block_size, local).await {
-                Some(_) => state.engine.submit_remote(ids, generated, lora, salt),
-                None => state.engine.submit_with(ids, generated, lora, salt),
+                Some(_) => engine.submit_remote(ids, generated, lora, salt),
+                None => engine.submit_with(ids, generated, lora, salt),
             }
         }
-        _ => state.engine.submit_with(ids, generated, lora, salt),
+        _ => engine.submit_with(ids, generated, lora, salt),
     };
     let id = request_id(chat);
     // What a producer's answer ends with: its transfer kept for the pull (or its room marked done).

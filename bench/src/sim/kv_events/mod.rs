@@ -79,6 +79,35 @@ pub enum KvEventsError {
     },
 }
 
+impl KvEventsConfig {
+    /// The publisher of data-parallel rank `rank`, as vLLM derives it: the endpoints shifted by the
+    /// rank (a TCP port plus the rank, port 0 left alone; `_dp<rank>` after an `ipc://` path) and the
+    /// rank written in every batch. Rank 0 keeps the endpoints as given.
+    pub fn for_rank(mut self, rank: usize) -> Self {
+        self.endpoint = shift_for_rank(&self.endpoint, rank);
+        self.replay_endpoint = self.replay_endpoint.map(|ep| shift_for_rank(&ep, rank));
+        self.dp_rank = rank as i64;
+        self
+    }
+}
+
+/// vLLM's endpoint for rank `rank` (`kv_events.py`, `offset_endpoint_port`).
+fn shift_for_rank(endpoint: &str, rank: usize) -> String {
+    if rank == 0 {
+        return endpoint.to_string();
+    }
+    if let Some(rest) = endpoint.strip_prefix("tcp://")
+        && let Some((host, port)) = rest.rsplit_once(':')
+        && let Ok(port) = port.parse::<usize>()
+    {
+        return match port {
+            0 => endpoint.to_string(),
+            p => format!("tcp://{host}:{}", p + rank),
+        };
+    }
+    format!("{endpoint}_dp{rank}")
+}
+
 /// vLLM's bind-or-connect rule.
 pub fn binds(endpoint: &str) -> bool {
     endpoint.contains('*') || endpoint.contains("::") || endpoint.starts_with("ipc://")

@@ -165,6 +165,7 @@ fn summary_of(workers: &[(&str, u32, f32)]) -> Summary {
                     keys: vec![1, 2],
                     role: String::new(),
                     offloaded_keys: Vec::new(),
+                    data_parallel_rank: None,
                     load: Some(pb::WorkerLoad {
                         running: 1,
                         waiting: *waiting,

@@ -480,6 +480,7 @@ mod replicas {
             load: Some(load(k)),
             role: String::new(),
             offloaded_keys: Vec::new(),
+            data_parallel_rank: None,
         };
         Summary {
             kind: Some(summary::Kind::Snapshot(pb::Snapshot {

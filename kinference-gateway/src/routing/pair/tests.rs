@@ -79,6 +79,7 @@ fn worker(url: &str, keys: Vec<u64>, running: u32) -> pb::WorkerState {
         }),
         role: String::new(),
         offloaded_keys: Vec::new(),
+        data_parallel_rank: None,
     }
 }
 
