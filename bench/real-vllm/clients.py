@@ -32,7 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import (  # noqa: E402
