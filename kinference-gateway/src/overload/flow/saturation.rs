@@ -11,7 +11,7 @@
 //! | `kv_cache`       | `vllm:kv_cache_usage_perc` of a fresh scrape              | >= 0.95        |
 //! | `accept_backlog` | the kernel's accept queue of the worker's port (eBPF)     | >= 8 (or half its limit) |
 //! | `kernel_ttfb`    | the kernel's median first-byte time (eBPF)                | >= 2 x TTFT target |
-//! | `est_ttft`       | the router's estimated TTFT of a short request sent now, while any request is in flight there | >= TTFT target (2 s) |
+//! | `est_ttft`       | the router's estimated TTFT of a short request sent now   | >= TTFT target (2 s) |
 //! | `in_flight`      | requests in flight, every client's (the same views)       | off (e.g. vLLM's `--max-num-seqs`) |
 //!
 //! A **pool is saturated when every one of its healthy workers is full**: as long as one worker has
@@ -191,11 +191,7 @@ pub fn worker_full(worker: &WorkerPressure, t: &Thresholds) -> Option<(Reason, S
                 format!("kernel ttfb {} ms", ttfb.as_millis()),
             ));
         }
-        // Only with requests there: with none, nothing is queued, and an estimate that says so anyway
-        // comes from rates learned under a load that has gone. Judging on it would shut the pool for
-        // good (nothing let through, so no first token corrects the rates): the noisy-neighbour run
-        // without a kernel view and a slow scrape locked up this way.
-        if worker.in_flight > 0 && worker.est_ttft_s >= target.as_secs_f64() {
+        if worker.est_ttft_s >= target.as_secs_f64() {
             return Some((
                 Reason::EstTtft,
                 format!("est ttft {:.2} s", worker.est_ttft_s),
