@@ -162,19 +162,25 @@ impl Priors {
     fn new(models: &[ModelConfig], cfg: &estimate::EstimatorConfig) -> Result<Self, BuildError> {
         let mut by_model = std::collections::HashMap::new();
         for m in models {
-            let Some(name) = &m.profile else { continue };
-            let profile =
-                estimate::profiles::profile(name).ok_or_else(|| BuildError::UnknownProfile {
-                    model: m.name.clone(),
-                    name: name.clone(),
-                    known: estimate::profiles::names().join(", "),
-                })?;
-            by_model.insert(m.name.clone(), Rates::from_profile(profile));
+            if let Some(name) = &m.profile {
+                by_model.insert(m.name.clone(), Self::profiled(&m.name, name)?);
+            }
         }
         Ok(Self {
             default: Rates::prior(cfg),
             by_model,
         })
+    }
+
+    /// The priors of `model` under the profile called `name`; an unknown name is refused.
+    fn profiled(model: &str, name: &str) -> Result<Rates, BuildError> {
+        estimate::profiles::profile(name)
+            .map(Rates::from_profile)
+            .ok_or_else(|| BuildError::UnknownProfile {
+                model: model.to_string(),
+                name: name.to_string(),
+                known: estimate::profiles::names().join(", "),
+            })
     }
 
     /// The priors of `model`'s workers.
@@ -1110,15 +1116,7 @@ impl Router {
     /// `None` goes back to the defaults. An unknown name is refused and changes nothing.
     pub fn set_model_profile(&self, model: &str, profile: Option<&str>) -> Result<(), BuildError> {
         let rates = profile
-            .map(|name| {
-                estimate::profiles::profile(name)
-                    .map(Rates::from_profile)
-                    .ok_or_else(|| BuildError::UnknownProfile {
-                        model: model.to_string(),
-                        name: name.to_string(),
-                        known: estimate::profiles::names().join(", "),
-                    })
-            })
+            .map(|name| Priors::profiled(model, name))
             .transpose()?;
         {
             let mut priors = self.shared.priors.write();
