@@ -307,15 +307,18 @@ def write_yaml(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 
 
-def start_gateway(stack: Stack, args: argparse.Namespace, name: str, extra: dict) -> str:
-    """Another gateway over the running stack's workers (`extra`: its gateway.yaml keys beyond the
-    workers and the model, e.g. `routing`, `agents`); returns its URL once every worker is healthy."""
-    listen, admin = free_ports(2)
+def spawn_gateway(
+    stack: Stack, args: argparse.Namespace, name: str, ports: tuple, extra: dict, profile: str | None = None
+) -> Proc:
+    """A gateway over the stack's workers on `ports` (listen, admin), its configuration `<name>.yaml`:
+    the model (with its engine `profile`, if any), the workers, and `extra` (e.g. `routing`, `agents`)."""
+    listen, admin = ports
     config = stack.work_dir / f"{name}.yaml"
     model = {"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}
-    model.update(extra.pop("model", {}))
+    if profile:
+        model["profile"] = profile
     write_yaml(config, {"models": [model], "workers": [{"url": u, "model": MODEL} for u in stack.workers], **extra})
-    proc = stack.spawn(
+    return stack.spawn(
         name,
         [
             str(args.bin_dir / "kinference-gateway"),
@@ -325,6 +328,14 @@ def start_gateway(stack: Stack, args: argparse.Namespace, name: str, extra: dict
         ],
         env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
     )
+
+
+def start_gateway(stack: Stack, args: argparse.Namespace, name: str, extra: dict) -> str:
+    """Another gateway over the running stack's workers (`extra`: its gateway.yaml keys beyond the
+    workers and the model, e.g. `routing`, `agents`; no engine profile); returns its URL once every
+    worker is healthy."""
+    listen, admin = free_ports(2)
+    proc = spawn_gateway(stack, args, name, (listen, admin), extra)
     stack.wait_ready(
         proc,
         f"http://127.0.0.1:{admin}/metrics",
@@ -436,30 +447,14 @@ def launch(
             argv += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         worker_procs.append(stack.spawn(f"worker-{i + 1}", pinned(args, i, argv), env=worker_env(args)))
 
-    gateway_yaml = work_dir / "gateway.yaml"
-    model = {"name": MODEL, "tokenizer_dir": str(args.tokenizer_dir)}
-    if getattr(args, "model_profile", None):
-        model["profile"] = args.model_profile
     stack.agent_url = f"http://127.0.0.1:{agent_grpc}"
-    write_yaml(
-        gateway_yaml,
-        {
-            "models": [model],
-            "workers": [{"url": url, "model": MODEL} for url in stack.workers],
-            "agents": [f"http://127.0.0.1:{agent_grpc}"],
-            "routing": mode,
-            **(gateway_extra or {}),
-        },
-    )
-    gateway = stack.spawn(
+    gateway = spawn_gateway(
+        stack,
+        args,
         "gateway",
-        [
-            str(args.bin_dir / "kinference-gateway"),
-            "--listen", f"127.0.0.1:{gw_listen}",
-            "--admin-listen", f"127.0.0.1:{gw_admin}",
-            "--config", str(gateway_yaml),
-        ],
-        env={"RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+        (gw_listen, gw_admin),
+        {"agents": [stack.agent_url], "routing": mode, **(gateway_extra or {})},
+        profile=getattr(args, "model_profile", None),
     )
 
     for proc, url in zip(worker_procs, stack.workers):

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import (  # noqa: E402
     MODEL,
     cache_counters,
+    fmt_ms,
     reset_caches,
     start_gateway,
     start_stack,
@@ -226,9 +227,6 @@ def summarise(runs: list) -> list:
 
 
 def markdown(report: dict) -> str:
-    def ms(v):
-        return "-" if v is None else f"{v * 1e3:.0f} ms"
-
     def pct(v):
         return "-" if v is None else f"{v:.1%}"
 
@@ -265,7 +263,7 @@ def markdown(report: dict) -> str:
                 else " | "
             )
             lines.append(
-                f"| {row['client']} | {arm} | {ms(a['ttft_p50_s'])} | {ms(a['ttft_p90_s'])} | "
+                f"| {row['client']} | {arm} | {fmt_ms(a['ttft_p50_s'])} | {fmt_ms(a['ttft_p90_s'])} | "
                 f"{pct(a['hit_share'])} | {a['completed']} | {a['failed']} | {ratio} |"
             )
     lines += [
@@ -277,8 +275,8 @@ def markdown(report: dict) -> str:
     ]
     for r in report["runs"]:
         lines.append(
-            f"| {r['client']} | {r['repeat']} | {r['position']} | {r['arm']} | {ms(r['ttft_p50_s'])} | "
-            f"{ms(r['ttft_p90_s'])} | {ms(r['ttft_p99_s'])} | {pct(r['hit_share'])} | {r['completed']} | "
+            f"| {r['client']} | {r['repeat']} | {r['position']} | {r['arm']} | {fmt_ms(r['ttft_p50_s'])} | "
+            f"{fmt_ms(r['ttft_p90_s'])} | {fmt_ms(r['ttft_p99_s'])} | {pct(r['hit_share'])} | {r['completed']} | "
             f"{r['failed']} | {r['seconds']:.0f} |"
         )
     lines.append("")
