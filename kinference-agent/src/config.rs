@@ -304,7 +304,19 @@ pub enum ConfigError {
     },
     #[error("{path}: worker {url} is listed twice")]
     Duplicate { path: PathBuf, url: String },
+    #[error(
+        "{path}: worker {url} has data_parallel_size {size}; at most {MAX_DATA_PARALLEL_SIZE} ranks are followed"
+    )]
+    TooManyRanks {
+        path: PathBuf,
+        url: String,
+        size: u32,
+    },
 }
+
+/// The most data-parallel ranks one worker entry may name: each rank is a subscriber (and a TCP port
+/// past the worker's own), so a typo must not open thousands of them.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 256;
 
 impl WorkersFile {
     /// Reads and validates a workers file.
@@ -322,6 +334,11 @@ impl WorkersFile {
                 path: path.into(),
                 url,
             },
+            ParseError::TooManyRanks(url, size) => ConfigError::TooManyRanks {
+                path: path.into(),
+                url,
+                size,
+            },
         })
     }
 
@@ -337,6 +354,9 @@ impl WorkersFile {
             if !seen.insert(w.url.clone()) {
                 return Err(ParseError::Duplicate(w.url.clone()));
             }
+            if let Some(size) = w.data_parallel_size.filter(|&n| n > MAX_DATA_PARALLEL_SIZE) {
+                return Err(ParseError::TooManyRanks(w.url.clone(), size));
+            }
         }
         Ok(file)
     }
@@ -345,6 +365,7 @@ impl WorkersFile {
 enum ParseError {
     Yaml(serde_yaml::Error),
     Duplicate(String),
+    TooManyRanks(String, u32),
 }
 
 #[cfg(test)]

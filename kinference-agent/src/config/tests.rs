@@ -39,6 +39,14 @@ fn rejects_duplicates_and_typos() {
     let typo = "workers:\n  - {url: http://a, model: m, kv_event_endpoint: tcp://x:1}\n";
     assert!(matches!(WorkersFile::parse(typo), Err(ParseError::Yaml(_))));
     assert_eq!(WorkersFile::parse("").ok(), Some(WorkersFile::default()));
+    // A data-parallel size past the bound is refused, not followed with thousands of subscribers.
+    let ranks =
+        |n: u32| format!("workers:\n  - {{url: http://a, model: m, data_parallel_size: {n}}}\n");
+    assert!(WorkersFile::parse(&ranks(MAX_DATA_PARALLEL_SIZE)).is_ok());
+    assert!(matches!(
+        WorkersFile::parse(&ranks(MAX_DATA_PARALLEL_SIZE + 1)),
+        Err(ParseError::TooManyRanks(_, n)) if n == MAX_DATA_PARALLEL_SIZE + 1
+    ));
 }
 
 #[test]
