@@ -221,6 +221,7 @@ fn pool_pick(c: &mut Criterion) {
             tokens: Some(&known),
             salt: None,
             session: None,
+            answers: Default::default(),
         };
         let d = runtime
             .block_on(router.pick_except(req, within, &[]))

@@ -228,7 +228,8 @@ pub struct GatewayConfig {
     #[serde(default)]
     pub scheduling_policy: SchedulingPolicyConfig,
     /// Conversations back to the worker of their previous turn (`x-session-id`, `user`,
-    /// `safety_identifier`, `metadata.user_id`); see [`crate::routing::sessions`].
+    /// `safety_identifier`, `metadata.user_id`), and stored answers (`previous_response_id`) to the
+    /// worker holding them; see [`crate::routing::sessions`].
     #[serde(default)]
     pub sessions: crate::routing::sessions::SessionsConfig,
 }

@@ -71,6 +71,10 @@ pub enum GatewayError {
         /// Request path.
         path: String,
     },
+    /// The stored answer a request continues (`previous_response_id`) is another tenant's. Worded
+    /// as vLLM words an answer it does not hold, so that the refusal tells nothing of whose it is.
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// Workers serve the model but none is healthy.
     #[error("no healthy worker serves model `{0}`")]
     NoHealthyWorker(String),
@@ -230,7 +234,9 @@ impl GatewayError {
             GatewayError::MalformedJson(_) | GatewayError::InvalidRequest { .. } => {
                 StatusCode::BAD_REQUEST
             }
-            GatewayError::UnknownModel(_) | GatewayError::NotFound { .. } => StatusCode::NOT_FOUND,
+            GatewayError::UnknownModel(_)
+            | GatewayError::NotFound { .. }
+            | GatewayError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             GatewayError::BodyTooLarge { .. } | GatewayError::BodyTooCostly { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
             }
@@ -270,6 +276,7 @@ impl GatewayError {
             GatewayError::BodyTooLarge { .. } => "body_too_large",
             GatewayError::BodyTooCostly { .. } => "body_too_costly",
             GatewayError::NotFound { .. } => "not_found",
+            GatewayError::ResponseNotFound(_) => "response_not_found",
             GatewayError::NoHealthyWorker(_) => "no_healthy_worker",
             GatewayError::WorkerUnreachable { .. } => "worker_unreachable",
             GatewayError::BadUpstream { .. } => "bad_upstream",
@@ -290,8 +297,11 @@ impl GatewayError {
     }
 
     fn openai_type(&self) -> &'static str {
-        if let GatewayError::BudgetExceeded { .. } = self {
-            return "insufficient_quota";
+        match self {
+            GatewayError::BudgetExceeded { .. } => return "insufficient_quota",
+            // As vLLM types an answer it does not hold.
+            GatewayError::ResponseNotFound(_) => return "invalid_request_error",
+            _ => {}
         }
         match self.status().as_u16() {
             400 | 413 | 422 => "invalid_request_error",
@@ -369,6 +379,7 @@ impl GatewayError {
                 let param = match self {
                     GatewayError::InvalidRequest { param, .. } => *param,
                     GatewayError::UnknownModel(_) => Some("model"),
+                    GatewayError::ResponseNotFound(_) => Some("response_id"),
                     _ => None,
                 };
                 json!({"error": {

@@ -270,9 +270,10 @@ pub fn body_walk(data: &[u8]) {
 }
 
 /// A pass-through body for each route, and the same bytes as the worker's answer: what parses
-/// names a model, streams only where the route does, and its text is no larger than the body.
+/// names a model, streams only where the route does, continues only a string id, and its text is
+/// no larger than the body; an answer's id is bounded and only a response's.
 pub fn passthrough_request(data: &[u8]) {
-    use crate::api::openai::passthrough::{PassthroughRequest, Route, usage_of};
+    use crate::api::openai::passthrough::{PassthroughRequest, Route, answer_id_of, usage_of};
     for route in [
         Route::Embeddings,
         Route::Responses,
@@ -284,6 +285,12 @@ pub fn passthrough_request(data: &[u8]) {
             assert!(route == Route::Responses || !request.stream());
             let text = request.text();
             assert!(text.len() <= 2 * data.len(), "{} bytes of text", text.len());
+            if let Some(id) = request.previous_response_id() {
+                assert!(route == Route::Responses || !id.is_empty());
+            }
+        }
+        if let Some(id) = answer_id_of(route, data) {
+            assert!(route == Route::Responses && !id.is_empty() && id.len() <= 256);
         }
         if let Some(usage) = usage_of(route, data) {
             assert!(usage.total_tokens >= usage.prompt_tokens.max(usage.completion_tokens));

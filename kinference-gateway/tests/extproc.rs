@@ -36,6 +36,7 @@ use hyper_util::rt::TokioExecutor;
 use kinference_gateway::extproc::{self, Settings};
 use kinference_gateway::gateway::{Gateway, Parts};
 use kinference_gateway::policy::stage::PolicyStage;
+use kinference_gateway::routing::sessions::{Answers, Held, Owner, SessionKey};
 use kinference_gateway::routing::{ModelConfig, Router, RoutingConfig, WorkerConfig};
 use kinference_gateway::tenancy::{Tenancy, TenancyConfig};
 use serde_json::{Value, json};
@@ -1161,7 +1162,8 @@ async fn pass_through_endpoints_go_to_the_least_loaded_worker_and_bill_the_tenan
 
 #[tokio::test]
 async fn a_streamed_response_settles_the_usage_of_its_completed_event() {
-    let (mut h, tenancy, _scratch) = acme_handler("extproc-responses", 2).await;
+    // Room for the follow-ups below.
+    let (mut h, tenancy, _scratch) = acme_handler_with("extproc-responses", 2, 10).await;
     let bearer = format!("Bearer {ACME_KEY}");
     let auth = [("authorization", bearer.as_str())];
     let body = json!({"model": MODEL, "input": "tell me about ext_proc", "stream": true});
@@ -1172,7 +1174,7 @@ async fn a_streamed_response_settles_the_usage_of_its_completed_event() {
     assert!(h.worker_urls.contains(&worker), "{worker}");
     assert_eq!(in_flight(&h.router), 1);
     s.send(response_headers(200)).await;
-    let completed = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"ok\"}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":6,\"output_tokens\":2}}}\n\n";
+    let completed = "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"ok\"}\n\nevent: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_xp1\",\"usage\":{\"input_tokens\":6,\"output_tokens\":2}}}\n\n";
     s.send(ProcessingRequest {
         request: Some(PReq::ResponseBody(HttpBody {
             body: completed.as_bytes().to_vec(),
@@ -1186,6 +1188,29 @@ async fn a_streamed_response_settles_the_usage_of_its_completed_event() {
     let report = settled_report(&tenancy, 1).await;
     assert_eq!(report["total"]["input_uncached_tokens"], 6, "{report}");
     assert_eq!(report["total"]["output_tokens"], 2, "{report}");
+
+    // The answer's id was read on this door too: acme's follow-ups go to the worker holding it
+    // (whatever the estimate says), and no other tenant's request may continue it.
+    let asks = |tenant| Answers {
+        owner: Some(Owner::of(tenant)),
+        continues: SessionKey::answer("resp_xp1"),
+    };
+    assert!(matches!(h.router.answer_held(&asks("acme")), Held::By(_)));
+    assert_eq!(h.router.answer_held(&asks("other")), Held::Foreign);
+    let follow_up = json!({"model": MODEL, "input": "go on", "previous_response_id": "resp_xp1"});
+    for _ in 0..4 {
+        let mut s = Stream::open(&mut h.client).await;
+        let routed = routed_worker(
+            decide_with(
+                &mut s,
+                "/v1/responses",
+                &auth,
+                follow_up.to_string().as_bytes(),
+            )
+            .await,
+        );
+        assert_eq!(routed, worker, "a follow-up goes where its answer is held");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

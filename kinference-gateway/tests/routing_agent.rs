@@ -185,6 +185,7 @@ async fn router_follows_a_real_agent_stream() {
         tokens: None,
         salt: None,
         session: None,
+        answers: Default::default(),
     };
 
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -285,6 +286,7 @@ async fn router_follows_a_real_agent_stream() {
             tokens: None,
             salt: None,
             session: None,
+            answers: Default::default(),
         })
         .await
         .unwrap();

@@ -98,6 +98,11 @@ struct Args {
     /// Answer `POST /v1/responses` with 404, as vLLM before 0.10 (which has no Responses API).
     #[arg(long)]
     no_responses_api: bool,
+    /// Keep `/v1/responses` answers in memory so that a later request may continue one by
+    /// `previous_response_id`, as vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1` (the same variable
+    /// turns it on here). Each worker holds only the answers it made.
+    #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE")]
+    responses_store: bool,
     /// Answer `POST /v1/messages` with 404, as vLLM without the Anthropic Messages API.
     #[arg(long)]
     no_messages_api: bool,
@@ -176,6 +181,7 @@ impl Args {
                     .collect(),
                 api_key: self.api_key.clone(),
                 responses_api: !self.no_responses_api,
+                responses_store: self.responses_store,
                 messages_api: !self.no_messages_api,
                 kv_events: self
                     .kv_events_endpoint

@@ -64,6 +64,9 @@ pub struct SimConfig {
     pub api_key: Option<String>,
     /// Serve `POST /v1/responses` (off: 404, as vLLM before 0.10).
     pub responses_api: bool,
+    /// Store `/v1/responses` answers for `previous_response_id` (vLLM's
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`); off, a follow-up is answered 404 as by vLLM.
+    pub responses_store: bool,
     /// Serve `POST /v1/messages` (off: 404, as vLLM without the Anthropic Messages API).
     pub messages_api: bool,
     pub kv_events: Option<KvEventsConfig>,
@@ -246,6 +249,9 @@ async fn start_with_tokenizer(
             .collect(),
         api_key: cfg.api_key.clone(),
         responses_api: cfg.responses_api,
+        responses_store: cfg
+            .responses_store
+            .then(api::surface::ResponseStore::default),
         messages_api: cfg.messages_api,
         token_text: vocab.text,
         started: std::time::SystemTime::now()

@@ -56,6 +56,9 @@ pub trait Meter: Send + 'static {
     fn text_chunk(&mut self, text: &str);
     /// The answer ended with `status` and the backend's `usage` (called at most once).
     fn finish(&mut self, status: u16, usage: Option<&Usage>);
+    /// The answer's id, when a later request may continue it (`/v1/responses`); called before
+    /// `finish`.
+    fn answer_id(&mut self, _id: String) {}
 }
 
 /// A stream's second chance: asked once, only when the backend broke the stream before any output,

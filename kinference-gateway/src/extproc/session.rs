@@ -33,7 +33,7 @@ use super::reply::Phase;
 use super::{Handler, body, reply};
 use crate::api::openai::Usage;
 use crate::api::openai::UsageOnly;
-use crate::api::openai::passthrough::{Route, usage_of};
+use crate::api::openai::passthrough::{Route, answer_id_of, usage_of};
 use crate::backend::relay::{self, ClientShape, Spec};
 use crate::errors::GatewayError;
 use crate::pipeline::exchange::{Door, Exchange};
@@ -743,7 +743,15 @@ impl Session {
                 body,
                 cut,
             }) => {
-                let usage = whole_usage(&body.freeze(), cut, &spec, route);
+                let body = body.freeze();
+                // A whole answer's id is at its head (gone when it was cut); an event stream's
+                // last `response` event carries it too.
+                let id =
+                    route.and_then(|r| last_json_with(&body, "\"id\"", |j| answer_id_of(r, j)));
+                if let Some(id) = id {
+                    settlement.answer_id(id);
+                }
+                let usage = whole_usage(&body, cut, &spec, route);
                 settlement.finish(200, usage.as_ref());
             }
             None => {}
@@ -915,9 +923,14 @@ pub fn usage_in(tail: &[u8]) -> Option<Usage> {
 
 /// `read` of the end of a response body: of the whole body when it is one JSON answer, else of the
 /// last SSE event mentioning `usage` that `read` finds it in.
-fn last_json(tail: &[u8], read: impl Fn(&[u8]) -> Option<Usage>) -> Option<Usage> {
-    if let Some(usage) = read(tail) {
-        return Some(usage);
+fn last_json<T>(tail: &[u8], read: impl Fn(&[u8]) -> Option<T>) -> Option<T> {
+    last_json_with(tail, "\"usage\"", read)
+}
+
+/// What `read` finds in a whole JSON `tail`, else in its last SSE event whose data holds `hint`.
+fn last_json_with<T>(tail: &[u8], hint: &str, read: impl Fn(&[u8]) -> Option<T>) -> Option<T> {
+    if let Some(found) = read(tail) {
+        return Some(found);
     }
     let text = std::str::from_utf8(tail).ok().or_else(|| {
         // The tail may start mid-character; skip to the first line start.
@@ -928,6 +941,6 @@ fn last_json(tail: &[u8], read: impl Fn(&[u8]) -> Option<Usage>) -> Option<Usage
         .rev()
         .filter_map(|l| l.strip_prefix("data:"))
         .map(str::trim)
-        .filter(|d| d.contains("\"usage\""))
+        .filter(|d| d.contains(hint))
         .find_map(|d| read(d.as_bytes()))
 }

@@ -282,6 +282,7 @@ pub async fn snapshot(router: &Router, pools: &[PoolMembers]) -> Snapshot {
             tokens: Some(&empty),
             salt: None,
             session: None,
+            answers: Default::default(),
         };
         // No healthy worker: no estimates; the worker list still says why.
         let model_estimates = router

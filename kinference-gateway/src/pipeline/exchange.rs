@@ -200,6 +200,9 @@ pub struct Request {
     pub cache_salt: Option<String>,
     /// The conversation it continues, hashed with the caller's tenant (set by stage "limit").
     pub session: Option<crate::routing::sessions::SessionKey>,
+    /// The stored answer it continues and whose its own will be (`/v1/responses`; set with
+    /// `session`).
+    pub answers: crate::routing::sessions::Answers,
 }
 
 /// What each endpoint's request is.
@@ -390,6 +393,7 @@ impl Request {
             client_salt: self.client_salt.clone(),
             cache_salt: self.cache_salt.clone(),
             session: self.session,
+            answers: self.answers,
         })
     }
 
@@ -412,6 +416,29 @@ impl Request {
             Kind::Passthrough { request, .. } => request.session_name(),
             _ => None,
         })
+    }
+
+    /// Whether the worker may store the answer for a later request to continue (`/v1/responses`).
+    pub fn stores_answers(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Passthrough {
+                route: Route::Responses,
+                ..
+            }
+        )
+    }
+
+    /// The stored answer this request continues (`/v1/responses`' `previous_response_id`).
+    pub fn previous_response_id(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Passthrough {
+                route: Route::Responses,
+                request,
+                ..
+            } => request.previous_response_id(),
+            _ => None,
+        }
     }
 
     /// `body` with the request's `cache_salt` (unchanged when it has none, or holds it already).
@@ -500,6 +527,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
         client_salt,
         cache_salt: None,
         session: None,
+        answers: Default::default(),
     };
     match endpoint {
         Endpoint::ChatCompletions => openai_request::<ChatCompletionRequest>(body),
@@ -517,6 +545,7 @@ fn typed(endpoint: Endpoint, body: Bytes) -> Result<Request, GatewayError> {
                 client_salt: r.cache_salt,
                 cache_salt: None,
                 session: None,
+                answers: Default::default(),
             })
         }
         Endpoint::CountTokens => {
@@ -608,6 +637,7 @@ fn openai_request<T: OpenAiBody>(body: Bytes) -> Result<Request, GatewayError> {
         client_salt,
         cache_salt: None,
         session: None,
+        answers: Default::default(),
     })
 }
 

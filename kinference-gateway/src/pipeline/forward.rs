@@ -27,7 +27,7 @@ use super::routes::Endpoint;
 use super::settle::Settlement;
 use crate::api::members::with_members;
 use crate::api::openai::UpstreamErrorBody;
-use crate::api::openai::passthrough::usage_of;
+use crate::api::openai::passthrough::{answer_id_of, usage_of};
 use crate::backend::provider::ProviderClient;
 use crate::backend::relay::{self, ClientShape, Spec};
 use crate::backend::{self, Outgoing, SendError, Target};
@@ -318,6 +318,7 @@ pub async fn pick(
                 tokens: Some(tokens),
                 salt: request.cache_salt.as_deref(),
                 session: request.session,
+                answers: request.answers,
             };
             gw.router
                 .pick_except(route, call.pool.as_deref(), failed)
@@ -790,6 +791,9 @@ async fn verbatim(
                 return Err(error);
             }
         };
+        if let Some(id) = answer_id_of(route, &bytes) {
+            settlement.answer_id(id);
+        }
         settlement.finish(StatusCode::OK.as_u16(), usage_of(route, &bytes).as_ref());
         let mut out = Response::new(full(bytes));
         out.headers_mut().insert(

@@ -15,7 +15,7 @@ use crate::errors::GatewayError;
 use crate::gateway::Gateway;
 use crate::policy::model::{PolicySet, Requested};
 use crate::policy::stage::{Plan, PlanTarget, StageRequest};
-use crate::routing::sessions::SessionKey;
+use crate::routing::sessions::{Answers, Held, Owner, SessionKey};
 
 /// A request ready for its backend: parsed, admitted, planned.
 #[derive(Debug)]
@@ -50,6 +50,13 @@ pub async fn prepare(
         .await?;
     isolate(gw, ex, &mut request);
     request.session = session(ex, &request);
+    request.answers = answers(ex, &request);
+    if let Some(id) = request.previous_response_id()
+        && gw.router.answer_held(&request.answers) == Held::Foreign
+    {
+        tracing::warn!("a request named another tenant's stored answer: refused as not found");
+        return Err(GatewayError::ResponseNotFound(id.to_string()));
+    }
     let plan = plan(gw, ex, &request).await?;
     Ok(Prepared {
         request: Arc::new(request),
@@ -122,6 +129,20 @@ fn session(ex: &Exchange, request: &Request) -> Option<SessionKey> {
     let name = request.session_name(ex.session_header.as_deref())?;
     let tenant = ex.caller.as_ref().map_or("anonymous", |c| c.name());
     SessionKey::new(tenant, &name)
+}
+
+/// The stored answers `request` touches ([`crate::routing::sessions`]): on `/v1/responses`, the
+/// caller's tenant (`anonymous` when the gateway is open) owns the answer it makes and may continue
+/// only its own.
+fn answers(ex: &Exchange, request: &Request) -> Answers {
+    if !request.stores_answers() {
+        return Answers::default();
+    }
+    let tenant = ex.caller.as_ref().map_or("anonymous", |c| c.name());
+    Answers {
+        owner: Some(Owner::of(tenant)),
+        continues: request.previous_response_id().and_then(SessionKey::answer),
+    }
 }
 
 /// A model's own output limit for a prompt of `prompt_tokens`: its context length (from its

@@ -14,7 +14,7 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
 
 use crate::api::openai::Usage;
-use crate::api::openai::passthrough::{Route, usage_of};
+use crate::api::openai::passthrough::{Route, answer_id_of, usage_of};
 use crate::backend::relay::{Meter, next_frame};
 use crate::backend::sse::SseParser;
 use crate::body::Body;
@@ -61,6 +61,8 @@ pub struct Passing<M: Meter> {
     usage: Option<Usage>,
     /// A final event (`response.completed`, `.incomplete`, `.failed`) passed.
     complete: bool,
+    /// The answer's id was told to the meter (from `response.created`).
+    id_told: bool,
     /// Taken when the stream ends; dropped (the request abandoned) when the client leaves first.
     meter: Option<M>,
 }
@@ -73,6 +75,7 @@ impl<M: Meter> Passing<M> {
             parser: SseParser::new(),
             usage: None,
             complete: false,
+            id_told: false,
             meter: Some(meter),
         }
     }
@@ -90,6 +93,13 @@ impl<M: Meter> Passing<M> {
         self.parser.feed(data);
         while let Some(event) = self.parser.next_event() {
             let kind = event.event.as_deref().unwrap_or_default();
+            if !self.id_told
+                && matches!(kind, "response.created" | "response.completed")
+                && let Some(id) = answer_id_of(self.route, &event.data)
+            {
+                self.id_told = true;
+                meter.answer_id(id);
+            }
             if kind == "response.output_text.delta" {
                 let text = serde_json::from_slice::<serde_json::Value>(&event.data)
                     .ok()

@@ -59,6 +59,8 @@ pub struct Settlement {
     counted: CountedOutput,
     _in_flight: InFlightGuard,
     settled: bool,
+    /// The id of the answer the worker made, which a later request may continue.
+    answer_id: Option<String>,
     /// The request's id (access line, usage record) and root span (held until the answer's last
     /// byte, so the exported span covers the stream).
     request: Option<(RequestId, tracing::Span)>,
@@ -100,6 +102,7 @@ impl Settlement {
             counted: CountedOutput::default(),
             _in_flight: metrics.in_flight(),
             settled: false,
+            answer_id: None,
             path: context
                 .as_ref()
                 .map_or_else(|| std::sync::Arc::from(""), |c| c.path.clone()),
@@ -285,6 +288,12 @@ impl Settlement {
         }
     }
 
+    /// The worker's answer is the stored answer `id` (`/v1/responses`): a success tells the router
+    /// which worker holds it ([`crate::routing::InFlight::answered`]).
+    pub fn answer_id(&mut self, id: String) {
+        self.answer_id = Some(id);
+    }
+
     /// The request ended with `status` and the backend's `usage` (once; later calls do nothing).
     pub fn finish(&mut self, status: u16, usage: Option<&Usage>) {
         if std::mem::replace(&mut self.settled, true) {
@@ -326,6 +335,13 @@ impl Settlement {
             protocol: self.protocol.as_str(),
         });
         if let Some(ticket) = self.ticket.take() {
+            if let Some(id) = self
+                .answer_id
+                .take()
+                .filter(|_| (200..300).contains(&status))
+            {
+                ticket.answered(&id);
+            }
             ticket.finish(
                 (200..300).contains(&status),
                 usize::try_from(usage.completion_tokens).unwrap_or(usize::MAX),
@@ -441,6 +457,10 @@ impl Meter for Settlement {
 
     fn finish(&mut self, status: u16, usage: Option<&Usage>) {
         Settlement::finish(self, status, usage);
+    }
+
+    fn answer_id(&mut self, id: String) {
+        Settlement::answer_id(self, id);
     }
 }
 

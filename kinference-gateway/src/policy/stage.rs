@@ -505,6 +505,7 @@ impl PolicyStage {
                 tokens: Some(req.tokens),
                 salt: req.cache_salt,
                 session: None,
+                answers: Default::default(),
             };
             let estimates = router
                 .estimate_workers(route, tokenize_via)

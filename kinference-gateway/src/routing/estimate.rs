@@ -607,6 +607,9 @@ pub enum Why {
     LoadGuard,
     /// The worker of the conversation's previous turn, within the session slack of the best.
     Session,
+    /// The worker holding the stored answer the request continues (`previous_response_id`): the
+    /// only one that can serve it ([`super::sessions`]).
+    PreviousResponse,
 }
 
 impl Why {
@@ -618,6 +621,7 @@ impl Why {
             Why::TieSpread => "tie_spread",
             Why::LoadGuard => "load_guard",
             Why::Session => "session",
+            Why::PreviousResponse => "previous_response",
         }
     }
 }

@@ -63,7 +63,7 @@ use agents::AgentState;
 use estimate::{KernelMissing, Rates, Scored};
 use kv_index::KvIndex;
 use metrics::{KernelMissingLabels, RouteDecisionLabels};
-use sessions::{SessionKey, Sessions, SessionsConfig};
+use sessions::{Answers, Held, SessionKey, Sessions, SessionsConfig};
 use speculative::Speculative;
 use tokenize::{PromptTokens, Source, Tokenizers};
 use workers::{Worker, WorkerTable};
@@ -113,6 +113,17 @@ pub struct RouteRequest<'a> {
     pub salt: Option<&'a str>,
     /// The conversation the request continues, when the client named one ([`sessions`]).
     pub session: Option<SessionKey>,
+    /// The stored answer it continues and whose its own will be (`/v1/responses`; [`sessions`]).
+    pub answers: Answers,
+}
+
+/// What the decision knows of the conversation a request belongs to.
+#[derive(Clone, Copy, Debug, Default)]
+struct Continues {
+    /// The conversation's name (a soft signal, [`estimate::prefer_session`]).
+    session: Option<SessionKey>,
+    /// The candidates are the one worker holding the stored answer the request continues.
+    pinned: bool,
 }
 
 /// The router's choice for one request.
@@ -578,9 +589,11 @@ impl Router {
             queue_s = Empty,
             est_ttft_s = Empty,
         );
-        let decision =
+        let owner = req.answers.owner;
+        let mut decision =
             tracing::Instrument::instrument(self.pick_from_in_span(req, candidates), span.clone())
                 .await;
+        decision.ticket.answers_for(owner);
         span.record("worker", decision.worker.as_str());
         if let Some(rank) = decision.dp_rank {
             span.record("dp_rank", rank);
@@ -598,6 +611,16 @@ impl Router {
         candidates: &[Arc<Worker>],
     ) -> Decision {
         let shared = &self.shared;
+        // A request continuing a stored answer can only be served where the answer is held.
+        let held = match self.answer_held(&req.answers) {
+            Held::By(id) => candidates.iter().find(|w| w.id == id).cloned(),
+            Held::Unknown | Held::Foreign => None,
+        };
+        let pinned = held.is_some();
+        let candidates = match &held {
+            Some(worker) => std::slice::from_ref(worker),
+            None => candidates,
+        };
         if shared.mode != RoutingMode::Kinference {
             let started = Instant::now();
             let (i, reason) = baseline::pick(
@@ -607,6 +630,11 @@ impl Router {
                 &shared.tuning,
                 &shared.round_robin,
             );
+            let reason = if pinned {
+                estimate::Why::PreviousResponse.as_str()
+            } else {
+                reason
+            };
             let decision = self.record_simple(candidates, i, reason, req.debug);
             shared
                 .stages
@@ -620,7 +648,10 @@ impl Router {
                 let decision = self.decide(
                     req.model,
                     req.salt,
-                    req.session,
+                    Continues {
+                        session: req.session,
+                        pinned,
+                    },
                     candidates,
                     &tokens,
                     req.debug,
@@ -640,9 +671,20 @@ impl Router {
                     &shared.tuning,
                     &shared.round_robin,
                 );
-                self.record_simple(candidates, i, "degraded_no_tokens", req.debug)
+                let reason = if pinned {
+                    estimate::Why::PreviousResponse.as_str()
+                } else {
+                    "degraded_no_tokens"
+                };
+                self.record_simple(candidates, i, reason, req.debug)
             }
         }
+    }
+
+    /// Where the stored answer `answers` continues is held, as its caller may see it
+    /// ([`sessions`]): the pipeline refuses another tenant's answer before routing.
+    pub fn answer_held(&self, answers: &Answers) -> Held {
+        self.shared.sessions.lock().answer(answers, Instant::now())
     }
 
     /// Stage "tokenize", before anything is routed: `prompt`'s tokens for `model` into `tokens` when
@@ -663,6 +705,7 @@ impl Router {
             tokens: Some(tokens),
             salt: None,
             session: None,
+            answers: Answers::default(),
         };
         self.prompt_tokens(req, &[]).await;
     }
@@ -727,7 +770,14 @@ impl Router {
         debug: bool,
     ) -> Result<Decision, RouteError> {
         let candidates = self.candidates(model)?;
-        Ok(self.decide(model, None, None, &candidates, tokens, debug))
+        Ok(self.decide(
+            model,
+            None,
+            Continues::default(),
+            &candidates,
+            tokens,
+            debug,
+        ))
     }
 
     /// Applies one summary as if agent number `agent` (its index in the configured `agents`) had
@@ -874,7 +924,7 @@ impl Router {
         &self,
         model: &str,
         salt: Option<&str>,
-        session: Option<SessionKey>,
+        continues: Continues,
         workers: &[Arc<Worker>],
         tokens: &[u32],
         debug: bool,
@@ -913,8 +963,12 @@ impl Router {
         let (mut pick, mut why) =
             estimate::choose_spread(&scored, est_cfg, &mut rand::rng(), Some(&rank))
                 .unwrap_or((0, estimate::Why::LeastLoaded));
-        let session = session.filter(|_| shared.session_config.read().enabled);
-        if let Some(key) = session {
+        let session = continues
+            .session
+            .filter(|_| shared.session_config.read().enabled);
+        if continues.pinned {
+            why = estimate::Why::PreviousResponse;
+        } else if let Some(key) = session {
             let held = shared.sessions.lock().worker(key, now);
             let slack = shared.session_config.read().slack;
             if let Some(j) = held.and_then(|id| cands.iter().position(|c| c.worker.id == id))
@@ -925,14 +979,15 @@ impl Router {
             }
         }
         let any_live = cands.iter().any(|c| c.live);
-        let reason = if any_live {
+        // A pinned request had one candidate: no estimate, degraded or not, chose it.
+        let reason = if any_live || continues.pinned {
             why.as_str()
         } else if !shared.has_agents() {
             "degraded_no_agent"
         } else {
             "degraded_stale"
         };
-        if !any_live {
+        if !any_live && !continues.pinned {
             shared.log_degraded(reason, model);
         }
 

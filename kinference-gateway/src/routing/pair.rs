@@ -70,8 +70,9 @@ pub enum Pair {
     Split {
         /// The prefill worker.
         prefill: Decision,
-        /// The decode worker (its explanation, when asked, covers both picks).
-        decode: Decision,
+        /// The decode worker (its explanation, when asked, covers both picks); boxed, so that a
+        /// whole request's answer stays small.
+        decode: Box<Decision>,
     },
     /// Whole on one worker, for the reason in `outcome` (`whole`, `untokenized`, `no_prefill`).
     Whole {
@@ -203,7 +204,11 @@ impl Router {
         let uncached = prompt.saturating_sub(best_cached);
         if uncached < min_uncached_tokens {
             self.count_pd("whole");
-            let mut decision = self.decide(model, salt, req.route.session, decode, tokens, debug);
+            let continues = super::Continues {
+                session: req.route.session,
+                pinned: false,
+            };
+            let mut decision = self.decide(model, salt, continues, decode, tokens, debug);
             decision.explain = decision.explain.map(|e| {
                 format!(
                     "pd=whole: {uncached} prompt tokens left to compute on the decode worker caching most < min_uncached_tokens {min_uncached_tokens}; {e}"
@@ -214,7 +219,14 @@ impl Router {
                 outcome: "whole",
             };
         }
-        let prefill_decision = self.decide(model, salt, None, prefill, tokens, debug);
+        let prefill_decision = self.decide(
+            model,
+            salt,
+            super::Continues::default(),
+            prefill,
+            tokens,
+            debug,
+        );
         let prefill_node = shared
             .workers
             .read()
@@ -350,7 +362,7 @@ impl Router {
         };
         Pair::Split {
             prefill: prefill_decision,
-            decode: decode_decision,
+            decode: Box::new(decode_decision),
         }
     }
 }

@@ -14,8 +14,21 @@
 //! milliseconds after they exist, and it cannot tell which of two workers listing the same prefix will
 //! keep it longer; the worker a conversation used last holds its newest blocks, the last to be evicted.
 //!
-//! Memory is bounded: at most [`SessionsConfig::max_entries`] keys (the least recently used go first)
-//! and none older than [`SessionsConfig::ttl_s`]; `kinference_routing_sessions` counts them.
+//! **Stored answers** are the one case where the worker is not a preference but a must. vLLM keeps a
+//! `/v1/responses` answer made with `store` (when it runs with `VLLM_ENABLE_RESPONSES_API_STORE=1`)
+//! in the memory of the worker that made it, and a request naming it as `previous_response_id` fails
+//! with 404 on any other worker. So the router also remembers which worker made each answer (the
+//! settlement reads its id, [`crate::routing::InFlight::answered`]) and whose it is ([`Owner`], the
+//! tenant hashed), and a request that continues one goes to that worker whatever the estimate says
+//! ([`Answers`]); a request naming another tenant's answer is refused as not found (vLLM itself checks
+//! no owner), and one naming an answer this gateway never saw is routed as any other. Answers are
+//! remembered even when `sessions.enabled` is false (that switch turns off the soft signal only);
+//! `max_entries: 0` remembers none. Each replica knows the answers it relayed itself: behind a Service,
+//! another replica routes a follow-up as it would any request.
+//!
+//! Memory is bounded: at most [`SessionsConfig::max_entries`] keys, conversations and answers
+//! together (the least recently used go first), and none older than [`SessionsConfig::ttl_s`];
+//! `kinference_routing_sessions` counts them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasher, Hash, Hasher};
@@ -87,6 +100,13 @@ fn seed() -> &'static std::collections::hash_map::RandomState {
     SEED.get_or_init(std::collections::hash_map::RandomState::new)
 }
 
+/// What a key names: a conversation, or a stored answer. Hashed first, so the two never meet.
+#[derive(Hash)]
+enum Named {
+    Conversation,
+    Answer,
+}
+
 impl SessionKey {
     /// The key of conversation `name` of `tenant` (`None` for an empty name).
     pub fn new(tenant: &str, name: &str) -> Option<Self> {
@@ -94,18 +114,66 @@ impl SessionKey {
             return None;
         }
         let mut h = seed().build_hasher();
+        Named::Conversation.hash(&mut h);
         // `str` hashes with a terminator: ("ab", "c") and ("a", "bc") differ.
         tenant.hash(&mut h);
         name.hash(&mut h);
         Some(Self(h.finish()))
     }
+
+    /// The key of the stored answer whose id is `id` (`None` for an empty id). Not the tenant's:
+    /// an answer's entry says whose it is ([`Owner`]), so that another tenant's use is told apart
+    /// from an unknown id.
+    pub fn answer(id: &str) -> Option<Self> {
+        if id.is_empty() {
+            return None;
+        }
+        let mut h = seed().build_hasher();
+        Named::Answer.hash(&mut h);
+        id.hash(&mut h);
+        Some(Self(h.finish()))
+    }
+}
+
+/// A tenant, hashed: who may continue a stored answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Owner(u64);
+
+impl Owner {
+    /// The owner `tenant` is.
+    pub fn of(tenant: &str) -> Self {
+        Self(seed().hash_one(tenant))
+    }
+}
+
+/// The stored answers one request touches (`/v1/responses`; empty for every other endpoint).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Answers {
+    /// The caller: owner of the answer the request makes, and the one who may continue
+    /// `continues`. `None`: the endpoint stores no answer.
+    pub owner: Option<Owner>,
+    /// The answer the request continues (`previous_response_id`).
+    pub continues: Option<SessionKey>,
+}
+
+/// Where the answer a request continues is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// The request continues no answer, or one this gateway has not seen made (or forgot).
+    Unknown,
+    /// By this worker, for the request's own tenant.
+    By(WorkerId),
+    /// It is another tenant's answer.
+    Foreign,
 }
 
 /// One remembered session.
 #[derive(Clone, Copy, Debug)]
 struct Entry {
-    /// The worker (its table id) the last turn went to.
+    /// The worker (its table id) the last turn went to, or that made the answer.
     worker: WorkerId,
+    /// A stored answer's owner; `None` for a conversation (its key holds the tenant already).
+    owner: Option<Owner>,
     /// Its place in the use order ([`Sessions::by_use`]).
     stamp: u64,
     /// When it was last used.
@@ -139,12 +207,35 @@ impl Sessions {
 
     /// The worker `key`'s last turn went to, unless that was longer than the TTL before `now`.
     pub fn worker(&self, key: SessionKey, now: Instant) -> Option<WorkerId> {
-        let e = self.entries.get(&key)?;
+        let e = self.entries.get(&key).filter(|e| e.owner.is_none())?;
         (now.saturating_duration_since(e.at) <= self.ttl).then_some(e.worker)
+    }
+
+    /// Where the answer `answers` continues is held, as `answers.owner` may see it at `now`.
+    pub fn answer(&self, answers: &Answers, now: Instant) -> Held {
+        let Some(e) = answers.continues.and_then(|key| self.entries.get(&key)) else {
+            return Held::Unknown;
+        };
+        if now.saturating_duration_since(e.at) > self.ttl {
+            return Held::Unknown;
+        }
+        match e.owner {
+            Some(owner) if Some(owner) == answers.owner => Held::By(e.worker),
+            _ => Held::Foreign,
+        }
     }
 
     /// Remembers that `key`'s turn went to `worker` at `now`; forgets what the bounds no longer hold.
     pub fn record(&mut self, key: SessionKey, worker: WorkerId, now: Instant) {
+        self.insert(key, worker, None, now);
+    }
+
+    /// Remembers that `worker` made the stored answer `key` of `owner`, at `now`.
+    pub fn record_answer(&mut self, key: SessionKey, owner: Owner, worker: WorkerId, now: Instant) {
+        self.insert(key, worker, Some(owner), now);
+    }
+
+    fn insert(&mut self, key: SessionKey, worker: WorkerId, owner: Option<Owner>, now: Instant) {
         if self.max_entries == 0 {
             return;
         }
@@ -154,6 +245,7 @@ impl Sessions {
             key,
             Entry {
                 worker,
+                owner,
                 stamp,
                 at: now,
             },

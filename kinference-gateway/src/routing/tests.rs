@@ -35,6 +35,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         tokens: None,
         salt: None,
         session: None,
+        answers: Default::default(),
     }
 }
 
@@ -87,6 +88,7 @@ async fn unknown_model_is_an_error() {
             tokens: None,
             salt: None,
             session: None,
+            answers: Default::default(),
         })
         .await
         .unwrap_err();
@@ -222,6 +224,7 @@ fn text(prompt: &str) -> RouteRequest<'_> {
         tokens: None,
         salt: None,
         session: None,
+        answers: Default::default(),
     }
 }
 

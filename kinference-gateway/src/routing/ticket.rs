@@ -39,6 +39,8 @@ pub struct InFlight {
     /// Where its first token and end are told to the other replicas, and its number there
     /// (boxed: most gateways have no replicas to tell, and a ticket stays small).
     share: Option<Box<(Arc<dyn Announce>, u64)>>,
+    /// Whose stored answer the request makes, when its endpoint stores one ([`sessions::Answers`]).
+    answer_owner: Option<sessions::Owner>,
 }
 
 /// Who else hears of a request's first token and end: the other gateway replicas
@@ -77,6 +79,7 @@ impl InFlight {
             work,
             credit,
             prompt,
+            answer_owner: None,
             awaiting: true,
             first_token: None,
             done: false,
@@ -139,6 +142,22 @@ impl InFlight {
             let by = now + self.shared.tuning.speculative_after_first_token;
             self.shared.spec.lock().end_by(&keys, self.worker.id, by);
         }
+    }
+
+    /// The answer the request makes may be stored by its worker for `owner` to continue.
+    pub fn answers_for(&mut self, owner: Option<sessions::Owner>) {
+        self.answer_owner = owner;
+    }
+
+    /// The worker answered with the stored answer `id`: a request continuing it goes to this worker
+    /// ([`sessions`]). Nothing is remembered for a request whose endpoint stores no answer.
+    pub fn answered(&self, id: &str) {
+        let (Some(owner), Some(key)) = (self.answer_owner, sessions::SessionKey::answer(id)) else {
+            return;
+        };
+        let mut sessions = self.shared.sessions.lock();
+        sessions.record_answer(key, owner, self.worker.id, Instant::now());
+        self.shared.metrics.sessions.set(sessions.len() as i64);
     }
 
     /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`). A

@@ -114,6 +114,7 @@ async fn sim_worker(shutdown: tokio_util::sync::CancellationToken) -> String {
         lora_modules: Vec::new(),
         api_key: None,
         responses_api: true,
+        responses_store: false,
         messages_api: true,
         kv_events: None,
         kv_role: None,

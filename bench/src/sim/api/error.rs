@@ -17,6 +17,10 @@ pub enum ApiError {
     /// The `model` field names a model this server does not serve.
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    /// `previous_response_id` names an answer this worker does not hold (vLLM's store is the memory
+    /// of the worker that made the answer).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// The body exceeds the size limit.
     #[error("request body too large")]
     TooLarge,
@@ -49,7 +53,9 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::BadRequest { .. } => StatusCode::BAD_REQUEST,
-            Self::ModelNotFound(_) | Self::RouteNotFound => StatusCode::NOT_FOUND,
+            Self::ModelNotFound(_) | Self::RouteNotFound | Self::ResponseNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
             Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
         }
@@ -65,6 +71,10 @@ impl ApiError {
             }}),
             Self::ModelNotFound(_) => json!({"error": {
                 "message": self.to_string(), "type": "NotFoundError", "param": "model", "code": status,
+            }}),
+            Self::ResponseNotFound(_) => json!({"error": {
+                "message": self.to_string(), "type": "invalid_request_error", "param": "response_id",
+                "code": status,
             }}),
             Self::TooLarge => json!({"error": {
                 "message": self.to_string(), "type": "BadRequestError", "param": null, "code": status,

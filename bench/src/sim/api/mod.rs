@@ -77,6 +77,9 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Whether `POST /v1/responses` is served (vLLM before 0.10 has no such route).
     pub responses_api: bool,
+    /// The answers `/v1/responses` stored, when the worker stores them (vLLM's
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1`).
+    pub responses_store: Option<surface::ResponseStore>,
     /// Whether `POST /v1/messages` (Anthropic's Messages API) is served.
     pub messages_api: bool,
     /// Text of each token the engine can generate.

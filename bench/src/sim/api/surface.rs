@@ -6,6 +6,7 @@
 //! own `index`), and usage counts every choice. Logprobs are a fixed function of the token id, so a
 //! test can tell they passed through unchanged.
 
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::sync::Arc;
 
@@ -301,6 +302,26 @@ pub async fn responses(state: &Arc<AppState>, body: &Value) -> Result<Response<B
         return Err(ApiError::ModelNotFound(m.to_owned()));
     }
     let (messages, max) = responses_prompt(body)?;
+    let messages = match body.get("previous_response_id").and_then(Value::as_str) {
+        // As vLLM: the stored conversation, then the new input.
+        Some(id) => {
+            let held = state
+                .responses_store
+                .as_ref()
+                .and_then(|store| store.get(id))
+                .ok_or_else(|| ApiError::ResponseNotFound(id.to_string()))?;
+            let mut all = held.as_ref().clone();
+            all.extend(messages.as_array().cloned().unwrap_or_default());
+            Value::Array(all)
+        }
+        None => messages,
+    };
+    // What a stored answer keeps: the conversation so far; the answer's text is added at its end.
+    let keep = state
+        .responses_store
+        .as_ref()
+        .filter(|_| body.get("store").and_then(Value::as_bool).unwrap_or(true))
+        .map(|_| messages.as_array().cloned().unwrap_or_default());
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let prompt = PromptInput::Chat {
         messages,
@@ -336,6 +357,7 @@ pub async fn responses(state: &Arc<AppState>, body: &Value) -> Result<Response<B
             }
         }
         let text = text_of(state, &out);
+        store_answer(state, &shell.id, keep, &text);
         let body = shell.body("completed", &text, Some((n_prompt, out.len(), cached)));
         return Ok(json_response(StatusCode::OK, &body));
     }
@@ -414,6 +436,7 @@ pub async fn responses(state: &Arc<AppState>, body: &Value) -> Result<Response<B
                 json!({"response": shell.body("completed", &text, Some((prompt, n, cached)))}),
             ),
         ];
+        store_answer(&state, &shell.id, keep, &text);
         for b in closing {
             if tx.send(Ok(Frame::data(b))).await.is_err() {
                 return;
@@ -426,6 +449,50 @@ pub async fn responses(state: &Arc<AppState>, body: &Value) -> Result<Response<B
         header::HeaderValue::from_static("text/event-stream; charset=utf-8"),
     );
     Ok(r)
+}
+
+/// The most answers a worker keeps; the oldest go first (vLLM keeps them all, in memory).
+const STORED_ANSWERS: usize = 10_000;
+
+/// The answers a worker stored (`store`, with the store on): each one's conversation, its own
+/// text last, for a later request to continue by `previous_response_id`.
+#[derive(Debug, Default)]
+pub struct ResponseStore {
+    held: parking_lot::Mutex<Stored>,
+}
+
+/// The stored answers by id, and their ids oldest first.
+#[derive(Debug, Default)]
+struct Stored {
+    by_id: HashMap<String, Arc<Vec<Value>>>,
+    order: VecDeque<String>,
+}
+
+impl ResponseStore {
+    /// The conversation of stored answer `id`.
+    pub fn get(&self, id: &str) -> Option<Arc<Vec<Value>>> {
+        self.held.lock().by_id.get(id).cloned()
+    }
+
+    fn put(&self, id: &str, conversation: Vec<Value>) {
+        let mut held = self.held.lock();
+        let Stored { by_id, order } = &mut *held;
+        by_id.insert(id.to_string(), Arc::new(conversation));
+        order.push_back(id.to_string());
+        while order.len() > STORED_ANSWERS {
+            if let Some(oldest) = order.pop_front() {
+                by_id.remove(&oldest);
+            }
+        }
+    }
+}
+
+/// Stores answer `id` (its conversation `kept`, then `text`) when the request asked to keep it.
+fn store_answer(state: &AppState, id: &str, kept: Option<Vec<Value>>, text: &str) {
+    if let (Some(store), Some(mut conversation)) = (&state.responses_store, kept) {
+        conversation.push(json!({"role": "assistant", "content": text}));
+        store.put(id, conversation);
+    }
 }
 
 /// What every form of one response shares.

@@ -84,6 +84,9 @@ pub struct PassthroughRequest {
     /// Responses: the end user's stable identifier (a session name).
     #[serde(default)]
     pub safety_identifier: Option<Value>,
+    /// Responses: the stored answer this one continues (held by the worker that made it).
+    #[serde(default)]
+    pub previous_response_id: Option<Value>,
 }
 
 impl PassthroughRequest {
@@ -93,6 +96,14 @@ impl PassthroughRequest {
             .into_iter()
             .find_map(|v| v.as_ref()?.as_str().filter(|s| !s.is_empty()))
             .map(str::to_string)
+    }
+
+    /// The stored answer a Responses request continues, when it names one.
+    pub fn previous_response_id(&self) -> Option<&str> {
+        self.previous_response_id
+            .as_ref()?
+            .as_str()
+            .filter(|s| !s.is_empty())
     }
 
     /// Reads and checks `body` for `route`; 400 on bad JSON, a missing model or a missing input.
@@ -112,6 +123,16 @@ impl PassthroughRequest {
             return Err(GatewayError::invalid(
                 field,
                 format!("`{field}` is required by {}", route.path()),
+            ));
+        }
+        if route == Route::Responses
+            && r.previous_response_id
+                .as_ref()
+                .is_some_and(|v| !v.is_string() && !v.is_null())
+        {
+            return Err(GatewayError::invalid(
+                "previous_response_id",
+                "`previous_response_id` must be a string",
             ));
         }
         if route != Route::Responses && r.stream == Some(true) {
@@ -164,6 +185,21 @@ fn collect_text(v: &Value, out: &mut String) {
         }
         _ => {}
     }
+}
+
+/// The longest answer id remembered ([`answer_id_of`]); a longer one is not an id vLLM makes.
+const ANSWER_ID_BYTES: usize = 256;
+
+/// The id of a `/v1/responses` answer (a whole body, or a streamed event's `response`), which a
+/// later request may continue (`previous_response_id`); `None` for other routes.
+pub fn answer_id_of(route: Route, body: &[u8]) -> Option<String> {
+    if route != Route::Responses {
+        return None;
+    }
+    let v: Value = serde_json::from_slice(body).ok()?;
+    let response = v.get("response").unwrap_or(&v);
+    let id = response.get("id")?.as_str()?;
+    (!id.is_empty() && id.len() <= ANSWER_ID_BYTES).then(|| id.to_string())
 }
 
 /// The usage of an answer: embeddings report OpenAI's `usage`, responses
@@ -237,6 +273,46 @@ mod tests {
         .expect("responses");
         assert_eq!(r.text(), "Be brief.\nhi");
         assert!(r.stream());
+    }
+
+    #[test]
+    fn a_response_names_the_answer_it_continues_as_a_string() {
+        let r = PassthroughRequest::parse(
+            Route::Responses,
+            br#"{"model":"m","input":"more","previous_response_id":"resp_7"}"#,
+        )
+        .expect("responses");
+        assert_eq!(r.previous_response_id(), Some("resp_7"));
+        let none = PassthroughRequest::parse(
+            Route::Responses,
+            br#"{"model":"m","input":"x","previous_response_id":null}"#,
+        )
+        .expect("null is none");
+        assert_eq!(none.previous_response_id(), None);
+        let e = PassthroughRequest::parse(
+            Route::Responses,
+            br#"{"model":"m","input":"x","previous_response_id":7}"#,
+        )
+        .expect_err("a number is refused");
+        assert_eq!(e.status(), http::StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn an_answer_id_is_read_from_a_response_or_its_event() {
+        let whole = br#"{"id":"resp_1","object":"response","usage":null}"#;
+        assert_eq!(
+            answer_id_of(Route::Responses, whole).as_deref(),
+            Some("resp_1")
+        );
+        let event = br#"{"type":"response.created","response":{"id":"resp_2"}}"#;
+        assert_eq!(
+            answer_id_of(Route::Responses, event).as_deref(),
+            Some("resp_2")
+        );
+        // Only Responses answers are continued; an absurd id is not one vLLM makes.
+        assert_eq!(answer_id_of(Route::Embeddings, whole), None);
+        let long = format!(r#"{{"id":"{}"}}"#, "r".repeat(ANSWER_ID_BYTES + 1));
+        assert_eq!(answer_id_of(Route::Responses, long.as_bytes()), None);
     }
 
     #[test]

@@ -112,6 +112,7 @@ pub async fn to_pair(
         tokens: Some(&ex.tokens),
         salt: request.cache_salt.as_deref(),
         session: request.session,
+        answers: Default::default(),
     };
     let pair = gw
         .router
@@ -124,7 +125,7 @@ pub async fn to_pair(
         .await?;
     let (prefill, mut decode) = match pair {
         Pair::Whole { decision, .. } => return whole(gw, ex, request, call, decision, None).await,
-        Pair::Split { prefill, decode } => (prefill, decode),
+        Pair::Split { prefill, decode } => (prefill, *decode),
     };
     let prefill_worker = prefill.worker.clone();
     match prefill_call(gw, &call, request, prefill).await {

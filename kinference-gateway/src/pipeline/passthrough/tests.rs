@@ -17,6 +17,8 @@ use crate::backend::worker::{HttpSettings, Upstream};
 struct Heard {
     chunks: usize,
     end: Option<(u16, Option<u64>)>,
+    /// The answer's id, as told.
+    id: Option<String>,
 }
 
 #[derive(Clone, Default)]
@@ -29,6 +31,12 @@ impl Meter for Recorder {
 
     fn finish(&mut self, status: u16, usage: Option<&Usage>) {
         self.0.lock().expect("lock").end = Some((status, usage.map(|u| u.completion_tokens)));
+    }
+
+    fn answer_id(&mut self, id: String) {
+        let mut heard = self.0.lock().expect("lock");
+        assert!(heard.id.is_none(), "the id is told once");
+        heard.id = Some(id);
     }
 }
 
@@ -82,15 +90,17 @@ const DELTA: &str = "event: response.output_text.delta\ndata: {\"type\":\"respon
 #[tokio::test]
 async fn a_complete_stream_passes_unchanged_and_settles_with_its_usage() {
     const BODY: &str = concat!(
-        "event: response.created\ndata: {\"type\":\"response.created\"}\n\n",
+        "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_1\"}}\n\n",
         "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\" hi\"}\n\n",
         "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\" yo\"}\n\n",
-        "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":2}}}\n\n",
+        "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"id\":\"resp_1\",\"usage\":{\"input_tokens\":5,\"output_tokens\":2}}}\n\n",
     );
     let (out, heard) = relayed(BODY).await;
     assert_eq!(out, BODY);
     assert_eq!(heard.chunks, 2);
     assert_eq!(heard.end, Some((200, Some(2))));
+    // The id a later request may continue, read once from `response.created`.
+    assert_eq!(heard.id.as_deref(), Some("resp_1"));
 }
 
 #[tokio::test]

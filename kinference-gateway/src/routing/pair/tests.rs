@@ -107,6 +107,7 @@ fn pair_request(prompt: &str, min_uncached_tokens: usize) -> PairRequest<'_> {
             tokens: None,
             salt: None,
             session: None,
+            answers: Default::default(),
         },
         prefill_within: None,
         decode_within: None,
@@ -116,7 +117,7 @@ fn pair_request(prompt: &str, min_uncached_tokens: usize) -> PairRequest<'_> {
 
 fn split(pair: Pair) -> (Decision, Decision) {
     match pair {
-        Pair::Split { prefill, decode } => (prefill, decode),
+        Pair::Split { prefill, decode } => (prefill, *decode),
         Pair::Whole { decision, outcome } => {
             panic!("not split ({outcome}): {:?}", decision.explain)
         }

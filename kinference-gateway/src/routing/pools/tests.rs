@@ -44,6 +44,7 @@ fn req(prompt: &str) -> RouteRequest<'_> {
         tokens: None,
         salt: None,
         session: None,
+        answers: Default::default(),
     }
 }
 

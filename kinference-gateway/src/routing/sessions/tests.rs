@@ -79,3 +79,43 @@ fn a_zero_bound_remembers_nothing() {
     s.record(key("a"), 1, Instant::now());
     assert!(s.is_empty());
 }
+
+#[test]
+fn an_answer_is_held_for_its_owner_only() {
+    let mut s = table(10, 60);
+    let now = Instant::now();
+    let (acme, other) = (Owner::of("acme"), Owner::of("other"));
+    let id = SessionKey::answer("resp_1").unwrap();
+    let asks = |owner| Answers {
+        owner: Some(owner),
+        continues: Some(id),
+    };
+    assert_eq!(s.answer(&asks(acme), now), Held::Unknown);
+    s.record_answer(id, acme, 4, now);
+    assert_eq!(s.answer(&asks(acme), now), Held::By(4));
+    assert_eq!(s.answer(&asks(other), now), Held::Foreign);
+    // A request on an endpoint that stores nothing has no owner: never another's answer.
+    let ownerless = Answers {
+        owner: None,
+        continues: Some(id),
+    };
+    assert_eq!(s.answer(&ownerless, now), Held::Foreign);
+    assert_eq!(s.answer(&Answers::default(), now), Held::Unknown);
+    // An answer is no conversation: the same name finds nothing as one.
+    assert_eq!(s.worker(id, now), None);
+    assert_ne!(Some(id), SessionKey::new("acme", "resp_1"));
+    assert_eq!(SessionKey::answer(""), None);
+}
+
+#[test]
+fn a_forgotten_answer_is_unknown_again() {
+    let mut s = table(10, 1);
+    let now = Instant::now();
+    let id = SessionKey::answer("resp_1").unwrap();
+    s.record_answer(id, Owner::of("acme"), 2, now);
+    let asks = Answers {
+        owner: Some(Owner::of("acme")),
+        continues: Some(id),
+    };
+    assert_eq!(s.answer(&asks, now + Duration::from_secs(2)), Held::Unknown);
+}
