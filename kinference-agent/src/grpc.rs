@@ -162,14 +162,13 @@ impl Broadcaster {
         for slot in &slots {
             let url = &slot.spec.url;
             let load = slot.load.lock().clone();
-            // The worker's /metrics and kernel view cover the whole endpoint: a ranked worker's load
-            // is split evenly over its ranks (the gateway's own ledger tells the ranks apart).
-            let wire_load = share_of_load(to_wire_load(&load, now), slot.ranks().len());
+            let whole = to_wire_load(&load, now);
             for (rank, kv) in slot.ranks().iter().enumerate() {
                 let cache = CacheId {
                     url: url.clone(),
                     rank: slot.wire_rank(rank),
                 };
+                let wire_load = rank_load(whole, &load.engines, cache.rank, slot.ranks().len());
                 let entry = RankView {
                     slot,
                     kv,
@@ -388,6 +387,29 @@ fn wire_role(spec: &crate::config::WorkerSpec) -> String {
     spec.role
         .map(|r| r.as_str().to_string())
         .unwrap_or_default()
+}
+
+/// One rank's load, of a worker whose whole load is `whole` and whose metrics label `engines`: the
+/// engine of the rank's number when the worker reports it (vLLM labels each engine's series with
+/// its data-parallel rank), else an even share ([`share_of_load`]). The kernel's view covers the
+/// whole endpoint and is always shared.
+fn rank_load(
+    whole: pb::WorkerLoad,
+    engines: &[kinference_api::vllm::metrics::EngineLoad],
+    rank: Option<u32>,
+    ranks: usize,
+) -> pb::WorkerLoad {
+    let shared = share_of_load(whole, ranks);
+    let Some(own) = rank.and_then(|r| engines.iter().find(|e| e.engine == r)) else {
+        return shared;
+    };
+    let count = |v: f64| v.clamp(0.0, u32::MAX as f64) as u32;
+    pb::WorkerLoad {
+        running: count(own.running),
+        waiting: count(own.waiting),
+        kv_usage: own.kv_usage.clamp(0.0, 1.0) as f32,
+        ..shared
+    }
 }
 
 /// One rank's share of its worker's load: the counts divided over `ranks` (rounded up, so a busy

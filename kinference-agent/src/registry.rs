@@ -37,6 +37,8 @@ pub struct Load {
     pub last_event_ts: Option<f64>,
     /// The kernel's view of the worker's port (eBPF); `None` when eBPF is off or does not watch it.
     pub kernel: Option<KernelFigures>,
+    /// Each engine's own figures (a data-parallel worker's ranks), when its metrics label them.
+    pub engines: Vec<kinference_api::vllm::metrics::EngineLoad>,
 }
 
 /// The kernel-level figures of one worker port, as the summary carries them.

@@ -134,6 +134,7 @@ pub async fn run(
                 load.metrics_ok,
                 load.block_size,
                 load.num_gpu_blocks,
+                load.engines.clone(),
             );
             match &result {
                 Ok(v) => {
@@ -149,6 +150,7 @@ pub async fn run(
                     load.kv_usage = v.kv_usage.unwrap_or(0.0) as f32;
                     load.block_size = v.block_size.or(load.block_size);
                     load.num_gpu_blocks = v.num_gpu_blocks.or(load.num_gpu_blocks);
+                    load.engines.clone_from(&v.engines);
                     load.scraped_at = Some(Instant::now());
                     load.metrics_ok = true;
                 }
@@ -162,6 +164,7 @@ pub async fn run(
                     load.metrics_ok,
                     load.block_size,
                     load.num_gpu_blocks,
+                    load.engines.clone(),
                 )
         };
         // Every rank's engine restarts with the worker's process.

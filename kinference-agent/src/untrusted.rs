@@ -144,4 +144,10 @@ pub fn vllm_metrics(data: &[u8]) {
             "a start time is a finite, positive instant: {load:?}"
         );
     }
+    // Each engine once, in order, below the bound, with finite figures.
+    assert!(load.engines.windows(2).all(|w| w[0].engine < w[1].engine));
+    for e in &load.engines {
+        assert!(e.engine < kinference_api::vllm::metrics::MAX_ENGINES);
+        assert!(e.running.is_finite() && e.waiting.is_finite() && e.kv_usage.is_finite());
+    }
 }

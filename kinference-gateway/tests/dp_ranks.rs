@@ -249,6 +249,14 @@ async fn a_repeated_prefix_returns_to_its_rank_and_a_rank_less_worker_gets_no_he
     }
     let ranked = dp_state(stack.ranked_http).await;
     assert_eq!(ranked["size"], 2);
+    // Its metrics label each rank's load by `engine`, as vLLM does: what the agent tells apart.
+    let (status, _, metrics) =
+        support::call("127.0.0.1", stack.ranked_http, "GET", "/metrics", &[], "").await;
+    assert_eq!(status, 200);
+    for engine in ["0", "1"] {
+        let series = format!("vllm:num_requests_running{{engine=\"{engine}\"");
+        assert!(metrics.contains(&series), "{series} missing");
+    }
     assert_eq!(
         ranked["rank_header_requests"].as_u64(),
         Some(requests),

@@ -90,14 +90,9 @@ impl Ranks {
             .unwrap_or(0)
     }
 
-    /// The worker's gauges: counts summed over the ranks, KV usage their mean.
-    pub fn gauges(&self) -> Gauges {
-        let all: Vec<Gauges> = self.engines.iter().map(|e| e.gauges()).collect();
-        Gauges {
-            running: all.iter().map(|g| g.running).sum(),
-            waiting: all.iter().map(|g| g.waiting).sum(),
-            kv_cache_usage: all.iter().map(|g| g.kv_cache_usage).sum::<f64>() / all.len() as f64,
-        }
+    /// Each rank's gauges, by rank (what `/metrics` labels `engine`).
+    pub fn gauges(&self) -> Vec<Gauges> {
+        self.engines.iter().map(|e| e.gauges()).collect()
     }
 
     /// For `/sim/state`: the ranks, how many requests named one, and how many each served.

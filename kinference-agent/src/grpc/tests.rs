@@ -377,3 +377,41 @@ fn a_ranked_workers_load_is_split_over_its_ranks() {
     assert_eq!((share.running, share.waiting, share.kv_usage), (3, 1, 0.5));
     assert_eq!(share_of_load(load, 1), load);
 }
+
+#[test]
+fn a_rank_whose_engine_reports_gets_its_own_load() {
+    use kinference_api::vllm::metrics::EngineLoad;
+    let whole = pb::WorkerLoad {
+        running: 5,
+        waiting: 4,
+        kv_usage: 0.9,
+        kernel_in_flight: 10,
+        ..Default::default()
+    };
+    let engines = [
+        EngineLoad {
+            engine: 0,
+            running: 5.0,
+            waiting: 4.0,
+            kv_usage: 0.9,
+        },
+        EngineLoad {
+            engine: 1,
+            running: 0.0,
+            waiting: 0.0,
+            kv_usage: 0.1,
+        },
+    ];
+    let busy = rank_load(whole, &engines, Some(0), 3);
+    let idle = rank_load(whole, &engines, Some(1), 3);
+    assert_eq!((busy.running, busy.waiting, busy.kv_usage), (5, 4, 0.9));
+    assert_eq!((idle.running, idle.waiting, idle.kv_usage), (0, 0, 0.1));
+    // The kernel's view is the endpoint's: shared evenly either way.
+    assert_eq!((busy.kernel_in_flight, idle.kernel_in_flight), (4, 4));
+    // A rank the metrics do not name, and a rank-less worker, fall back to the even share.
+    assert_eq!(
+        rank_load(whole, &engines, Some(2), 3),
+        share_of_load(whole, 3)
+    );
+    assert_eq!(rank_load(whole, &engines, None, 1), whole);
+}

@@ -5,7 +5,9 @@
 //! `num_gpu_blocks` labels of `vllm:cache_config_info`, and `process_start_time_seconds` (it moves
 //! when the worker restarts). With several engines (data parallel) counts are summed, usage is the
 //! maximum and capacity the minimum (each engine has its own cache: the router plans against the
-//! tightest one). The text comes from a worker, so nothing in it may panic or
+//! tightest one); each engine's own running, waiting and usage are kept beside the totals
+//! ([`VllmLoad::engines`], vLLM's `engine` label is its data-parallel rank), for the ranks to be told
+//! apart. The text comes from a worker, so nothing in it may panic or
 //! poison a figure: malformed lines, non-finite values, a zero block size and a capacity vLLM has not
 //! profiled yet (`num_gpu_blocks="None"`) are skipped. See `docs/vllm-interfaces.md`.
 
@@ -21,12 +23,29 @@ pub struct VllmLoad {
     /// When the serving process started, Unix seconds (`process_start_time_seconds`): a different value
     /// from one scrape to the next means the worker restarted, with an empty cache.
     pub process_start_s: Option<f64>,
+    /// Each engine's own figures, by its `engine` label, lowest first: the ranks of a data-parallel
+    /// worker (engines numbered [`MAX_ENGINES`] or above are in the totals only).
+    pub engines: Vec<EngineLoad>,
+}
+
+/// Engines told apart at most: labels from 0 to this, exclusive (as many ranks as the agent follows).
+pub const MAX_ENGINES: u32 = 256;
+
+/// One engine's load: the figures of the samples labelled with its `engine`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct EngineLoad {
+    /// The `engine` label (vLLM's data-parallel rank).
+    pub engine: u32,
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_usage: f64,
 }
 
 /// Parses the Prometheus text exposition format, keeping only the series above. Malformed lines are
 /// skipped: one odd line from a newer vLLM must not blind the router.
 pub fn parse(text: &str) -> VllmLoad {
     let mut load = VllmLoad::default();
+    let mut engines = std::collections::BTreeMap::<u32, EngineLoad>::new();
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -40,6 +59,27 @@ pub fn parse(text: &str) -> VllmLoad {
             continue;
         }
         let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
+        let engine = sample
+            .label("engine")
+            .and_then(|e| e.parse::<u32>().ok())
+            .filter(|&e| e < MAX_ENGINES);
+        let mut of_engine = |set: fn(&mut EngineLoad, f64)| {
+            if let Some(e) = engine {
+                let entry = engines.entry(e).or_insert(EngineLoad {
+                    engine: e,
+                    ..EngineLoad::default()
+                });
+                set(entry, sample.value);
+            }
+        };
+        match sample.name {
+            "vllm:num_requests_running" => of_engine(|e, v| e.running += v),
+            "vllm:num_requests_waiting" => of_engine(|e, v| e.waiting += v),
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                of_engine(|e, v| e.kv_usage = e.kv_usage.max(v))
+            }
+            _ => {}
+        }
         match sample.name {
             "vllm:num_requests_running" => add(&mut load.running, sample.value),
             "vllm:num_requests_waiting" => add(&mut load.waiting, sample.value),
@@ -79,6 +119,10 @@ pub fn parse(text: &str) -> VllmLoad {
     for v in [&mut load.running, &mut load.waiting] {
         *v = v.filter(|x| x.is_finite());
     }
+    load.engines = engines
+        .into_values()
+        .filter(|e| e.running.is_finite() && e.waiting.is_finite())
+        .collect();
     load
 }
 

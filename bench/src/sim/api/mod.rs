@@ -225,7 +225,7 @@ async fn route(
         "/v1/models" if get => Ok(json_response(StatusCode::OK, &lora::models_body(state))),
         "/metrics" if get => {
             let mut text = state.metrics.render(
-                state.ranks.gauges(),
+                &state.ranks.gauges(),
                 &CacheInfo {
                     block_size: state.engine.block_size(),
                     num_gpu_blocks: state.num_blocks,

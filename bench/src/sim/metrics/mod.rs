@@ -196,16 +196,25 @@ impl Metrics {
         self.state.lock().preemptions += 1;
     }
 
-    /// The exposition text.
-    pub fn render(&self, g: Gauges, cache: &CacheInfo) -> String {
+    /// The exposition text; `engines` holds each engine's gauges, by its number (a data-parallel
+    /// worker's ranks, each labelled `engine` as vLLM labels them; the counters and histograms are
+    /// the worker's, as engine 0's).
+    pub fn render(&self, engines: &[Gauges], cache: &CacheInfo) -> String {
         let s = self.state.lock();
         let mut out = String::with_capacity(16 * 1024);
-        let base = format!("engine=\"0\",model_name=\"{}\"", escape(&self.model));
+        let model = escape(&self.model);
+        let base = format!("engine=\"0\",model_name=\"{model}\"");
         let created = go_float(self.created);
 
-        let gauge = |out: &mut String, name: &str, help: &str, v: f64| {
+        let gauge = |out: &mut String, name: &str, help: &str, v: fn(&Gauges) -> f64| {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-            let _ = writeln!(out, "{name}{{{base}}} {}", go_float(v));
+            for (i, g) in engines.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{name}{{engine=\"{i}\",model_name=\"{model}\"}} {}",
+                    go_float(v(g))
+                );
+            }
         };
         let counter = |out: &mut String, name: &str, help: &str, v: u64| {
             let _ = writeln!(
@@ -257,32 +266,35 @@ impl Metrics {
             &mut out,
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",
-            g.running as f64,
+            |g| g.running as f64,
         );
         gauge(
             &mut out,
             "vllm:num_requests_waiting",
             "Number of requests waiting to be processed.",
-            g.waiting as f64,
+            |g| g.waiting as f64,
         );
         let _ = writeln!(
             out,
             "# HELP vllm:num_requests_waiting_by_reason Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.\n# TYPE vllm:num_requests_waiting_by_reason gauge"
         );
-        let _ = writeln!(
-            out,
-            "vllm:num_requests_waiting_by_reason{{{base},reason=\"capacity\"}} {}",
-            go_float(g.waiting as f64)
-        );
-        let _ = writeln!(
-            out,
-            "vllm:num_requests_waiting_by_reason{{{base},reason=\"deferred\"}} 0.0"
-        );
+        for (i, g) in engines.iter().enumerate() {
+            let labels = format!("engine=\"{i}\",model_name=\"{model}\"");
+            let _ = writeln!(
+                out,
+                "vllm:num_requests_waiting_by_reason{{{labels},reason=\"capacity\"}} {}",
+                go_float(g.waiting as f64)
+            );
+            let _ = writeln!(
+                out,
+                "vllm:num_requests_waiting_by_reason{{{labels},reason=\"deferred\"}} 0.0"
+            );
+        }
         gauge(
             &mut out,
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            g.kv_cache_usage,
+            |g| g.kv_cache_usage,
         );
         counter(
             &mut out,

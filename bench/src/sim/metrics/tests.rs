@@ -27,11 +27,11 @@ fn every_series_exists_in_the_live_vllm_scrape() {
     m.on_token(Duration::from_millis(20));
     m.on_finished(FinishReason::Length, Duration::from_millis(60));
     let text = m.render(
-        Gauges {
+        &[Gauges {
             running: 1,
             waiting: 2,
             kv_cache_usage: 0.5,
-        },
+        }],
         &CacheInfo {
             block_size: 32,
             num_gpu_blocks: 32768,

@@ -17,6 +17,12 @@ fn parses_the_real_vllm_scrape() {
             block_size: Some(32),
             num_gpu_blocks: Some(32768),
             process_start_s: Some(1.79623158924e9),
+            engines: vec![EngineLoad {
+                engine: 0,
+                running: 0.0,
+                waiting: 0.0,
+                kv_usage: 0.0,
+            }],
         }
     );
 }
@@ -44,6 +50,29 @@ vllm:cache_config_info{block_size="16",engine="0",x="a\\b"} 1.0
         load.num_gpu_blocks, None,
         "no num_gpu_blocks label: capacity unknown"
     );
+    // Each engine (data-parallel rank) on its own; the malformed sample is in neither.
+    let engine = |engine, running, waiting, kv_usage| EngineLoad {
+        engine,
+        running,
+        waiting,
+        kv_usage,
+    };
+    assert_eq!(
+        load.engines,
+        vec![engine(0, 3.0, 7.0, 0.25), engine(1, 2.0, 0.0, 0.75)]
+    );
+}
+
+#[test]
+fn engines_past_the_bound_or_unlabelled_count_in_the_totals_only() {
+    let text = "vllm:num_requests_running{engine=\"999999\"} 4\n\
+                vllm:num_requests_running{engine=\"x\"} 1\n\
+                vllm:num_requests_running 2\n\
+                vllm:num_requests_running{engine=\"3\"} 5\n";
+    let load = parse(text);
+    assert_eq!(load.running, Some(12.0));
+    assert_eq!(load.engines.len(), 1);
+    assert_eq!((load.engines[0].engine, load.engines[0].running), (3, 5.0));
 }
 
 #[test]
