@@ -18,6 +18,7 @@
 //! | [`journal_replay`] | the usage journal's files read back at start (a damaged disk) | [`crate::tenancy::store::journal`] |
 //! | [`extproc_session`] | a proxy's ext_proc messages, in any order, phases missing, bodies split | [`crate::extproc::session`] |
 //! | [`usage_at_end`] | the tail of an answer a proxy relays (the ext_proc door's billing) | [`crate::extproc::session::usage_at_end`] |
+//! | [`replica_batch`] | another gateway replica (`POST /internal/replicas`, behind the admin key) | [`crate::routing::replicas::Batch`] |
 
 use std::path::Path;
 
@@ -29,7 +30,7 @@ use crate::backend::provider::translate::AnthropicStream;
 use crate::backend::sse::{SseLimits, SseParser};
 
 /// The names of the entries, as the fuzz targets and corpus folders are named.
-pub const TARGETS: [&str; 13] = [
+pub const TARGETS: [&str; 14] = [
     "openai_request",
     "anthropic_request",
     "sse_stream",
@@ -43,6 +44,7 @@ pub const TARGETS: [&str; 13] = [
     "journal_replay",
     "extproc_session",
     "usage_at_end",
+    "replica_batch",
 ];
 
 /// Runs the entry called `target` (one of [`TARGETS`]) on `data`.
@@ -61,6 +63,7 @@ pub fn run(target: &str, data: &[u8]) {
         "journal_replay" => journal_replay(data),
         "extproc_session" => extproc_session(data),
         "usage_at_end" => usage_at_end(data),
+        "replica_batch" => replica_batch(data),
         other => panic!("no fuzz entry called {other:?}"),
     }
 }
@@ -506,4 +509,44 @@ pub fn extproc_session(data: &[u8]) {
             "body bytes outlived their session"
         );
     });
+}
+
+/// A batch from another replica, applied to a router of two workers: whatever it says, once its
+/// sender has gone silent past the bound no request of it is held, and every worker is idle again.
+pub fn replica_batch(data: &[u8]) {
+    use crate::routing::replicas::{Batch, MAX_BATCH_BYTES};
+    use crate::routing::{ModelConfig, Router, RoutingConfig, RoutingMode, WorkerConfig};
+    use std::time::{Duration, Instant};
+    if data.len() > MAX_BATCH_BYTES {
+        return;
+    }
+    let Ok(batch) = serde_json::from_slice::<Batch>(data) else {
+        return;
+    };
+    let router = Router::new(RoutingConfig {
+        workers: ["http://w1", "http://w2"]
+            .iter()
+            .map(|url| WorkerConfig {
+                url: url.to_string(),
+                model: "m".into(),
+                role: Default::default(),
+            })
+            .collect(),
+        models: vec![ModelConfig {
+            name: "m".into(),
+            tokenizer_dir: None,
+            serves_messages: false,
+            profile: None,
+        }],
+        agents: vec![],
+        mode: RoutingMode::Kinference,
+    })
+    .expect("a router of two workers");
+    router.apply_replica_batch(batch);
+    router.forget_silent_replicas(
+        Instant::now() + Duration::from_secs(3600),
+        Duration::from_secs(1),
+    );
+    assert_eq!(router.replica_requests_in_flight(), 0);
+    assert!(router.workers().iter().all(|w| w.in_flight == 0));
 }

@@ -1044,6 +1044,7 @@ impl Router {
             outbox.send(replicas::Note::Dispatch {
                 id,
                 worker: chosen.worker.url.clone(),
+                dp_rank: chosen.worker.dp_rank,
                 keys: keys
                     .as_ref()
                     .map(|k| k[..k.len().min(replicas::MAX_KEYS)].to_vec())

@@ -10,6 +10,8 @@
 //! rate learning): they enter the worker's ledger, its backlog, its in-flight prompts and the
 //! speculative credit exactly as the replica's own requests do, so the estimate counts them as
 //! "ours" and the agents' views, minus the whole ledger, show only the clients no replica knows.
+//! A stored `/v1/responses` answer is told too ([`Note::Answer`]): its follow-ups must reach the
+//! worker holding it whichever replica they reach ([`super::sessions`]).
 //!
 //! Transport: replica to replica, a JSON [`Batch`] posted to each peer's admin port
 //! (`POST /internal/replicas`) whenever notes are queued, and an empty one every
@@ -36,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
 use super::metrics::ReplicaDropLabels;
+use super::sessions::{Owner, SessionKey};
 use super::{InFlight, Shared};
 
 #[cfg(test)]
@@ -47,6 +50,9 @@ pub const PATH: &str = "/internal/replicas";
 /// Leading block keys sent per dispatch: enough for a 16k-token prompt at 16 tokens per block (the
 /// cached run a peer can credit is at most this long).
 pub const MAX_KEYS: usize = 1024;
+
+/// The longest answer id taken from a peer (as long as the pipeline reads from a worker's answer).
+const MAX_ANSWER_ID_BYTES: usize = 256;
 
 /// A peer's ticket older than this is dropped even if its end never came.
 pub const MAX_TICKET_AGE: Duration = Duration::from_secs(600);
@@ -111,6 +117,9 @@ pub enum Note {
         id: u64,
         /// The worker's base URL.
         worker: String,
+        /// The worker's data-parallel rank (none: a rank-less worker).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dp_rank: Option<u32>,
         /// The prompt's leading block keys at the worker's block size (at most [`MAX_KEYS`]).
         keys: Vec<BlockKey>,
         /// Prompt tokens the worker must compute (not cached there, as the sender estimated).
@@ -127,6 +136,19 @@ pub enum Note {
     End {
         /// The sender's number for the request.
         id: u64,
+    },
+    /// `worker` made and stored the answer `id` of `owner` ([`super::sessions`]): a request
+    /// continuing it must go there, whichever replica it reaches.
+    Answer {
+        /// The answer's id (`resp_...`).
+        id: String,
+        /// Whose it is ([`super::sessions::Owner::to_wire`]).
+        owner: u64,
+        /// The worker's base URL.
+        worker: String,
+        /// The worker's data-parallel rank (none: a rank-less worker).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dp_rank: Option<u32>,
     },
 }
 
@@ -226,6 +248,7 @@ pub(super) fn apply(shared: &Arc<Shared>, batch: Batch, now: Instant, forget_aft
             Note::Dispatch {
                 id,
                 worker,
+                dp_rank,
                 keys,
                 uncached_tokens,
                 est_ttft_s,
@@ -233,7 +256,8 @@ pub(super) fn apply(shared: &Arc<Shared>, batch: Batch, now: Instant, forget_aft
                 if peer.tickets.len() >= MAX_TICKETS_PER_PEER {
                     continue;
                 }
-                let Some(worker) = shared.workers.read().get(&worker).cloned() else {
+                let Some(worker) = shared.workers.read().get_cache(&worker, dp_rank).cloned()
+                else {
                     continue;
                 };
                 let ticket = mirror(shared, worker, keys, uncached_tokens, est_ttft_s, now);
@@ -247,6 +271,24 @@ pub(super) fn apply(shared: &Arc<Shared>, batch: Batch, now: Instant, forget_aft
             Note::End { id } => {
                 if let Some(t) = peer.tickets.remove(&id) {
                     t.ticket.finish(true, 0, None);
+                }
+            }
+            Note::Answer {
+                id,
+                owner,
+                worker,
+                dp_rank,
+            } => {
+                let Some(worker) = shared.workers.read().get_cache(&worker, dp_rank).cloned()
+                else {
+                    continue;
+                };
+                // A longer id is no answer a worker made (the pipeline reads none longer).
+                let key = SessionKey::answer(&id).filter(|_| id.len() <= MAX_ANSWER_ID_BYTES);
+                if let Some(key) = key {
+                    let mut sessions = shared.sessions.lock();
+                    sessions.record_answer(key, Owner::from_wire(owner), worker.id, now);
+                    shared.metrics.sessions.set(sessions.len() as i64);
                 }
             }
         }

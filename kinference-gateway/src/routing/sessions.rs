@@ -23,8 +23,9 @@
 //! ([`Answers`]); a request naming another tenant's answer is refused as not found (vLLM itself checks
 //! no owner), and one naming an answer this gateway never saw is routed as any other. Answers are
 //! remembered even when `sessions.enabled` is false (that switch turns off the soft signal only);
-//! `max_entries: 0` remembers none. Each replica knows the answers it relayed itself: behind a Service,
-//! another replica routes a follow-up as it would any request.
+//! `max_entries: 0` remembers none. Each replica knows the answers it relayed itself, and behind a
+//! Service the other replicas learn of it through the replicas' notes (`replicas.peers`,
+//! [`super::replicas::Note::Answer`]); without them, another replica routes a follow-up as any request.
 //!
 //! Memory is bounded: at most [`SessionsConfig::max_entries`] keys, conversations and answers
 //! together (the least recently used go first), and none older than [`SessionsConfig::ttl_s`];
@@ -135,14 +136,32 @@ impl SessionKey {
     }
 }
 
-/// A tenant, hashed: who may continue a stored answer.
+/// A tenant, hashed: who may continue a stored answer. The hash is the same in every replica
+/// (64-bit FNV-1a of the name), so that replicas can tell each other whose an answer is
+/// ([`super::replicas::Note::Answer`]); tenant names come from the operator, not from clients.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Owner(u64);
 
 impl Owner {
     /// The owner `tenant` is.
     pub fn of(tenant: &str) -> Self {
-        Self(seed().hash_one(tenant))
+        const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        Self(
+            tenant
+                .bytes()
+                .fold(OFFSET, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME)),
+        )
+    }
+
+    /// The hash, as replicas send it.
+    pub fn to_wire(self) -> u64 {
+        self.0
+    }
+
+    /// The owner a replica sent.
+    pub fn from_wire(hash: u64) -> Self {
+        Self(hash)
     }
 }
 

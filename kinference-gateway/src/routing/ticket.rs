@@ -155,9 +155,20 @@ impl InFlight {
         let (Some(owner), Some(key)) = (self.answer_owner, sessions::SessionKey::answer(id)) else {
             return;
         };
-        let mut sessions = self.shared.sessions.lock();
-        sessions.record_answer(key, owner, self.worker.id, Instant::now());
-        self.shared.metrics.sessions.set(sessions.len() as i64);
+        {
+            let mut sessions = self.shared.sessions.lock();
+            sessions.record_answer(key, owner, self.worker.id, Instant::now());
+            self.shared.metrics.sessions.set(sessions.len() as i64);
+        }
+        // The other replicas route its follow-ups here too.
+        if let Some(outbox) = self.shared.outbox.get() {
+            outbox.send(replicas::Note::Answer {
+                id: id.to_string(),
+                owner: owner.to_wire(),
+                worker: self.worker.url.clone(),
+                dp_rank: self.worker.dp_rank,
+            });
+        }
     }
 
     /// The request ended; `cached_tokens` is what the worker reported (`prompt_tokens_details`). A

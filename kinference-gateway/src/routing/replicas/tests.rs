@@ -40,6 +40,7 @@ fn dispatch(id: u64, worker: &str, keys: Vec<u64>) -> Note {
     Note::Dispatch {
         id,
         worker: worker.into(),
+        dp_rank: None,
         keys,
         uncached_tokens: 2048.0,
         est_ttft_s: 0.5,
@@ -341,4 +342,56 @@ fn replicas_that_have_not_heard_from_each_other_break_near_ties_alike() {
         used.insert(on_a);
     }
     assert_eq!(used.len(), 2, "{used:?}");
+}
+
+#[tokio::test]
+async fn a_peers_stored_answer_pins_its_follow_ups_here_too() {
+    use crate::routing::sessions::{Answers, Held, Owner, SessionKey};
+    use crate::routing::{Prompt, RouteRequest};
+    let router = router();
+    let answer = |id: &str, worker: &str| Note::Answer {
+        id: id.into(),
+        owner: Owner::of("acme").to_wire(),
+        worker: worker.into(),
+        dp_rank: None,
+    };
+    router.apply_replica_batch(Batch {
+        from: "peer-a".into(),
+        notes: vec![
+            answer("resp_1", "http://w2"),
+            // A worker this router does not know, and an id no worker makes, are skipped.
+            answer("resp_2", "http://elsewhere"),
+            answer(&"r".repeat(300), "http://w1"),
+        ],
+    });
+    let asks = |tenant: &str, id: &str| Answers {
+        owner: Some(Owner::of(tenant)),
+        continues: SessionKey::answer(id),
+    };
+    assert_eq!(router.answer_held(&asks("other", "resp_1")), Held::Foreign);
+    assert_eq!(router.answer_held(&asks("acme", "resp_2")), Held::Unknown);
+    assert_eq!(
+        router.answer_held(&asks("acme", &"r".repeat(300))),
+        Held::Unknown
+    );
+    // Whatever the estimate would say, acme's follow-ups go to w2.
+    for i in 0..4 {
+        let text = format!("follow-up {i}");
+        let d = router
+            .pick(RouteRequest {
+                model: "m",
+                prompt: Prompt::Text(&text),
+                debug: false,
+                tokens: None,
+                salt: None,
+                session: None,
+                answers: asks("acme", "resp_1"),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            (d.worker.as_str(), d.reason),
+            ("http://w2", "previous_response")
+        );
+    }
 }
