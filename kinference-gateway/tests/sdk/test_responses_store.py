@@ -5,11 +5,13 @@ Real processes only: three `vllm-sim` workers storing answers as vLLM does, and 
 """
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import requests
 
-from conftest import MODEL, Cluster
+from conftest import BIN_DIR, MODEL, TOKENIZER_DIR, Cluster, Gateway, free_port, wait_for
 from test_tenancy import KEYS, start_gateway, write_tenants
 
 TURNS = 8
@@ -94,5 +96,60 @@ def test_a_stored_answer_is_continued_where_it_is_held_and_by_its_tenant_only(tm
         start = anonymous.responses.create(model=MODEL, input="Another conversation.", max_output_tokens=4)
         continue_chain(anonymous, start, 4)
         assert open_gw.metric("kinference_routing_decisions_total", reason="previous_response") >= 4
+    finally:
+        c.close()
+
+
+ADMIN_KEY = "replicas-admin-key-0123456789abcdef"
+
+
+def replica_pair(c: Cluster, workers) -> list[Gateway]:
+    """Two open Kinference gateways over `workers`, each the other's peer (`replicas.peers`)."""
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    gateways = []
+    for i, (port, admin) in enumerate(ports):
+        peer_admin = ports[1 - i][1]
+        config = c.workdir / f"replica-{i}.yaml"
+        lines = [f"models:\n  - name: {MODEL}\n    tokenizer_dir: {TOKENIZER_DIR}\nworkers:"]
+        lines += [f"  - url: {w.url}\n    model: {MODEL}" for w in workers]
+        lines.append(f"routing: kinference\nreplicas:\n  peers: [\"http://127.0.0.1:{peer_admin}\"]")
+        config.write_text("\n".join(lines) + "\n")
+        process = c._spawn(f"replica-{i}", [
+            str(BIN_DIR / "kinference-gateway"), "--listen", f"127.0.0.1:{port}",
+            "--admin-listen", f"127.0.0.1:{admin}", "--admin-key", ADMIN_KEY, "--config", str(config)])
+        gateways.append(Gateway(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", process, list(workers)))
+    for gw in gateways:
+        wait_for(f"{gw.admin}/readyz", proc=gw.process.proc)
+    return gateways
+
+
+def test_a_stored_answer_made_through_one_replica_is_continued_through_the_other(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        workers = [c.worker("--responses-store") for _ in range(3)]
+        replicas = replica_pair(c, workers)
+        clients = [oai(gw.openai_base) for gw in replicas]
+        previous = clients[0].responses.create(model=MODEL, input="A conversation over two replicas.",
+                                               max_output_tokens=3)
+        held = holders(workers, previous.id)
+        assert len(held) == 1
+        for turn in range(6):
+            # Each turn through the other replica than the last: it knows the answer only from its peer.
+            client = clients[(turn + 1) % 2]
+            deadline = time.monotonic() + 5
+            while True:
+                try:
+                    answer = client.responses.create(model=MODEL, input=f"Turn {turn}.",
+                                                     previous_response_id=previous.id, max_output_tokens=3)
+                    break
+                except openai.NotFoundError:
+                    # The peer's note is a heartbeat away (200 ms by default): only then is a miss allowed.
+                    assert time.monotonic() < deadline, "the peer never told this replica of the answer"
+                    time.sleep(0.2)
+            assert answer.status == "completed"
+            previous = answer
+        assert holders(workers, previous.id) == held
+        assert sum(gw.metric("kinference_routing_decisions_total", reason="previous_response")
+                   for gw in replicas) >= 6
     finally:
         c.close()
