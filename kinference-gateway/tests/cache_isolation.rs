@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use kinference_gateway::tenancy::isolation::{SaltKey, Scope};
 use serde_json::{Value, json};
-use testkit::{ChildGuard, bin_dir, free_port, tokenizer_dir};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 mod support;
 
@@ -192,12 +192,7 @@ struct Stack {
 
 async fn start() -> Option<Stack> {
     let sim = support::vllm_sim_binary()?;
-    let agent_bin = bin_dir().join("kinference-agent");
-    assert!(
-        agent_bin.exists(),
-        "{} not found: build it first (cargo build --workspace --bins) or set KINFERENCE_BIN_DIR",
-        agent_bin.display()
-    );
+    let agent_bin = support::agent_binary();
     let dir = support::TempDir::new("cache-isolation");
     let (agent_grpc, agent_metrics) = (free_port(), free_port());
     let ports: Vec<(u16, u16, u16)> = (0..2)

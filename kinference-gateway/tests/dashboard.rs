@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use testkit::{ChildGuard, bin_dir, free_port};
+use testkit::{ChildGuard, free_port};
 
 mod support;
 
@@ -170,12 +170,7 @@ fn every_dashboard_query_names_an_exported_metric() {
     let (mut gateway, _api, admin) =
         support::spawn_gateway_with(&config, &["--metrics-tenant-spend"]);
 
-    let agent_bin = bin_dir().join("kinference-agent");
-    assert!(
-        agent_bin.exists(),
-        "{} not found: build it first (cargo build -p kinference-agent) or set KINFERENCE_BIN_DIR",
-        agent_bin.display()
-    );
+    let agent_bin = support::agent_binary();
     let workers = dir.join("agent-workers.yaml");
     std::fs::write(&workers, "workers: []\n").unwrap();
     let (grpc, metrics) = (free_port(), free_port());

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use testkit::{ChildGuard, bin_dir, free_port, tokenizer_dir};
+use testkit::{ChildGuard, free_port, tokenizer_dir};
 
 mod support;
 
@@ -46,12 +46,7 @@ struct Stack {
 
 async fn start() -> Option<Stack> {
     let sim = support::vllm_sim_binary()?;
-    let agent_bin = bin_dir().join("kinference-agent");
-    assert!(
-        agent_bin.exists(),
-        "{} not found: build it first (cargo build --workspace --bins) or set KINFERENCE_BIN_DIR",
-        agent_bin.display()
-    );
+    let agent_bin = support::agent_binary();
     let dir = support::TempDir::new("dp-ranks");
     let (agent_grpc, agent_metrics) = (free_port(), free_port());
     let run = free_port_run();

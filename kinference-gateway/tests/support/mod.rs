@@ -181,6 +181,19 @@ pub fn vllm_sim_binary() -> Option<PathBuf> {
     .then_some(sim)
 }
 
+/// The built `kinference-agent` binary; a test that starts one cannot run without it, so its
+/// absence fails the test (build it first: `cargo build --workspace --bins`, or set
+/// `KINFERENCE_BIN_DIR`).
+pub fn agent_binary() -> PathBuf {
+    let agent = testkit::bin_dir().join("kinference-agent");
+    assert!(
+        agent.exists(),
+        "{} not found: build it first (cargo build --workspace --bins) or set KINFERENCE_BIN_DIR",
+        agent.display()
+    );
+    agent
+}
+
 /// Starts `sim` (a `vllm-sim` binary) serving `model` with the `fast` preset and the test
 /// tokenizer on a free loopback port: (the process, its port). It may not answer yet.
 pub fn spawn_vllm_sim(sim: &Path, model: &str) -> (ChildGuard, u16) {
