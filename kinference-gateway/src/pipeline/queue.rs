@@ -11,9 +11,11 @@
 //!   plan's next pool estimated to meet it or its next provider (`Fallback`), a refusal at once (503
 //!   `objective_unmet` with `Retry-After`, `Refuse`), or the fastest worker anyway (`Serve`). The
 //!   estimate is that of a short uncached request sent now ([`WorkerPressure::est_ttft_s`]): the
-//!   request's own is no shorter, so a refusal is never for a worker that could have met it. The
-//!   time-per-output-token objective is read and bounded the same way, but not estimated (the
-//!   router has no decode-rate estimate): it changes nothing yet.
+//!   request's own is no shorter, so a refusal is never for a worker that could have met it. A
+//!   time-per-output-token objective (`x-kinference-tpot-objective-ms`, no tighter than `minTpotMs`)
+//!   is met by a worker whose recent time per output token (learned from its streams,
+//!   [`WorkerPressure::tpot_s`]) is within it; a worker that has streamed nothing yet has no figure
+//!   to refuse it by and counts as meeting it. With both objectives, a worker must meet both.
 //! - While the plan's first pool is saturated the request waits here, in its band, fair between
 //!   tenants by tokens, and is then routed with the workers' state of the moment it leaves the
 //!   queue; one that waits too long is shed with 429/503 and `Retry-After` in the client's protocol
@@ -118,16 +120,52 @@ pub fn ttft_objective_s(asked_ms: u32, rule: &TenantObjectives) -> f64 {
     f64::from(asked_ms.max(rule.min_ttft_ms.unwrap_or(1))) / 1000.0
 }
 
-/// The workers of `pressure` estimated to meet `objective_s`.
-pub fn meeting(pressure: &[WorkerPressure], objective_s: f64) -> Vec<String> {
+/// The time-per-output-token objective, in seconds, a request naming `asked_ms` holds its tenant's
+/// `rule` to: never tighter than the rule's `minTpotMs`.
+pub fn tpot_objective_s(asked_ms: u32, rule: &TenantObjectives) -> f64 {
+    f64::from(asked_ms.max(rule.min_tpot_ms.unwrap_or(1))) / 1000.0
+}
+
+/// A request's latency objectives, seconds (either may be absent).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Objectives {
+    /// Time to first token.
+    pub ttft_s: Option<f64>,
+    /// Time per output token.
+    pub tpot_s: Option<f64>,
+}
+
+impl Objectives {
+    /// Whether `worker` is estimated to meet both (a worker with no TPOT figure yet meets that one).
+    fn met_by(&self, worker: &WorkerPressure) -> bool {
+        self.ttft_s.is_none_or(|o| worker.est_ttft_s <= o)
+            && self
+                .tpot_s
+                .is_none_or(|o| worker.tpot_s.is_none_or(|t| t <= o))
+    }
+
+    /// The objectives, as the explanation shows them.
+    fn describe(&self) -> String {
+        let ms = |s: f64| s * 1000.0;
+        match (self.ttft_s, self.tpot_s) {
+            (Some(t), Some(p)) => format!("ttft <= {:.0} ms, tpot <= {:.0} ms", ms(t), ms(p)),
+            (Some(t), None) => format!("ttft <= {:.0} ms", ms(t)),
+            (None, Some(p)) => format!("tpot <= {:.0} ms", ms(p)),
+            (None, None) => "none".to_string(),
+        }
+    }
+}
+
+/// The workers of `pressure` estimated to meet `objectives`.
+pub fn meeting(pressure: &[WorkerPressure], objectives: &Objectives) -> Vec<String> {
     pressure
         .iter()
-        .filter(|p| p.est_ttft_s <= objective_s)
+        .filter(|p| objectives.met_by(p))
         .map(|p| p.worker.clone())
         .collect()
 }
 
-/// The plan for a request with a TTFT objective: its first pool narrowed to the workers estimated
+/// The plan for a request with a latency objective: its first pool narrowed to the workers estimated
 /// to meet it, or (none does) what its tenant's `onMiss` says. Unchanged without an objective, or
 /// where the tenant allows none.
 fn meet_objective(
@@ -142,10 +180,16 @@ fn meet_objective(
         .and_then(|t| t.flow_control.as_ref())
         .and_then(|f| f.objectives.clone());
     let tenant = tenant.map_or_else(|| "anonymous".to_string(), |t| t.label.clone());
-    let (Some(rule), Some(asked)) = (rule, ex.objectives.ttft_ms) else {
+    let Some(rule) = rule else {
         return Ok(plan);
     };
-    let objective_s = ttft_objective_s(asked, &rule);
+    let objectives = Objectives {
+        ttft_s: ex.objectives.ttft_ms.map(|ms| ttft_objective_s(ms, &rule)),
+        tpot_s: ex.objectives.tpot_ms.map(|ms| tpot_objective_s(ms, &rule)),
+    };
+    if objectives == Objectives::default() {
+        return Ok(plan);
+    }
     // Providers: a later target a request may burst to (Envoy forwards to workers only).
     let providers =
         request.provider_request().is_some() && !plan.local_only && ex.door == Door::Http;
@@ -154,12 +198,12 @@ fn meet_objective(
     let choice = choose(
         &plan.targets,
         pressure,
-        objective_s,
+        &objectives,
         rule.on_miss,
         providers,
         &mut notes,
     );
-    explain(ex, objective_s, &notes);
+    explain(ex, &objectives, &notes);
     let (from, target) = match choice {
         Choice::Keep => return Ok(plan),
         Choice::Target(from, target) => (from, target),
@@ -172,8 +216,8 @@ fn meet_objective(
                 deadline: None,
             };
             tracing::debug!(
-                objective_ms = objective_s * 1000.0,
-                "no worker estimated to meet the request's TTFT objective; refused"
+                objectives = objectives.describe(),
+                "no worker estimated to meet the request's objectives; refused"
             );
             return Err(gw
                 .overload
@@ -186,7 +230,7 @@ fn meet_objective(
     Ok(replan(&plan, from, target, burst))
 }
 
-/// Where a request with a TTFT objective of `objective_s` goes among a plan's `targets`.
+/// Where a request with latency objectives goes among a plan's `targets`.
 #[derive(Debug, PartialEq)]
 pub enum Choice {
     /// The plan as it is (a provider first, or `onMiss: Serve`).
@@ -204,7 +248,7 @@ pub enum Choice {
 pub fn choose(
     targets: &[PlanTarget],
     pressure: impl Fn(&str, Option<&[String]>) -> Vec<WorkerPressure>,
-    objective_s: f64,
+    objectives: &Objectives,
     on_miss: ObjectiveMiss,
     providers: bool,
     notes: &mut Vec<String>,
@@ -218,7 +262,7 @@ pub fn choose(
                 workers,
             } => {
                 let pressure = pressure(model, workers.as_deref());
-                let meet = meeting(&pressure, objective_s);
+                let meet = meeting(&pressure, objectives);
                 notes.push(format!("{}/{} of pool {pool}", meet.len(), pressure.len()));
                 if !meet.is_empty() && (first || on_miss == ObjectiveMiss::Fallback) {
                     let narrowed = PlanTarget::Pool {
@@ -263,12 +307,12 @@ fn replan(plan: &Plan, from: usize, target: PlanTarget, burst: bool) -> Arc<Plan
     })
 }
 
-fn explain(ex: &mut Exchange, objective_s: f64, notes: &[String]) {
+fn explain(ex: &mut Exchange, objectives: &Objectives, notes: &[String]) {
     if ex.debug {
         let before = ex.explain.take().unwrap_or_default();
         ex.explain = Some(format!(
-            "{before}; objective: ttft <= {:.0} ms met by {}",
-            objective_s * 1000.0,
+            "{before}; objective: {} met by {}",
+            objectives.describe(),
             notes.join(", ")
         ));
     }
@@ -337,6 +381,14 @@ mod tests {
             accept_backlog: None,
             kernel_ttfb: None,
             est_ttft_s,
+            tpot_s: None,
+        }
+    }
+
+    fn ttft(s: f64) -> Objectives {
+        Objectives {
+            ttft_s: Some(s),
+            tpot_s: None,
         }
     }
 
@@ -350,9 +402,41 @@ mod tests {
         assert_eq!(ttft_objective_s(50, &rule), 0.2);
         assert_eq!(ttft_objective_s(1500, &rule), 1.5);
         let pressure = [at("a", 0.1), at("b", 0.25), at("c", 2.0)];
-        assert_eq!(meeting(&pressure, 0.2), ["a"]);
-        assert_eq!(meeting(&pressure, 1.5), ["a", "b"]);
-        assert!(meeting(&pressure, 0.05).is_empty());
+        assert_eq!(meeting(&pressure, &ttft(0.2)), ["a"]);
+        assert_eq!(meeting(&pressure, &ttft(1.5)), ["a", "b"]);
+        assert!(meeting(&pressure, &ttft(0.05)).is_empty());
+    }
+
+    #[test]
+    fn a_tpot_objective_is_met_by_the_workers_decoding_within_it_or_not_yet_measured() {
+        let rule = TenantObjectives {
+            min_tpot_ms: Some(20),
+            ..Default::default()
+        };
+        assert_eq!(tpot_objective_s(5, &rule), 0.02);
+        assert_eq!(tpot_objective_s(50, &rule), 0.05);
+        let decoding = |worker, est_ttft_s, tpot_s| WorkerPressure {
+            tpot_s,
+            ..at(worker, est_ttft_s)
+        };
+        let pressure = [
+            decoding("fast", 1.0, Some(0.015)),
+            decoding("slow", 0.1, Some(0.080)),
+            decoding("new", 0.5, None),
+        ];
+        let tpot = |s| Objectives {
+            ttft_s: None,
+            tpot_s: Some(s),
+        };
+        assert_eq!(meeting(&pressure, &tpot(0.05)), ["fast", "new"]);
+        assert_eq!(meeting(&pressure, &tpot(0.01)), ["new"]);
+        // Both objectives: a worker must meet both.
+        let both = Objectives {
+            ttft_s: Some(0.6),
+            tpot_s: Some(0.05),
+        };
+        assert_eq!(meeting(&pressure, &both), ["new"]);
+        assert_eq!(both.describe(), "ttft <= 600 ms, tpot <= 50 ms");
     }
 
     fn pool(name: &str) -> PlanTarget {
@@ -394,7 +478,7 @@ mod tests {
             choose(
                 targets,
                 pressure,
-                objective_s,
+                &ttft(objective_s),
                 miss,
                 providers,
                 &mut Vec::new(),

@@ -53,6 +53,9 @@ pub struct WorkerPressure {
     pub kernel_ttfb: Option<std::time::Duration>,
     /// Estimated time to first token of a short uncached request sent now, seconds.
     pub est_ttft_s: f64,
+    /// The worker's recent time per output token (learned from its streams of two tokens or more),
+    /// seconds; `None` before its first.
+    pub tpot_s: Option<f64>,
 }
 
 impl Router {
@@ -88,6 +91,7 @@ impl Router {
                     accept_backlog: c.kernel_fresh.map(|l| l.accept_backlog),
                     kernel_ttfb: c.kernel_fresh.and_then(|l| l.kernel_ttfb),
                     est_ttft_s: est.ttft_s,
+                    tpot_s: c.worker.state.lock().tpot_s,
                 }
             })
             .collect()
