@@ -6,7 +6,9 @@
 //! `kinference.ai/model`). Its spec follows the chart's conventions (deploy/examples/vllm-worker.yaml):
 //! URL `http://<pod ip>:<kinference.ai/http-port, default 8000>`, topic `kv@<pod name>@<model>`, replay at
 //! `tcp://<pod ip>:<kinference.ai/kv-replay-port>` when annotated, role (prefill/decode disaggregation)
-//! from the label or annotation `kinference.ai/role`, sent to the gateways with the worker's state. KV events:
+//! from the label or annotation `kinference.ai/role`, sent to the gateways with the worker's state, and
+//! data-parallel ranks from the annotation `kinference.ai/data-parallel-size` (vLLM's
+//! `--data-parallel-size`: 1 to 256; another value is followed as rank-less). KV events:
 //! - with the annotation `kinference.ai/kv-events-port`, the worker's publisher binds that port in its own
 //!   pod (vLLM `"endpoint":"tcp://*:<port>"`) and the agent connects to `tcp://<pod ip>:<port>`: one
 //!   endpoint per worker pod, so any number of workers on a node each reach the agent;
@@ -37,6 +39,8 @@ pub const HTTP_PORT_ANNOTATION: &str = "kinference.ai/http-port";
 pub const REPLAY_PORT_ANNOTATION: &str = "kinference.ai/kv-replay-port";
 /// Annotation with the port the worker's KV-event publisher binds in its pod (the agent connects to it).
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kinference.ai/kv-events-port";
+/// Annotation with the worker's data-parallel size (its engines' count, vLLM's `--data-parallel-size`).
+pub const DATA_PARALLEL_SIZE_ANNOTATION: &str = "kinference.ai/data-parallel-size";
 /// Label (or annotation) with the served model.
 pub const MODEL_KEY: &str = "kinference.ai/model";
 /// vLLM's default HTTP port.
@@ -134,8 +138,9 @@ impl KubeSource {
             role: lookup(meta.labels.as_ref(), ROLE_KEY)
                 .or_else(|| lookup(meta.annotations.as_ref(), ROLE_KEY))
                 .and_then(|r| r.parse().ok()),
-            // Not read from the pod yet: a data-parallel worker found this way is followed as rank-less.
-            data_parallel_size: None,
+            data_parallel_size: lookup(meta.annotations.as_ref(), DATA_PARALLEL_SIZE_ANNOTATION)
+                .and_then(|n| n.trim().parse::<u32>().ok())
+                .filter(|n| (1..=crate::config::MAX_DATA_PARALLEL_SIZE).contains(n)),
         })
     }
 }

@@ -125,3 +125,22 @@ fn the_role_label_or_annotation_names_the_workers_role() {
     let odd = pod("o", "10.88.0.10", &[(ROLE_KEY, "encode")]);
     assert_eq!(s.spec_of(&odd).unwrap().role, None);
 }
+
+#[test]
+fn the_data_parallel_annotation_names_the_workers_ranks() {
+    let s = source();
+    let ranked = pod("r", "10.88.0.11", &[(DATA_PARALLEL_SIZE_ANNOTATION, " 4 ")]);
+    assert_eq!(s.spec_of(&ranked).unwrap().data_parallel_size, Some(4));
+    assert_eq!(s.spec_of(&ranked).unwrap().ranks(), 4);
+    // None, zero, past the bound or not a number: followed as rank-less, not dropped.
+    for odd in ["0", "257", "two", ""] {
+        let p = pod("o", "10.88.0.12", &[(DATA_PARALLEL_SIZE_ANNOTATION, odd)]);
+        assert_eq!(s.spec_of(&p).unwrap().data_parallel_size, None, "{odd:?}");
+    }
+    assert_eq!(
+        s.spec_of(&pod("w", "10.88.0.13", &[]))
+            .unwrap()
+            .data_parallel_size,
+        None
+    );
+}
