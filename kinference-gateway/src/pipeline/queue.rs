@@ -19,8 +19,11 @@
 //! - While the plan's first pool is saturated the request waits here, in its band, fair between
 //!   tenants by tokens, and is then routed with the workers' state of the moment it leaves the
 //!   queue; one that waits too long is shed with 429/503 and `Retry-After` in the client's protocol
-//!   and settled like any refusal ([`crate::overload::flow`]). Both front doors run it, for every
-//!   endpoint a worker answers.
+//!   and settled like any refusal ([`crate::overload::flow`]). While it waits, a later pool of its
+//!   plan (a policy's fallback) that has room takes it instead: it leaves the queue and goes on to
+//!   that pool (the explanation says after how long). Providers are never moved to this way (they
+//!   cost money; bursting is the policy's call). Both front doors run it, for every endpoint a
+//!   worker answers.
 
 use std::sync::Arc;
 
@@ -48,28 +51,43 @@ pub async fn queue(
     if !ex.endpoint.reaches_backend() {
         return Ok(plan);
     }
-    let plan = meet_objective(gw, ex, request, band, plan)?;
+    let mut plan = meet_objective(gw, ex, request, band, plan)?;
     let flow = &gw.overload.flow;
     if !flow.enabled() {
         return Ok(plan);
     }
-    let Some(PlanTarget::Pool {
-        pool,
-        model,
-        workers,
-    }) = plan.targets.first()
-    else {
-        return Ok(plan);
-    };
-    let router = Arc::clone(&gw.router);
-    let (served, within) = (model.clone(), workers.clone());
-    let probe: Probe = Arc::new(move || router.pressure(&served, within.as_deref()));
     let ticket = ticket(ex, request, band);
-    let key = format!("{pool}/{model}");
-    let waited = flow
-        .wait(&key, probe, ticket)
-        .instrument(tracing::debug_span!("queue"))
-        .await;
+    let since = std::time::Instant::now();
+    let (waited, key) = loop {
+        let Some(PlanTarget::Pool {
+            pool,
+            model,
+            workers,
+        }) = plan.targets.first()
+        else {
+            return Ok(plan);
+        };
+        let key = format!("{pool}/{model}");
+        let wait = flow
+            .wait(&key, probe(gw, model, workers.as_deref()), ticket.clone())
+            .instrument(tracing::debug_span!("queue"));
+        tokio::select! {
+            biased;
+            waited = wait => break (waited, key.clone()),
+            later = later_pool_with_room(gw, &plan) => {
+                let target = plan.targets[later].clone();
+                tracing::debug!(from = %key, to = ?target, "a later pool of the plan has room: the request moves on");
+                if ex.debug {
+                    let before = ex.explain.take().unwrap_or_default();
+                    ex.explain = Some(format!(
+                        "{before}; queue: pool {key} saturated, moved to the plan's target {later} after {} ms",
+                        since.elapsed().as_millis()
+                    ));
+                }
+                plan = replan(&plan, later, target, false);
+            }
+        }
+    };
     match waited {
         Ok(passed) => {
             if ex.debug
@@ -91,6 +109,62 @@ pub async fn queue(
             Err(shed.into())
         }
     }
+}
+
+/// What the flow control reads `model`'s pool (its workers `within`) through.
+fn probe(gw: &Gateway, model: &str, within: Option<&[String]>) -> Probe {
+    let router = Arc::clone(&gw.router);
+    let (served, within) = (model.to_string(), within.map(<[String]>::to_vec));
+    Arc::new(move || router.pressure(&served, within.as_deref()))
+}
+
+/// How often a waiting request looks at its plan's later pools: each look reads every worker of
+/// them, for every waiting request, so less often than the dispatcher judges its own pool.
+const LATER_POOL_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Resolves, once a later pool of `plan` than its first has room (judged every
+/// [`LATER_POOL_EVERY`]), to that target's index; never for a plan with no later pool.
+async fn later_pool_with_room(gw: &Gateway, plan: &Plan) -> usize {
+    if !has_later_pool(&plan.targets) {
+        return std::future::pending().await;
+    }
+    let flow = &gw.overload.flow;
+    loop {
+        tokio::time::sleep(LATER_POOL_EVERY).await;
+        let judged = first_later_with_room(&plan.targets, |model, workers| {
+            let verdict = flow.judge(&probe(gw, model, workers));
+            verdict.workers > 0 && !verdict.saturated
+        });
+        if let Some(i) = judged {
+            return i;
+        }
+    }
+}
+
+/// Whether `targets` has a pool after its first target.
+fn has_later_pool(targets: &[PlanTarget]) -> bool {
+    targets
+        .iter()
+        .skip(1)
+        .any(|t| matches!(t, PlanTarget::Pool { .. }))
+}
+
+/// The first pool after the first target that `has_room` (asked with its model and workers), by
+/// index in `targets`; providers are passed over.
+fn first_later_with_room(
+    targets: &[PlanTarget],
+    has_room: impl Fn(&str, Option<&[String]>) -> bool,
+) -> Option<usize> {
+    targets
+        .iter()
+        .enumerate()
+        .skip(1)
+        .find_map(|(i, t)| match t {
+            PlanTarget::Pool { model, workers, .. } if has_room(model, workers.as_deref()) => {
+                Some(i)
+            }
+            _ => None,
+        })
 }
 
 /// The band of the request: its tenant's priority, and what its headers may claim of it.
@@ -469,6 +543,23 @@ mod tests {
             model: format!("model-{name}"),
             workers: Some(workers.iter().map(|w| w.to_string()).collect()),
         }
+    }
+
+    #[test]
+    fn a_waiting_request_moves_on_to_the_first_later_pool_with_room_never_to_a_provider() {
+        let plan = [pool("a"), provider(), pool("b"), pool("c")];
+        let room_in = |models: &'static [&'static str]| {
+            move |model: &str, _: Option<&[String]>| models.contains(&model)
+        };
+        assert_eq!(
+            first_later_with_room(&plan, room_in(&["model-b", "model-c"])),
+            Some(2)
+        );
+        assert_eq!(first_later_with_room(&plan, room_in(&["model-c"])), Some(3));
+        // The first pool is where it waits already; no later pool with room: it stays.
+        assert_eq!(first_later_with_room(&plan, room_in(&["model-a"])), None);
+        assert!(has_later_pool(&plan));
+        assert!(!has_later_pool(&[pool("a"), provider()]));
     }
 
     #[test]
