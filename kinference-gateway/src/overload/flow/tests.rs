@@ -187,6 +187,8 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         (
             WorkerPressure {
                 est_ttft_s: 2.5,
+                in_flight: 1,
+                before_first_token: 1,
                 ..idle.clone()
             },
             Reason::EstTtft,
@@ -240,6 +242,53 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         worker_full(&full, &capped).map(|(r, _)| r),
         Some(Reason::InFlight)
     );
+}
+
+/// The lock-up the noisy-neighbour benchmark found without a kernel view: rates learned under a
+/// flood that has gone put the estimate past the target on an idle worker; judged full on it, the
+/// pool let nothing through, no first token came to correct the rates, and every request was shed.
+#[tokio::test]
+async fn an_idle_pool_takes_a_request_however_pessimistic_its_estimate() {
+    let flow = control(FlowSettings {
+        deadline_ms: vec![200],
+        ..on()
+    });
+    // Nothing in flight, no kernel view, no fresh scrape: only the ledger and stale rates.
+    let stale = WorkerPressure {
+        worker: "w".into(),
+        signal: "ledger",
+        est_ttft_s: 30.0,
+        ..Default::default()
+    };
+    let t = Thresholds::default();
+    assert_eq!(worker_full(&stale, &t), None);
+    let probe: Probe = Arc::new(move || vec![stale.clone()]);
+    for band in [Low, Medium, High] {
+        let passed = flow
+            .wait("p", Arc::clone(&probe), ticket(band, "a"))
+            .await
+            .expect("an idle worker is not full by the estimate alone");
+        assert_eq!(passed.waited, Duration::ZERO, "{band:?}");
+    }
+    // With a first token on its way there, the same estimate fills the worker.
+    let waiting = WorkerPressure {
+        worker: "w".into(),
+        signal: "ledger",
+        in_flight: 1,
+        before_first_token: 1,
+        est_ttft_s: 30.0,
+        ..Default::default()
+    };
+    let verdict = judge(std::slice::from_ref(&waiting), 0, &t);
+    assert!(verdict.saturated, "{verdict:?}");
+    assert_eq!(verdict.reason, Some(Reason::EstTtft));
+    // Decoding only (every first token in): the estimate cannot be corrected, so it does not fill.
+    let decoding = WorkerPressure {
+        before_first_token: 0,
+        in_flight: 3,
+        ..waiting
+    };
+    assert!(!judge(&[decoding], 0, &t).saturated);
 }
 
 #[tokio::test]
