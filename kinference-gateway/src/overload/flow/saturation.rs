@@ -29,7 +29,8 @@
 //! most of its workers gave and explains each worker in one line (`x-kinference-decision`, logs),
 //! and counts `room`: how many more requests the workers' queues take before every one is full,
 //! which bounds how many waiting requests the flow control lets through at once (the engine's
-//! figures lag by a scrape).
+//! figures lag by a scrape). A pool with nothing in flight and nothing let through is `idle`: the
+//! flow control holds no band reserve from it.
 
 use std::time::Duration;
 
@@ -154,6 +155,9 @@ pub struct Verdict {
     pub workers: usize,
     /// Of `workers`.
     pub full: usize,
+    /// Nothing in flight on any worker and nothing let through not yet routed: the flow control
+    /// holds no band reserve from an idle pool.
+    pub idle: bool,
     /// One clause per worker: `url full:reason (figure)` or `url room:N`.
     pub explain: String,
 }
@@ -260,6 +264,10 @@ pub fn judge(workers: &[WorkerPressure], pending: usize, t: &Thresholds) -> Verd
         room,
         workers: n,
         full,
+        idle: pending == 0
+            && workers
+                .iter()
+                .all(|w| w.in_flight == 0 && w.before_first_token == 0),
         explain: explain.join("; "),
     }
 }
