@@ -13,7 +13,7 @@
 //! - a request with nobody of its band or above waiting is judged at once and goes on when the pool's
 //!   room exceeds its band's reserve ([`reserve`]: the sum of what each band above needs, each sized
 //!   from that band's recent arrivals against the pool's recent request ends, at least
-//!   `--flow-band-reserve` each, 1 each at a cold start), or when the pool is idle (nothing in flight
+//!   `--flow-band-reserve` each, 2 each at a cold start), or when the pool is idle (nothing in flight
 //!   nor let through: an idle pool holds no reserve, so no band is ever kept out for good);
 //! - otherwise it joins the pool's [`FairQueue`], and the pool's dispatcher re-judges the pool every
 //!   `--flow-interval-ms` and whenever one of its requests ends, letting through at most the verdict's
@@ -122,7 +122,7 @@ pub struct FlowSettings {
     pub band_reserve: usize,
     /// The chance a request of a higher band may have of finding no room because a lower band took
     /// it: each band leaves free the sum of the room each band above needs, from that band's recent
-    /// arrivals against the pool's recent request ends, 1 slot each before any end is seen
+    /// arrivals against the pool's recent request ends, 2 slots each before any end is seen
     /// (`overload::flow::reserve`); 0 turns this off (only `--flow-band-reserve` then).
     #[arg(
         long = "flow-reserve-miss",

@@ -31,13 +31,17 @@
 //!
 //! **Cold start.** With no request of the pool ended in the window (a pool that has just started,
 //! or has not served for [`WINDOW`]) there is nothing to size from: each band above keeps
-//! [`COLD_START_SLOTS`] (1), so a flood arriving first cannot take every slot before the first ends
-//! come in. (The flow control holds no reserve from an idle pool, so this floor cannot keep a lower
-//! band out for good: see `overload::flow`.)
+//! [`COLD_START_SLOTS`] (2, the need the formula gives a band sending 5-22% of what the pool ends,
+//! with `miss = 0.05`), so a flood arriving first cannot take every slot before the first ends come
+//! in. (The flow control holds no reserve from an idle pool, so this floor cannot keep a lower band
+//! out for good: see `overload::flow`.) A floor of 1 was measured too short: in the
+//! noisy-neighbour benchmark A's flood filled all but 2 slots in under a second, and B's and C's
+//! arrivals of the ~2.5 s before A's first requests ended shared those 2 (B's p90 7.4x its alone
+//! run, against 1.25x with a fixed reserve of 2 per band).
 //!
 //! Example (the noisy-neighbour benchmark): the pool ending 6 req/s, B (medium) arriving 0.9 req/s
 //! (`rho = 0.15`) and C (high) 0.6 req/s (`rho = 0.1`); with `miss = 0.05` each needs 2 slots: the
-//! medium band leaves 2, the low band 4. At a cold start: 1 and 2.
+//! medium band leaves 2, the low band 4; at a cold start the same.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -50,7 +54,7 @@ use super::fair_queue::{BANDS, rank};
 pub const WINDOW: Duration = Duration::from_secs(10);
 
 /// Slots each band above keeps while there is nothing to size its need from (no end in the window).
-pub const COLD_START_SLOTS: usize = 1;
+pub const COLD_START_SLOTS: usize = 2;
 
 /// The room a band arriving at `lambda` requests per second needs kept free in a pool whose requests
 /// end at `mu` per second, so that one of its arrivals finds no room with a chance of at most

@@ -486,11 +486,11 @@ fn the_sized_reserve_leaves_the_room_the_higher_bands_arrivals_need() {
 }
 
 #[test]
-fn a_cold_start_keeps_one_slot_per_band_above_and_the_sized_need_is_off_with_miss_zero() {
-    // No end seen in the window: nothing to size from, one slot each, whatever arrives.
+fn a_cold_start_keeps_two_slots_per_band_above_and_the_sized_need_is_off_with_miss_zero() {
+    // No end seen in the window: nothing to size from, two slots each, whatever arrives.
     assert_eq!(reserve::need(0.0, 0.0, 0.05, 4), reserve::COLD_START_SLOTS);
-    assert_eq!(reserve::need(20.0, 0.0, 0.05, 4), 1);
-    assert_eq!(reserve::need(20.0, 0.0, 0.05, 0), 0, "capped");
+    assert_eq!(reserve::need(20.0, 0.0, 0.05, 4), 2);
+    assert_eq!(reserve::need(20.0, 0.0, 0.05, 1), 1, "capped");
     // Warm: the sized need, 0 for a band that sent nothing.
     assert_eq!(reserve::need(0.6, 6.0, 0.05, 4), 2);
     assert_eq!(reserve::need(0.0, 6.0, 0.05, 4), 0);
@@ -506,8 +506,8 @@ fn reserves_nest_each_band_leaves_the_sum_of_the_needs_above_it() {
     let reserves = |rates: &mut reserve::Rates, now: Instant| {
         [High, Medium, Low].map(|band| settings.reserve(band, rates, now))
     };
-    // A cold start: one slot per band above.
-    assert_eq!(reserves(&mut rates, start), [0, 1, 2]);
+    // A cold start: two slots per band above.
+    assert_eq!(reserves(&mut rates, start), [0, 2, 4]);
     // Arrivals but still no end (a flood's first seconds): the same.
     for i in 0..50 {
         rates.arrived(Low, start + Duration::from_millis(20 * i));
@@ -515,7 +515,7 @@ fn reserves_nest_each_band_leaves_the_sum_of_the_needs_above_it() {
     }
     assert_eq!(
         reserves(&mut rates, start + Duration::from_secs(1)),
-        [0, 1, 2]
+        [0, 2, 4]
     );
     let mut rates = reserve::Rates::default();
     // The benchmark's steady state: the pool ending 6 req/s, C (high) 0.6 req/s and B (medium)
@@ -539,7 +539,7 @@ fn reserves_nest_each_band_leaves_the_sum_of_the_needs_above_it() {
     assert_eq!(reserves(&mut rates, now), [0, 2, 6]);
     // Past the window everything is forgotten: a cold start again.
     let later = now + reserve::WINDOW + Duration::from_secs(1);
-    assert_eq!(reserves(&mut rates, later), [0, 1, 2]);
+    assert_eq!(reserves(&mut rates, later), [0, 2, 4]);
     // A quiet medium band needs nothing once ends are seen, unless `--flow-band-reserve` says so.
     let mut rates = reserve::Rates::default();
     for i in 0..60 {
@@ -574,7 +574,7 @@ fn reserves_nest_each_band_leaves_the_sum_of_the_needs_above_it() {
 
 #[tokio::test]
 async fn an_idle_pool_holds_no_reserve_so_a_lower_band_is_never_kept_out_for_good() {
-    // One request at a time (an in-flight cap of 1) and a cold start's reserve of 2 above the low
+    // One request at a time (an in-flight cap of 1) and a cold start's reserve of 4 above the low
     // band: the pool's room (1) never exceeds it, yet an idle pool takes the low band's request.
     let flow = control(FlowSettings {
         thresholds: Thresholds {
