@@ -1,9 +1,11 @@
 //! Flow control through the real `kinference-gateway` binary (`--flow-control`): a request to a
 //! saturated pool waits in the gateway and is shed past its band's deadline with 503 and
 //! `Retry-After` in its own protocol; a tenant with its share of the queue waiting gets 429; an
-//! unsaturated pool serves at once; the shed and saturation metrics say why. The worker is a canned
-//! loopback server (nothing here needs a real engine: the saturation signal is forced through the
-//! TTFT target).
+//! unsaturated pool serves at once; the shed and saturation metrics say why. The workers are
+//! loopback servers (nothing here needs a real engine). The saturated pool is saturated the way a
+//! busy one is: its worker holds a request before its first token, and with a 1 ms TTFT target a
+//! worker with a first token on its way is full by the estimate (an idle one never is: it takes
+//! the request that holds it).
 //!
 //! Per-request objectives and the engine's priority: a TTFT objective no worker is estimated to
 //! meet is refused at once (503 `objective_unmet`, `Retry-After`) where the tenant's `onMiss` says
@@ -12,6 +14,7 @@
 //! request's band as the body's `priority`, and one whose workers do not sends none.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 mod support;
 
@@ -44,6 +47,39 @@ async fn canned_worker() -> u16 {
         }
     });
     port
+}
+
+/// A worker that never answers a POST (each one waits for its first token for good) and answers
+/// anything else (the gateway's health probes) like [`canned_worker`]; its port and how many POSTs
+/// it holds.
+async fn holding_worker() -> (u16, Arc<AtomicUsize>) {
+    let held = Arc::new(AtomicUsize::new(0));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let count = Arc::clone(&held);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let count = Arc::clone(&count);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                let Ok(n) = socket.read(&mut buf).await else {
+                    return;
+                };
+                if buf[..n].starts_with(b"POST") {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    // Held, the connection open, until the test ends.
+                    std::future::pending::<()>().await;
+                }
+                let body = "{}";
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = socket.write_all(response.as_bytes()).await;
+            });
+        }
+    });
+    (port, held)
 }
 
 /// A worker that answers like [`canned_worker`] and keeps every request body it receives.
@@ -176,9 +212,10 @@ async fn post(api: u16, path: &str, key: &str, body: &str) -> (u16, String, Stri
 
 #[tokio::test]
 async fn a_saturated_pool_holds_requests_then_sheds_them_with_retry_after_in_their_protocol() {
-    let worker = canned_worker().await;
+    let (worker, held) = holding_worker().await;
     let scratch = support::TempDir::new("flow-saturated");
-    // A TTFT target of 1 ms: every worker is full (est_ttft), the pool stays saturated.
+    // A TTFT target of 1 ms: a worker with a request waiting for its first token is full
+    // (est_ttft).
     let (_gw, api, admin) = gateway(
         &scratch.0,
         worker,
@@ -190,6 +227,17 @@ async fn a_saturated_pool_holds_requests_then_sheds_them_with_retry_after_in_the
             "--flow-retry-after-seconds=3",
         ],
     )
+    .await;
+    // The idle pool takes gold's request at once, however far past the target its estimate: the
+    // worker holds it, and the pool is saturated from then on.
+    let holding = tokio::spawn(async move {
+        let body = chat_body();
+        post(api, "/v1/chat/completions", "sk-gold", &body).await
+    });
+    let count = &held;
+    support::wait_for("gold's request held by the worker", || async move {
+        count.load(Ordering::SeqCst) == 1
+    })
     .await;
 
     let started = Instant::now();
@@ -246,6 +294,16 @@ async fn a_saturated_pool_holds_requests_then_sheds_them_with_retry_after_in_the
     ] {
         assert!(metrics.contains(line), "{line} in\n{metrics}");
     }
+    assert!(
+        !metrics.contains(r#"kinference_gateway_flow_shed_total{band="high""#),
+        "gold's request was let through: {metrics}"
+    );
+    assert_eq!(
+        held.load(Ordering::SeqCst),
+        1,
+        "nothing else reached the worker"
+    );
+    holding.abort();
 }
 
 #[tokio::test]

@@ -17,9 +17,10 @@
 //! - salted: on every endpoint whose worker keeps a prefix cache (`Endpoint::reaches_prefix_cache`),
 //!   the worker is sent the tenant's `cache_salt`, never the client's own, and another tenant's
 //!   differs (seen in the bodies the Remote stand-in receives);
-//! - flow control, on a third gateway whose pool is always saturated (`--flow-ttft-target-ms=1`,
-//!   nothing ever served there, so the estimate stays the prior's): a request waits and is shed at
-//!   its band's deadline, 503 `queue_deadline` with `Retry-After` in its protocol; a request naming
+//! - flow control, on a third gateway whose local pool is saturated the way a busy one is: its
+//!   worker (a stand-in) holds a request before its first token for the whole run, and a 1 ms TTFT
+//!   target makes a worker with a first token on its way full (nothing is ever answered there, so
+//!   the estimate stays the prior's): a request waits and is shed at its band's deadline, 503 `queue_deadline` with `Retry-After` in its protocol; a request naming
 //!   a TTFT objective no worker is estimated to meet, from a tenant whose `onMiss` is `Refuse`, is
 //!   refused at once, 503 `objective_unmet` with `Retry-After`;
 //! - prioritized: the Remote pool runs priority scheduling (`schedulingPolicy: Priority`), so every
@@ -148,6 +149,34 @@ async fn standin(counter: Arc<Counter>) -> SocketAddr {
                             .headers_mut()
                             .insert("content-type", "application/json".parse().unwrap());
                         Ok::<_, Infallible>(response)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A worker that never answers a POST (it holds each one before its first token, counting them)
+/// and answers anything else (the gateway's health probes) with 200 `{}`.
+async fn holder(held: Arc<AtomicU64>) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let held = Arc::clone(&held);
+            tokio::spawn(async move {
+                let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let held = Arc::clone(&held);
+                    async move {
+                        if req.method() == hyper::Method::POST {
+                            held.fetch_add(1, Ordering::SeqCst);
+                            std::future::pending::<()>().await;
+                        }
+                        Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from("{}"))))
                     }
                 });
                 let _ = hyper::server::conn::http1::Builder::new()
@@ -317,7 +346,7 @@ struct Fleet {
     tight_api: u16,
     tight_envoy: Envoy,
     tight_xp: SocketAddr,
-    /// The gateway whose pool is always saturated (flow control).
+    /// The gateway whose local pool is saturated (flow control).
     saturated_api: u16,
     saturated_envoy: Envoy,
     http: Client<HttpConnector, Full<Bytes>>,
@@ -1047,9 +1076,13 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
     );
     support::wait_until_ready(&mut tight, tight_admin).await;
     let tight_xp = SocketAddr::from(([127, 0, 0, 1], tight_xp));
-    // The same configuration, flow control on and every worker always full (a 1 ms TTFT target).
+    // The same configuration with a worker that holds what it is sent as the local pool, flow
+    // control on and a 1 ms TTFT target: once a request is held there, the pool is saturated.
+    let holding = Arc::new(AtomicU64::new(0));
+    let holder_port = holder(Arc::clone(&holding)).await.port();
     let saturated_dir = support::TempDir::new("matrix-saturated");
-    let saturated_config = write_config(&saturated_dir.0, sim_port, remote_addr, provider_addr, 0);
+    let saturated_config =
+        write_config(&saturated_dir.0, holder_port, remote_addr, provider_addr, 0);
     let (saturated_api, saturated_admin, saturated_xp) = (free_port(), free_port(), free_port());
     let mut saturated = ChildGuard(
         support::gateway_command(&saturated_config, saturated_api, saturated_admin)
@@ -1064,6 +1097,25 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
             .expect("starting the saturated gateway"),
     );
     support::wait_until_ready(&mut saturated, saturated_admin).await;
+    // An idle worker takes a request whatever its estimate; this one never sees its first token.
+    let waiting_for_ever = tokio::spawn(async move {
+        let body = body(Endpoint::ChatCompletions, "hold", false, false);
+        support::call(
+            "127.0.0.1",
+            saturated_api,
+            "POST",
+            Endpoint::ChatCompletions.path(),
+            &[("authorization", &format!("Bearer {OTHER}"))],
+            std::str::from_utf8(&body).unwrap(),
+        )
+        .await
+    });
+    let holding = &holding;
+    support::wait_for(
+        "a request held by the saturated gateway's worker",
+        || async move { holding.load(Ordering::SeqCst) == 1 },
+    )
+    .await;
     let fleet = Fleet {
         api,
         envoy: Envoy::connect(SocketAddr::from(([127, 0, 0, 1], xp))).await,
@@ -1170,6 +1222,7 @@ async fn every_endpoint_through_every_door_is_governed_the_same() {
         }
     }
     drop(held);
+    waiting_for_ever.abort();
 
     // One access line and one root span per request sent to the traced gateway (waited for a while:
     // spans are exported in batches).

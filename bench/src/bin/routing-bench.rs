@@ -209,6 +209,11 @@ struct Args {
     /// Noisy neighbour: extra flags of the flow-control gateway (after `--flow-control`).
     #[arg(long = "nn-flow-arg", allow_hyphen_values = true)]
     nn_flow_args: Vec<String>,
+    /// Noisy neighbour: flags of a second flow-control gateway (after `--flow-control`), run as the
+    /// `flow-control-alt` arm on the same cluster and arrivals (e.g. a fixed reserve against the
+    /// default); none: no such arm.
+    #[arg(long = "nn-alt-flow-arg", allow_hyphen_values = true)]
+    nn_alt_flow_args: Vec<String>,
     /// Noisy neighbour: flow-control gateway replicas; the flow-control arm's requests alternate
     /// between them, so each one's own ledger sees only its share of the workers' load and the
     /// rest reaches it through the agent (the kernel view, the engine scrape).
@@ -222,11 +227,11 @@ struct Args {
     #[arg(long = "nn-agent-env")]
     nn_agent_env: Vec<String>,
     /// Noisy neighbour: the arms to run, of `b-alone`, `c-alone`, `no-flow-control`,
-    /// `flow-control`.
+    /// `flow-control`, `flow-control-alt` (with `--nn-alt-flow-arg` only).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "b-alone,c-alone,no-flow-control,flow-control"
+        default_value = "b-alone,c-alone,no-flow-control,flow-control,flow-control-alt"
     )]
     nn_arms: Vec<String>,
     /// Gateway replicas instead of the routing matrix: for each workload and concurrency, the
@@ -707,6 +712,8 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
     };
     let mut flow_args = vec!["--flow-control".to_string()];
     flow_args.extend(args.nn_flow_args.iter().cloned());
+    let mut alt_flow_args = vec!["--flow-control".to_string()];
+    alt_flow_args.extend(args.nn_alt_flow_args.iter().cloned());
     let config = ClusterConfig {
         bin_dir: args.bin_dir.clone().unwrap_or_else(harness::bin_dir),
         tokenizer_dir: args
@@ -721,9 +728,18 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
         work_dir: work_dir.clone(),
         ready_timeout: Duration::from_secs(60),
     };
-    // `kinference` without flow control, `kinference#2`.. with it.
+    // `kinference` without flow control, `kinference#2`.. with it, then the alternative flow
+    // configuration's as many replicas.
     let replicas = args.nn_replicas.max(1);
     let flow_names: Vec<String> = (2..replicas + 2)
+        .map(|r| format!("kinference#{r}"))
+        .collect();
+    let alt_replicas = if args.nn_alt_flow_args.is_empty() {
+        0
+    } else {
+        replicas
+    };
+    let alt_names: Vec<String> = (replicas + 2..replicas + 2 + alt_replicas)
         .map(|r| format!("kinference#{r}"))
         .collect();
     let options = ClusterOptions {
@@ -734,11 +750,16 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
             .filter_map(|kv| kv.split_once('='))
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
-        gateway_replicas: replicas + 1,
+        gateway_replicas: replicas + alt_replicas + 1,
         gateway_yaml: [("tenancy".to_string(), tenancy)].into_iter().collect(),
         gateway_args: flow_names
             .iter()
             .map(|name| (name.clone(), flow_args.clone()))
+            .chain(
+                alt_names
+                    .iter()
+                    .map(|name| (name.clone(), alt_flow_args.clone())),
+            )
             .collect(),
         ..ClusterOptions::default()
     };
@@ -755,7 +776,11 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
         .iter()
         .map(|name| cluster.gateway(name).map(|g| g.url.clone()))
         .collect();
-    let (Some(off), Some(on)) = (off, on) else {
+    let alt: Option<Vec<String>> = alt_names
+        .iter()
+        .map(|name| cluster.gateway(name).map(|g| g.url.clone()))
+        .collect();
+    let (Some(off), Some(on), Some(alt)) = (off, on, alt) else {
         eprintln!("routing-bench: the gateways did not start");
         return ExitCode::FAILURE;
     };
@@ -802,24 +827,18 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
     );
     let duration = Duration::from_secs_f64(args.nn_seconds);
     let drain = Duration::from_secs_f64(args.nn_drain_seconds);
-    let arms: [(&'static str, &[String], Vec<TenantLoad>); 4] = [
+    let all = || vec![load("a", a_rps), load("b", b_rps), load("c", c_rps)];
+    let arms: [(&'static str, &[String], Vec<TenantLoad>); 5] = [
         ("b-alone", &off, vec![load("b", b_rps)]),
         ("c-alone", &off, vec![load("c", c_rps)]),
-        (
-            "no-flow-control",
-            &off,
-            vec![load("a", a_rps), load("b", b_rps), load("c", c_rps)],
-        ),
-        (
-            "flow-control",
-            &on,
-            vec![load("a", a_rps), load("b", b_rps), load("c", c_rps)],
-        ),
+        ("no-flow-control", &off, all()),
+        ("flow-control", &on, all()),
+        ("flow-control-alt", &alt, all()),
     ];
     let mut results = Vec::new();
     for &seed in &args.nn_seeds {
         for (arm, bases, loads) in &arms {
-            if !args.nn_arms.iter().any(|a| a == arm) {
+            if !args.nn_arms.iter().any(|a| a == arm) || bases.is_empty() {
                 continue;
             }
             let started = std::time::Instant::now();
@@ -844,24 +863,27 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
             noisy::wait_idle(&http, cluster.workers(), Duration::from_secs(60)).await;
         }
     }
-    let flow_metrics = http
-        .get_text(&format!(
-            "{}/metrics",
-            cluster
-                .gateway("kinference#2")
-                .map_or("", |g| g.admin_url.as_str())
-        ))
-        .await
-        .map(|text| {
-            text.lines()
-                .filter(|l| l.starts_with("kinference_gateway_flow_") && !l.ends_with(" 0"))
-                .filter(|l| !l.contains("_bucket{"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        })
-        .unwrap_or_default();
+    let mut flow_metrics = String::new();
+    for name in flow_names.iter().chain(&alt_names) {
+        let text = http
+            .get_text(&format!(
+                "{}/metrics",
+                cluster.gateway(name).map_or("", |g| g.admin_url.as_str())
+            ))
+            .await
+            .unwrap_or_default();
+        flow_metrics.push_str(&format!("# {name}\n"));
+        for line in text.lines().filter(|l| {
+            l.starts_with("kinference_gateway_flow_")
+                && !l.ends_with(" 0")
+                && !l.contains("_bucket{")
+        }) {
+            flow_metrics.push_str(line);
+            flow_metrics.push('\n');
+        }
+    }
     let header = format!(
-        "Noisy neighbour: {} vllm-sim workers (--preset {} --time-scale {} {}), capacity {capacity:.2} req/s ({}); A {a_rps:.2} req/s (x{}), B {b_rps:.2}, C {c_rps:.2}; {words} prompt words, {max_tokens} tokens out; {} s of arrivals per arm, {} s drain; goodput = served with TTFT <= {} s; flow gateway flags {flow_args:?}. Times are wall-clock seconds on a shared 2-core machine.\n\n`{}`",
+        "Noisy neighbour: {} vllm-sim workers (--preset {} --time-scale {} {}), capacity {capacity:.2} req/s ({}); A {a_rps:.2} req/s (x{}), B {b_rps:.2}, C {c_rps:.2}; {words} prompt words, {max_tokens} tokens out; {} s of arrivals per arm, {} s drain; goodput = served with TTFT <= {} s; flow gateway flags {flow_args:?}{}. Times are wall-clock seconds on a shared 2-core machine.\n\n`{}`",
         args.workers,
         args.preset,
         args.time_scale,
@@ -875,13 +897,18 @@ async fn run_noisy(args: Args, out_dir: PathBuf) -> ExitCode {
         args.nn_seconds,
         args.nn_drain_seconds,
         args.nn_slo_s,
+        if alt_names.is_empty() {
+            String::new()
+        } else {
+            format!(", alternative flow gateway (arm `flow-control-alt`) flags {alt_flow_args:?}")
+        },
         std::iter::once("routing-bench".to_string())
             .chain(std::env::args().skip(1))
             .collect::<Vec<_>>()
             .join(" "),
     );
     let mut md = noisy::markdown(&results, &header);
-    md.push_str(&format!("\nFlow-control gateway metrics at the end (non-zero, no buckets):\n\n```\n{flow_metrics}\n```\n"));
+    md.push_str(&format!("\nFlow-control gateway metrics at the end (non-zero, no buckets):\n\n```\n{flow_metrics}```\n"));
     let write = || -> std::io::Result<()> {
         std::fs::create_dir_all(&out_dir)?;
         std::fs::write(out_dir.join("noisy-neighbour.md"), &md)?;

@@ -495,42 +495,72 @@ pub fn markdown(results: &[ArmResult], header: &str) -> String {
             ));
         }
     }
-    let p90 = |arm, tenant| across_seeds(results, arm, tenant, |t| t.ttft_p90_s);
-    let good = |arm| across_seeds(results, arm, "all", |t| Some(t.goodput_rpm));
+    let p90 = |arm: &str, tenant: &str| across_seeds(results, arm, tenant, |t| t.ttft_p90_s);
+    let good = |arm: &str| across_seeds(results, arm, "all", |t| Some(t.goodput_rpm));
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
         _ => "n/a".into(),
     };
-    md.push_str("\n| target (medians over seeds) | flow control | no flow control | goal |\n|---|---|---|---|\n");
+    // One column per arm run with all three tenants.
+    let arms: Vec<&str> = ["flow-control", "flow-control-alt", "no-flow-control"]
+        .into_iter()
+        .filter(|arm| results.iter().any(|r| r.arm == *arm))
+        .collect();
     md.push_str(&format!(
-        "| B p90 TTFT / B alone | {} | {} | <= 1.3 |\n",
-        ratio(p90("flow-control", "b"), p90("b-alone", "b")),
-        ratio(p90("no-flow-control", "b"), p90("b-alone", "b"))
+        "\n| target (medians over seeds) | {} | goal |\n|---|{}---|\n",
+        arms.join(" | "),
+        "---|".repeat(arms.len())
     ));
-    md.push_str(&format!(
-        "| C p90 TTFT / C alone | {} | {} | <= 1.1 |\n",
-        ratio(p90("flow-control", "c"), p90("c-alone", "c")),
-        ratio(p90("no-flow-control", "c"), p90("c-alone", "c"))
+    let row = |what: &str, cell: &dyn Fn(&str) -> String, goal: &str| {
+        let cells: Vec<String> = arms.iter().map(|arm| cell(arm)).collect();
+        format!("| {what} | {} | {goal} |\n", cells.join(" | "))
+    };
+    md.push_str(&row(
+        "B p90 TTFT / B alone",
+        &|arm| ratio(p90(arm, "b"), p90("b-alone", "b")),
+        "<= 1.3",
     ));
-    md.push_str(&format!(
-        "| total goodput, /min | {} | {} | flow >= no flow |\n",
-        f(good("flow-control")),
-        f(good("no-flow-control"))
+    md.push_str(&row(
+        "C p90 TTFT / C alone",
+        &|arm| ratio(p90(arm, "c"), p90("c-alone", "c")),
+        "<= 1.1",
     ));
-    let a_shed: usize = results
-        .iter()
-        .filter(|r| r.arm == "flow-control")
-        .flat_map(|r| r.rows.iter().filter(|t| t.tenant == "a"))
-        .map(|t| t.shed_429 + t.shed_503)
-        .sum();
-    let a_retry: usize = results
-        .iter()
-        .filter(|r| r.arm == "flow-control")
-        .flat_map(|r| r.rows.iter().filter(|t| t.tenant == "a"))
-        .map(|t| t.with_retry_after)
-        .sum();
-    md.push_str(&format!(
-        "| A's requests shed (all seeds), of which with Retry-After | {a_shed}, {a_retry} | | all with Retry-After |\n"
+    md.push_str(&row(
+        "total goodput, /min",
+        &|arm| f(good(arm)),
+        "flow >= no flow",
+    ));
+    let a_sum = |arm: &str, field: &dyn Fn(&TenantFigures) -> usize| -> usize {
+        results
+            .iter()
+            .filter(|r| r.arm == arm)
+            .flat_map(|r| r.rows.iter().filter(|t| t.tenant == "a"))
+            .map(field)
+            .sum()
+    };
+    md.push_str(&row(
+        "A's requests shed (all seeds), of which with Retry-After",
+        &|arm| {
+            format!(
+                "{}, {}",
+                a_sum(arm, &|t| t.shed_429 + t.shed_503),
+                a_sum(arm, &|t| t.with_retry_after)
+            )
+        },
+        "all with Retry-After",
+    ));
+    let cut = |arm: &str| -> usize {
+        results
+            .iter()
+            .filter(|r| r.arm == arm)
+            .flat_map(|r| r.rows.iter().filter(|t| t.tenant != "all"))
+            .map(|t| t.cut)
+            .sum()
+    };
+    md.push_str(&row(
+        "requests cut (no answer by the drain's end, all seeds)",
+        &|arm| cut(arm).to_string(),
+        "none",
     ));
     md
 }

@@ -11,8 +11,10 @@
 //! - [`saturation`] judges a pool from the router's view of its workers ([`WorkerPressure`]): the
 //!   agents' engine and kernel (eBPF) figures, the ledger, the estimate;
 //! - a request with nobody of its band or above waiting is judged at once and goes on when the pool's
-//!   room exceeds its band's reserve ([`reserve`]: the room the bands above need, sized from their
-//!   recent arrivals against the pool's recent request ends, at least `--flow-band-reserve` per band);
+//!   room exceeds its band's reserve ([`reserve`]: the sum of what each band above needs, each sized
+//!   from that band's recent arrivals against the pool's recent request ends, at least
+//!   `--flow-band-reserve` each, 2 each at a cold start), or when the pool is idle (nothing in flight
+//!   nor let through: an idle pool holds no reserve, so no band is ever kept out for good);
 //! - otherwise it joins the pool's [`FairQueue`], and the pool's dispatcher re-judges the pool every
 //!   `--flow-interval-ms` and whenever one of its requests ends, letting through at most the verdict's
 //!   `room` (a request let through counts against the room for [`LANDING`], until the router's ledger
@@ -107,11 +109,11 @@ pub struct FlowSettings {
         default_value_t = 10
     )]
     pub interval_ms: u64,
-    /// Least room kept for the bands above: a medium-band request is let through only while the
+    /// Least room kept for each band above: a medium-band request is let through only while the
     /// pool has more room than this, a low-band one more than twice this (room: requests the pool
     /// takes before it is saturated), so that a flood of low-priority requests leaves headroom for
-    /// the latency-critical ones. The reserve sized from the traffic (`--flow-reserve-miss`) may
-    /// keep more.
+    /// the latency-critical ones. The need sized from a band's traffic (`--flow-reserve-miss`) may
+    /// keep more for it.
     #[arg(
         long = "flow-band-reserve",
         env = "KINFERENCE_FLOW_BAND_RESERVE",
@@ -119,16 +121,17 @@ pub struct FlowSettings {
     )]
     pub band_reserve: usize,
     /// The chance a request of a higher band may have of finding no room because a lower band took
-    /// it: each band leaves free the room the higher bands' recent arrivals need against the pool's
-    /// recent request ends (`overload::flow::reserve`); 0 turns this off (only
-    /// `--flow-band-reserve` then).
+    /// it: each band leaves free the sum of the room each band above needs, from that band's recent
+    /// arrivals against the pool's recent request ends, 2 slots each before any end is seen
+    /// (`overload::flow::reserve`); 0 turns this off (only `--flow-band-reserve` then).
     #[arg(
         long = "flow-reserve-miss",
         env = "KINFERENCE_FLOW_RESERVE_MISS",
         default_value_t = 0.05
     )]
     pub reserve_miss: f64,
-    /// Most room one band's reserve sized from the traffic keeps for the bands above it.
+    /// Most room sized from the traffic kept for one band (a lower band's reserve is the sum over
+    /// the bands above it).
     #[arg(
         long = "flow-reserve-max",
         env = "KINFERENCE_FLOW_RESERVE_MAX",
@@ -156,21 +159,24 @@ impl Default for FlowSettings {
 }
 
 impl FlowSettings {
-    /// The least room a request of `band` leaves to the bands above it (`--flow-band-reserve`).
-    pub fn reserve_floor(&self, band: TenantPriority) -> usize {
-        self.band_reserve * rank(band)
-    }
-
-    /// The room a request of `band` leaves to the bands above it now: the floor, or more where the
-    /// higher bands' recent arrivals need it ([`reserve::sized`]).
+    /// The room a request of `band` leaves to the bands above it now: for each of them, the larger
+    /// of `--flow-band-reserve` and its need sized from its recent arrivals ([`reserve::need`]),
+    /// summed, so that the reserves nest (the low band leaves the medium band's room and the high
+    /// band's).
     fn reserve(&self, band: TenantPriority, rates: &mut Rates, now: Instant) -> usize {
-        let sized = reserve::sized(
-            rates.above(band, now),
-            rates.ends(now),
-            self.reserve_miss,
-            self.reserve_max,
-        );
-        self.reserve_floor(band).max(sized)
+        let mu = rates.ends(now);
+        ORDER[..rank(band)]
+            .iter()
+            .map(|&above| {
+                let sized = reserve::need(
+                    rates.arrivals(above, now),
+                    mu,
+                    self.reserve_miss,
+                    self.reserve_max,
+                );
+                self.band_reserve.max(sized)
+            })
+            .sum()
     }
 
     /// The queue deadline of `band`.
@@ -546,7 +552,11 @@ impl FlowControl {
                 let pending = st.pending(since);
                 let verdict = saturation::judge(&workers, pending, &inner.settings.thresholds);
                 inner.metrics.verdict(&flow.name, &verdict);
-                let reserve = inner.settings.reserve(ticket.band, &mut st.rates, since);
+                let reserve = if verdict.idle {
+                    0
+                } else {
+                    inner.settings.reserve(ticket.band, &mut st.rates, since)
+                };
                 if verdict.room > reserve {
                     st.recent.push_back(since);
                     return Ok(Passed {
@@ -754,8 +764,15 @@ async fn dispatch(control: FlowControl, flow: Arc<PoolFlow>) {
         );
         let mut st = flow.state.lock();
         let mut room = verdict.room;
+        // An idle pool holds no reserve, for its first request only: then it is busy.
+        let mut idle = verdict.idle;
         while let Some(band) = st.queue.next_band() {
-            if room <= inner.settings.reserve(band, &mut st.rates, now) {
+            let reserve = if idle {
+                0
+            } else {
+                inner.settings.reserve(band, &mut st.rates, now)
+            };
+            if room <= reserve {
                 break;
             }
             let Some(entry) = st.queue.pop() else { break };
@@ -764,6 +781,7 @@ async fn dispatch(control: FlowControl, flow: Arc<PoolFlow>) {
             if entry.item.send(Outcome::Pass(explain.clone())).is_ok() {
                 st.recent.push_back(now);
                 room -= 1;
+                idle = false;
             }
         }
         inner.metrics.depth(&flow.name, &st.queue);

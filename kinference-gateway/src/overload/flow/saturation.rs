@@ -11,15 +11,26 @@
 //! | `kv_cache`       | `vllm:kv_cache_usage_perc` of a fresh scrape              | >= 0.95        |
 //! | `accept_backlog` | the kernel's accept queue of the worker's port (eBPF)     | >= 8 (or half its limit) |
 //! | `kernel_ttfb`    | the kernel's median first-byte time (eBPF)                | >= 2 x TTFT target |
-//! | `est_ttft`       | the router's estimated TTFT of a short request sent now   | >= TTFT target (2 s) |
+//! | `est_ttft`       | the router's estimated TTFT of a short request sent now, while a request waits for its first token there | >= TTFT target (2 s) |
 //! | `in_flight`      | requests in flight, every client's (the same views)       | off (e.g. vLLM's `--max-num-seqs`) |
+//!
+//! The estimate fills a worker only while a request there still waits for its first token: the
+//! estimate's rates are corrected by first tokens, and with none on its way an estimate past the
+//! target would stay there for good. A pool judged full on rates learned under a load that has gone
+//! (say, with the engine scrape slow and no kernel view) would let nothing through, so no first
+//! token would ever come to correct them, and every request would be shed: the lock-up the
+//! noisy-neighbour benchmark found. With this rule a worker with no first token on its way takes a
+//! request, whose first token teaches the rates; the estimate fills the worker again only if they
+//! still say so.
 //!
 //! A **pool is saturated when every one of its healthy workers is full**: as long as one worker has
 //! room the router sends the request there. Requests the flow control let through in the last
-//! moments but the router has not recorded yet take the room first. The verdict names the reason most of its workers gave
-//! and explains each worker in one line (`x-kinference-decision`, logs), and counts `room`: how many
-//! more requests the workers' queues take before every one is full, which bounds how many waiting
-//! requests the flow control lets through at once (the engine's figures lag by a scrape).
+//! moments but the router has not recorded yet take the room first. The verdict names the reason
+//! most of its workers gave and explains each worker in one line (`x-kinference-decision`, logs),
+//! and counts `room`: how many more requests the workers' queues take before every one is full,
+//! which bounds how many waiting requests the flow control lets through at once (the engine's
+//! figures lag by a scrape). A pool with nothing in flight and nothing let through is `idle`: the
+//! flow control holds no band reserve from it.
 
 use std::time::Duration;
 
@@ -59,8 +70,8 @@ pub struct Thresholds {
     )]
     pub accept_backlog: u32,
     /// The time to first token the pools are run for, in milliseconds: a worker whose estimated TTFT
-    /// for a short request reaches it, or whose kernel median first-byte time reaches twice it, is
-    /// full.
+    /// for a short request reaches it (while a request there waits for its first token), or whose
+    /// kernel median first-byte time reaches twice it, is full.
     #[arg(
         long = "flow-ttft-target-ms",
         env = "KINFERENCE_FLOW_TTFT_TARGET_MS",
@@ -144,6 +155,9 @@ pub struct Verdict {
     pub workers: usize,
     /// Of `workers`.
     pub full: usize,
+    /// Nothing in flight on any worker and nothing let through not yet routed: the flow control
+    /// holds no band reserve from an idle pool.
+    pub idle: bool,
     /// One clause per worker: `url full:reason (figure)` or `url room:N`.
     pub explain: String,
 }
@@ -191,7 +205,8 @@ pub fn worker_full(worker: &WorkerPressure, t: &Thresholds) -> Option<(Reason, S
                 format!("kernel ttfb {} ms", ttfb.as_millis()),
             ));
         }
-        if worker.est_ttft_s >= target.as_secs_f64() {
+        // Only with a first token on its way there, which corrects the rates (module docs).
+        if worker.before_first_token > 0 && worker.est_ttft_s >= target.as_secs_f64() {
             return Some((
                 Reason::EstTtft,
                 format!("est ttft {:.2} s", worker.est_ttft_s),
@@ -249,6 +264,10 @@ pub fn judge(workers: &[WorkerPressure], pending: usize, t: &Thresholds) -> Verd
         room,
         workers: n,
         full,
+        idle: pending == 0
+            && workers
+                .iter()
+                .all(|w| w.in_flight == 0 && w.before_first_token == 0),
         explain: explain.join("; "),
     }
 }

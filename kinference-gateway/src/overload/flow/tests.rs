@@ -187,6 +187,8 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         (
             WorkerPressure {
                 est_ttft_s: 2.5,
+                in_flight: 1,
+                before_first_token: 1,
                 ..idle.clone()
             },
             Reason::EstTtft,
@@ -240,6 +242,53 @@ fn each_signal_can_fill_a_worker_and_a_zero_threshold_turns_it_off() {
         worker_full(&full, &capped).map(|(r, _)| r),
         Some(Reason::InFlight)
     );
+}
+
+/// The lock-up the noisy-neighbour benchmark found without a kernel view: rates learned under a
+/// flood that has gone put the estimate past the target on an idle worker; judged full on it, the
+/// pool let nothing through, no first token came to correct the rates, and every request was shed.
+#[tokio::test]
+async fn an_idle_pool_takes_a_request_however_pessimistic_its_estimate() {
+    let flow = control(FlowSettings {
+        deadline_ms: vec![200],
+        ..on()
+    });
+    // Nothing in flight, no kernel view, no fresh scrape: only the ledger and stale rates.
+    let stale = WorkerPressure {
+        worker: "w".into(),
+        signal: "ledger",
+        est_ttft_s: 30.0,
+        ..Default::default()
+    };
+    let t = Thresholds::default();
+    assert_eq!(worker_full(&stale, &t), None);
+    let probe: Probe = Arc::new(move || vec![stale.clone()]);
+    for band in [Low, Medium, High] {
+        let passed = flow
+            .wait("p", Arc::clone(&probe), ticket(band, "a"))
+            .await
+            .expect("an idle worker is not full by the estimate alone");
+        assert_eq!(passed.waited, Duration::ZERO, "{band:?}");
+    }
+    // With a first token on its way there, the same estimate fills the worker.
+    let waiting = WorkerPressure {
+        worker: "w".into(),
+        signal: "ledger",
+        in_flight: 1,
+        before_first_token: 1,
+        est_ttft_s: 30.0,
+        ..Default::default()
+    };
+    let verdict = judge(std::slice::from_ref(&waiting), 0, &t);
+    assert!(verdict.saturated, "{verdict:?}");
+    assert_eq!(verdict.reason, Some(Reason::EstTtft));
+    // Decoding only (every first token in): the estimate cannot be corrected, so it does not fill.
+    let decoding = WorkerPressure {
+        before_first_token: 0,
+        in_flight: 3,
+        ..waiting
+    };
+    assert!(!judge(&[decoding], 0, &t).saturated);
 }
 
 #[tokio::test]
@@ -437,45 +486,126 @@ fn the_sized_reserve_leaves_the_room_the_higher_bands_arrivals_need() {
 }
 
 #[test]
-fn a_bands_reserve_follows_the_arrivals_above_it_over_the_last_window() {
-    let settings = FlowSettings {
-        band_reserve: 1,
-        ..on()
-    };
+fn a_cold_start_keeps_two_slots_per_band_above_and_the_sized_need_is_off_with_miss_zero() {
+    // No end seen in the window: nothing to size from, two slots each, whatever arrives.
+    assert_eq!(reserve::need(0.0, 0.0, 0.05, 4), reserve::COLD_START_SLOTS);
+    assert_eq!(reserve::need(20.0, 0.0, 0.05, 4), 2);
+    assert_eq!(reserve::need(20.0, 0.0, 0.05, 1), 1, "capped");
+    // Warm: the sized need, 0 for a band that sent nothing.
+    assert_eq!(reserve::need(0.6, 6.0, 0.05, 4), 2);
+    assert_eq!(reserve::need(0.0, 6.0, 0.05, 4), 0);
+    // Off.
+    assert_eq!(reserve::need(0.6, 0.0, 0.0, 4), 0);
+}
+
+#[test]
+fn reserves_nest_each_band_leaves_the_sum_of_the_needs_above_it() {
+    let settings = on();
     let mut rates = reserve::Rates::default();
     let start = Instant::now();
-    // Quiet: the floor (`--flow-band-reserve` x the band's rank).
-    assert_eq!(settings.reserve(Low, &mut rates, start), 2);
-    assert_eq!(settings.reserve(High, &mut rates, start), 0);
-    // 60 ends and 15 high-band arrivals in the window: rho 0.25, 3 slots above the low band and
-    // the medium band; the high band keeps none.
+    let reserves = |rates: &mut reserve::Rates, now: Instant| {
+        [High, Medium, Low].map(|band| settings.reserve(band, rates, now))
+    };
+    // A cold start: two slots per band above.
+    assert_eq!(reserves(&mut rates, start), [0, 2, 4]);
+    // Arrivals but still no end (a flood's first seconds): the same.
+    for i in 0..50 {
+        rates.arrived(Low, start + Duration::from_millis(20 * i));
+        rates.arrived(Medium, start + Duration::from_millis(20 * i));
+    }
+    assert_eq!(
+        reserves(&mut rates, start + Duration::from_secs(1)),
+        [0, 2, 4]
+    );
+    let mut rates = reserve::Rates::default();
+    // The benchmark's steady state: the pool ending 6 req/s, C (high) 0.6 req/s and B (medium)
+    // 0.9 req/s: rho 0.1 and 0.15, each needs ceil(ln 0.05 / ln rho) = 2 slots. Equal needs, and
+    // still the low band leaves 4, the medium band 2: the medium band has room of its own.
     for i in 0..60 {
         rates.ended(start + Duration::from_millis(100 * i));
     }
-    for i in 0..15 {
-        rates.arrived(High, start + Duration::from_millis(400 * i));
+    for i in 0..6 {
+        rates.arrived(High, start + Duration::from_millis(1_000 * i));
+    }
+    for i in 0..9 {
+        rates.arrived(Medium, start + Duration::from_millis(600 * i));
     }
     let now = start + Duration::from_secs(6);
-    assert_eq!(settings.reserve(Low, &mut rates, now), 3);
-    assert_eq!(settings.reserve(Medium, &mut rates, now), 3);
-    assert_eq!(settings.reserve(High, &mut rates, now), 0);
-    // Medium arrivals count above the low band only.
-    for i in 0..30 {
-        rates.arrived(Medium, start + Duration::from_millis(200 * i));
+    assert_eq!(reserves(&mut rates, now), [0, 2, 4]);
+    // The medium band flooding (rho >= 1) needs the cap, 4: the low band leaves 2 + 4.
+    for i in 0..80 {
+        rates.arrived(Medium, start + Duration::from_millis(70 * i));
     }
-    assert_eq!(settings.reserve(Low, &mut rates, now), 4, "capped at 4");
-    assert_eq!(settings.reserve(Medium, &mut rates, now), 3);
-    // Past the window everything is forgotten: the floor again.
+    assert_eq!(reserves(&mut rates, now), [0, 2, 6]);
+    // Past the window everything is forgotten: a cold start again.
     let later = now + reserve::WINDOW + Duration::from_secs(1);
-    assert_eq!(settings.reserve(Low, &mut rates, later), 2);
-    // Turned off: the floor only.
-    let off = FlowSettings {
-        reserve_miss: 0.0,
-        ..settings
+    assert_eq!(reserves(&mut rates, later), [0, 2, 4]);
+    // A quiet medium band needs nothing once ends are seen, unless `--flow-band-reserve` says so.
+    let mut rates = reserve::Rates::default();
+    for i in 0..60 {
+        rates.ended(start + Duration::from_millis(100 * i));
+    }
+    for i in 0..6 {
+        rates.arrived(High, start + Duration::from_millis(1_000 * i));
+    }
+    assert_eq!(reserves(&mut rates, now), [0, 2, 2]);
+    let floored = FlowSettings {
+        band_reserve: 1,
+        ..on()
     };
-    rates.ended(later);
-    rates.arrived(High, later);
-    assert_eq!(off.reserve(Low, &mut rates, later), 2);
+    assert_eq!(floored.reserve(Low, &mut rates, now), 3);
+    // The sized need off: `--flow-band-reserve` per band above, nothing at a cold start.
+    let fixed = FlowSettings {
+        band_reserve: 2,
+        reserve_miss: 0.0,
+        ..on()
+    };
+    let mut cold = reserve::Rates::default();
+    assert_eq!(
+        [High, Medium, Low].map(|band| fixed.reserve(band, &mut cold, now)),
+        [0, 2, 4]
+    );
+    let none = FlowSettings {
+        reserve_miss: 0.0,
+        ..on()
+    };
+    assert_eq!(none.reserve(Low, &mut cold, now), 0);
+}
+
+#[tokio::test]
+async fn an_idle_pool_holds_no_reserve_so_a_lower_band_is_never_kept_out_for_good() {
+    // One request at a time (an in-flight cap of 1) and a cold start's reserve of 4 above the low
+    // band: the pool's room (1) never exceeds it, yet an idle pool takes the low band's request.
+    let flow = control(FlowSettings {
+        thresholds: Thresholds {
+            in_flight: 1,
+            ..Thresholds::default()
+        },
+        deadline_ms: vec![200],
+        ..on()
+    });
+    let (load, probe) = pool(0);
+    let passed = flow
+        .wait("p", Arc::clone(&probe), ticket(Low, "a"))
+        .await
+        .expect("an idle pool takes any band");
+    assert_eq!(passed.waited, Duration::ZERO);
+    // Its one slot taken, the low band waits; idle again, it is let through from the queue.
+    *load.lock() = 1;
+    let low = tokio::spawn({
+        let (flow, probe) = (flow.clone(), Arc::clone(&probe));
+        async move {
+            flow.wait("p", probe, ticket(Low, "a"))
+                .await
+                .map(|p| p.waited)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(flow.queued("p"), 1);
+    drop(passed);
+    *load.lock() = 0;
+    let waited = low.await.unwrap().expect("let through from the queue");
+    assert!(waited >= Duration::from_millis(50), "{waited:?}");
 }
 
 #[tokio::test]
