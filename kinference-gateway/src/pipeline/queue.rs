@@ -19,10 +19,11 @@
 //! - While the plan's first pool is saturated the request waits here, in its band, fair between
 //!   tenants by tokens, and is then routed with the workers' state of the moment it leaves the
 //!   queue; one that waits too long is shed with 429/503 and `Retry-After` in the client's protocol
-//!   and settled like any refusal ([`crate::overload::flow`]). While it waits, a later pool of its
-//!   plan (a policy's fallback) that has room takes it instead: it leaves the queue and goes on to
-//!   that pool (the explanation says after how long). Providers are never moved to this way (they
-//!   cost money; bursting is the policy's call). Both front doors run it, for every endpoint a
+//!   and settled like any refusal ([`crate::overload::flow`]). While it waits, a later pool of a
+//!   plan a policy rule chose (its `route` targets, in the rule's order) that has room takes it
+//!   instead: it leaves the queue and goes on to that pool (the explanation says after how long).
+//!   The default route's later pools are failover only, and providers are never moved to this way
+//!   (they cost money; bursting is the policy's call). Both front doors run it, for every endpoint a
 //!   worker answers.
 
 use std::sync::Arc;
@@ -123,9 +124,10 @@ fn probe(gw: &Gateway, model: &str, within: Option<&[String]>) -> Probe {
 const LATER_POOL_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Resolves, once a later pool of `plan` than its first has room (judged every
-/// [`LATER_POOL_EVERY`]), to that target's index; never for a plan with no later pool.
+/// [`LATER_POOL_EVERY`]), to that target's index; never for a plan with no later pool, nor for
+/// one no policy rule chose.
 async fn later_pool_with_room(gw: &Gateway, plan: &Plan) -> usize {
-    if !has_later_pool(&plan.targets) {
+    if !plan.chosen_by_a_rule() || !has_later_pool(&plan.targets) {
         return std::future::pending().await;
     }
     let flow = &gw.overload.flow;

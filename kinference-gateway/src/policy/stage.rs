@@ -83,7 +83,7 @@ pub struct Plan {
     pub burst: bool,
     /// Only local backends may serve it (the plan holds no provider).
     pub local_only: bool,
-    /// `policy/rule` that decided, or `default`.
+    /// `policy/rule` that decided, or [`DEFAULT_RULE`].
     pub rule: String,
     /// Keeps the policy set of this request alive until it ends (reloads never change a request's
     /// plan); none without policies.
@@ -92,7 +92,15 @@ pub struct Plan {
     pub explain: Option<String>,
 }
 
+/// [`Plan::rule`] of a plan no policy rule decided.
+pub const DEFAULT_RULE: &str = "default";
+
 impl Plan {
+    /// Whether a policy's rule chose the targets and their order (not the default route).
+    pub fn chosen_by_a_rule(&self) -> bool {
+        self.rule != DEFAULT_RULE
+    }
+
     /// The plan without policies: every worker serving `model`.
     pub fn default_pool(model: &str) -> Self {
         Plan {
@@ -103,7 +111,7 @@ impl Plan {
             }],
             burst: false,
             local_only: false,
-            rule: "default".into(),
+            rule: DEFAULT_RULE.into(),
             set: None,
             explain: None,
         }
@@ -352,7 +360,7 @@ impl PolicyStage {
             (r.policy.clone(), r.rule.clone())
         });
         let rule_name = if policy.is_empty() {
-            "default".to_string()
+            DEFAULT_RULE.to_string()
         } else {
             format!("{policy}/{rule}")
         };
