@@ -3,7 +3,9 @@
 //! workers per agent, every worker holding 4 prompts of its own (about 70 blocks each) in a 512-block
 //! cache, scraped load and KV capacity fresh. Every decision asks for another worker's prompt, so the
 //! winner and the index keys it reads change from one decision to the next, as they do in a running
-//! gateway; each ticket ends before the next decision.
+//! gateway; each ticket ends before the next decision. Every 250 ms (between two timed decisions) each
+//! agent resends its workers' load, as a running agent's scrape does, so the views stay fresh and
+//! the ledger's entries since the latest view stay as few as in a running gateway.
 //!
 //! Prints p50 / p99 / mean per fleet size, with the CPU's caches warm and then emptied before each
 //! decision (what a gateway that relays other requests between two decisions sees at worst). No
@@ -32,6 +34,8 @@ const WARM_DECISIONS: usize = 20_000;
 const COLD_DECISIONS: usize = 400;
 /// Bytes written through before each cold decision: twice a 32 MiB last-level cache.
 const COLD_SCRATCH_BYTES: usize = 64 << 20;
+/// How often the agents resend their workers' load (the agent's default scrape interval).
+const LOAD_REFRESH: Duration = Duration::from_millis(250);
 
 fn url(i: usize) -> String {
     format!(
@@ -42,8 +46,9 @@ fn url(i: usize) -> String {
     )
 }
 
-/// A router over `workers` workers behind `workers / 8` agents, and every worker's prompts' tokens.
-fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
+/// A router over `workers` workers behind `workers / 8` agents, every worker's prompts' tokens, and
+/// each agent's load update (what it resends every [`LOAD_REFRESH`]).
+fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>, Vec<Summary>) {
     let agents = workers.div_ceil(WORKERS_PER_AGENT);
     let config = RoutingConfig {
         workers: (0..workers)
@@ -71,6 +76,7 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
     let router = Router::with_tuning(config, tuning).expect("router");
     let hasher = KeyHasher::for_model("m");
     let mut prompts = Vec::with_capacity(workers * PROMPTS_PER_WORKER);
+    let mut refresh = Vec::with_capacity(agents);
     for agent in 0..agents {
         let states = (agent * WORKERS_PER_AGENT..((agent + 1) * WORKERS_PER_AGENT).min(workers))
             .map(|i| {
@@ -100,7 +106,21 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
                     }),
                 }
             })
+            .collect::<Vec<_>>();
+        let loads = states
+            .iter()
+            .map(|s| pb::WorkerDelta {
+                worker_id: s.worker_id.clone(),
+                load: s.load,
+                ..Default::default()
+            })
             .collect();
+        refresh.push(Summary {
+            kind: Some(summary::Kind::Delta(pb::Delta {
+                workers: loads,
+                node_state: None,
+            })),
+        });
         router.apply_agent_summary(
             agent,
             Summary {
@@ -113,19 +133,28 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>) {
             },
         );
     }
-    (router, prompts)
+    (router, prompts, refresh)
 }
 
-/// Times `n` decisions, the `i`th for prompt `order[i % len]`, each after `prepare(i)`.
+/// Times `n` decisions, the `i`th for prompt `order[i % len]`, each after `prepare(i)`; the agents
+/// resend `refresh` every [`LOAD_REFRESH`] (untimed).
 fn time_decisions(
     router: &Router,
     prompts: &[Vec<u32>],
+    refresh: &[Summary],
     order: &[usize],
     n: usize,
     prepare: &mut dyn FnMut(usize),
 ) -> Vec<Duration> {
+    let mut refreshed = Instant::now();
     (0..n)
         .map(|i| {
+            if refreshed.elapsed() >= LOAD_REFRESH {
+                for (agent, load) in refresh.iter().enumerate() {
+                    router.apply_agent_summary(agent, load.clone());
+                }
+                refreshed = Instant::now();
+            }
             prepare(i);
             let tokens = &prompts[order[i % order.len()]];
             let t = Instant::now();
@@ -168,7 +197,7 @@ fn main() {
     let mut scratch = vec![0u8; COLD_SCRATCH_BYTES];
     for workers in sizes {
         let mut rng = StdRng::seed_from_u64(35);
-        let (router, prompts) = fleet(workers, &mut rng);
+        let (router, prompts, refresh) = fleet(workers, &mut rng);
         let order: Vec<usize> = (0..4096)
             .map(|_| rng.random_range(0..prompts.len()))
             .collect();
@@ -177,10 +206,17 @@ fn main() {
             let d = router.pick_tokens("m", p, false).expect("pick");
             assert_eq!(d.worker, url(i / PROMPTS_PER_WORKER), "the holder wins");
         }
-        time_decisions(&router, &prompts, &order, warm_n / 10, &mut |_| {});
-        let mut warm = time_decisions(&router, &prompts, &order, warm_n, &mut |_| {});
+        time_decisions(
+            &router,
+            &prompts,
+            &refresh,
+            &order,
+            warm_n / 10,
+            &mut |_| {},
+        );
+        let mut warm = time_decisions(&router, &prompts, &refresh, &order, warm_n, &mut |_| {});
         report(&format!("{workers} workers, caches warm"), &mut warm);
-        let mut cold = time_decisions(&router, &prompts, &order, cold_n, &mut |i| {
+        let mut cold = time_decisions(&router, &prompts, &refresh, &order, cold_n, &mut |i| {
             for line in scratch.chunks_mut(64) {
                 line[0] = line[0].wrapping_add(i as u8);
             }

@@ -11,6 +11,7 @@ use super::estimate::{
     self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates,
 };
 use super::kv_index::WorkerId;
+use super::rows::Figures;
 use super::workers::{Load, Worker};
 use super::*;
 
@@ -89,7 +90,7 @@ impl Candidate<'_> {
 impl Shared {
     /// The fleet's rates for each of `workers`, by its model: one lock, released before any worker's
     /// (a first token takes a worker's lock, then this one).
-    fn fleet_of(&self, workers: &[Arc<Worker>]) -> Vec<Rates> {
+    pub(super) fn fleet_of(&self, workers: &[Arc<Worker>]) -> Vec<Rates> {
         let fleet = self.fleet_rates.lock();
         let mut last: Option<(&str, Rates)> = None;
         workers
@@ -125,99 +126,171 @@ impl Shared {
 
     /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
     /// decision and the policy stage's estimates, so both see the same queue.
+    ///
+    /// Read from the workers' decision rows under one lock ([`super::rows`]); a worker whose row
+    /// cannot tell (more ledger entries since its views than the row keeps) is read under its own
+    /// lock afterwards. With `decision_rows` off, every worker is read under its lock.
     pub(super) fn candidates_at<'w>(
         &self,
         workers: &'w [Arc<Worker>],
         now: Instant,
     ) -> Vec<Candidate<'w>> {
-        let tuning = &self.tuning;
         let fresh = self.fresh_agents(now);
         let fleet = self.fleet_of(workers);
+        if !self.tuning.decision_rows {
+            return self.locked(workers, &fleet, &fresh, now);
+        }
+        let from_rows: Vec<Option<Candidate<'w>>> = {
+            let rows = self.rows.read();
+            workers
+                .iter()
+                .zip(&fleet)
+                .map(|(w, fleet)| {
+                    let row = rows.get(usize::from(w.id))?;
+                    self.candidate(w, row, fleet, &fresh, now)
+                })
+                .collect()
+        };
+        // Only now, the rows released, the workers they could not answer for: a worker's unlock
+        // writes its row.
         workers
             .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let st = w.state.lock();
-                let live = st
-                    .agent
-                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                // Everything the agent said about the worker; its two views of every client's requests,
-                // each with our own requests as that view saw them.
-                let seen = |at: Instant, linger: Duration| {
-                    st.log
-                        .seen(st.in_flight, st.awaiting_first_token, at, linger)
-                };
-                let load = st.load.filter(|_| live);
-                let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
-                let engine = scraped.map(|l| {
-                    let e = EngineQueue {
-                        running: l.running,
-                        waiting: l.waiting,
-                    };
-                    (e, seen(l.measured, Duration::ZERO))
-                });
-                let kernel = match load {
-                    None => Err(KernelMissing::NoAgent),
-                    Some(l) => match l.kernel {
-                        None => Err(KernelMissing::EbpfOff),
-                        Some(_)
-                            if now.saturating_duration_since(l.received)
-                                > tuning.estimator.kernel_max_age =>
-                        {
-                            Err(KernelMissing::Stale)
-                        }
-                        Some(k) => {
-                            // The agent sends a changed figure within `kernel_delay`, so one received
-                            // earlier and not replaced still held then.
-                            let at = l.received.max(
-                                now.checked_sub(tuning.estimator.kernel_delay)
-                                    .unwrap_or(now),
-                            );
-                            Ok((k, seen(at, l.kernel_linger)))
-                        }
-                    },
-                };
-                let ledger = Ledger {
-                    in_flight: st.in_flight,
-                    awaiting_first_token: st.awaiting_first_token,
-                    pending_prefill_tokens: st.backlog.tokens(now),
-                    avg_uncached: st.avg_uncached,
-                };
-                let (queue, signal) =
-                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
-                let block_size = st.block_size.unwrap_or(tuning.default_block_size).max(1);
-                let late = st.prompts.lateness(now);
-                let kv_room = scraped.and_then(|l| {
-                    let capacity = l.kv_capacity_blocks?;
-                    Some(KvRoom::new(
-                        capacity,
-                        l.kv_usage,
-                        queue.queue_tokens,
-                        block_size,
-                    ))
-                });
-                Candidate {
-                    worker: w,
-                    block_size,
-                    live,
-                    in_flight: st.in_flight,
-                    scraped,
-                    kernel_fresh: load.filter(|_| kernel.is_ok()),
-                    awaiting_first_token: st.awaiting_first_token,
-                    queue,
-                    signal,
-                    kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet[i], now).slowed(late),
-                    own_s_per_token: st.rates.s_per_token,
-                    late,
-                    run: 0,
-                    offloaded_run: 0,
-                    pinned: 0,
-                    held_blocks: 0,
-                    kv_room,
-                }
-            })
+            .zip(&fleet)
+            .zip(from_rows)
+            .map(|((w, fleet), c)| c.unwrap_or_else(|| self.locked_one(w, fleet, &fresh, now)))
             .collect()
+    }
+
+    /// [`Shared::candidates_at`] with every worker read under its own lock (the reference the rows
+    /// are checked against).
+    #[cfg(test)]
+    pub(super) fn candidates_locked<'w>(
+        &self,
+        workers: &'w [Arc<Worker>],
+        now: Instant,
+    ) -> Vec<Candidate<'w>> {
+        self.locked(
+            workers,
+            &self.fleet_of(workers),
+            &self.fresh_agents(now),
+            now,
+        )
+    }
+
+    fn locked<'w>(
+        &self,
+        workers: &'w [Arc<Worker>],
+        fleet: &[Rates],
+        fresh: &[bool],
+        now: Instant,
+    ) -> Vec<Candidate<'w>> {
+        workers
+            .iter()
+            .zip(fleet)
+            .map(|(w, fleet)| self.locked_one(w, fleet, fresh, now))
+            .collect()
+    }
+
+    fn locked_one<'w>(
+        &self,
+        w: &'w Arc<Worker>,
+        fleet: &Rates,
+        fresh: &[bool],
+        now: Instant,
+    ) -> Candidate<'w> {
+        let st = w.state.lock();
+        let c = self.candidate(w, &*st, fleet, fresh, now);
+        c.expect("a worker's own state answers every figure")
+    }
+
+    /// One candidate's figures at `now`, from its state or its row (`figures`); `None` where a row
+    /// cannot tell.
+    pub(super) fn candidate<'w>(
+        &self,
+        worker: &'w Arc<Worker>,
+        figures: &impl Figures,
+        fleet: &Rates,
+        fresh: &[bool],
+        now: Instant,
+    ) -> Option<Candidate<'w>> {
+        let tuning = &self.tuning;
+        let f = figures;
+        let live = f
+            .agent()
+            .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
+        // Everything the agent said about the worker; its two views of every client's requests, each
+        // with our own requests as that view saw them.
+        let load = f.load().filter(|_| live);
+        let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
+        let engine = match scraped {
+            Some(l) => {
+                let e = EngineQueue {
+                    running: l.running,
+                    waiting: l.waiting,
+                };
+                Some((e, f.seen(l.measured, Duration::ZERO)?))
+            }
+            None => None,
+        };
+        let kernel = match load {
+            None => Err(KernelMissing::NoAgent),
+            Some(l) => match l.kernel {
+                None => Err(KernelMissing::EbpfOff),
+                Some(_)
+                    if now.saturating_duration_since(l.received)
+                        > tuning.estimator.kernel_max_age =>
+                {
+                    Err(KernelMissing::Stale)
+                }
+                Some(k) => {
+                    // The agent sends a changed figure within `kernel_delay`, so one received
+                    // earlier and not replaced still held then.
+                    let at = l.received.max(
+                        now.checked_sub(tuning.estimator.kernel_delay)
+                            .unwrap_or(now),
+                    );
+                    Ok((k, f.seen(at, l.kernel_linger)?))
+                }
+            },
+        };
+        let ledger = Ledger {
+            in_flight: f.in_flight(),
+            awaiting_first_token: f.awaiting_first_token(),
+            pending_prefill_tokens: f.backlog().tokens(now),
+            avg_uncached: f.avg_uncached(),
+        };
+        let (queue, signal) = estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
+        let block_size = f.block_size().unwrap_or(tuning.default_block_size).max(1);
+        let late = f.lateness(now)?;
+        let kv_room = scraped.and_then(|l| {
+            let capacity = l.kv_capacity_blocks?;
+            Some(KvRoom::new(
+                capacity,
+                l.kv_usage,
+                queue.queue_tokens,
+                block_size,
+            ))
+        });
+        Some(Candidate {
+            worker,
+            block_size,
+            live,
+            in_flight: ledger.in_flight,
+            scraped,
+            kernel_fresh: load.filter(|_| kernel.is_ok()),
+            awaiting_first_token: ledger.awaiting_first_token,
+            queue,
+            signal,
+            kernel_missing: kernel.err(),
+            rates: estimate::blended(f.rates(), fleet, now).slowed(late),
+            own_s_per_token: f.rates().s_per_token,
+            late,
+            run: 0,
+            offloaded_run: 0,
+            pinned: 0,
+            held_blocks: 0,
+            kv_room,
+        })
     }
 
     /// The prompt's block keys (salted with `salt` as its worker will salt them) per block size in use, and every candidate's cached run (KV index, then

@@ -37,6 +37,7 @@ pub mod metrics;
 mod pair;
 pub mod pools;
 pub mod replicas;
+pub mod rows;
 pub mod sessions;
 pub mod speculative;
 mod ticket;
@@ -210,6 +211,8 @@ struct Shared {
     /// their model's.
     fleet_rates: Mutex<std::collections::HashMap<String, Rates>>,
     workers: RwLock<WorkerTable>,
+    /// The workers' decision rows (the table's, reachable without its lock).
+    rows: Arc<rows::Rows>,
     index: RwLock<KvIndex>,
     /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
     offloaded: RwLock<KvIndex>,
@@ -265,7 +268,7 @@ impl Shared {
     }
 
     /// Which agents' data is usable now.
-    fn fresh_agents(&self, now: Instant) -> Vec<bool> {
+    pub(super) fn fresh_agents(&self, now: Instant) -> Vec<bool> {
         self.agents
             .read()
             .iter()
@@ -400,6 +403,7 @@ impl Router {
             default_priority: Default::default(),
             fleet_rates: Mutex::default(),
             priors: RwLock::new(priors),
+            rows: Arc::clone(table.rows()),
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
