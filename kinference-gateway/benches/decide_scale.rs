@@ -8,8 +8,10 @@
 //! the ledger's entries since the latest view stay as few as in a running gateway.
 //!
 //! Prints p50 / p99 / mean per fleet size, with the CPU's caches warm and then emptied before each
-//! decision (what a gateway that relays other requests between two decisions sees at worst). No
-//! criterion: the figures are percentiles of single timed decisions.
+//! decision (what a gateway that relays other requests between two decisions sees at worst), for
+//! two arms on identical fleets, one after the other: the candidates' figures read from the decision
+//! rows (`rows`, the default) and read under each worker's lock (`locked`, `decision_rows: false`).
+//! No criterion: the figures are percentiles of single timed decisions.
 //!
 //! Run: `cargo bench -p kinference-gateway --bench decide_scale [-- SIZES]` (default 104,250,500,1000).
 
@@ -48,7 +50,11 @@ fn url(i: usize) -> String {
 
 /// A router over `workers` workers behind `workers / 8` agents, every worker's prompts' tokens, and
 /// each agent's load update (what it resends every [`LOAD_REFRESH`]).
-fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>, Vec<Summary>) {
+fn fleet(
+    workers: usize,
+    decision_rows: bool,
+    rng: &mut StdRng,
+) -> (Router, Vec<Vec<u32>>, Vec<Summary>) {
     let agents = workers.div_ceil(WORKERS_PER_AGENT);
     let config = RoutingConfig {
         workers: (0..workers)
@@ -71,6 +77,7 @@ fn fleet(workers: usize, rng: &mut StdRng) -> (Router, Vec<Vec<u32>>, Vec<Summar
     };
     let tuning = RoutingTuning {
         connect_agents: false,
+        decision_rows,
         ..RoutingTuning::default()
     };
     let router = Router::with_tuning(config, tuning).expect("router");
@@ -172,7 +179,7 @@ fn report(what: &str, samples: &mut [Duration]) {
     let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
     let mean = samples.iter().sum::<Duration>() / samples.len() as u32;
     println!(
-        "{what:<34} p50 {:>7.1} us  p99 {:>7.1} us  mean {:>7.1} us  ({} decisions)",
+        "{what:<40} p50 {:>7.1} us  p99 {:>7.1} us  mean {:>7.1} us  ({} decisions)",
         at(0.5).as_secs_f64() * 1e6,
         at(0.99).as_secs_f64() * 1e6,
         mean.as_secs_f64() * 1e6,
@@ -196,32 +203,31 @@ fn main() {
     };
     let mut scratch = vec![0u8; COLD_SCRATCH_BYTES];
     for workers in sizes {
-        let mut rng = StdRng::seed_from_u64(35);
-        let (router, prompts, refresh) = fleet(workers, &mut rng);
-        let order: Vec<usize> = (0..4096)
-            .map(|_| rng.random_range(0..prompts.len()))
-            .collect();
-        // Each prompt goes to the worker holding it (its only holder): the decision reads the index.
-        for (i, p) in prompts.iter().enumerate().take(8) {
-            let d = router.pick_tokens("m", p, false).expect("pick");
-            assert_eq!(d.worker, url(i / PROMPTS_PER_WORKER), "the holder wins");
-        }
-        time_decisions(
-            &router,
-            &prompts,
-            &refresh,
-            &order,
-            warm_n / 10,
-            &mut |_| {},
-        );
-        let mut warm = time_decisions(&router, &prompts, &refresh, &order, warm_n, &mut |_| {});
-        report(&format!("{workers} workers, caches warm"), &mut warm);
-        let mut cold = time_decisions(&router, &prompts, &refresh, &order, cold_n, &mut |i| {
-            for line in scratch.chunks_mut(64) {
-                line[0] = line[0].wrapping_add(i as u8);
+        for (arm, decision_rows) in [("rows", true), ("locked", false)] {
+            let mut rng = StdRng::seed_from_u64(35);
+            let (router, prompts, refresh) = fleet(workers, decision_rows, &mut rng);
+            let order: Vec<usize> = (0..4096)
+                .map(|_| rng.random_range(0..prompts.len()))
+                .collect();
+            // Each prompt goes to the worker holding it (its only holder): the decision reads the
+            // index.
+            for (i, p) in prompts.iter().enumerate().take(8) {
+                let d = router.pick_tokens("m", p, false).expect("pick");
+                assert_eq!(d.worker, url(i / PROMPTS_PER_WORKER), "the holder wins");
             }
-            black_box(&scratch);
-        });
-        report(&format!("{workers} workers, caches cold"), &mut cold);
+            let time = |n: usize, prepare: &mut dyn FnMut(usize)| {
+                time_decisions(&router, &prompts, &refresh, &order, n, prepare)
+            };
+            time(warm_n / 10, &mut |_| {});
+            let mut warm = time(warm_n, &mut |_| {});
+            report(&format!("{workers} workers, {arm}, caches warm"), &mut warm);
+            let mut cold = time(cold_n, &mut |i| {
+                for line in scratch.chunks_mut(64) {
+                    line[0] = line[0].wrapping_add(i as u8);
+                }
+                black_box(&scratch);
+            });
+            report(&format!("{workers} workers, {arm}, caches cold"), &mut cold);
+        }
     }
 }

@@ -278,14 +278,20 @@ impl Shared {
 
     /// Counts the candidates estimated without their kernel view; logs it at most once a minute (a missing
     /// agent is already logged as a degraded decision).
-    fn note_kernel_missing(&self, missing: &[(KernelMissing, &str)]) {
-        // One label lookup per reason, not per candidate: this runs on every decision.
-        for reason in [
+    fn note_kernel_missing(&self, cands: &[candidates::Candidate<'_>]) {
+        // One count per reason, one label lookup per reason seen: this runs on every decision.
+        let mut counts = [0u64; 3];
+        let reasons = [
             KernelMissing::NoAgent,
             KernelMissing::EbpfOff,
             KernelMissing::Stale,
-        ] {
-            let n = missing.iter().filter(|(w, _)| *w == reason).count() as u64;
+        ];
+        for c in cands {
+            if let Some(why) = c.kernel_missing {
+                counts[reasons.iter().position(|r| *r == why).unwrap_or(0)] += 1;
+            }
+        }
+        for (reason, n) in reasons.iter().zip(counts) {
             if n > 0 {
                 self.metrics
                     .kernel_view_missing
@@ -295,8 +301,11 @@ impl Shared {
                     .inc_by(n);
             }
         }
-        let Some(&(why, worker)) = missing.iter().find(|(w, _)| *w != KernelMissing::NoAgent)
-        else {
+        let Some((why, worker)) = cands.iter().find_map(|c| {
+            c.kernel_missing
+                .filter(|w| *w != KernelMissing::NoAgent)
+                .map(|w| (w, c.worker.url.as_str()))
+        }) else {
             return;
         };
         let mut last = self.last_kernel_log.lock();
@@ -887,13 +896,7 @@ impl Router {
         let tuning = &shared.tuning;
         let now = Instant::now();
         let mut cands = shared.candidates_at(workers, now);
-        let missing: Vec<(KernelMissing, &str)> = cands
-            .iter()
-            .filter_map(|c| Some((c.kernel_missing?, c.worker.url.as_str())))
-            .collect();
-        if !missing.is_empty() {
-            shared.note_kernel_missing(&missing);
-        }
+        shared.note_kernel_missing(&cands);
         let keys_by_size = shared.cached_runs(model, salt, tokens, &mut cands, now);
 
         let prompt_tokens = tokens.len();
