@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use kinference_api::{BlockKey, KeyHasher};
 
 use super::estimate::{
-    self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates,
+    self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates, Seen,
 };
 use super::kv_index::WorkerId;
-use super::rows::Figures;
+use super::rows::{Figures, Row};
 use super::workers::{Load, Worker};
 use super::*;
 
@@ -140,25 +140,35 @@ impl Shared {
         if !self.tuning.decision_rows {
             return self.locked(workers, &fleet, &fresh, now);
         }
-        let from_rows: Vec<Option<Candidate<'w>>> = {
+        let mut short = Vec::new();
+        let mut cands: Vec<Candidate<'w>> = {
             let rows = self.rows.read();
             workers
                 .iter()
                 .zip(&fleet)
-                .map(|(w, fleet)| {
-                    let row = rows.get(usize::from(w.id))?;
-                    self.candidate(w, row, fleet, &fresh, now)
+                .enumerate()
+                .map(|(i, (w, fleet))| match rows.get(usize::from(w.id)) {
+                    Some(row) => {
+                        let (c, exact) = self.candidate(w, row, fleet, &fresh, now);
+                        if !exact {
+                            short.push(i);
+                        }
+                        c
+                    }
+                    None => {
+                        short.push(i);
+                        self.candidate(w, &Row::of(&w.state.read()), fleet, &fresh, now)
+                            .0
+                    }
                 })
                 .collect()
         };
-        // Only now, the rows released, the workers they could not answer for: a worker's unlock
+        // Only now, the rows released, the workers they could not answer for: locking a worker
         // writes its row.
-        workers
-            .iter()
-            .zip(&fleet)
-            .zip(from_rows)
-            .map(|((w, fleet), c)| c.unwrap_or_else(|| self.locked_one(w, fleet, &fresh, now)))
-            .collect()
+        for i in short {
+            cands[i] = self.locked_one(&workers[i], &fleet[i], &fresh, now);
+        }
+        cands
     }
 
     /// [`Shared::candidates_at`] with every worker read under its own lock (the reference the rows
@@ -198,13 +208,12 @@ impl Shared {
         fresh: &[bool],
         now: Instant,
     ) -> Candidate<'w> {
-        let st = w.state.lock();
-        let c = self.candidate(w, &*st, fleet, fresh, now);
-        c.expect("a worker's own state answers every figure")
+        self.candidate(w, &*w.state.read(), fleet, fresh, now).0
     }
 
-    /// One candidate's figures at `now`, from its state or its row (`figures`); `None` where a row
-    /// cannot tell.
+    /// One candidate's figures at `now`, from its state or its row (`figures`), and whether they are
+    /// exact: not where a row cannot tell (more ledger entries since a view, or more prompts awaiting
+    /// a first token, than it keeps), which then counts the ledger as it is now.
     pub(super) fn candidate<'w>(
         &self,
         worker: &'w Arc<Worker>,
@@ -212,9 +221,19 @@ impl Shared {
         fleet: &Rates,
         fresh: &[bool],
         now: Instant,
-    ) -> Option<Candidate<'w>> {
+    ) -> (Candidate<'w>, bool) {
         let tuning = &self.tuning;
         let f = figures;
+        let mut exact = true;
+        let mut seen = |at: Instant, linger: Duration| {
+            f.seen(at, linger).unwrap_or_else(|| {
+                exact = false;
+                Seen {
+                    in_flight: f.in_flight(),
+                    waiting: f.awaiting_first_token(),
+                }
+            })
+        };
         let live = f
             .agent()
             .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
@@ -228,7 +247,7 @@ impl Shared {
                     running: l.running,
                     waiting: l.waiting,
                 };
-                Some((e, f.seen(l.measured, Duration::ZERO)?))
+                Some((e, seen(l.measured, Duration::ZERO)))
             }
             None => None,
         };
@@ -249,7 +268,7 @@ impl Shared {
                         now.checked_sub(tuning.estimator.kernel_delay)
                             .unwrap_or(now),
                     );
-                    Ok((k, f.seen(at, l.kernel_linger)?))
+                    Ok((k, seen(at, l.kernel_linger)))
                 }
             },
         };
@@ -261,7 +280,10 @@ impl Shared {
         };
         let (queue, signal) = estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
         let block_size = f.block_size().unwrap_or(tuning.default_block_size).max(1);
-        let late = f.lateness(now)?;
+        let late = f.lateness(now).unwrap_or_else(|| {
+            exact = false;
+            1.0
+        });
         let kv_room = scraped.and_then(|l| {
             let capacity = l.kv_capacity_blocks?;
             Some(KvRoom::new(
@@ -271,7 +293,7 @@ impl Shared {
                 block_size,
             ))
         });
-        Some(Candidate {
+        let c = Candidate {
             worker,
             block_size,
             live,
@@ -290,7 +312,8 @@ impl Shared {
             pinned: 0,
             held_blocks: 0,
             kv_room,
-        })
+        };
+        (c, exact)
     }
 
     /// The prompt's block keys (salted with `salt` as its worker will salt them) per block size in use, and every candidate's cached run (KV index, then
@@ -368,7 +391,7 @@ impl Shared {
             if c.kv_room.is_some_and(|room| room.free() < c.run)
                 && let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == c.block_size)
             {
-                c.pinned = c.worker.state.lock().prompts.shared_run(&keys[..c.run]);
+                c.pinned = c.worker.state.read().prompts.shared_run(&keys[..c.run]);
             }
         }
         keys_by_size

@@ -698,7 +698,7 @@ impl Router {
         }
         let fallback = candidates
             .iter()
-            .min_by_key(|w| w.state.lock().in_flight)
+            .min_by_key(|w| w.state.read().in_flight)
             .map(|w| w.url.clone());
         let started = Instant::now();
         let result = shared
@@ -848,7 +848,7 @@ impl Router {
         let explain = debug.then(|| {
             candidates
                 .iter()
-                .map(|w| format!("{} in_flight={}", w.label(), w.state.lock().in_flight))
+                .map(|w| format!("{} in_flight={}", w.label(), w.state.read().in_flight))
                 .collect::<Vec<_>>()
                 .join("; ")
         });
@@ -1102,7 +1102,7 @@ impl Router {
             .all()
             .iter()
             .filter_map(|w| {
-                let st = w.state.lock();
+                let st = w.state.read();
                 (!st.gone).then(|| WorkerView {
                     url: w.url.clone(),
                     model: w.model.clone(),
@@ -1231,7 +1231,7 @@ impl Router {
             .read()
             .all()
             .iter()
-            .map(|w| (w.url.clone(), w.state.lock().role))
+            .map(|w| (w.url.clone(), w.state.read().role))
             .collect()
     }
 

@@ -11,10 +11,11 @@
 //! first token (the rest of the state, the full log and the prompts' block keys, stays behind the
 //! worker's lock).
 //!
-//! **When it is refreshed**: every time the worker's state is unlocked. The state is reachable only
-//! through [`StateCell::lock`], whose guard writes the row as it is dropped, so whatever changes the
-//! state (a dispatch, a first token, an end, an agent's summary or scrape, health, roles) is in the
-//! row before the next lock of the worker; nothing has to remember to refresh it.
+//! **When it is refreshed**: every time the worker's state is unlocked after a change. The state can
+//! be changed only through [`StateCell::lock`], whose guard writes the row as it is dropped, so
+//! whatever changes the state (a dispatch, a first token, an end, an agent's summary or scrape,
+//! health, roles) is in the row before the next lock of the worker; nothing has to remember to
+//! refresh it. [`StateCell::read`] locks to read only (no `DerefMut`) and writes nothing.
 //!
 //! **What stays time-dependent**: the row holds the inputs, not the results, of everything that
 //! depends on the time of the decision (the backlog draining, the rates' fade, the views' ages,
@@ -130,6 +131,11 @@ impl StateCell {
         }
     }
 
+    /// Locks the state to read it only: the row stays as it is.
+    pub fn read(&self) -> StateReadGuard<'_> {
+        StateReadGuard(self.state.lock())
+    }
+
     /// Locks the state; the row is rewritten when the guard is dropped.
     pub fn lock(&self) -> StateGuard<'_> {
         StateGuard {
@@ -152,6 +158,17 @@ impl std::fmt::Debug for StateCell {
 pub struct StateGuard<'a> {
     cell: &'a StateCell,
     state: MutexGuard<'a, WorkerState>,
+}
+
+/// The locked state of one worker, read only (see [`StateCell::read`]).
+pub struct StateReadGuard<'a>(MutexGuard<'a, WorkerState>);
+
+impl Deref for StateReadGuard<'_> {
+    type Target = WorkerState;
+
+    fn deref(&self) -> &WorkerState {
+        &self.0
+    }
 }
 
 impl Deref for StateGuard<'_> {

@@ -719,7 +719,7 @@ impl WorkerTable {
             // The model first: only that model's workers are locked (every request calls this).
             .filter(|w| w.model == model || self.has_adapter(w.id, model))
             .filter(|w| {
-                let st = w.state.lock();
+                let st = w.state.read();
                 !st.gone && st.healthy
             })
             .filter(|w| !self.split_into_ranks(w))
@@ -734,7 +734,7 @@ impl WorkerTable {
             && self.ranks_of.get(&w.url).is_some_and(|ranks| {
                 ranks
                     .iter()
-                    .any(|id| !self.list[usize::from(*id)].state.lock().gone)
+                    .any(|id| !self.list[usize::from(*id)].state.read().gone)
             })
     }
 

@@ -140,7 +140,7 @@ fn compare(router: &Router, step: usize) -> (usize, usize) {
                 .all()
                 .iter()
                 .filter(|w| {
-                    let st = w.state.lock();
+                    let st = w.state.read();
                     !st.gone && st.healthy && st.role.serves_whole() == whole
                 })
                 .map(|w| w.id)
@@ -173,7 +173,7 @@ fn compare(router: &Router, step: usize) -> (usize, usize) {
         .filter(|(w, fleet)| {
             shared
                 .candidate(w, &rows[usize::from(w.id)], fleet, &fresh, now)
-                .is_some()
+                .1
         })
         .count();
     (answered, workers.len() - answered)
