@@ -12,7 +12,7 @@ use super::estimate::{
 };
 use super::kv_index::WorkerId;
 use super::rows::{Figures, Row};
-use super::workers::{Load, Worker};
+use super::workers::Worker;
 use super::*;
 
 /// One candidate while a decision is being made: everything its estimate needs, read once. It borrows
@@ -25,10 +25,10 @@ pub(super) struct Candidate<'w> {
     pub(super) live: bool,
     /// This gateway's requests in flight there.
     pub(super) in_flight: usize,
-    /// The live agent's figures, when its scrape of the worker is fresh.
-    pub(super) scraped: Option<Load>,
-    /// The live agent's figures, when its kernel view of the worker is fresh.
-    pub(super) kernel_fresh: Option<Load>,
+    /// The live agent's scraped figures, when its scrape of the worker is fresh.
+    pub(super) scraped: Option<Scraped>,
+    /// The live agent's kernel figures, when its kernel view of the worker is fresh.
+    pub(super) kernel_fresh: Option<KernelFresh>,
     /// This gateway's requests there still awaiting their first token.
     pub(super) awaiting_first_token: usize,
     /// The queue ahead of a new request (every client's, from the best view).
@@ -56,6 +56,26 @@ pub(super) struct Candidate<'w> {
     pub(super) held_blocks: usize,
     /// The worker's cache as this request will find it; `None`: capacity unknown (the run counts in full).
     pub(super) kv_room: Option<KvRoom>,
+}
+
+/// Of a fresh scrape, what the policy stage shows beside the estimate (the rest of the worker's
+/// [`Load`](super::workers::Load) is in the candidate's queue and room). Kept small: a decision
+/// writes a candidate per worker, and two whole `Load`s made a candidate 512 bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Scraped {
+    /// [`Load::waiting`](super::workers::Load::waiting).
+    pub(super) waiting: u32,
+    /// [`Load::kv_usage`](super::workers::Load::kv_usage).
+    pub(super) kv_usage: f32,
+}
+
+/// Of a fresh kernel view, what the policy stage shows beside the estimate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct KernelFresh {
+    /// [`Load::accept_backlog`](super::workers::Load::accept_backlog).
+    pub(super) accept_backlog: (u32, u32),
+    /// [`Load::kernel_ttfb`](super::workers::Load::kernel_ttfb).
+    pub(super) kernel_ttfb: Option<Duration>,
 }
 
 impl Candidate<'_> {
@@ -298,8 +318,14 @@ impl Shared {
             block_size,
             live,
             in_flight: ledger.in_flight,
-            scraped,
-            kernel_fresh: load.filter(|_| kernel.is_ok()),
+            scraped: scraped.map(|l| Scraped {
+                waiting: l.waiting,
+                kv_usage: l.kv_usage,
+            }),
+            kernel_fresh: load.filter(|_| kernel.is_ok()).map(|l| KernelFresh {
+                accept_backlog: l.accept_backlog,
+                kernel_ttfb: l.kernel_ttfb,
+            }),
             awaiting_first_token: ledger.awaiting_first_token,
             queue,
             signal,
