@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 use kinference_api::{BlockKey, KeyHasher};
 
 use super::estimate::{
-    self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates,
+    self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates, Seen,
 };
 use super::kv_index::WorkerId;
-use super::workers::{Load, Worker};
+use super::rows::{Figures, Row};
+use super::workers::Worker;
 use super::*;
 
 /// One candidate while a decision is being made: everything its estimate needs, read once. It borrows
@@ -24,10 +25,10 @@ pub(super) struct Candidate<'w> {
     pub(super) live: bool,
     /// This gateway's requests in flight there.
     pub(super) in_flight: usize,
-    /// The live agent's figures, when its scrape of the worker is fresh.
-    pub(super) scraped: Option<Load>,
-    /// The live agent's figures, when its kernel view of the worker is fresh.
-    pub(super) kernel_fresh: Option<Load>,
+    /// The live agent's scraped figures, when its scrape of the worker is fresh.
+    pub(super) scraped: Option<Scraped>,
+    /// The live agent's kernel figures, when its kernel view of the worker is fresh.
+    pub(super) kernel_fresh: Option<KernelFresh>,
     /// This gateway's requests there still awaiting their first token.
     pub(super) awaiting_first_token: usize,
     /// The queue ahead of a new request (every client's, from the best view).
@@ -55,6 +56,26 @@ pub(super) struct Candidate<'w> {
     pub(super) held_blocks: usize,
     /// The worker's cache as this request will find it; `None`: capacity unknown (the run counts in full).
     pub(super) kv_room: Option<KvRoom>,
+}
+
+/// Of a fresh scrape, what the policy stage shows beside the estimate (the rest of the worker's
+/// [`Load`](super::workers::Load) is in the candidate's queue and room). Kept small: a decision
+/// writes a candidate per worker, and two whole `Load`s made a candidate 512 bytes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Scraped {
+    /// [`Load::waiting`](super::workers::Load::waiting).
+    pub(super) waiting: u32,
+    /// [`Load::kv_usage`](super::workers::Load::kv_usage).
+    pub(super) kv_usage: f32,
+}
+
+/// Of a fresh kernel view, what the policy stage shows beside the estimate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct KernelFresh {
+    /// [`Load::accept_backlog`](super::workers::Load::accept_backlog).
+    pub(super) accept_backlog: (u32, u32),
+    /// [`Load::kernel_ttfb`](super::workers::Load::kernel_ttfb).
+    pub(super) kernel_ttfb: Option<Duration>,
 }
 
 impl Candidate<'_> {
@@ -89,7 +110,7 @@ impl Candidate<'_> {
 impl Shared {
     /// The fleet's rates for each of `workers`, by its model: one lock, released before any worker's
     /// (a first token takes a worker's lock, then this one).
-    fn fleet_of(&self, workers: &[Arc<Worker>]) -> Vec<Rates> {
+    pub(super) fn fleet_of(&self, workers: &[Arc<Worker>]) -> Vec<Rates> {
         let fleet = self.fleet_rates.lock();
         let mut last: Option<(&str, Rates)> = None;
         workers
@@ -125,99 +146,200 @@ impl Shared {
 
     /// Every candidate's figures at `now`: the ledger, the agent's views, the rates. Shared by the
     /// decision and the policy stage's estimates, so both see the same queue.
+    ///
+    /// Read from the workers' decision rows under one lock ([`super::rows`]); a worker whose row
+    /// cannot tell (more ledger entries since its views than the row keeps) is read under its own
+    /// lock afterwards. With `decision_rows` off, every worker is read under its lock.
     pub(super) fn candidates_at<'w>(
         &self,
         workers: &'w [Arc<Worker>],
         now: Instant,
     ) -> Vec<Candidate<'w>> {
-        let tuning = &self.tuning;
         let fresh = self.fresh_agents(now);
         let fleet = self.fleet_of(workers);
+        if !self.tuning.decision_rows {
+            return self.locked(workers, &fleet, &fresh, now);
+        }
+        let mut short = Vec::new();
+        let mut cands: Vec<Candidate<'w>> = {
+            let rows = self.rows.read();
+            workers
+                .iter()
+                .zip(&fleet)
+                .enumerate()
+                .map(|(i, (w, fleet))| match rows.get(usize::from(w.id)) {
+                    Some(row) => {
+                        let (c, exact) = self.candidate(w, row, fleet, &fresh, now);
+                        if !exact {
+                            short.push(i);
+                        }
+                        c
+                    }
+                    None => {
+                        short.push(i);
+                        self.candidate(w, &Row::of(&w.state.read()), fleet, &fresh, now)
+                            .0
+                    }
+                })
+                .collect()
+        };
+        // Only now, the rows released, the workers they could not answer for: locking a worker
+        // writes its row.
+        for i in short {
+            cands[i] = self.locked_one(&workers[i], &fleet[i], &fresh, now);
+        }
+        cands
+    }
+
+    /// [`Shared::candidates_at`] with every worker read under its own lock (the reference the rows
+    /// are checked against).
+    #[cfg(test)]
+    pub(super) fn candidates_locked<'w>(
+        &self,
+        workers: &'w [Arc<Worker>],
+        now: Instant,
+    ) -> Vec<Candidate<'w>> {
+        self.locked(
+            workers,
+            &self.fleet_of(workers),
+            &self.fresh_agents(now),
+            now,
+        )
+    }
+
+    fn locked<'w>(
+        &self,
+        workers: &'w [Arc<Worker>],
+        fleet: &[Rates],
+        fresh: &[bool],
+        now: Instant,
+    ) -> Vec<Candidate<'w>> {
         workers
             .iter()
-            .enumerate()
-            .map(|(i, w)| {
-                let st = w.state.lock();
-                let live = st
-                    .agent
-                    .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
-                // Everything the agent said about the worker; its two views of every client's requests,
-                // each with our own requests as that view saw them.
-                let seen = |at: Instant, linger: Duration| {
-                    st.log
-                        .seen(st.in_flight, st.awaiting_first_token, at, linger)
-                };
-                let load = st.load.filter(|_| live);
-                let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
-                let engine = scraped.map(|l| {
-                    let e = EngineQueue {
-                        running: l.running,
-                        waiting: l.waiting,
-                    };
-                    (e, seen(l.measured, Duration::ZERO))
-                });
-                let kernel = match load {
-                    None => Err(KernelMissing::NoAgent),
-                    Some(l) => match l.kernel {
-                        None => Err(KernelMissing::EbpfOff),
-                        Some(_)
-                            if now.saturating_duration_since(l.received)
-                                > tuning.estimator.kernel_max_age =>
-                        {
-                            Err(KernelMissing::Stale)
-                        }
-                        Some(k) => {
-                            // The agent sends a changed figure within `kernel_delay`, so one received
-                            // earlier and not replaced still held then.
-                            let at = l.received.max(
-                                now.checked_sub(tuning.estimator.kernel_delay)
-                                    .unwrap_or(now),
-                            );
-                            Ok((k, seen(at, l.kernel_linger)))
-                        }
-                    },
-                };
-                let ledger = Ledger {
-                    in_flight: st.in_flight,
-                    awaiting_first_token: st.awaiting_first_token,
-                    pending_prefill_tokens: st.backlog.tokens(now),
-                    avg_uncached: st.avg_uncached,
-                };
-                let (queue, signal) =
-                    estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
-                let block_size = st.block_size.unwrap_or(tuning.default_block_size).max(1);
-                let late = st.prompts.lateness(now);
-                let kv_room = scraped.and_then(|l| {
-                    let capacity = l.kv_capacity_blocks?;
-                    Some(KvRoom::new(
-                        capacity,
-                        l.kv_usage,
-                        queue.queue_tokens,
-                        block_size,
-                    ))
-                });
-                Candidate {
-                    worker: w,
-                    block_size,
-                    live,
-                    in_flight: st.in_flight,
-                    scraped,
-                    kernel_fresh: load.filter(|_| kernel.is_ok()),
-                    awaiting_first_token: st.awaiting_first_token,
-                    queue,
-                    signal,
-                    kernel_missing: kernel.err(),
-                    rates: estimate::blended(&st.rates, &fleet[i], now).slowed(late),
-                    own_s_per_token: st.rates.s_per_token,
-                    late,
-                    run: 0,
-                    offloaded_run: 0,
-                    pinned: 0,
-                    held_blocks: 0,
-                    kv_room,
+            .zip(fleet)
+            .map(|(w, fleet)| self.locked_one(w, fleet, fresh, now))
+            .collect()
+    }
+
+    fn locked_one<'w>(
+        &self,
+        w: &'w Arc<Worker>,
+        fleet: &Rates,
+        fresh: &[bool],
+        now: Instant,
+    ) -> Candidate<'w> {
+        self.candidate(w, &*w.state.read(), fleet, fresh, now).0
+    }
+
+    /// One candidate's figures at `now`, from its state or its row (`figures`), and whether they are
+    /// exact: not where a row cannot tell (more ledger entries since a view, or more prompts awaiting
+    /// a first token, than it keeps), which then counts the ledger as it is now.
+    pub(super) fn candidate<'w>(
+        &self,
+        worker: &'w Arc<Worker>,
+        figures: &impl Figures,
+        fleet: &Rates,
+        fresh: &[bool],
+        now: Instant,
+    ) -> (Candidate<'w>, bool) {
+        let tuning = &self.tuning;
+        let f = figures;
+        let mut exact = true;
+        let mut seen = |at: Instant, linger: Duration| {
+            f.seen(at, linger).unwrap_or_else(|| {
+                exact = false;
+                Seen {
+                    in_flight: f.in_flight(),
+                    waiting: f.awaiting_first_token(),
                 }
             })
-            .collect()
+        };
+        let live = f
+            .agent()
+            .is_some_and(|a| fresh.get(a).copied().unwrap_or(false));
+        // Everything the agent said about the worker; its two views of every client's requests, each
+        // with our own requests as that view saw them.
+        let load = f.load().filter(|_| live);
+        let scraped = load.filter(|l| l.metrics_fresh(now, tuning.load_max_age));
+        let engine = match scraped {
+            Some(l) => {
+                let e = EngineQueue {
+                    running: l.running,
+                    waiting: l.waiting,
+                };
+                Some((e, seen(l.measured, Duration::ZERO)))
+            }
+            None => None,
+        };
+        let kernel = match load {
+            None => Err(KernelMissing::NoAgent),
+            Some(l) => match l.kernel {
+                None => Err(KernelMissing::EbpfOff),
+                Some(_)
+                    if now.saturating_duration_since(l.received)
+                        > tuning.estimator.kernel_max_age =>
+                {
+                    Err(KernelMissing::Stale)
+                }
+                Some(k) => {
+                    // The agent sends a changed figure within `kernel_delay`, so one received
+                    // earlier and not replaced still held then.
+                    let at = l.received.max(
+                        now.checked_sub(tuning.estimator.kernel_delay)
+                            .unwrap_or(now),
+                    );
+                    Ok((k, seen(at, l.kernel_linger)))
+                }
+            },
+        };
+        let ledger = Ledger {
+            in_flight: f.in_flight(),
+            awaiting_first_token: f.awaiting_first_token(),
+            pending_prefill_tokens: f.backlog().tokens(now),
+            avg_uncached: f.avg_uncached(),
+        };
+        let (queue, signal) = estimate::queue(&ledger, kernel.ok(), engine, &tuning.estimator);
+        let block_size = f.block_size().unwrap_or(tuning.default_block_size).max(1);
+        let late = f.lateness(now).unwrap_or_else(|| {
+            exact = false;
+            1.0
+        });
+        let kv_room = scraped.and_then(|l| {
+            let capacity = l.kv_capacity_blocks?;
+            Some(KvRoom::new(
+                capacity,
+                l.kv_usage,
+                queue.queue_tokens,
+                block_size,
+            ))
+        });
+        let c = Candidate {
+            worker,
+            block_size,
+            live,
+            in_flight: ledger.in_flight,
+            scraped: scraped.map(|l| Scraped {
+                waiting: l.waiting,
+                kv_usage: l.kv_usage,
+            }),
+            kernel_fresh: load.filter(|_| kernel.is_ok()).map(|l| KernelFresh {
+                accept_backlog: l.accept_backlog,
+                kernel_ttfb: l.kernel_ttfb,
+            }),
+            awaiting_first_token: ledger.awaiting_first_token,
+            queue,
+            signal,
+            kernel_missing: kernel.err(),
+            rates: estimate::blended(f.rates(), fleet, now).slowed(late),
+            own_s_per_token: f.rates().s_per_token,
+            late,
+            run: 0,
+            offloaded_run: 0,
+            pinned: 0,
+            held_blocks: 0,
+            kv_room,
+        };
+        (c, exact)
     }
 
     /// The prompt's block keys (salted with `salt` as its worker will salt them) per block size in use, and every candidate's cached run (KV index, then
@@ -295,7 +417,7 @@ impl Shared {
             if c.kv_room.is_some_and(|room| room.free() < c.run)
                 && let Some((_, keys)) = keys_by_size.iter().find(|(bs, _)| *bs == c.block_size)
             {
-                c.pinned = c.worker.state.lock().prompts.shared_run(&keys[..c.run]);
+                c.pinned = c.worker.state.read().prompts.shared_run(&keys[..c.run]);
             }
         }
         keys_by_size

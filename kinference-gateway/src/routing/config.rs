@@ -176,6 +176,10 @@ pub struct RoutingTuning {
     pub connect_agents: bool,
     /// Estimate and choice.
     pub estimator: EstimatorConfig,
+    /// Read the candidates' figures from the decision rows ([`super::rows`]; the default). Off: lock
+    /// every candidate worker and read its state, the straightforward way the rows are checked and
+    /// benchmarked against.
+    pub decision_rows: bool,
 }
 
 impl Default for RoutingTuning {
@@ -192,6 +196,7 @@ impl Default for RoutingTuning {
             prefix_hash_chars: 256,
             connect_agents: true,
             estimator: EstimatorConfig::default(),
+            decision_rows: true,
         }
     }
 }

@@ -37,6 +37,7 @@ pub mod metrics;
 mod pair;
 pub mod pools;
 pub mod replicas;
+pub mod rows;
 pub mod sessions;
 pub mod speculative;
 mod ticket;
@@ -221,6 +222,8 @@ struct Shared {
     /// their model's.
     fleet_rates: Mutex<std::collections::HashMap<String, Rates>>,
     workers: RwLock<WorkerTable>,
+    /// The workers' decision rows (the table's, reachable without its lock).
+    rows: Arc<rows::Rows>,
     index: RwLock<KvIndex>,
     /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
     offloaded: RwLock<KvIndex>,
@@ -276,7 +279,7 @@ impl Shared {
     }
 
     /// Which agents' data is usable now.
-    fn fresh_agents(&self, now: Instant) -> Vec<bool> {
+    pub(super) fn fresh_agents(&self, now: Instant) -> Vec<bool> {
         self.agents
             .read()
             .iter()
@@ -286,14 +289,20 @@ impl Shared {
 
     /// Counts the candidates estimated without their kernel view; logs it at most once a minute (a missing
     /// agent is already logged as a degraded decision).
-    fn note_kernel_missing(&self, missing: &[(KernelMissing, &str)]) {
-        // One label lookup per reason, not per candidate: this runs on every decision.
-        for reason in [
+    fn note_kernel_missing(&self, cands: &[candidates::Candidate<'_>]) {
+        // One count per reason, one label lookup per reason seen: this runs on every decision.
+        let mut counts = [0u64; 3];
+        let reasons = [
             KernelMissing::NoAgent,
             KernelMissing::EbpfOff,
             KernelMissing::Stale,
-        ] {
-            let n = missing.iter().filter(|(w, _)| *w == reason).count() as u64;
+        ];
+        for c in cands {
+            if let Some(why) = c.kernel_missing {
+                counts[reasons.iter().position(|r| *r == why).unwrap_or(0)] += 1;
+            }
+        }
+        for (reason, n) in reasons.iter().zip(counts) {
             if n > 0 {
                 self.metrics
                     .kernel_view_missing
@@ -303,8 +312,11 @@ impl Shared {
                     .inc_by(n);
             }
         }
-        let Some(&(why, worker)) = missing.iter().find(|(w, _)| *w != KernelMissing::NoAgent)
-        else {
+        let Some((why, worker)) = cands.iter().find_map(|c| {
+            c.kernel_missing
+                .filter(|w| *w != KernelMissing::NoAgent)
+                .map(|w| (w, c.worker.url.as_str()))
+        }) else {
             return;
         };
         let mut last = self.last_kernel_log.lock();
@@ -411,6 +423,7 @@ impl Router {
             default_priority: Default::default(),
             fleet_rates: Mutex::default(),
             priors: RwLock::new(priors),
+            rows: Arc::clone(table.rows()),
             workers: RwLock::new(table),
             index: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
             offloaded: RwLock::new(KvIndex::new(tuning.index_max_pairs)),
@@ -728,7 +741,7 @@ impl Router {
         }
         let fallback = candidates
             .iter()
-            .min_by_key(|w| w.state.lock().in_flight)
+            .min_by_key(|w| w.state.read().in_flight)
             .map(|w| w.url.clone());
         let started = Instant::now();
         let result = shared
@@ -885,7 +898,7 @@ impl Router {
         let explain = debug.then(|| {
             candidates
                 .iter()
-                .map(|w| format!("{} in_flight={}", w.label(), w.state.lock().in_flight))
+                .map(|w| format!("{} in_flight={}", w.label(), w.state.read().in_flight))
                 .collect::<Vec<_>>()
                 .join("; ")
         });
@@ -933,13 +946,7 @@ impl Router {
         let tuning = &shared.tuning;
         let now = Instant::now();
         let mut cands = shared.candidates_at(workers, now);
-        let missing: Vec<(KernelMissing, &str)> = cands
-            .iter()
-            .filter_map(|c| Some((c.kernel_missing?, c.worker.url.as_str())))
-            .collect();
-        if !missing.is_empty() {
-            shared.note_kernel_missing(&missing);
-        }
+        shared.note_kernel_missing(&cands);
         let keys_by_size = shared.cached_runs(model, salt, tokens, &mut cands, now);
 
         let prompt_tokens = tokens.len();
@@ -1151,7 +1158,7 @@ impl Router {
             .all()
             .iter()
             .filter_map(|w| {
-                let st = w.state.lock();
+                let st = w.state.read();
                 (!st.gone).then(|| WorkerView {
                     url: w.url.clone(),
                     model: w.model.clone(),
@@ -1280,7 +1287,7 @@ impl Router {
             .read()
             .all()
             .iter()
-            .map(|w| (w.url.clone(), w.state.lock().role))
+            .map(|w| (w.url.clone(), w.state.read().role))
             .collect()
     }
 

@@ -5,11 +5,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kinference_api::{BlockKey, WorkerRole};
-use parking_lot::Mutex;
-
 use super::estimate::{KernelQueue, Rates, Seen};
 use super::kv_index::{MAX_WORKERS, WorkerId};
+use super::rows::{Row, Rows, StateCell};
+use kinference_api::{BlockKey, WorkerRole};
 
 /// Load figures from the worker's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -155,14 +154,28 @@ impl InFlightPrompts {
     /// did not fit in it together: estimated 0.15 s, their first tokens took 15-20 s while more were
     /// sent). A request that has already waited several times its estimate says so at once.
     pub fn lateness(&self, now: Instant) -> f64 {
+        lateness_of(self.awaiting(), now)
+    }
+
+    /// When each prompt still awaiting its first token was sent, and its estimated TTFT.
+    fn awaiting(&self) -> impl Iterator<Item = (Instant, f64)> + '_ {
         self.prompts
             .iter()
-            .filter_map(|p| {
-                let estimate = p.awaiting?;
-                let waited = now.saturating_duration_since(p.sent).as_secs_f64();
-                Some(waited / (LATE_AFTER_ESTIMATES * estimate).max(LATE_MIN_S))
-            })
-            .fold(1.0, f64::max)
+            .filter_map(|p| Some((p.sent, p.awaiting?)))
+    }
+
+    /// The prompts awaiting their first token, as far as a decision row keeps them.
+    pub fn awaiting_tail(&self) -> AwaitingTail {
+        let mut tail = AwaitingTail::default();
+        for (sent, estimate) in self.awaiting() {
+            if tail.len == TAIL {
+                tail.truncated = true;
+                break;
+            }
+            tail.prompts[tail.len] = Some((sent, estimate));
+            tail.len += 1;
+        }
+        tail
     }
 
     /// Prompts in flight.
@@ -191,6 +204,38 @@ impl InFlightPrompts {
             best = best.max(run);
         }
         best
+    }
+}
+
+/// [`InFlightPrompts::lateness`] of prompts sent at the given times with the given estimated TTFTs
+/// (seconds), in the ledger's order.
+fn lateness_of(awaiting: impl Iterator<Item = (Instant, f64)>, now: Instant) -> f64 {
+    awaiting
+        .map(|(sent, estimate)| {
+            let waited = now.saturating_duration_since(sent).as_secs_f64();
+            waited / (LATE_AFTER_ESTIMATES * estimate).max(LATE_MIN_S)
+        })
+        .fold(1.0, f64::max)
+}
+
+/// How many of the newest ledger entries (and prompts awaiting a first token) a decision row copies
+/// ([`super::rows`]): enough for the views of the last second on a worker receiving a few requests a
+/// second; a worker with more since its views is read under its lock.
+pub const TAIL: usize = 8;
+
+/// The first [`TAIL`] prompts awaiting their first token on a worker (send time, estimated TTFT).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AwaitingTail {
+    prompts: [Option<(Instant, f64)>; TAIL],
+    len: usize,
+    /// More were awaiting than the tail holds.
+    truncated: bool,
+}
+
+impl AwaitingTail {
+    /// [`InFlightPrompts::lateness`], or `None` when more prompts await than the tail holds.
+    pub fn lateness(&self, now: Instant) -> Option<f64> {
+        (!self.truncated).then(|| lateness_of(self.prompts.iter().flatten().copied(), now))
     }
 }
 
@@ -276,7 +321,75 @@ pub struct LedgerLog {
     ends: VecDeque<Instant>,
 }
 
+/// The newest [`TAIL`] entries of one of a [`LedgerLog`]'s lists, newest first.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tail {
+    newest: [Option<Instant>; TAIL],
+    /// The list holds more entries than these.
+    truncated: bool,
+}
+
+impl Tail {
+    fn of(list: &VecDeque<Instant>) -> Self {
+        let mut newest = [None; TAIL];
+        for (slot, t) in newest.iter_mut().zip(list.iter().rev()) {
+            *slot = Some(*t);
+        }
+        Self {
+            newest,
+            truncated: list.len() > TAIL,
+        }
+    }
+
+    /// [`LedgerLog::after`], or `None` when every entry of the tail is later than `t` and the list
+    /// holds older ones (which may be later too).
+    fn after(&self, t: Instant) -> Option<usize> {
+        let n = self
+            .newest
+            .iter()
+            .take_while(|e| e.is_some_and(|e| e > t))
+            .count();
+        (n < TAIL || !self.truncated).then_some(n)
+    }
+}
+
+/// The newest entries of a [`LedgerLog`], as a decision row keeps them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LogTail {
+    starts: Tail,
+    first_tokens: Tail,
+    ends: Tail,
+}
+
+impl LogTail {
+    /// [`LedgerLog::seen`], or `None` when the view is older than the tail reaches.
+    pub fn seen(
+        &self,
+        in_flight: usize,
+        awaiting: usize,
+        at: Instant,
+        linger: Duration,
+    ) -> Option<Seen> {
+        let started = self.starts.after(at)?;
+        let ended = self.ends.after(at.checked_sub(linger).unwrap_or(at))?;
+        let first_tokens = self.first_tokens.after(at)?;
+        Some(Seen {
+            in_flight: (in_flight + ended).saturating_sub(started),
+            waiting: (awaiting + first_tokens).saturating_sub(started),
+        })
+    }
+}
+
 impl LedgerLog {
+    /// The newest entries, for a decision row.
+    pub fn tail(&self) -> LogTail {
+        LogTail {
+            starts: Tail::of(&self.starts),
+            first_tokens: Tail::of(&self.first_tokens),
+            ends: Tail::of(&self.ends),
+        }
+    }
+
     /// How far back the log reaches: beyond the oldest view the estimate uses plus the longest linger.
     pub const HORIZON: Duration = Duration::from_secs(10);
     /// Most entries kept per list.
@@ -407,8 +520,8 @@ pub struct Worker {
     pub model: String,
     /// From the gateway configuration (as opposed to discovered through an agent).
     pub configured: bool,
-    /// Ledger, rates and load.
-    pub state: Mutex<WorkerState>,
+    /// Ledger, rates and load (each unlock refreshes the worker's decision row, [`super::rows`]).
+    pub state: StateCell,
 }
 
 impl Worker {
@@ -433,6 +546,8 @@ pub struct WorkerTable {
     ranks_of: HashMap<String, Vec<WorkerId>>,
     /// LoRA adapter name -> the workers that have it loaded (see `routing::adapters`).
     pub(super) adapters: HashMap<String, Vec<WorkerId>>,
+    /// Every worker's decision row, by id.
+    rows: Arc<Rows>,
 }
 
 /// Worker URLs compare without a trailing slash.
@@ -482,6 +597,11 @@ impl WorkerTable {
         &self.list
     }
 
+    /// Every worker's decision row.
+    pub fn rows(&self) -> &Arc<Rows> {
+        &self.rows
+    }
+
     /// Adds a worker, or returns the existing one with that URL. `None` when the table is full.
     pub fn get_or_add(
         &mut self,
@@ -516,23 +636,27 @@ impl WorkerTable {
             dp_rank,
             model: model.to_string(),
             configured,
-            state: Mutex::new(WorkerState {
-                in_flight: 0,
-                awaiting_first_token: 0,
-                backlog: Backlog::default(),
-                log: LedgerLog::default(),
-                rates: rates.clone(),
-                avg_uncached: 512.0,
-                block_size: None,
-                agent: None,
-                load: None,
-                gone: false,
-                healthy: true,
-                prompts: InFlightPrompts::default(),
-                role: WorkerRole::Both,
-                role_pinned: false,
-                tpot_s: None,
-            }),
+            state: StateCell::new(
+                id,
+                Arc::clone(&self.rows),
+                WorkerState {
+                    in_flight: 0,
+                    awaiting_first_token: 0,
+                    backlog: Backlog::default(),
+                    log: LedgerLog::default(),
+                    rates: rates.clone(),
+                    avg_uncached: 512.0,
+                    block_size: None,
+                    agent: None,
+                    load: None,
+                    gone: false,
+                    healthy: true,
+                    prompts: InFlightPrompts::default(),
+                    role: WorkerRole::Both,
+                    role_pinned: false,
+                    tpot_s: None,
+                },
+            ),
         });
         match dp_rank {
             None => {
@@ -566,17 +690,20 @@ impl WorkerTable {
     /// and take whole requests: `prefill` workers only when the model has no other.
     pub fn candidates(&self, model: &str) -> Vec<Arc<Worker>> {
         let (mut whole, mut prefill) = (Vec::new(), Vec::new());
-        // The model first: only that model's workers are locked (every request calls this).
+        // The rows, not each worker's lock: every request calls this.
+        let rows = self.rows.read();
         for w in self
             .list
             .iter()
             .filter(|w| w.model == model || self.has_adapter(w.id, model))
         {
-            let st = w.state.lock();
-            if st.gone || !st.healthy || self.split_into_ranks(w) {
+            let Some(row) = rows.get(usize::from(w.id)) else {
+                continue;
+            };
+            if row.gone || !row.healthy || self.split_into_ranks_in(w, &rows) {
                 continue;
             }
-            if st.role.serves_whole() {
+            if row.serves_whole {
                 whole.push(Arc::clone(w));
             } else {
                 prefill.push(Arc::clone(w));
@@ -592,7 +719,7 @@ impl WorkerTable {
             // The model first: only that model's workers are locked (every request calls this).
             .filter(|w| w.model == model || self.has_adapter(w.id, model))
             .filter(|w| {
-                let st = w.state.lock();
+                let st = w.state.read();
                 !st.gone && st.healthy
             })
             .filter(|w| !self.split_into_ranks(w))
@@ -607,7 +734,18 @@ impl WorkerTable {
             && self.ranks_of.get(&w.url).is_some_and(|ranks| {
                 ranks
                     .iter()
-                    .any(|id| !self.list[usize::from(*id)].state.lock().gone)
+                    .any(|id| !self.list[usize::from(*id)].state.read().gone)
+            })
+    }
+
+    /// [`WorkerTable::split_into_ranks`] from the decision rows.
+    fn split_into_ranks_in(&self, w: &Worker, rows: &[Row]) -> bool {
+        w.dp_rank.is_none()
+            && !self.ranks_of.is_empty()
+            && self.ranks_of.get(&w.url).is_some_and(|ranks| {
+                ranks
+                    .iter()
+                    .any(|id| rows.get(usize::from(*id)).is_some_and(|r| !r.gone))
             })
     }
 
