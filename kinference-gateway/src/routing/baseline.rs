@@ -40,7 +40,7 @@ pub fn pick(
         RoutingMode::LeastOutstanding | RoutingMode::Kinference => {
             let loads: Vec<usize> = candidates
                 .iter()
-                .map(|w| w.state.lock().in_flight)
+                .map(|w| w.state.read().in_flight)
                 .collect();
             let min = loads.iter().copied().min().unwrap_or(0);
             let ties: Vec<usize> = (0..loads.len()).filter(|i| loads[*i] == min).collect();

@@ -231,9 +231,9 @@ impl Router {
             .workers
             .read()
             .get(&prefill_decision.worker)
-            .and_then(|w| w.state.lock().agent);
+            .and_then(|w| w.state.read().agent);
         let live_agents = shared.fresh_agents(now);
-        let tpots: Vec<Option<f64>> = cands.iter().map(|c| c.worker.state.lock().tpot_s).collect();
+        let tpots: Vec<Option<f64>> = cands.iter().map(|c| c.worker.state.read().tpot_s).collect();
         let fastest = tpots
             .iter()
             .flatten()
@@ -245,7 +245,7 @@ impl Router {
             .map(|(c, &tpot_s)| {
                 let prompt_blocks = prompt / c.block_size;
                 let pull_blocks = prompt_blocks.saturating_sub(c.surviving_run());
-                let node = c.worker.state.lock().agent;
+                let node = c.worker.state.read().agent;
                 // Known only when both workers' agents are live: the same agent is the same node.
                 let same_node = match (prefill_node, node) {
                     (Some(p), Some(d))

@@ -91,7 +91,7 @@ impl Router {
                     accept_backlog: c.kernel_fresh.map(|l| l.accept_backlog),
                     kernel_ttfb: c.kernel_fresh.and_then(|l| l.kernel_ttfb),
                     est_ttft_s: est.ttft_s,
-                    tpot_s: c.worker.state.lock().tpot_s,
+                    tpot_s: c.worker.state.read().tpot_s,
                 }
             })
             .collect()
