@@ -11,8 +11,8 @@ use super::estimate::{
     self, EngineQueue, Inputs, KernelMissing, KvRoom, Ledger, Queue, QueueSignal, Rates, Seen,
 };
 use super::kv_index::WorkerId;
-use super::rows::{Figures, Row};
 use super::workers::Worker;
+use super::workers::rows::{Figures, Row};
 use super::*;
 
 /// One candidate while a decision is being made: everything its estimate needs, read once. It borrows

@@ -37,7 +37,6 @@ pub mod metrics;
 mod pair;
 pub mod pools;
 pub mod replicas;
-pub mod rows;
 pub mod sessions;
 pub mod speculative;
 mod ticket;
@@ -223,7 +222,7 @@ struct Shared {
     fleet_rates: Mutex<std::collections::HashMap<String, Rates>>,
     workers: RwLock<WorkerTable>,
     /// The workers' decision rows (the table's, reachable without its lock).
-    rows: Arc<rows::Rows>,
+    rows: Arc<workers::rows::Rows>,
     index: RwLock<KvIndex>,
     /// The keys workers hold only in a lower tier (CPU offload, disk, LMCache): hits that cost a load.
     offloaded: RwLock<KvIndex>,
@@ -328,6 +327,27 @@ impl Shared {
                 worker,
                 "no kernel-level queue view: other gateways' requests on this worker are seen only through its scraped counters"
             );
+        }
+    }
+
+    /// `worker` made the stored answer `id` of `owner` ([`sessions`]): remembered here, and told
+    /// to the other replicas so that its follow-ups go there whichever replica they reach.
+    fn remember_answer(&self, id: &str, owner: sessions::Owner, worker: &Worker) {
+        let Some(key) = SessionKey::answer(id) else {
+            return;
+        };
+        {
+            let mut sessions = self.sessions.lock();
+            sessions.record_answer(key, owner, worker.id, Instant::now());
+            self.metrics.sessions.set(sessions.len() as i64);
+        }
+        if let Some(outbox) = self.outbox.get() {
+            outbox.send(replicas::Note::Answer {
+                id: id.to_string(),
+                owner: owner.to_wire(),
+                worker: worker.url.clone(),
+                dp_rank: worker.dp_rank,
+            });
         }
     }
 

@@ -152,22 +152,8 @@ impl InFlight {
     /// The worker answered with the stored answer `id`: a request continuing it goes to this worker
     /// ([`sessions`]). Nothing is remembered for a request whose endpoint stores no answer.
     pub fn answered(&self, id: &str) {
-        let (Some(owner), Some(key)) = (self.answer_owner, sessions::SessionKey::answer(id)) else {
-            return;
-        };
-        {
-            let mut sessions = self.shared.sessions.lock();
-            sessions.record_answer(key, owner, self.worker.id, Instant::now());
-            self.shared.metrics.sessions.set(sessions.len() as i64);
-        }
-        // The other replicas route its follow-ups here too.
-        if let Some(outbox) = self.shared.outbox.get() {
-            outbox.send(replicas::Note::Answer {
-                id: id.to_string(),
-                owner: owner.to_wire(),
-                worker: self.worker.url.clone(),
-                dp_rank: self.worker.dp_rank,
-            });
+        if let Some(owner) = self.answer_owner {
+            self.shared.remember_answer(id, owner, &self.worker);
         }
     }
 

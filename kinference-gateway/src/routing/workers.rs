@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 
 use super::estimate::{KernelQueue, Rates, Seen};
 use super::kv_index::{MAX_WORKERS, WorkerId};
-use super::rows::{Row, Rows, StateCell};
+pub mod rows;
+
 use kinference_api::{BlockKey, WorkerRole};
+use rows::{Row, Rows, StateCell};
 
 /// Load figures from the worker's agent.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -8,7 +8,13 @@ struct Src(PathBuf);
 
 impl Src {
     fn new(tag: &str, files: &[(&str, &str)]) -> Src {
-        let dir = std::env::temp_dir().join(format!("testkit-layers-{tag}-{}", std::process::id()));
+        // One folder per call: tests running at once may build the same crate.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!(
+            "testkit-layers-{tag}-{}-{call}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         for (path, text) in files {
             let path = dir.join(path);

@@ -8,9 +8,9 @@ use kinference_api::summary::{self as pb, Summary, summary};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::super::candidates::Candidate;
-use super::super::kv_index::WorkerId;
-use super::super::*;
+use crate::routing::candidates::Candidate;
+use crate::routing::kv_index::WorkerId;
+use crate::routing::*;
 
 const WORKERS_PER_AGENT: usize = 6;
 const BLOCK: usize = 16;

@@ -7,7 +7,7 @@
 //! over the heap, that cost about 150 ns a worker (161 us a decision at 1,000 workers, issue 35).
 //!
 //! **What a row holds**: [`Row`], a plain copy of those fields of the worker's state, plus the
-//! newest [`TAIL`](super::workers::TAIL) entries of its ledger log and of its prompts awaiting a
+//! newest [`TAIL`](super::TAIL) entries of its ledger log and of its prompts awaiting a
 //! first token (the rest of the state, the full log and the prompts' block keys, stays behind the
 //! worker's lock).
 //!
@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 
-use super::estimate::{Rates, Seen};
-use super::kv_index::WorkerId;
-use super::workers::{AwaitingTail, Backlog, Load, LogTail, WorkerState};
+use super::super::estimate::{Rates, Seen};
+use super::super::kv_index::WorkerId;
+use super::{AwaitingTail, Backlog, Load, LogTail, WorkerState};
 
 /// One worker's figures as a decision reads them (see the module docs).
 #[derive(Clone, Debug)]
@@ -193,7 +193,7 @@ impl Drop for StateGuard<'_> {
 
 /// Where a candidate's figures come from: a worker's state under its lock (always exact), or its
 /// row (exact too, or `None` where the row's tail of the ledger cannot tell).
-pub(super) trait Figures {
+pub(in crate::routing) trait Figures {
     fn agent(&self) -> Option<usize>;
     fn load(&self) -> Option<Load>;
     fn in_flight(&self) -> usize;
@@ -202,9 +202,9 @@ pub(super) trait Figures {
     fn avg_uncached(&self) -> f64;
     fn block_size(&self) -> Option<usize>;
     fn rates(&self) -> &Rates;
-    /// Our requests as a view taken at `at` counted them ([`super::workers::LedgerLog::seen`]).
+    /// Our requests as a view taken at `at` counted them ([`super::LedgerLog::seen`]).
     fn seen(&self, at: Instant, linger: Duration) -> Option<Seen>;
-    /// [`super::workers::InFlightPrompts::lateness`].
+    /// [`super::InFlightPrompts::lateness`].
     fn lateness(&self, now: Instant) -> Option<f64>;
 }
 
