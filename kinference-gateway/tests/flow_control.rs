@@ -35,13 +35,7 @@ async fn canned_worker() -> u16 {
                 let mut buf = vec![0u8; 65536];
                 // One request per connection is enough for the gateway's pool and probes.
                 let _ = socket.read(&mut buf).await;
-                let body = format!(
-                    r#"{{"id":"c","object":"chat.completion","created":0,"model":"{MODEL}","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
-                );
-                let response = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let response = support::raw_worker::chat_completion_response(MODEL);
                 let _ = socket.write_all(response.as_bytes()).await;
             });
         }
@@ -122,13 +116,7 @@ async fn recording_worker() -> (u16, Arc<parking_lot::Mutex<Vec<String>>>) {
                         break;
                     }
                 }
-                let body = format!(
-                    r#"{{"id":"c","object":"chat.completion","created":0,"model":"{MODEL}","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
-                );
-                let response = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let response = support::raw_worker::chat_completion_response(MODEL);
                 let _ = socket.write_all(response.as_bytes()).await;
             });
         }

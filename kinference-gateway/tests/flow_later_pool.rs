@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use testkit::free_port;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 
 const MODEL: &str = "later-model";
@@ -31,23 +31,15 @@ async fn worker(hold: Duration) -> (u16, Arc<AtomicUsize>) {
         while let Ok((mut socket, _)) = listener.accept().await {
             let count = Arc::clone(&count);
             tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                let Ok(n) = socket.read(&mut buf).await else {
+                let Some((path, _)) = support::raw_worker::read_request(&mut socket).await else {
                     return;
                 };
                 // Health probes and model lists are answered at once; only inference is held.
-                let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                if head.starts_with("POST /v1/chat/completions") {
+                if path == "/v1/chat/completions" {
                     count.fetch_add(1, Ordering::SeqCst);
                     tokio::time::sleep(hold).await;
                 }
-                let body = format!(
-                    r#"{{"id":"c","object":"chat.completion","created":0,"model":"{MODEL}","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
-                );
-                let response = format!(
-                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                    body.len()
-                );
+                let response = support::raw_worker::chat_completion_response(MODEL);
                 let _ = socket.write_all(response.as_bytes()).await;
             });
         }

@@ -1,5 +1,6 @@
 //! Hand-written HTTP/1.1 workers for tests that need a worker misbehaving in one exact way (a stream
-//! broken at a chosen point, a body past the gateway's limits): the request reader they share.
+//! broken at a chosen point, a body past the gateway's limits): the request reader and the plain
+//! answer they share.
 
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -33,4 +34,16 @@ pub async fn read_request(s: &mut TcpStream) -> Option<(String, String)> {
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// A whole HTTP/1.1 answer (the connection closed after it) carrying one short chat completion of
+/// `model`: "hi", 3 prompt tokens and 1 output token.
+pub fn chat_completion_response(model: &str) -> String {
+    let body = format!(
+        r#"{{"id":"c","object":"chat.completion","created":0,"model":"{model}","choices":[{{"index":0,"message":{{"role":"assistant","content":"hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}}}"#
+    );
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
 }
