@@ -717,6 +717,10 @@ impl Router {
     /// Where the stored answer `answers` continues is held, as its caller may see it
     /// ([`sessions`]): the pipeline refuses another tenant's answer before routing.
     pub fn answer_held(&self, answers: &Answers) -> Held {
+        // Most requests continue no answer: no need to take the sessions' lock for them.
+        if answers.continues.is_none() {
+            return Held::Unknown;
+        }
         self.shared.sessions.lock().answer(answers, Instant::now())
     }
 
